@@ -1,0 +1,195 @@
+"""``safe_open``, ``load_file``, ``save_file``: the safetensors-shaped API over .szt files.
+
+Reading is lazy: the file is mapped, the header validated, and a tensor is decoded only when asked for, straight
+from the mapping into its destination.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any, Iterable
+
+import torch
+
+from .codec import cpu as cpu_codec
+from .codec.gate import RoundTripMismatch, encode_tensor
+from .errors import DecodeRouteError, PayloadError, RoundTripError
+from .format import constants as C
+from .format.header import TensorEntry
+from .format.reader import PayloadDescriptor, SztFile, check_crc
+from .format.writer import SztWriter
+
+__all__ = ["safe_open", "load_file", "save_file"]
+
+
+def _torch_dtype(entry: TensorEntry, path: Path) -> torch.dtype:
+    dtype = C.DTYPES[entry.dtype][0]
+    if dtype is None:
+        raise DecodeRouteError(f"dtype {entry.dtype} has no torch equivalent in torch {torch.__version__}",
+                               path=path, tensor=entry.name)
+    return dtype
+
+
+class safe_open:
+    """Open a .szt file for lazy reading, like ``safetensors.safe_open``.
+
+    Args:
+        filename (`str` or `os.PathLike`): the .szt file.
+        framework (`str`): ``"pt"`` (the only framework).
+        device (`str` or `torch.device`, *optional*): where tensors are returned; defaults to ``"cpu"``.
+        verify (`bool`, *optional*): check each decoded tensor against the CRC-32 the header records (default).
+            Structural checks (offsets, escape streams) always run.
+
+    Example:
+        >>> with safe_open("model.szt", framework="pt") as f:  # doctest: +SKIP
+        ...     w = f.get_tensor("encoder.layer.0.attention.self.query.weight")
+    """
+
+    def __init__(self, filename: str | os.PathLike, framework: str = "pt", device: str | torch.device = "cpu", *,
+                 verify: bool = True):
+        if framework not in ("pt", "torch", "pytorch"):
+            raise ValueError(f"framework {framework!r} is not supported; use 'pt'")
+        self.device = torch.device(device)
+        self.verify = verify
+        self._file = SztFile(filename)
+
+    @property
+    def path(self) -> Path:
+        return self._file.path
+
+    def __enter__(self) -> "safe_open":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def close(self) -> None:
+        self._file.close()
+
+    def keys(self) -> list[str]:
+        return list(self._file.entries)
+
+    def metadata(self) -> dict[str, str] | None:
+        return self._file.metadata
+
+    def entry(self, name: str) -> TensorEntry:
+        return self._file.entry(name)
+
+    def descriptor(self, name: str) -> PayloadDescriptor:
+        """Where the stored bytes of ``name`` are and how to expand them (for GPU transport routes)."""
+        return self._file.descriptor(name)
+
+    def payload(self, name: str) -> torch.Tensor:
+        """Zero-copy uint8 view of the stored bytes of ``name``; valid while this file or the view is alive."""
+        return self._file.payload(name)
+
+    def get_tensor(self, name: str) -> torch.Tensor:
+        entry = self._file.entry(name)
+        return self._read(entry, 0, entry.shape[0] if entry.shape else 1).to(self.device)
+
+    def get_slice(self, name: str) -> "TensorSlice":
+        return TensorSlice(self, self._file.entry(name))
+
+    def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
+        """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
+        dtype = _torch_dtype(entry, self.path)
+        row_shape = entry.shape[1:]
+        row_numel = 1
+        for d in row_shape:
+            row_numel *= d
+        start, stop = row_start * row_numel, row_stop * row_numel
+        whole = start == 0 and stop == entry.numel
+        shape = (row_stop - row_start, *row_shape) if entry.shape else ()
+        payload = self._file.payload(entry.name)
+        if entry.encoding == C.ENCODING_RAW:
+            itemsize = C.itemsize(entry.dtype)
+            out = payload[start * itemsize: stop * itemsize].clone()
+            if self.verify and whole:
+                check_crc(out, entry.raw_crc32, what="raw bytes", path=self.path, tensor=entry.name)
+            return out.view(dtype).reshape(shape)
+        out = torch.empty(stop - start, dtype=torch.bfloat16)
+        try:
+            cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
+        except ValueError as e:
+            raise PayloadError(str(e), path=self.path, tensor=entry.name) from None
+        if self.verify and whole:
+            check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.path,
+                      tensor=entry.name)
+        return out.reshape(shape)
+
+
+class TensorSlice:
+    """Lazy handle on one tensor; indexing the first dimension decodes only those rows."""
+
+    def __init__(self, owner: safe_open, entry: TensorEntry):
+        self._owner = owner
+        self._entry = entry
+
+    def get_shape(self) -> list[int]:
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        return self._entry.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        entry = self._entry
+        if not entry.shape:
+            return self._owner._read(entry, 0, 1)[index].to(self._owner.device)
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        if isinstance(first, slice) and first.step in (None, 1):
+            row_start, row_stop, _ = first.indices(entry.shape[0])
+            row_stop = max(row_start, row_stop)
+            rows = self._owner._read(entry, row_start, row_stop)
+            picked = rows[(slice(None), *rest)] if rest else rows
+        elif isinstance(first, int):
+            row = first + entry.shape[0] if first < 0 else first
+            if not 0 <= row < entry.shape[0]:
+                raise IndexError(f"index {first} is out of bounds for dimension 0 of size {entry.shape[0]}")
+            picked = self._owner._read(entry, row, row + 1)[(0, *rest)]
+        else:
+            picked = self._owner._read(entry, 0, entry.shape[0])[index]
+        return picked.to(self._owner.device)
+
+
+def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *,
+              verify: bool = True) -> dict[str, torch.Tensor]:
+    """Load every tensor of a .szt file into a dict, like ``safetensors.torch.load_file``."""
+    with safe_open(filename, framework="pt", device=device, verify=verify) as f:
+        return {name: f.get_tensor(name) for name in f.keys()}
+
+
+def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None,
+              *, alignment: int = C.DEFAULT_ALIGNMENT) -> None:
+    """Save tensors to a .szt file, like ``safetensors.torch.save_file``.
+
+    Each BF16 tensor is SplitZip-encoded when the coverage gate and size allow, checked bit for bit, then written;
+    every other tensor is stored raw. The file appears atomically.
+    """
+    items = list(tensors.items())
+    for name, t in items:
+        if not isinstance(name, str):
+            raise ValueError(f"tensor names must be strings, got {name!r}")
+        if not isinstance(t, torch.Tensor):
+            raise ValueError(f"value of {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        if t.dtype not in C.TORCH_TO_DTYPE:
+            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which .szt (like safetensors) cannot store")
+        if t.layout is not torch.strided:
+            raise ValueError(f"tensor {name!r} is {t.layout}; convert it with .to_dense() first")
+    with SztWriter(filename, metadata=metadata, alignment=alignment) as writer:
+        for name, t in items:
+            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor as a flat uint8 CPU tensor (a view where possible)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor, **encode_kw):
+    """Encode (with the round-trip check) and append one tensor; a mismatch aborts the whole file."""
+    try:
+        encoded = encode_tensor(raw, dtype, **encode_kw)
+    except RoundTripMismatch as e:
+        raise RoundTripError(str(e), path=writer.path, tensor=name) from None
+    return writer.add(name, dtype, tuple(shape), encoded)

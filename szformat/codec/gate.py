@@ -1,0 +1,84 @@
+"""Which encoding each tensor gets, and the bit-exact round-trip check before anything is stored.
+
+The codec takes a tensor only when it pays and is safe: BF16 with Top-16 coverage >= 0.99 and a payload smaller
+than the raw bytes. Every other tensor (other dtypes, FP8 above all: it would expand) is stored raw, with a reason.
+"""
+
+from __future__ import annotations
+
+import zlib
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Protocol
+
+import torch
+
+from . import cpu
+from .codebook import COVERAGE_GATE, Codebook
+from .layout import PayloadLayout
+
+ENCODING_SPLITZIP = "splitzip"
+ENCODING_RAW = "raw"
+
+
+class CodecBackend(Protocol):
+    """What a device's codec offers: the CPU module and the Triton module both fit."""
+
+    def encode(self, x: torch.Tensor) -> tuple[torch.Tensor, PayloadLayout, Codebook]: ...
+
+    def decode(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook) -> torch.Tensor: ...
+
+
+class RoundTripMismatch(ValueError):
+    """A payload did not decode bit for bit to its source tensor."""
+
+
+@dataclass(frozen=True)
+class EncodedTensor:
+    """The bytes to store for one tensor, with what the header records about them."""
+
+    encoding: str
+    payload: torch.Tensor
+    raw_length: int
+    raw_crc32: int
+    crc32: int
+    layout: PayloadLayout | None = None
+    codebook: Codebook | None = None
+    raw_reason: str | None = None
+
+
+def crc32(data: torch.Tensor) -> int:
+    """CRC-32 (IEEE, as zlib computes it) of a flat uint8 CPU tensor."""
+    return zlib.crc32(memoryview(data.numpy())) if data.numel() else 0
+
+
+def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | ModuleType = cpu,
+                  device: str | torch.device = "cpu", gate: float = COVERAGE_GATE) -> EncodedTensor:
+    """Choose the encoding of one tensor given its raw bytes (flat uint8, CPU) and safetensors dtype name.
+
+    ``backend`` encodes and decodes on ``device`` (the CPU module, or the Triton module with a CUDA device); the
+    stored bytes are the same either way. SplitZip payloads are decoded again on that device and compared with
+    the source bit for bit before they are returned.
+
+    Raises:
+        RoundTripMismatch: the payload does not decode to the source (a codec bug; nothing must be written).
+    """
+    raw_crc = crc32(raw)
+    stored_raw = lambda reason: EncodedTensor(ENCODING_RAW, raw, raw.numel(), raw_crc, raw_crc, raw_reason=reason)
+    if dtype != "BF16":
+        return stored_raw("FP8 would expand" if dtype.startswith("F8") else f"dtype {dtype} is not encoded")
+    if raw.numel() == 0:
+        return stored_raw("empty")
+
+    x = raw.view(torch.bfloat16).to(device)
+    payload, layout, codebook = backend.encode(x)
+    if codebook.coverage < gate:
+        return stored_raw(f"coverage {codebook.coverage:.4f} < {gate}")
+    if layout.comp_bytes >= layout.raw_bytes:
+        return stored_raw("payload not smaller")
+    decoded = backend.decode(payload, layout, codebook)
+    if not torch.equal(decoded.view(torch.int16), x.view(torch.int16)):
+        raise RoundTripMismatch("SplitZip payload does not decode bit for bit to the source tensor")
+    payload = payload.cpu()
+    return EncodedTensor(ENCODING_SPLITZIP, payload, raw.numel(), raw_crc, crc32(payload), layout=layout,
+                         codebook=codebook)

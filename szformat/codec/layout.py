@@ -1,0 +1,87 @@
+"""The frozen SplitZip payload layout: where each stream of a tensor's payload starts.
+
+For a BF16 tensor of ``n`` elements with ``n_esc`` escapes::
+
+    off_pk   = 0                          pk[ceil(n/2)]  u8   two 4-bit codes per byte, high nibble first
+    off_sm   = align4(off_pk + n_pairs)   sm[n]          u8   (sign << 7) | mantissa7
+    off_cid  = align4(off_sm + n)         chunk_id[n_esc] i32 LE
+    off_lpos = off_cid + 4 * n_esc        local_pos[n_esc] u16 LE
+    off_ev   = align4(off_lpos + 2*n_esc) esc_val[n_esc] u8   raw exponent byte
+    comp_bytes = off_ev + n_esc
+
+This module is the single owner of that arithmetic; encoders, decoders, kernels and the file format import it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+CHUNK_SIZE = 1024
+"""Escape positions are stored as (chunk index, position inside the chunk) with this chunk size."""
+
+N_CODES = 16
+"""Codebook size: 4-bit codes."""
+
+ESCAPE_CODE = 16
+"""Code given to exponents outside the codebook; its nibble in ``pk`` is ``ESCAPE_CODE & 0xF == 0``."""
+
+
+def align4(x: int) -> int:
+    """Round ``x`` up to a multiple of 4."""
+    return (x + 3) & ~3
+
+
+@dataclass(frozen=True)
+class PayloadLayout:
+    """Byte offsets of the five streams of one SplitZip payload."""
+
+    n: int
+    n_esc: int
+    chunk_size: int = CHUNK_SIZE
+
+    def __post_init__(self) -> None:
+        if self.n < 0 or self.n_esc < 0 or self.n_esc > self.n:
+            raise ValueError(f"invalid SplitZip sizes n={self.n}, n_esc={self.n_esc}")
+        if self.chunk_size <= 0 or self.chunk_size > 65536:
+            raise ValueError(f"chunk size {self.chunk_size} does not fit a u16 local position")
+
+    @property
+    def n_pairs(self) -> int:
+        return (self.n + 1) // 2
+
+    @property
+    def off_pk(self) -> int:
+        return 0
+
+    @property
+    def off_sm(self) -> int:
+        return align4(self.n_pairs)
+
+    @property
+    def off_cid(self) -> int:
+        return align4(self.off_sm + self.n)
+
+    @property
+    def off_lpos(self) -> int:
+        return self.off_cid + 4 * self.n_esc
+
+    @property
+    def off_ev(self) -> int:
+        return align4(self.off_lpos + 2 * self.n_esc)
+
+    @property
+    def comp_bytes(self) -> int:
+        return self.off_ev + self.n_esc
+
+    @property
+    def raw_bytes(self) -> int:
+        return 2 * self.n
+
+    @property
+    def n_chunks(self) -> int:
+        return -(-self.n // self.chunk_size)
+
+    def stream_offsets(self) -> dict[str, int]:
+        """The offsets as stored in a .szt header (redundant with n and n_esc, checked on read)."""
+        return {"pk": self.off_pk, "sm": self.off_sm, "chunk_id": self.off_cid,
+                "local_pos": self.off_lpos, "esc_val": self.off_ev}

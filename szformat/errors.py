@@ -1,0 +1,131 @@
+"""Every exception szformat raises.
+
+One root, :class:`SzformatError`, so callers can catch everything the package raises in one clause; each subclass
+also inherits the builtin exception callers already catch for that kind of failure (``ValueError`` for malformed
+input, ``OSError`` for I/O). Every message names the file and the tensor it is about, when they are known.
+"""
+
+from __future__ import annotations
+
+import os
+
+__all__ = [
+    "SzformatError",
+    "FormatError",
+    "HeaderError",
+    "HeaderTooLargeError",
+    "TruncatedFileError",
+    "InvalidOffsetError",
+    "UnsupportedVersionError",
+    "UnknownEncodingError",
+    "PayloadError",
+    "ChecksumMismatchError",
+    "ConversionError",
+    "RoundTripError",
+    "WriteError",
+    "DecodeRouteError",
+    "BindingError",
+    "CLIError",
+]
+
+
+class SzformatError(Exception):
+    """Root of every szformat error. ``path`` and ``tensor`` say which file and tensor it is about."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None, tensor: str | None = None):
+        self.reason = message
+        self.path = os.fspath(path) if path is not None else None
+        self.tensor = tensor
+        super().__init__(self._format())
+
+    def _format(self) -> str:
+        where = []
+        if self.path is not None:
+            where.append(f"file {self.path!r}")
+        if self.tensor is not None:
+            where.append(f"tensor {self.tensor!r}")
+        return f"{', '.join(where)}: {self.reason}" if where else self.reason
+
+    def with_context(self, *, path: str | os.PathLike | None = None, tensor: str | None = None) -> "SzformatError":
+        """Fill in the file and tensor where the raising layer did not know them; returns ``self``."""
+        if self.path is None and path is not None:
+            self.path = os.fspath(path)
+        if self.tensor is None and tensor is not None:
+            self.tensor = tensor
+        self.args = (self._format(),)
+        return self
+
+
+# FILE FORMAT ERRORS
+
+
+class FormatError(SzformatError, ValueError):
+    """Raised when a file is not a valid .szt file."""
+
+
+class HeaderError(FormatError):
+    """Raised when the header cannot be parsed or a field in it is missing, mistyped or inconsistent."""
+
+
+class HeaderTooLargeError(HeaderError):
+    """Raised when the preamble announces a header larger than the hard cap."""
+
+
+class TruncatedFileError(FormatError):
+    """Raised when the file ends before the bytes the preamble or the header promise."""
+
+
+class InvalidOffsetError(FormatError):
+    """Raised when a payload leaves the file, overlaps another, is misaligned or leaves unexplained bytes."""
+
+
+class UnsupportedVersionError(FormatError):
+    """Raised when a file needs a format version or feature flag this reader does not implement."""
+
+
+class UnknownEncodingError(FormatError):
+    """Raised when a tensor's encoding name is not in the registry of this reader."""
+
+
+class PayloadError(FormatError):
+    """Raised when a SplitZip payload is internally inconsistent (escape stream, lengths, codebook)."""
+
+
+class ChecksumMismatchError(FormatError):
+    """Raised when stored bytes or decoded bytes do not match the checksum recorded in the header."""
+
+
+# CONVERSION AND WRITING ERRORS
+
+
+class ConversionError(SzformatError, ValueError):
+    """Raised when an input cannot be converted (unsupported dtype, missing shard, bad index)."""
+
+
+class RoundTripError(ConversionError):
+    """Raised when a tensor does not decode bit for bit to its source before it is written."""
+
+
+class WriteError(SzformatError, OSError):
+    """Raised when an output cannot be written; no partial output is left behind."""
+
+
+# LOADING ERRORS
+
+
+class DecodeRouteError(SzformatError, RuntimeError):
+    """Raised when a requested decode route (device, Triton, staging pool size) cannot serve the request."""
+
+
+class BindingError(SzformatError, KeyError):
+    """Raised when module parameters and .szt entries do not match by name or shape."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0] if self.args else ""
+
+
+# COMMAND LINE
+
+
+class CLIError(SzformatError):
+    """Raised for a wrong command line; the message says what to do instead."""

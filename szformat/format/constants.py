@@ -1,0 +1,79 @@
+"""Every number of the .szt container: magic, versions, preamble layout, alignment, hard limits, dtype table.
+
+The reader, the writer and ``spec/szt-v1.md`` say the same thing; this module is where the code says it.
+"""
+
+from __future__ import annotations
+
+import struct
+
+import torch
+
+from ..codec.gate import ENCODING_RAW, ENCODING_SPLITZIP
+
+MAGIC = b"\x89SZT\r\n\x1a\n"
+"""Eight bytes at offset 0. The high byte and the CR LF / ^Z / LF tail catch text-mode and 7-bit transfers."""
+
+VERSION_MAJOR = 1
+VERSION_MINOR = 0
+READER_SUPPORTED_MAJORS = (1,)
+"""A reader refuses any other major version. Minor versions of a known major only add optional header fields."""
+
+FEATURES: frozenset[str] = frozenset()
+"""Names of optional features this reader implements; a file listing any other in ``required_features`` is refused."""
+
+PREAMBLE = struct.Struct("<8sHHIQQIIQ16x")
+"""magic, major, minor, flags, header_offset, header_length, header_crc32, alignment, file_length, 16 reserved bytes."""
+PREAMBLE_SIZE = PREAMBLE.size  # 64
+
+DEFAULT_ALIGNMENT = 4096
+"""Payloads start at multiples of this: page-aligned for mmap, O_DIRECT and host registration."""
+MIN_ALIGNMENT = 64
+MAX_ALIGNMENT = 1 << 21
+
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+MAX_TENSORS = 1_000_000
+MAX_NDIM = 32
+MAX_NAME_BYTES = 4096
+MAX_ELEMENTS = 1 << 56
+"""Overflow-checked cap on the element count of one tensor (shape products above it are refused)."""
+MAX_METADATA_ENTRIES = 100_000
+
+ENCODINGS = (ENCODING_SPLITZIP, ENCODING_RAW)
+"""Encodings a v1 reader knows; any other name in a tensor entry is refused."""
+
+INDEX_SUFFIX = ".szt.index.json"
+FILE_SUFFIX = ".szt"
+
+DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
+    "BOOL": (torch.bool, 1),
+    "U8": (torch.uint8, 1),
+    "I8": (torch.int8, 1),
+    "I16": (torch.int16, 2),
+    "U16": (getattr(torch, "uint16", None), 2),
+    "F16": (torch.float16, 2),
+    "BF16": (torch.bfloat16, 2),
+    "I32": (torch.int32, 4),
+    "U32": (getattr(torch, "uint32", None), 4),
+    "F32": (torch.float32, 4),
+    "F64": (torch.float64, 8),
+    "I64": (torch.int64, 8),
+    "U64": (getattr(torch, "uint64", None), 8),
+    "F8_E4M3": (getattr(torch, "float8_e4m3fn", None), 1),
+    "F8_E5M2": (getattr(torch, "float8_e5m2", None), 1),
+    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 1),
+    "C64": (torch.complex64, 8),
+}
+"""safetensors dtype name -> (torch dtype or None where this torch lacks it, bytes per element)."""
+
+TORCH_TO_DTYPE: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items() if dt is not None}
+
+
+def itemsize(dtype: str) -> int:
+    """Bytes per element of a safetensors dtype name (KeyError for unknown names)."""
+    return DTYPES[dtype][1]
+
+
+def pad_to(offset: int, alignment: int) -> int:
+    """``offset`` rounded up to a multiple of ``alignment``."""
+    return -(-offset // alignment) * alignment

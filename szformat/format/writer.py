@@ -1,0 +1,164 @@
+"""Streaming, atomic writer of .szt files.
+
+Payloads are written one tensor at a time into a temporary file beside the target, each at the next aligned
+offset; the header goes after the last payload and the preamble is patched last. Only a finished file is fsynced
+and renamed over the target, so a failed or interrupted write leaves neither an output file nor a temporary one.
+"""
+
+from __future__ import annotations
+
+import enum
+import os
+import tempfile
+import zlib
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..codec.gate import EncodedTensor
+from ..errors import SzformatError, WriteError
+from . import constants as C
+from .header import Header, TensorEntry
+
+
+class WriterState(enum.Enum):
+    OPEN = "open"          # temp file created, preamble placeholder written, payloads may follow
+    FINISHED = "finished"  # header written, file renamed into place
+    ABORTED = "aborted"    # temp file removed
+
+
+class SztWriter:
+    """Write tensors to a .szt file, one at a time.
+
+    Use as a context manager: leaving the block normally finishes the file, leaving it with an exception (a
+    ``KeyboardInterrupt`` too) removes the temporary file and leaves any existing target untouched.
+
+    Example:
+        >>> with SztWriter("model.szt", metadata={"format": "pt"}) as w:  # doctest: +SKIP
+        ...     w.add("weight", "BF16", (4, 4), encode_tensor(raw_bytes, "BF16"))
+    """
+
+    def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
+                 alignment: int = C.DEFAULT_ALIGNMENT):
+        if alignment < C.MIN_ALIGNMENT or alignment > C.MAX_ALIGNMENT or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}]")
+        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
+            raise ValueError("metadata must map strings to strings, as in safetensors")
+        self.path = Path(path)
+        self.alignment = alignment
+        self.metadata = None if metadata is None else dict(metadata)
+        self._entries: list[TensorEntry] = []
+        self._names: set[str] = set()
+        directory = self.path.parent if str(self.path.parent) else Path(".")
+        try:
+            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
+        except OSError as e:
+            raise WriteError(f"cannot create a temporary file beside the output ({e.strerror})", path=path) from e
+        self._tmp = Path(tmp)
+        self._file = os.fdopen(fd, "wb")
+        self._cursor = 0
+        self.state = WriterState.OPEN
+        self._write(bytes(C.PREAMBLE_SIZE))
+
+    def __enter__(self) -> "SztWriter":
+        return self
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.finish()
+        else:
+            self.abort()
+
+    def add(self, name: str, dtype: str, shape: Sequence[int], encoded: EncodedTensor) -> TensorEntry:
+        """Append one tensor's stored bytes; returns the header entry it will have."""
+        self._expect_open()
+        if not isinstance(name, str) or not name:
+            raise ValueError("tensor names must be non-empty strings")
+        if name in self._names:
+            raise ValueError(f"tensor {name!r} was already written to {self.path}")
+        if dtype not in C.DTYPES:
+            raise ValueError(f"unknown dtype {dtype!r} for tensor {name!r}")
+        numel = 1
+        for d in shape:
+            numel *= int(d)
+        if encoded.raw_length != numel * C.itemsize(dtype):
+            raise ValueError(f"tensor {name!r}: {encoded.raw_length} raw bytes do not match shape {list(shape)} "
+                             f"of {dtype}")
+        self._write(bytes(C.pad_to(self._cursor, self.alignment) - self._cursor))
+        entry = TensorEntry(
+            name=name, dtype=dtype, shape=tuple(int(d) for d in shape), encoding=encoded.encoding,
+            offset=self._cursor, length=encoded.payload.numel(), raw_length=encoded.raw_length,
+            crc32=encoded.crc32, raw_crc32=encoded.raw_crc32, layout=encoded.layout, codebook=encoded.codebook,
+            raw_reason=encoded.raw_reason)
+        self._write(memoryview(encoded.payload.contiguous().view(torch.uint8).numpy()))
+        self._entries.append(entry)
+        self._names.add(name)
+        return entry
+
+    def finish(self) -> Path:
+        """Write header and preamble, fsync, and move the file into place atomically."""
+        self._expect_open()
+        try:
+            header = Header(tensors=self._entries, metadata=self.metadata).to_bytes()
+            if len(header) > C.MAX_HEADER_BYTES:
+                raise WriteError(f"header of {len(header)} bytes exceeds the format's limit of {C.MAX_HEADER_BYTES}",
+                                 path=self.path)
+            header_offset = self._cursor
+            self._write(header)
+            preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, C.VERSION_MINOR, 0, header_offset, len(header),
+                                       zlib.crc32(header), self.alignment, self._cursor)
+            self._file.seek(0)
+            self._file.write(preamble)
+            self._file.flush()
+            os.fsync(self._file.fileno())
+            self._file.close()
+            os.replace(self._tmp, self.path)
+            _fsync_directory(self.path.parent)
+        except BaseException as e:
+            self.abort()
+            if isinstance(e, OSError) and not isinstance(e, SzformatError):
+                raise WriteError(f"cannot finish the file ({e.strerror or e})", path=self.path) from e
+            raise
+        self.state = WriterState.FINISHED
+        return self.path
+
+    def abort(self) -> None:
+        """Drop everything written so far; the target path is left as it was."""
+        if self.state is not WriterState.OPEN:
+            return
+        self.state = WriterState.ABORTED
+        try:
+            self._file.close()
+        finally:
+            self._tmp.unlink(missing_ok=True)
+
+    @property
+    def entries(self) -> list[TensorEntry]:
+        return list(self._entries)
+
+    def _expect_open(self) -> None:
+        if self.state is not WriterState.OPEN:
+            raise RuntimeError(f"writer for {self.path} is {self.state.value}; expected it open")
+
+    def _write(self, data) -> None:
+        try:
+            self._file.write(data)
+        except OSError as e:
+            self.abort()
+            raise WriteError(f"cannot write ({e.strerror or e}); nothing was left behind", path=self.path) from e
+        self._cursor += len(data) if not isinstance(data, memoryview) else data.nbytes
+
+
+def _fsync_directory(directory: Path) -> None:
+    """Make the rename durable where the platform allows opening a directory (not on Windows)."""
+    try:
+        fd = os.open(directory if str(directory) else ".", os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
