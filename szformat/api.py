@@ -6,6 +6,8 @@ from the mapping into its destination.
 
 from __future__ import annotations
 
+import math
+import operator
 import os
 from pathlib import Path
 from typing import Any, Iterable
@@ -14,9 +16,9 @@ import torch
 
 from .codec import cpu as cpu_codec
 from .codec.gate import RoundTripMismatch, encode_tensor
-from .errors import DecodeRouteError, PayloadError, RoundTripError
+from .errors import ConversionError, DecodeRouteError, PayloadError, RoundTripError
 from .format import constants as C
-from .format.header import TensorEntry
+from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
 from .format.writer import SztWriter
 
@@ -38,8 +40,9 @@ class safe_open:
         filename (`str` or `os.PathLike`): the .szt file.
         framework (`str`): ``"pt"`` (the only framework).
         device (`str` or `torch.device`, *optional*): where tensors are returned; defaults to ``"cpu"``.
-        verify (`bool`, *optional*): check each decoded tensor against the CRC-32 the header records (default).
-            Structural checks (offsets, escape streams) always run.
+        verify (`bool`, *optional*): check CRC-32s (default). The stored bytes of a tensor are checked once per
+            open file, before any of them is used (a slice reads the whole payload once for that); a tensor read
+            whole is checked again after decoding. Structural checks (offsets, escape streams) always run.
 
     Example:
         >>> with safe_open("model.szt", framework="pt") as f:  # doctest: +SKIP
@@ -53,6 +56,7 @@ class safe_open:
         self.device = torch.device(device)
         self.verify = verify
         self._file = SztFile(filename)
+        self._verified: set[str] = set()
 
     @property
     def path(self) -> Path:
@@ -68,9 +72,11 @@ class safe_open:
         self._file.close()
 
     def keys(self) -> list[str]:
+        """Tensor names in file order."""
         return list(self._file.entries)
 
     def metadata(self) -> dict[str, str] | None:
+        """The source's ``__metadata__``, unchanged (``None`` when it had none)."""
         return self._file.metadata
 
     def entry(self, name: str) -> TensorEntry:
@@ -81,7 +87,10 @@ class safe_open:
         return self._file.descriptor(name)
 
     def payload(self, name: str) -> torch.Tensor:
-        """Zero-copy uint8 view of the stored bytes of ``name``; valid while this file or the view is alive."""
+        """Zero-copy uint8 view of the stored bytes of ``name``; valid while this file or the view is alive.
+
+        Not checksummed: ``descriptor(name).crc32`` is there for routes that check the bytes where they land.
+        """
         return self._file.payload(name)
 
     def get_tensor(self, name: str) -> torch.Tensor:
@@ -91,36 +100,41 @@ class safe_open:
     def get_slice(self, name: str) -> "TensorSlice":
         return TensorSlice(self, self._file.entry(name))
 
+    def _stored_bytes(self, entry: TensorEntry) -> torch.Tensor:
+        """The stored bytes of a tensor, CRC-checked the first time when ``verify`` is on."""
+        payload = self._file.payload(entry.name)
+        if self.verify and entry.name not in self._verified:
+            check_crc(payload, entry.crc32, what="stored bytes", path=self.path, tensor=entry.name)
+            self._verified.add(entry.name)
+        return payload
+
     def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
         dtype = _torch_dtype(entry, self.path)
         row_shape = entry.shape[1:]
-        row_numel = 1
-        for d in row_shape:
-            row_numel *= d
+        row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel
-        whole = start == 0 and stop == entry.numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
-        payload = self._file.payload(entry.name)
-        if entry.encoding == C.ENCODING_RAW:
+        payload = self._stored_bytes(entry)
+        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes: checked above
             itemsize = C.itemsize(entry.dtype)
-            out = payload[start * itemsize: stop * itemsize].clone()
-            if self.verify and whole:
-                check_crc(out, entry.raw_crc32, what="raw bytes", path=self.path, tensor=entry.name)
-            return out.view(dtype).reshape(shape)
+            return payload[start * itemsize: stop * itemsize].clone().view(dtype).reshape(shape)
         out = torch.empty(stop - start, dtype=torch.bfloat16)
         try:
             cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
         except ValueError as e:
             raise PayloadError(str(e), path=self.path, tensor=entry.name) from None
-        if self.verify and whole:
+        if self.verify and start == 0 and stop == entry.numel:
             check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.path,
                       tensor=entry.name)
         return out.reshape(shape)
 
 
 class TensorSlice:
-    """Lazy handle on one tensor; indexing the first dimension decodes only those rows."""
+    """Lazy handle on one tensor; indexing the first dimension decodes only the rows it covers.
+
+    Indexing follows ``torch.Tensor`` exactly: ``f.get_slice(name)[index]`` equals ``f.get_tensor(name)[index]``.
+    """
 
     def __init__(self, owner: safe_open, entry: TensorEntry):
         self._owner = owner
@@ -134,22 +148,32 @@ class TensorSlice:
 
     def __getitem__(self, index: Any) -> torch.Tensor:
         entry = self._entry
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
         if not entry.shape:
-            return self._owner._read(entry, 0, 1)[index].to(self._owner.device)
-        first, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
-        if isinstance(first, slice) and first.step in (None, 1):
-            row_start, row_stop, _ = first.indices(entry.shape[0])
-            row_stop = max(row_start, row_stop)
-            rows = self._owner._read(entry, row_start, row_stop)
-            picked = rows[(slice(None), *rest)] if rest else rows
-        elif isinstance(first, int):
-            row = first + entry.shape[0] if first < 0 else first
+            picked = self._owner._read(entry, 0, 1)[index]
+        elif isinstance(first, slice) and (first.step is None or (_as_int(first.step) or 0) > 0):
+            row_start, row_stop, step = first.indices(entry.shape[0])
+            rows = self._owner._read(entry, row_start, max(row_start, row_stop))
+            picked = rows[(slice(None, None, step), *rest)]
+        elif _as_int(first) is not None:
+            row = _as_int(first)
+            row = row + entry.shape[0] if row < 0 else row
             if not 0 <= row < entry.shape[0]:
-                raise IndexError(f"index {first} is out of bounds for dimension 0 of size {entry.shape[0]}")
+                raise IndexError(f"index {first} is out of bounds for dimension 0 with size {entry.shape[0]}")
             picked = self._owner._read(entry, row, row + 1)[(0, *rest)]
-        else:
+        else:  # Ellipsis, None, lists, tensors, negative steps: let torch interpret the whole tensor
             picked = self._owner._read(entry, 0, entry.shape[0])[index]
         return picked.to(self._owner.device)
+
+
+def _as_int(index: Any) -> int | None:
+    """``index`` as a Python int when it is an integer index (not a bool: torch reads those as masks)."""
+    if isinstance(index, (bool, torch.Tensor)) or index is None:
+        return None
+    try:
+        return operator.index(index)
+    except TypeError:
+        return None
 
 
 def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *,
@@ -164,18 +188,28 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
     """Save tensors to a .szt file, like ``safetensors.torch.save_file``.
 
     Each BF16 tensor is SplitZip-encoded when the coverage gate and size allow, checked bit for bit, then written;
-    every other tensor is stored raw. The file appears atomically.
+    every other tensor is stored raw. The file appears atomically: on any error neither it nor a temporary file is
+    left, and an existing file at ``filename`` is untouched.
+
+    Raises:
+        ConversionError: a name, value or dtype cannot be stored (checked before anything is written).
+        RoundTripError: a tensor did not decode bit for bit to its source.
+        WriteError: the file cannot be written.
     """
     items = list(tensors.items())
     for name, t in items:
-        if not isinstance(name, str):
-            raise ValueError(f"tensor names must be strings, got {name!r}")
+        try:
+            validate_name(name)
+        except ValueError as e:
+            raise ConversionError(str(e), path=filename) from None
         if not isinstance(t, torch.Tensor):
-            raise ValueError(f"value of {name!r} is a {type(t).__name__}, not a torch.Tensor")
+            raise ConversionError(f"value is a {type(t).__name__}, not a torch.Tensor", path=filename, tensor=name)
         if t.dtype not in C.TORCH_TO_DTYPE:
-            raise ValueError(f"tensor {name!r} has dtype {t.dtype}, which .szt (like safetensors) cannot store")
+            raise ConversionError(f"dtype {t.dtype} cannot be stored in .szt (nor in safetensors)", path=filename,
+                                  tensor=name)
         if t.layout is not torch.strided:
-            raise ValueError(f"tensor {name!r} is {t.layout}; convert it with .to_dense() first")
+            raise ConversionError(f"tensor is {t.layout}; convert it with .to_dense() first", path=filename,
+                                  tensor=name)
     with SztWriter(filename, metadata=metadata, alignment=alignment) as writer:
         for name, t in items:
             write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))

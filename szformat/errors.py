@@ -26,6 +26,9 @@ __all__ = [
     "DecodeRouteError",
     "BindingError",
     "CLIError",
+    "HubReferenceError",
+    "HubCheckpointNotFoundError",
+    "PushError",
 ]
 
 
@@ -122,6 +125,22 @@ class BindingError(SzformatError, KeyError):
 
     def __str__(self) -> str:  # KeyError would repr() the message
         return self.args[0] if self.args else ""
+
+
+# HUGGING FACE HUB
+
+
+class HubReferenceError(SzformatError, ValueError):
+    """Raised when a Hub reference (``hf://...`` or ``repo_id=``/``filename=``/``revision=``) is malformed or
+    contradicts itself."""
+
+
+class HubCheckpointNotFoundError(SzformatError, FileNotFoundError):
+    """Raised when a Hub repo reference names no file and the repo holds neither a sharded index nor ``model.szt``."""
+
+
+class PushError(SzformatError, ValueError):
+    """Raised when a path cannot be pushed as a checkpoint (no .szt file, an index naming a shard that is absent)."""
 
 
 # COMMAND LINE

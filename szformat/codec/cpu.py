@@ -1,18 +1,47 @@
 """SplitZip on the CPU in pure PyTorch: the reference every other path is tested against, bit for bit.
 
-It runs wherever PyTorch runs (Windows included). Decoding works in cache-sized slices through a 16x256 lookup
-table from (code, sm byte) to the 16-bit result, so one gather produces each output element.
+It runs wherever PyTorch runs (Windows included) and needs no compiled extension. Speed comes from three choices,
+each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
+
+- **Pairs, not elements.** Two BF16 elements are one little-endian int32 word, and the payload keeps their two
+  exponent codes in one ``pk`` byte and their two sign+mantissa bytes side by side in ``sm``. Decoding a pair is one
+  gather from a 256-entry int32 table (``pk`` byte -> both exponent fields in place) OR-ed with the two sign+mantissa
+  fields, which two masks and a shift move into place from the ``sm`` byte pair read as one int16. Encoding a pair
+  gathers its ``pk`` byte from a 65,536-entry table indexed by the pair's two exponents, and the histogram counts
+  exponent pairs, which halves the serial ``bincount`` work.
+- **Cache-sized slices.** Each eager PyTorch op streams its whole operand through memory, so the work runs in slices
+  of :data:`SLICE_PAIRS` pairs whose temporaries stay in the L2 cache; only the input and output touch DRAM.
+- **int32 indices.** ``torch.index_select`` with an int32 index is the fastest gather PyTorch offers on the CPU
+  (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``); int64 indices cost a
+  widening pass and twice the bandwidth.
+
+Odd elements at the ends of a range are done one at a time and escapes are patched after the bulk pass, so every
+input decodes exactly. The encoder looks for escape positions only in slices whose gathered codes flag one. Byte
+views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Iterator
+
 import torch
 
-from .codebook import Codebook, codebook_from_histogram, exponent_histogram
-from .layout import CHUNK_SIZE, ESCAPE_CODE, PayloadLayout
+from .codebook import Codebook, codebook_from_histogram
+from .layout import ESCAPE_CODE, PayloadLayout
 
-DECODE_SLICE = 1 << 18
-"""Elements decoded per step: the working set of one step stays inside the L2 cache."""
+SLICE_PAIRS = 1 << 16
+"""Pairs processed per step: the step's temporaries (256 KiB each) stay inside a core's L2 cache, and the fixed
+cost of each PyTorch call (a few microseconds) stays small next to its work."""
+
+_KEEP_SIGN_AND_MANTISSA = -0x7F81
+"""``0x807F`` as int16: the sign and mantissa bits of one BF16 element."""
+
+_FIRST_MANTISSA_SECOND_SIGN = -0x7FFFFF81
+"""``0x8000007F`` as int32: in a sign-extended ``sm`` byte pair, the first mantissa and the second sign in place."""
+
+_FIRST_SIGN_SECOND_MANTISSA = 0x007F8000
+"""After ``<< 8`` of an ``sm`` byte pair: the first element's sign (bit 15) and the second mantissa (bits 16..22)."""
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -30,36 +59,239 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return exponent, sm
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Slices, views and scratch buffers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
+    """The 16 bits of each element of a BF16 tensor as a flat int16 tensor (a view when ``x`` is contiguous)."""
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"SplitZip encodes bfloat16 tensors only, got {x.dtype}")
+    return x.detach().contiguous().reshape(-1).view(torch.int16)
+
+
+def _view_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Flat contiguous ``t`` viewed as a wider integer dtype; copied first when its storage offset forbids the view."""
+    if t.storage_offset() % (dtype.itemsize // t.element_size()):
+        t = t.clone()
+    return t.view(dtype)
+
+
+def _pair_slices(n_pairs: int) -> Iterator[tuple[int, int]]:
+    """``(first, stop)`` pair ranges of at most :data:`SLICE_PAIRS` that cover ``0..n_pairs``."""
+    return ((a, min(a + SLICE_PAIRS, n_pairs)) for a in range(0, n_pairs, SLICE_PAIRS))
+
+
+class _SliceScratch:
+    """Temporaries for one slice, allocated once per call and reused by every slice."""
+
+    def __init__(self, n_pairs: int):
+        size = -(-max(1, min(SLICE_PAIRS, n_pairs)) // 4) * 4  # whole groups of 4 pairs for int64 views
+        self.index = torch.empty(size, dtype=torch.int32)
+        self.words = torch.empty(size, dtype=torch.int32)
+        self.halves = torch.empty(2 * size, dtype=torch.int16)
+        self.bytes = torch.empty(2 * size, dtype=torch.uint8)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _exponents(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
+    """The exponent byte of each BF16 element in ``bits`` (int16), as uint8 in scratch.
+
+    ``bits >> 7`` has the exponent in its low byte, which narrowing to uint8 keeps.
+    """
+    shifted = torch.bitwise_right_shift(bits, 7, out=scratch.halves[: bits.numel()])
+    exponents = scratch.bytes[: bits.numel()]
+    return exponents.copy_(shifted)
+
+
+def _exponent_pair_index(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
+    """``e0 | e1 << 8`` for each pair of BF16 elements in ``bits`` (int16, even length), as int32 in scratch.
+
+    The exponent bytes read in pairs are one int16 per pair; the mask makes it a non-negative int32 index.
+    """
+    index = scratch.index[: bits.numel() // 2]
+    index.copy_(_exponents(bits, scratch).view(torch.int16))
+    return index.bitwise_and_(0xFFFF)
+
+
+def exponent_counts(x: torch.Tensor) -> torch.Tensor:
+    """How many elements of a BF16 tensor have each exponent byte (int64, 256 entries).
+
+    The same counts as ``exponent_histogram(split_bf16(x)[0])``, computed slice by slice so the exponent bytes never
+    leave the cache. (``bincount`` is serial; on uint8 with 256 bins it beats counting exponent pairs into 65,536
+    bins once the larger histogram's zeroing and summing are paid.)
+    """
+    bits = _bf16_bits(x)
+    scratch = _SliceScratch((bits.numel() + 1) // 2)
+    counts = torch.zeros(256, dtype=torch.int64)
+    for a in range(0, bits.numel(), 2 * SLICE_PAIRS):
+        counts += torch.bincount(_exponents(bits[a: a + 2 * SLICE_PAIRS], scratch), minlength=256)
+    return counts
+
+
 def calibrate(x: torch.Tensor) -> Codebook:
     """The Top-16 codebook of a BF16 tensor."""
-    exponent, _ = split_bf16(x)
-    return codebook_from_histogram(exponent_histogram(exponent))
+    return codebook_from_histogram(exponent_counts(x))
+
+
+def payload_layout(histogram: torch.Tensor, codebook: Codebook) -> PayloadLayout:
+    """The layout of the payload that :func:`encode_into` writes for a tensor with this exponent histogram.
+
+    Lets a writer size and place a payload before encoding it: ``n`` is the histogram's total and ``n_esc`` the
+    number of elements whose exponent is not in the codebook.
+    """
+    counts = histogram.tolist()
+    n = sum(counts)
+    return PayloadLayout(n=n, n_esc=n - sum(counts[e] for e in codebook.dec_lut[: codebook.n_used]))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Encoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=64)
+def _pair_code_table(dec_lut: tuple[int, ...], n_used: int) -> torch.Tensor:
+    """``table[e0 | e1 << 8]`` = the ``pk`` byte of an element pair, plus escape flags in bit 8 (e0) and bit 9 (e1).
+
+    int16, 65,536 entries. An escaped exponent gets nibble ``ESCAPE_CODE & 0xF`` (0).
+    """
+    code = torch.full((256,), ESCAPE_CODE, dtype=torch.int32)
+    code[list(dec_lut[:n_used])] = torch.arange(n_used, dtype=torch.int32)
+    escaped = (code == ESCAPE_CODE).to(torch.int32)
+    first = ((code & 0xF) << 4) | (escaped << 8)  # high nibble
+    second = (code & 0xF) | (escaped << 9)  # low nibble
+    return (second.view(256, 1) | first.view(1, 256)).reshape(-1).to(torch.int16)
+
+
+_ESCAPE_FLAGS = 0x0300_0300_0300_0300
+"""The escape flags of 4 gathered pair codes read as one int64."""
+
+
+def _flagged_groups(codes: torch.Tensor, first_pair: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The groups of 4 pairs in one slice's gathered codes that hold an escape: (global group index, flags word).
+
+    ``codes`` is the slice's int16 codes followed by zeros up to a multiple of 4; reading them 4 at a time as int64
+    makes the ``nonzero`` scan 4 times shorter. :func:`_escape_elements` expands the words once for the tensor.
+    """
+    flags = codes.view(torch.int64) & _ESCAPE_FLAGS
+    group = torch.nonzero(flags).reshape(-1)
+    return group + first_pair // 4, flags[group]
+
+
+def _escape_elements(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Ascending element positions (int64) of the escapes in the flagged groups of :func:`_flagged_groups`.
+
+    Pair ``j`` of a group has its flags at bits ``8 + 16 j`` (first element) and ``9 + 16 j`` (second element).
+    """
+    if not groups:
+        return torch.zeros(0, dtype=torch.int64)
+    group = torch.cat([g for g, _ in groups]).view(-1, 1)
+    word = torch.cat([w for _, w in groups]).view(-1, 1)
+    offset = torch.arange(8)  # element 2 j + e of the group's 8
+    flag_bit = 8 + 16 * (offset // 2) + offset % 2
+    escaped = ((word >> flag_bit) & 1).bool()
+    return (8 * group + offset)[escaped]
+
+
+def _write_padding(payload: torch.Tensor, layout: PayloadLayout) -> None:
+    """Zero the alignment gaps between streams, so equal tensors always give equal bytes."""
+    for gap_start, gap_stop in (
+        (layout.off_pk + layout.n_pairs, layout.off_sm),
+        (layout.off_sm + layout.n, layout.off_cid),
+        (layout.off_lpos + 2 * layout.n_esc, layout.off_ev),
+    ):
+        payload[gap_start:gap_stop] = 0
+
+
+def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payload: torch.Tensor) -> None:
+    """Write the SplitZip payload of a BF16 tensor into ``payload[:layout.comp_bytes]``, every byte (padding too).
+
+    Args:
+        x (`torch.Tensor`): the bfloat16 tensor (any shape; encoded in row-major order).
+        codebook (`Codebook`): the exponent codebook, usually ``calibrate(x)``.
+        layout (`PayloadLayout`): ``payload_layout(exponent_counts(x), codebook)``.
+        payload (`torch.Tensor`): a flat contiguous uint8 CPU tensor of at least ``layout.comp_bytes`` (a view of a
+            writable mmap is fine).
+
+    Raises:
+        ValueError: ``layout`` does not describe ``x`` encoded with ``codebook``, or ``payload`` cannot hold it.
+    """
+    bits = _bf16_bits(x)
+    n = bits.numel()
+    if layout.n != n:
+        raise ValueError(f"layout is for {layout.n} elements, the tensor has {n}")
+    _check_payload(payload, layout)
+    table = _pair_code_table(codebook.dec_lut, codebook.n_used)
+    pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
+    sm = payload[layout.off_sm: layout.off_sm + n]
+    scratch = _SliceScratch(n // 2)
+    flagged = []
+
+    for a, b in _pair_slices(n // 2):
+        m = b - a
+        pair_index = _exponent_pair_index(bits[2 * a: 2 * b], scratch)
+        codes = torch.index_select(table, 0, pair_index, out=scratch.words.view(torch.int16)[:m])
+        pk[a:b].copy_(codes)  # int16 -> uint8 keeps the low byte: the pk byte without its escape flags
+        if layout.n_esc and int(codes.max()) > 0xFF:
+            whole_groups = scratch.words.view(torch.int16)[: -(-m // 4) * 4]
+            whole_groups[m:] = 0
+            flagged.append(_flagged_groups(whole_groups, a))
+        # sm byte = sign << 7 | mantissa: keep sign and mantissa; the arithmetic shift copies the sign into bit 7.
+        kept = torch.bitwise_and(bits[2 * a: 2 * b], _KEEP_SIGN_AND_MANTISSA, out=scratch.halves[: 2 * m])
+        kept.bitwise_or_(torch.bitwise_right_shift(kept, 8, out=scratch.words.view(torch.int16)[: 2 * m]))
+        sm[2 * a: 2 * b].copy_(kept)  # low byte
+
+    position = _escape_elements(flagged)
+    if n % 2:
+        last = int(bits[-1]) & 0xFFFF
+        code = int(table[(last >> 7) & 0xFF])  # as the first element of a pair: high nibble, flag in bit 8
+        pk[-1] = code & 0xF0  # the low nibble is padding
+        sm[-1] = ((last >> 8) & 0x80) | (last & 0x7F)
+        if code & 0x100:
+            position = torch.cat((position, torch.tensor([n - 1])))
+
+    if position.numel() != layout.n_esc:
+        raise ValueError(f"the codebook leaves {position.numel()} escapes, the layout expects {layout.n_esc}")
+    _write_padding(payload, layout)
+    if layout.n_esc:
+        chunk_id = (position // layout.chunk_size).to(torch.int32)
+        local_pos = (position % layout.chunk_size).to(torch.int16)  # < 65536: the same bytes as u16
+        payload[layout.off_cid: layout.off_lpos] = chunk_id.view(torch.uint8)
+        payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc] = local_pos.view(torch.uint8)
+        payload[layout.off_ev: layout.off_ev + layout.n_esc] = ((bits[position] >> 7) & 0xFF).to(torch.uint8)
 
 
 def encode(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
-    """Encode a BF16 tensor to its SplitZip payload (uint8 tensor of ``layout.comp_bytes``)."""
-    exponent, sm = split_bf16(x)
-    if codebook is None:
-        codebook = codebook_from_histogram(exponent_histogram(exponent))
-    n = exponent.numel()
-    codes = codebook.encode_lut()[exponent.long()] if n else exponent
-    escape_pos = torch.nonzero(codes == ESCAPE_CODE).reshape(-1)
-    layout = PayloadLayout(n=n, n_esc=escape_pos.numel())
+    """Encode a BF16 tensor to its SplitZip payload (uint8 tensor of ``layout.comp_bytes``).
 
-    payload = torch.zeros(layout.comp_bytes, dtype=torch.uint8)
-    nibbles = codes & 0xF
-    if n % 2:
-        nibbles = torch.cat([nibbles, nibbles.new_zeros(1)])
-    nibbles = nibbles.view(-1, 2)
-    payload[layout.off_pk: layout.off_pk + layout.n_pairs] = (nibbles[:, 0] << 4) | nibbles[:, 1]
-    payload[layout.off_sm: layout.off_sm + n] = sm
-    if layout.n_esc:
-        chunk_id = (escape_pos // CHUNK_SIZE).to(torch.int32)
-        local_pos = (escape_pos % CHUNK_SIZE).to(torch.int16)  # < 1024: same bytes as u16
-        payload[layout.off_cid: layout.off_lpos] = chunk_id.view(torch.uint8)
-        payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc] = local_pos.view(torch.uint8)
-        payload[layout.off_ev: layout.off_ev + layout.n_esc] = exponent[escape_pos]
+    ``codebook`` defaults to ``calibrate(x)``; a given one may leave any number of escapes.
+    """
+    histogram = exponent_counts(x)
+    if codebook is None:
+        codebook = codebook_from_histogram(histogram)
+    layout = payload_layout(histogram, codebook)
+    payload = torch.empty(layout.comp_bytes, dtype=torch.uint8)
+    encode_into(x, codebook, layout, payload)
     return payload, layout, codebook
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Decoding
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _check_payload(payload: torch.Tensor, layout: PayloadLayout) -> None:
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
+        raise ValueError(f"a payload is a flat contiguous uint8 tensor, got {payload.dtype} of shape "
+                         f"{tuple(payload.shape)}")
+    if payload.numel() < layout.comp_bytes:
+        raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {layout.comp_bytes}")
 
 
 def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
@@ -70,8 +302,8 @@ def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tens
     """
     if layout.n_esc == 0:
         return torch.zeros(0, dtype=torch.int64)
-    chunk_id = payload[layout.off_cid: layout.off_lpos].view(torch.int32).long()
-    local_pos = payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc].view(torch.int16).long() & 0xFFFF
+    chunk_id = _view_as(payload[layout.off_cid: layout.off_lpos], torch.int32).long()
+    local_pos = _view_as(payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc], torch.int16).long() & 0xFFFF
     if int(local_pos.max()) >= layout.chunk_size:
         raise ValueError(f"escape local position {int(local_pos.max())} is outside its chunk of {layout.chunk_size}")
     if int(chunk_id.min()) < 0 or int(chunk_id.max()) >= layout.n_chunks:
@@ -84,12 +316,53 @@ def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tens
     return position
 
 
-def _decode_table(codebook: Codebook) -> torch.Tensor:
-    """``table[code * 256 + sm]`` = the BF16 bits (as int16) of that code and sign+mantissa byte."""
-    exponent = codebook.decode_lut().to(torch.int32).view(16, 1)
-    sm = torch.arange(256, dtype=torch.int32).view(1, 256)
-    bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
-    return bits.reshape(-1).to(torch.int16)  # wraps 0x8000.. into negative int16: same bits
+@functools.lru_cache(maxsize=64)
+def _pair_exponent_table(dec_lut: tuple[int, ...]) -> torch.Tensor:
+    """``table[pk byte]`` = both exponent fields of the pair, in place in its int32 word (int32, 256 entries)."""
+    exponent = torch.tensor(dec_lut, dtype=torch.int32)
+    first = (exponent << 7).view(16, 1)  # high nibble -> element 2i, the low half of the word
+    second = (exponent << 23).view(1, 16)  # low nibble -> element 2i+1, the high half
+    return (first | second).reshape(-1)
+
+
+def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
+                  scratch: _SliceScratch) -> None:
+    """Decode ``len(out)`` pairs from ``pk`` bytes and ``sm`` byte pairs (int16) into int32 words of two BF16s."""
+    m = out.numel()
+    index, fields = scratch.index[:m], scratch.words[:m]
+    index.copy_(pk)
+    torch.index_select(table, 0, index, out=out)  # both exponent fields
+    fields.copy_(sm)  # sign-extended: bit 31 is the second element's sign
+    middle = torch.bitwise_left_shift(fields, 8, out=index)
+    middle.bitwise_and_(_FIRST_SIGN_SECOND_MANTISSA)
+    fields.bitwise_and_(_FIRST_MANTISSA_SECOND_SIGN)
+    out.bitwise_or_(fields).bitwise_or_(middle)
+
+
+def _decode_pair_range(pk: torch.Tensor, sm: torch.Tensor, codebook: Codebook, first: int, stop: int,
+                       bits: torch.Tensor) -> None:
+    """Decode the whole pairs of elements ``[first, stop)`` (both even) into ``bits`` (int16, ``stop - first``)."""
+    table = _pair_exponent_table(codebook.dec_lut)
+    pk = pk[first // 2: stop // 2]
+    sm = _view_as(sm[first:stop], torch.int16)
+    scratch = _SliceScratch(pk.numel())
+    aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
+    for a, b in _pair_slices(pk.numel()):
+        if aligned:
+            _decode_pairs(pk[a:b], sm[a:b], table, bits[2 * a: 2 * b].view(torch.int32), scratch)
+        else:
+            words = scratch.halves.view(torch.int32)[: b - a]
+            _decode_pairs(pk[a:b], sm[a:b], table, words, scratch)
+            bits[2 * a: 2 * b].copy_(words.view(torch.int16))
+
+
+def _decode_one(pk: torch.Tensor, sm: torch.Tensor, dec_lut: tuple[int, ...], i: int) -> int:
+    """Element ``i`` (escapes aside) as an int16 value: for the odd element at either end of a range."""
+    byte = int(pk[i // 2])
+    exponent = dec_lut[byte & 0xF if i % 2 else byte >> 4]
+    s = int(sm[i])
+    bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
+    return bits - 0x10000 if bits & 0x8000 else bits
 
 
 def decode(
@@ -103,39 +376,40 @@ def decode(
 ) -> torch.Tensor:
     """Decode elements ``[start, stop)`` of a SplitZip payload into a flat bfloat16 tensor.
 
-    ``payload`` is a uint8 CPU tensor of at least ``layout.comp_bytes`` (a zero-copy view of an mmap is fine).
-    ``out``, when given, is a contiguous bfloat16 tensor of ``stop - start`` elements written in place.
+    ``payload`` is a flat uint8 CPU tensor of at least ``layout.comp_bytes`` (a zero-copy view of an mmap is fine).
+    ``out``, when given, is a contiguous bfloat16 tensor of ``stop - start`` elements written in place. Runs on
+    PyTorch's intra-op threads (``torch.set_num_threads``).
+
+    Raises:
+        ValueError: a bad range, a short payload, a wrong ``out`` or an inconsistent escape stream; nothing has been
+            written to ``out`` then.
     """
     stop = layout.n if stop is None else stop
     if not 0 <= start <= stop <= layout.n:
         raise ValueError(f"element range [{start}, {stop}) is outside 0..{layout.n}")
-    if payload.numel() < layout.comp_bytes:
-        raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {layout.comp_bytes}")
+    _check_payload(payload, layout)
     count = stop - start
     if out is None:
         out = torch.empty(count, dtype=torch.bfloat16)
     elif out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
+    position = escape_positions(payload, layout)
     bits = out.view(torch.int16).reshape(-1)
-    table = _decode_table(codebook)
     pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = payload[layout.off_sm: layout.off_sm + layout.n]
 
-    for a in range(start, stop, DECODE_SLICE):
-        b = min(a + DECODE_SLICE, stop)
-        first_pair, last_pair = a // 2, (b + 1) // 2
-        packed = pk[first_pair:last_pair]
-        codes = torch.stack((packed >> 4, packed & 0xF), dim=1).reshape(-1)
-        codes = codes[a - 2 * first_pair: a - 2 * first_pair + (b - a)]
-        index = (codes.to(torch.int32) << 8) | sm[a:b].to(torch.int32)
-        torch.index_select(table, 0, index, out=bits[a - start: b - start])
+    first, last = start + start % 2, stop - stop % 2  # the whole pairs inside the range
+    if start % 2 and start < stop:
+        bits[0] = _decode_one(pk, sm, codebook.dec_lut, start)
+    if stop % 2 and stop - 1 >= start:
+        bits[stop - 1 - start] = _decode_one(pk, sm, codebook.dec_lut, stop - 1)
+    if first < last:
+        _decode_pair_range(pk, sm, codebook, first, last, bits[first - start: last - start])
 
-    position = escape_positions(payload, layout)
-    if position.numel():
-        lo, hi = torch.searchsorted(position, torch.tensor([start, stop])).tolist()
-        position = position[lo:hi]
-        if position.numel():
-            ev = payload[layout.off_ev + lo: layout.off_ev + hi].to(torch.int32)
-            s = sm[position].to(torch.int32)
-            bits[position - start] = (((s & 0x80) << 8) | (ev << 7) | (s & 0x7F)).to(torch.int16)
+    lo, hi = torch.searchsorted(position, torch.tensor([start, stop])).tolist()
+    if hi > lo:  # escaped elements: keep the decoded sign and mantissa, put in the raw exponent
+        target = position[lo:hi] - start
+        exponent = payload[layout.off_ev + lo: layout.off_ev + hi].to(torch.int32)
+        kept = bits[target].to(torch.int32) & 0x807F
+        bits[target] = (kept | (exponent << 7)).to(torch.int16)
     return out

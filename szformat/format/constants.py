@@ -23,8 +23,14 @@ FEATURES: frozenset[str] = frozenset()
 """Names of optional features this reader implements; a file listing any other in ``required_features`` is refused."""
 
 PREAMBLE = struct.Struct("<8sHHIQQIIQ16x")
-"""magic, major, minor, flags, header_offset, header_length, header_crc32, alignment, file_length, 16 reserved bytes."""
+"""magic, major, minor, flags, header_offset, header_length, header_crc32, alignment, file_length, 16 reserved bytes.
+
+Byte offsets: magic 0, major 8, minor 10, flags 12, header_offset 16, header_length 24, header_crc32 32,
+alignment 36, file_length 40, reserved 48..63. Little-endian throughout.
+"""
 PREAMBLE_SIZE = PREAMBLE.size  # 64
+RESERVED_OFFSET = 48
+"""The last 16 preamble bytes are reserved: written as zero, and a reader refuses a file where any is set."""
 
 DEFAULT_ALIGNMENT = 4096
 """Payloads start at multiples of this: page-aligned for mmap, O_DIRECT and host registration."""
@@ -36,8 +42,15 @@ MAX_TENSORS = 1_000_000
 MAX_NDIM = 32
 MAX_NAME_BYTES = 4096
 MAX_ELEMENTS = 1 << 56
-"""Overflow-checked cap on the element count of one tensor (shape products above it are refused)."""
+"""Overflow-checked cap on the element count of one tensor, and on each dimension (shape products above it are
+refused)."""
 MAX_METADATA_ENTRIES = 100_000
+HEADER_BYTES_PER_CONTAINER = 16
+"""A header may hold at most one msgpack map or array per this many bytes. A real tensor entry spends more than
+25 bytes per container; the cap keeps a hostile header of empty containers from growing ~60x in memory."""
+
+RESERVED_NAME = "__metadata__"
+"""Not a valid tensor name: safetensors reserves it, so a .szt file must too for the inverse conversion to exist."""
 
 ENCODINGS = (ENCODING_SPLITZIP, ENCODING_RAW)
 """Encodings a v1 reader knows; any other name in a tensor entry is refused."""

@@ -4,19 +4,21 @@ Parsing checks every field before any payload byte is read through it: types, dt
 shape products, lengths implied by dtype and encoding, the escape-stream offsets of SplitZip payloads, and the
 placement rule (each payload starts at the first aligned offset after the previous one, in header order, and the
 header follows the last payload), so payloads can neither overlap, nor leave the file, nor hide bytes.
+The name, shape and metadata rules are shared with the writer, so it cannot write a file this reader refuses.
 """
 
 from __future__ import annotations
 
+import math
 import os
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import msgpack
 
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
-from ..errors import HeaderError, InvalidOffsetError, UnknownEncodingError, UnsupportedVersionError
+from ..errors import HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError, UnsupportedVersionError
 from . import constants as C
 
 _U32 = (1 << 32) - 1
@@ -46,10 +48,7 @@ class TensorEntry:
 
     @property
     def numel(self) -> int:
-        n = 1
-        for d in self.shape:
-            n *= d
-        return n
+        return math.prod(self.shape)
 
     def to_dict(self) -> dict[str, Any]:
         if self.encoding == C.ENCODING_SPLITZIP:
@@ -91,6 +90,59 @@ class Header:
         return msgpack.packb(obj, use_bin_type=True)
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Rules shared by reader and writer (each raises ValueError with the reason; callers add file and tensor)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def validate_name(name: object) -> None:
+    """A tensor name is a non-empty UTF-8 string of at most MAX_NAME_BYTES, without NUL, not ``__metadata__``."""
+    if not isinstance(name, str) or not name:
+        raise ValueError(f"a tensor name must be a non-empty string, got {name!r}")
+    try:
+        encoded = name.encode("utf-8")
+    except UnicodeEncodeError:
+        raise ValueError(f"tensor name {name!r} is not valid Unicode (lone surrogate)") from None
+    if len(encoded) > C.MAX_NAME_BYTES:
+        raise ValueError(f"tensor name is {len(encoded)} bytes long, more than the limit of {C.MAX_NAME_BYTES}")
+    if "\x00" in name:
+        raise ValueError(f"tensor name {name!r} contains a NUL character")
+    if name == C.RESERVED_NAME:
+        raise ValueError(f"{C.RESERVED_NAME!r} is reserved and cannot name a tensor")
+
+
+def validate_shape(shape: Sequence[object]) -> int:
+    """Check a shape (at most MAX_NDIM non-negative ints, each and their product at most MAX_ELEMENTS); its numel."""
+    if len(shape) > C.MAX_NDIM:
+        raise ValueError(f"shape has {len(shape)} dimensions, more than the limit of {C.MAX_NDIM}")
+    for d in shape:
+        if type(d) is not int or not 0 <= d <= C.MAX_ELEMENTS:
+            raise ValueError(f"shape {list(shape)!r} holds {d!r}, not an integer in [0, {C.MAX_ELEMENTS}]")
+    numel = math.prod(shape)
+    if numel > C.MAX_ELEMENTS:
+        raise ValueError(f"shape {list(shape)!r} has more elements than the limit of {C.MAX_ELEMENTS}")
+    return numel
+
+
+def validate_metadata(metadata: object) -> None:
+    """``__metadata__`` is a map of at most MAX_METADATA_ENTRIES valid UTF-8 strings to strings, as in safetensors."""
+    if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                                 for k, v in metadata.items()):
+        raise ValueError("metadata must be a map of strings to strings")
+    if len(metadata) > C.MAX_METADATA_ENTRIES:
+        raise ValueError(f"metadata has {len(metadata)} entries, more than the limit of {C.MAX_METADATA_ENTRIES}")
+    for k, v in metadata.items():
+        try:
+            k.encode("utf-8"), v.encode("utf-8")
+        except UnicodeEncodeError:
+            raise ValueError(f"metadata entry {k!r} is not valid Unicode (lone surrogate)") from None
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parsing
+# ---------------------------------------------------------------------------------------------------------------
+
+
 def parse_header(
     raw: bytes | memoryview,
     *,
@@ -99,12 +151,7 @@ def parse_header(
     header_offset: int,
 ) -> Header:
     """Decode and validate a header; payloads must tile ``[PREAMBLE_SIZE, header_offset)`` as the rules say."""
-    try:
-        obj = msgpack.unpackb(raw, raw=False, strict_map_key=True, use_list=True)
-    except UnicodeDecodeError as e:
-        raise HeaderError(f"header holds a string that is not valid UTF-8 ({e})", path=path) from None
-    except Exception as e:  # msgpack raises several unrelated types for malformed data
-        raise HeaderError(f"header is not valid msgpack ({type(e).__name__}: {e})", path=path) from None
+    obj = _unpack(raw, path=path)
     if not isinstance(obj, dict):
         raise HeaderError(f"header must be a map, got {type(obj).__name__}", path=path)
 
@@ -118,9 +165,10 @@ def parse_header(
 
     metadata = obj.get("metadata")
     if metadata is not None:
-        if not isinstance(metadata, dict) or len(metadata) > C.MAX_METADATA_ENTRIES or not all(
-                isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise HeaderError("'metadata' must be a map of strings to strings", path=path)
+        try:
+            validate_metadata(metadata)
+        except ValueError as e:
+            raise HeaderError(f"'metadata': {e}", path=path) from None
 
     tensors = obj.get("tensors")
     if not isinstance(tensors, list):
@@ -153,6 +201,44 @@ def parse_header(
     return Header(tensors=entries, metadata=metadata, required_features=list(features))
 
 
+def _unpack(raw: bytes | memoryview, *, path) -> Any:
+    """msgpack-decode a header with limits: no duplicate map keys, bounded lengths and container count."""
+    budget = len(raw) // C.HEADER_BYTES_PER_CONTAINER + 8
+
+    def spend() -> None:
+        nonlocal budget
+        budget -= 1
+        if budget < 0:
+            raise HeaderError(f"header holds more than one map or array per {C.HEADER_BYTES_PER_CONTAINER} bytes; "
+                              "refusing it as a decompression bomb", path=path)
+
+    def pairs_hook(pairs: list[tuple[Any, Any]]) -> dict:
+        spend()
+        mapping = dict(pairs)
+        if len(mapping) != len(pairs):
+            seen: set = set()
+            twice = next(k for k, _ in pairs if k in seen or seen.add(k))
+            tensor = mapping.get("name") if "dtype" in mapping and isinstance(mapping.get("name"), str) else None
+            raise HeaderError(f"a map in the header holds the key {twice!r} twice", path=path, tensor=tensor)
+        return mapping
+
+    def list_hook(items: list) -> list:
+        spend()
+        return items
+
+    try:
+        return msgpack.unpackb(
+            raw, raw=False, strict_map_key=True, use_list=True, object_pairs_hook=pairs_hook, list_hook=list_hook,
+            max_array_len=C.MAX_TENSORS, max_map_len=C.MAX_METADATA_ENTRIES)
+    except SzformatError:
+        raise
+    except UnicodeDecodeError as e:
+        raise HeaderError(f"header holds a string that is not valid UTF-8 ({e})", path=path) from None
+    except Exception as e:  # msgpack raises several unrelated types for malformed data (ExtraData, StackError, ...)
+        raise HeaderError(f"header is not valid msgpack or breaks a size limit ({type(e).__name__}: {e})",
+                          path=path) from None
+
+
 def _int(obj: dict, key: str, *, path, tensor, lo: int = 0, hi: int = 1 << 63) -> int:
     value = obj.get(key)
     if type(value) is not int or not lo <= value <= hi:
@@ -164,26 +250,21 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
     if not isinstance(item, dict):
         raise HeaderError(f"tensor entry #{index} must be a map", path=path)
     name = item.get("name")
-    if not isinstance(name, str) or not name:
-        raise HeaderError(f"tensor entry #{index} has no name", path=path)
-    if len(name.encode("utf-8", "surrogatepass")) > C.MAX_NAME_BYTES:
-        raise HeaderError(f"tensor entry #{index} has a name longer than {C.MAX_NAME_BYTES} bytes", path=path)
+    try:
+        validate_name(name)
+    except ValueError as e:
+        raise HeaderError(f"tensor entry #{index}: {e}", path=path) from None
 
     dtype = item.get("dtype")
     if not isinstance(dtype, str) or dtype not in C.DTYPES:
         raise HeaderError(f"unknown dtype {dtype!r}", path=path, tensor=name)
     shape = item.get("shape")
-    if not isinstance(shape, list) or len(shape) > C.MAX_NDIM:
-        raise HeaderError(f"shape must be a list of at most {C.MAX_NDIM} sizes", path=path, tensor=name)
-    numel = 1
-    for d in shape:
-        if type(d) is not int or d < 0:
-            raise HeaderError(f"shape {shape!r} holds something other than a non-negative integer", path=path,
-                              tensor=name)
-        numel *= d
-        if numel > C.MAX_ELEMENTS:
-            raise HeaderError(f"shape {shape!r} has more elements than the limit of {C.MAX_ELEMENTS}", path=path,
-                              tensor=name)
+    if not isinstance(shape, list):
+        raise HeaderError(f"shape must be a list, got {shape!r}", path=path, tensor=name)
+    try:
+        numel = validate_shape(shape)
+    except ValueError as e:
+        raise HeaderError(str(e), path=path, tensor=name) from None
 
     offset = _int(item, "offset", path=path, tensor=name)
     length = _int(item, "length", path=path, tensor=name)
@@ -195,7 +276,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
 
     encoding = item.get("encoding")
     if not isinstance(encoding, dict) or not isinstance(encoding.get("name"), str):
-        raise HeaderError("'encoding' must be a map with a 'name'", path=path, tensor=name)
+        raise HeaderError("'encoding' must be a map with a string 'name'", path=path, tensor=name)
     config = encoding.get("configuration", {})
     if not isinstance(config, dict):
         raise HeaderError("encoding 'configuration' must be a map", path=path, tensor=name)
@@ -206,8 +287,13 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         if length != raw_length:
             raise HeaderError(f"raw payload length {length} differs from raw_length {raw_length}", path=path,
                               tensor=name)
+        if crc32 != raw_crc32:
+            raise HeaderError(f"raw payload has two different checksums (crc32 {crc32:#010x}, raw_crc32 "
+                              f"{raw_crc32:#010x}) for the same bytes", path=path, tensor=name)
         reason = config.get("reason")
-        return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason if isinstance(reason, str) else None, **common)
+        if reason is not None and not isinstance(reason, str):
+            raise HeaderError(f"raw 'reason' must be a string, got {reason!r}", path=path, tensor=name)
+        return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, **common)
     if encoding["name"] == C.ENCODING_SPLITZIP:
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=length, path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, **common)
@@ -233,15 +319,22 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, 
     if length != layout.comp_bytes:
         raise HeaderError(f"payload length {length} differs from the {layout.comp_bytes} bytes its layout needs "
                           f"(n={n}, n_esc={n_esc})", path=path, tensor=tensor)
-    if config.get("streams") != layout.stream_offsets():
-        raise HeaderError(f"stream offsets {config.get('streams')!r} differ from the frozen layout "
-                          f"{layout.stream_offsets()!r}", path=path, tensor=tensor)
+    streams = config.get("streams")
+    expected = layout.stream_offsets()
+    if not isinstance(streams, dict) or streams != expected or any(type(v) is not int for v in streams.values()):
+        raise HeaderError(f"stream offsets {streams!r} differ from the frozen layout {expected!r}", path=path,
+                          tensor=tensor)
     lut = config.get("codebook")
     n_used = _int(config, "n_codes_used", path=path, tensor=tensor, hi=N_CODES)
+    if not isinstance(lut, list) or len(lut) != N_CODES or any(type(v) is not int for v in lut):
+        raise HeaderError(f"splitzip codebook must be a list of {N_CODES} integers, got {lut!r}", path=path,
+                          tensor=tensor)
+    if any(lut[n_used:]):
+        raise HeaderError(f"codebook entries past n_codes_used={n_used} must be 0, got {lut[n_used:]!r}", path=path,
+                          tensor=tensor)
     coverage = config.get("coverage")
-    if not isinstance(lut, list) or len(lut) != N_CODES or any(type(v) is not int for v in lut) \
-            or not isinstance(coverage, float):
-        raise HeaderError("splitzip codebook must be 16 integers with a float coverage", path=path, tensor=tensor)
+    if not isinstance(coverage, float) or not 0.0 <= coverage <= 1.0:
+        raise HeaderError(f"splitzip coverage must be a float in [0, 1], got {coverage!r}", path=path, tensor=tensor)
     try:
         codebook = Codebook(dec_lut=tuple(lut), n_used=n_used, coverage=coverage)
     except ValueError as e:

@@ -1,14 +1,22 @@
 """Memory-mapped, lazy reader of .szt files.
 
-One read-only shared mapping per file (``MAP_SHARED``/``PROT_READ``: the kind a GPU driver can register for direct
-DMA), one bounds-checked slice helper, and every header field validated before a byte is read through it.
-Payloads are exposed as zero-copy uint8 views; decoding is the caller's choice of route.
+The preamble and the header are read with ordinary reads and validated in full (sizes against the file, the header
+checksum, every tensor entry, the placement rule) before the file is mapped. Then one read-only shared mapping
+(``MAP_SHARED``/``PROT_READ``: the kind a GPU driver can register for direct DMA) of exactly the validated length
+serves every payload through one bounds-checked slice helper. Payloads are exposed as zero-copy uint8 views;
+decoding is the caller's choice of route.
+
+A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
+which no Python code can catch. The reader re-checks the file size before handing out each payload view, so a
+file that shrank is reported as :class:`TruncatedFileError`; views already handed out stay exposed. Replacing a
+file (write elsewhere, then rename, as :class:`SztWriter` does) never affects an open reader.
 """
 
 from __future__ import annotations
 
 import mmap
 import os
+import stat
 import warnings
 import zlib
 from dataclasses import dataclass
@@ -18,15 +26,18 @@ import torch
 
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
-from ..errors import (ChecksumMismatchError, FormatError, HeaderTooLargeError, InvalidOffsetError, TruncatedFileError,
-                      UnsupportedVersionError)
+from ..errors import (ChecksumMismatchError, FormatError, HeaderError, HeaderTooLargeError, InvalidOffsetError,
+                      TruncatedFileError, UnsupportedVersionError)
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
 
 
 @dataclass(frozen=True)
 class PayloadDescriptor:
-    """Where one tensor's stored bytes are, and how to expand them: what a GPU route needs to move and decode it."""
+    """Where one tensor's stored bytes are, and how to expand them: what a GPU route needs to move and decode it.
+
+    ``crc32`` is the CRC-32 of the ``length`` stored bytes, ``raw_crc32`` that of the ``raw_length`` decoded bytes.
+    """
 
     path: Path
     name: str
@@ -38,6 +49,8 @@ class PayloadDescriptor:
     raw_length: int
     layout: PayloadLayout | None
     codebook: Codebook | None
+    crc32: int | None = None
+    raw_crc32: int | None = None
 
 
 class SztFile:
@@ -48,42 +61,47 @@ class SztFile:
 
     Raises:
         FormatError (or a subclass): the file is not a valid .szt file this reader understands.
+        OSError: the file cannot be opened.
     """
 
     def __init__(self, path: str | os.PathLike):
         self.path = Path(path)
         self._mmap: mmap.mmap | None = None
-        with open(self.path, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            preamble = f.read(C.PREAMBLE_SIZE)
-            if len(preamble) < C.PREAMBLE_SIZE:
-                if preamble[: len(C.MAGIC)] != C.MAGIC[: len(preamble)] or not preamble:
-                    raise FormatError("not a .szt file (bad magic)", path=path)
-                raise TruncatedFileError(f"file ends after {len(preamble)} bytes, inside the preamble", path=path)
-            (magic, major, minor, flags, header_offset, header_length, header_crc, alignment,
-             file_length) = C.PREAMBLE.unpack(preamble)
-            self._check_preamble(magic, major, minor, flags, header_offset, header_length, alignment, file_length,
-                                 size, preamble)
-            self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-        self.version = (major, minor)
-        self.alignment = alignment
-        raw_header = self._mmap[header_offset: header_offset + header_length]
-        if zlib.crc32(raw_header) != header_crc:
-            self.close()
-            raise ChecksumMismatchError(
-                f"header checksum mismatch (stored {header_crc:#010x}, computed {zlib.crc32(raw_header):#010x})",
-                path=path)
-        try:
-            self.header: Header = parse_header(raw_header, path=self.path, alignment=alignment,
+        # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below as not a regular file.
+        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        with os.fdopen(fd, "rb") as f:
+            st = os.fstat(f.fileno())
+            if not stat.S_ISREG(st.st_mode):
+                raise FormatError("not a regular file", path=path)
+            header_offset, header_length, header_crc = self._read_preamble(f, st.st_size)
+            f.seek(header_offset)
+            raw_header = f.read(header_length)
+            if len(raw_header) != header_length:
+                raise TruncatedFileError("file shrank while its header was read", path=path)
+            crc = zlib.crc32(raw_header)
+            if crc != header_crc:
+                raise ChecksumMismatchError(
+                    f"header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})", path=path)
+            self.header: Header = parse_header(raw_header, path=self.path, alignment=self.alignment,
                                                header_offset=header_offset)
-        except BaseException:
-            self.close()
-            raise
+            try:
+                self._mmap = mmap.mmap(f.fileno(), self.file_length, access=mmap.ACCESS_READ)
+            except ValueError:  # the file is now shorter than the mapping would be
+                raise TruncatedFileError("file shrank while it was opened", path=path) from None
         self.entries: dict[str, TensorEntry] = {t.name: t for t in self.header.tensors}
 
-    def _check_preamble(self, magic, major, minor, flags, header_offset, header_length, alignment, file_length,
-                        size, preamble) -> None:
+    def _read_preamble(self, f, size: int) -> tuple[int, int, int]:
+        """Read and check the 64-byte preamble in the order the spec gives; sets version, alignment, file_length."""
         path = self.path
+        preamble = f.read(C.PREAMBLE_SIZE)
+        if not preamble:
+            raise TruncatedFileError("file is empty; a .szt file starts with a 64-byte preamble", path=path)
+        if len(preamble) < C.PREAMBLE_SIZE:
+            if preamble[: len(C.MAGIC)] != C.MAGIC[: len(preamble)]:
+                raise FormatError("not a .szt file (bad magic)", path=path)
+            raise TruncatedFileError(f"file ends after {len(preamble)} bytes, inside the preamble", path=path)
+        (magic, major, minor, flags, header_offset, header_length, header_crc, alignment,
+         file_length) = C.PREAMBLE.unpack(preamble)
         if magic != C.MAGIC:
             raise FormatError("not a .szt file (bad magic)", path=path)
         if major not in C.READER_SUPPORTED_MAJORS:
@@ -91,13 +109,15 @@ class SztFile:
                 f"format version {major}.{minor} is not supported (this reader knows major "
                 f"{', '.join(map(str, C.READER_SUPPORTED_MAJORS))}); upgrade szformat", path=path)
         if flags != 0:
-            raise UnsupportedVersionError(f"file sets preamble flags {flags:#x} that this reader does not know",
-                                          path=path)
-        if preamble[C.PREAMBLE_SIZE - 16:] != bytes(16):
+            raise UnsupportedVersionError(f"file sets preamble flags {flags:#x} that this reader does not know; "
+                                          "upgrade szformat", path=path)
+        if preamble[C.RESERVED_OFFSET:] != bytes(C.PREAMBLE_SIZE - C.RESERVED_OFFSET):
             raise UnsupportedVersionError("reserved preamble bytes are set; the file needs a newer reader", path=path)
         if header_length > C.MAX_HEADER_BYTES:
             raise HeaderTooLargeError(f"header length {header_length} exceeds the limit of {C.MAX_HEADER_BYTES}",
                                       path=path)
+        if header_length == 0:
+            raise HeaderError("header length is 0; a header holds at least an empty tensor list", path=path)
         if alignment < C.MIN_ALIGNMENT or alignment > C.MAX_ALIGNMENT or alignment & (alignment - 1):
             raise FormatError(f"alignment {alignment} is not a power of two in [{C.MIN_ALIGNMENT}, "
                               f"{C.MAX_ALIGNMENT}]", path=path)
@@ -109,6 +129,10 @@ class SztFile:
         if size > file_length:
             raise InvalidOffsetError(f"{size - file_length} unexplained bytes after the end the preamble announces",
                                      path=path)
+        self.version = (major, minor)
+        self.alignment = alignment
+        self.file_length = file_length
+        return header_offset, header_length, header_crc
 
     # -- access --------------------------------------------------------------------------------------------------
 
@@ -141,7 +165,7 @@ class SztFile:
         e = self.entry(name)
         return PayloadDescriptor(path=self.path, name=e.name, dtype=e.dtype, shape=e.shape, encoding=e.encoding,
                                  offset=e.offset, length=e.length, raw_length=e.raw_length, layout=e.layout,
-                                 codebook=e.codebook)
+                                 codebook=e.codebook, crc32=e.crc32, raw_crc32=e.raw_crc32)
 
     def payload(self, name: str, *, verify: bool = False) -> torch.Tensor:
         """Zero-copy uint8 view of a tensor's stored bytes; valid while the file (or the view) is alive.
@@ -149,7 +173,7 @@ class SztFile:
         With ``verify`` the stored bytes are checked against the header's CRC-32 first.
         """
         e = self.entry(name)
-        view = self._slice(e.offset, e.length)
+        view = self._slice(e.offset, e.length, tensor=name)
         if verify:
             check_crc(view, e.crc32, what="stored bytes", path=self.path, tensor=name)
         return view
@@ -161,12 +185,16 @@ class SztFile:
             raise ValueError(f"{self.path} is closed")
         return self._mmap
 
-    def _slice(self, offset: int, length: int) -> torch.Tensor:
+    def _slice(self, offset: int, length: int, *, tensor: str | None = None) -> torch.Tensor:
         mm = self.buffer
         if offset < 0 or length < 0 or offset + length > len(mm):
-            raise InvalidOffsetError(f"range [{offset}, {offset + length}) is outside the file", path=self.path)
+            raise InvalidOffsetError(f"range [{offset}, {offset + length}) is outside the file", path=self.path,
+                                     tensor=tensor)
         if length == 0:
             return torch.empty(0, dtype=torch.uint8)
+        if mm.size() < self.file_length:  # reading a page past the new end would raise SIGBUS
+            raise TruncatedFileError(f"file shrank to {mm.size()} bytes after it was opened ({self.file_length})",
+                                     path=self.path, tensor=tensor)
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable
             return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)

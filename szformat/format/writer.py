@@ -8,8 +8,9 @@ and renamed over the target, so a failed or interrupted write leaves neither an 
 from __future__ import annotations
 
 import enum
+import operator
 import os
-import tempfile
+import secrets
 import zlib
 from pathlib import Path
 from typing import Sequence
@@ -17,9 +18,9 @@ from typing import Sequence
 import torch
 
 from ..codec.gate import EncodedTensor
-from ..errors import SzformatError, WriteError
+from ..errors import ConversionError, SzformatError, WriteError
 from . import constants as C
-from .header import Header, TensorEntry
+from .header import Header, TensorEntry, validate_metadata, validate_name, validate_shape
 
 
 class WriterState(enum.Enum):
@@ -41,22 +42,21 @@ class SztWriter:
 
     def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
                  alignment: int = C.DEFAULT_ALIGNMENT):
-        if alignment < C.MIN_ALIGNMENT or alignment > C.MAX_ALIGNMENT or alignment & (alignment - 1):
-            raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}]")
-        if metadata is not None and not all(isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()):
-            raise ValueError("metadata must map strings to strings, as in safetensors")
+        if type(alignment) is not int or not C.MIN_ALIGNMENT <= alignment <= C.MAX_ALIGNMENT \
+                or alignment & (alignment - 1):
+            raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
+                             f"got {alignment!r}")
+        if metadata is not None:
+            try:
+                validate_metadata(metadata)
+            except ValueError as e:
+                raise ConversionError(f"{e}, as in safetensors", path=path) from None
         self.path = Path(path)
         self.alignment = alignment
         self.metadata = None if metadata is None else dict(metadata)
         self._entries: list[TensorEntry] = []
         self._names: set[str] = set()
-        directory = self.path.parent if str(self.path.parent) else Path(".")
-        try:
-            fd, tmp = tempfile.mkstemp(prefix=f".{self.path.name}.", suffix=".tmp", dir=directory)
-        except OSError as e:
-            raise WriteError(f"cannot create a temporary file beside the output ({e.strerror})", path=path) from e
-        self._tmp = Path(tmp)
-        self._file = os.fdopen(fd, "wb")
+        self._tmp, self._file = _create_temporary(self.path)
         self._cursor = 0
         self.state = WriterState.OPEN
         self._write(bytes(C.PREAMBLE_SIZE))
@@ -71,30 +71,63 @@ class SztWriter:
             self.abort()
 
     def add(self, name: str, dtype: str, shape: Sequence[int], encoded: EncodedTensor) -> TensorEntry:
-        """Append one tensor's stored bytes; returns the header entry it will have."""
+        """Append one tensor's stored bytes; returns the header entry it will have.
+
+        Raises:
+            ConversionError: the name, dtype, shape or encoded bytes break a rule of the format (nothing is written;
+                the writer stays open).
+        """
         self._expect_open()
-        if not isinstance(name, str) or not name:
-            raise ValueError("tensor names must be non-empty strings")
-        if name in self._names:
-            raise ValueError(f"tensor {name!r} was already written to {self.path}")
-        if dtype not in C.DTYPES:
-            raise ValueError(f"unknown dtype {dtype!r} for tensor {name!r}")
-        numel = 1
-        for d in shape:
-            numel *= int(d)
-        if encoded.raw_length != numel * C.itemsize(dtype):
-            raise ValueError(f"tensor {name!r}: {encoded.raw_length} raw bytes do not match shape {list(shape)} "
-                             f"of {dtype}")
+        payload = encoded.payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+        shape = self._check_entry(name, dtype, shape, encoded, payload.numel())
         self._write(bytes(C.pad_to(self._cursor, self.alignment) - self._cursor))
         entry = TensorEntry(
-            name=name, dtype=dtype, shape=tuple(int(d) for d in shape), encoding=encoded.encoding,
-            offset=self._cursor, length=encoded.payload.numel(), raw_length=encoded.raw_length,
+            name=name, dtype=dtype, shape=shape, encoding=encoded.encoding,
+            offset=self._cursor, length=payload.numel(), raw_length=encoded.raw_length,
             crc32=encoded.crc32, raw_crc32=encoded.raw_crc32, layout=encoded.layout, codebook=encoded.codebook,
             raw_reason=encoded.raw_reason)
-        self._write(memoryview(encoded.payload.contiguous().view(torch.uint8).numpy()))
+        self._write(memoryview(payload.numpy()))
         self._entries.append(entry)
         self._names.add(name)
         return entry
+
+    def _check_entry(self, name: str, dtype: str, shape: Sequence[int], encoded: EncodedTensor,
+                     length: int) -> tuple[int, ...]:
+        """The header rules a reader enforces, checked before a byte of this tensor is written; the shape as ints."""
+        def refuse(reason: str):
+            return ConversionError(reason, path=self.path, tensor=name if isinstance(name, str) else None)
+
+        try:
+            validate_name(name)
+        except ValueError as e:
+            raise refuse(str(e)) from None
+        if name in self._names:
+            raise refuse("tensor name was already written to this file")
+        if len(self._entries) >= C.MAX_TENSORS:
+            raise refuse(f"a file holds at most {C.MAX_TENSORS} tensors")
+        if dtype not in C.DTYPES:
+            raise refuse(f"unknown dtype {dtype!r}")
+        try:
+            shape = tuple(operator.index(d) for d in shape)
+        except TypeError:
+            raise refuse(f"shape {list(shape)!r} holds something other than integers") from None
+        try:
+            numel = validate_shape(shape)
+        except ValueError as e:
+            raise refuse(str(e)) from None
+        if encoded.raw_length != numel * C.itemsize(dtype):
+            raise refuse(f"{encoded.raw_length} raw bytes do not match shape {list(shape)} of {dtype}")
+        if encoded.encoding == C.ENCODING_RAW:
+            consistent = length == encoded.raw_length and encoded.crc32 == encoded.raw_crc32
+        elif encoded.encoding == C.ENCODING_SPLITZIP:
+            layout = encoded.layout
+            consistent = (dtype == "BF16" and encoded.codebook is not None and layout is not None
+                          and layout.n == numel and layout.comp_bytes == length)
+        else:
+            raise refuse(f"unknown encoding {encoded.encoding!r}")
+        if not consistent:
+            raise refuse(f"the {encoded.encoding} payload of {length} bytes does not match the tensor it claims")
+        return shape
 
     def finish(self) -> Path:
         """Write header and preamble, fsync, and move the file into place atomically."""
@@ -148,6 +181,26 @@ class SztWriter:
             self.abort()
             raise WriteError(f"cannot write ({e.strerror or e}); nothing was left behind", path=self.path) from e
         self._cursor += len(data) if not isinstance(data, memoryview) else data.nbytes
+
+
+def _create_temporary(target: Path):
+    """Create ``.<name>.<random>.tmp`` beside ``target`` for writing.
+
+    Created with mode 0o666 so the umask applies, as it would to any new file (``tempfile.mkstemp`` would make a
+    file only its owner can read, and the rename would carry that over to the output).
+    """
+    directory = target.parent if str(target.parent) else Path(".")
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = directory / f".{target.name}.{secrets.token_hex(6)}.tmp"
+        try:
+            fd = os.open(tmp, flags, 0o666)
+        except FileExistsError:
+            continue
+        except OSError as e:
+            raise WriteError(f"cannot create a temporary file beside the output ({e.strerror})", path=target) from e
+        return tmp, os.fdopen(fd, "wb")
+    raise WriteError("cannot find a free temporary file name beside the output", path=target)
 
 
 def _fsync_directory(directory: Path) -> None:

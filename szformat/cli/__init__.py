@@ -1,0 +1,1 @@
+"""``szconvert``: the command line of szformat (convert, decompress, info, verify)."""

@@ -1,0 +1,7 @@
+"""``python -m szformat.cli``: the same as the ``szconvert`` console script."""
+
+import sys
+
+from .main import main
+
+sys.exit(main())

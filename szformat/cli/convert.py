@@ -1,0 +1,88 @@
+"""``szconvert convert``: safetensors (file, sharded index, model folder or Hub repo) to .szt."""
+
+from __future__ import annotations
+
+import argparse
+import os
+from pathlib import Path
+
+from ..convert import convert
+from ..errors import CLIError
+from ._common import add_quiet, print_lines, show_progress
+
+NAME = "convert"
+HUB_REF_PREFIX = "hf://"
+
+EXAMPLES = """\
+examples:
+  szconvert model.safetensors                       writes model.szt beside it
+  szconvert model.safetensors out/model.szt
+  szconvert model.safetensors.index.json ./out      a sharded checkpoint: .szt shards and model.szt.index.json
+  szconvert ./FLUX.1-dev ./FLUX.1-dev-szt           a model folder, sub-folders (transformer/, vae/...) included
+  szconvert model.safetensors --device cuda         encode on the GPU (the same bytes, faster)
+  szconvert hf://user/model ./model-szt --push-to-hub user/model-szt
+
+The command 'convert' may be left out: 'szconvert IN OUT' is 'szconvert convert IN OUT'.
+Every tensor is decoded again and compared bit for bit before it is written; outputs appear whole or not at all.
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        NAME, help="convert safetensors to .szt (the default command)", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Convert a .safetensors file, a sharded checkpoint (*.safetensors.index.json), a model folder "
+                    "or an hf://user/repo safetensors repo to szformat.")
+    parser.add_argument("input", help="a .safetensors file, a *.safetensors.index.json, a model folder or "
+                                      "hf://user/repo[@revision][/path]")
+    parser.add_argument("output", nargs="?", help="the .szt file, or the output folder for anything but a single "
+                                                  "file (default for a single file: beside it, with .szt)")
+    parser.add_argument("--device", default="cpu", help="where to encode: cpu (default) or cuda")
+    parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    hub = parser.add_argument_group("Hugging Face Hub")
+    hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the result to this model repo")
+    hub.add_argument("--private", action="store_true", help="create the repo private (with --push-to-hub)")
+    hub.add_argument("--revision", help="branch to push to (with --push-to-hub), created if missing")
+    hub.add_argument("--commit-message", help="message of the upload commit (with --push-to-hub)")
+    hub.add_argument("--token", help="Hub token for download and upload (default: HF_TOKEN or the saved login)")
+    add_quiet(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    push_only = [flag for flag, value in (("--private", args.private), ("--revision", args.revision),
+                                          ("--commit-message", args.commit_message)) if value]
+    if push_only and not args.push_to_hub:
+        raise CLIError(f"{', '.join(push_only)} only apply to an upload: add --push-to-hub USER/REPO")
+    hub = _hub_module() if args.push_to_hub or args.input.startswith(HUB_REF_PREFIX) else None
+
+    source: str | os.PathLike = args.input
+    base_model = None
+    if args.input.startswith(HUB_REF_PREFIX):
+        if args.output is None:
+            raise CLIError(f"give an output path: szconvert {args.input} ./out")
+        ref = hub.parse_hub_ref(args.input)
+        base_model = ref.repo_id
+        source = hub.download_safetensors_repo(ref, token=args.token)
+
+    report = convert(source, args.output, device=args.device, overwrite=args.overwrite,
+                     progress=show_progress(args))
+    if not args.quiet:
+        print_lines([f"Wrote {report.output}"] + report.summary())
+    if args.push_to_hub:
+        commit = hub.push_to_hub(Path(report.output), args.push_to_hub, private=args.private or None,
+                                 revision=args.revision, commit_message=args.commit_message, token=args.token,
+                                 base_model=base_model)
+        if not args.quiet:
+            print(f"Pushed to {commit.commit_url}")
+    return 0
+
+
+def _hub_module():
+    """The Hub module, checked before any work, so a missing one does not waste a conversion."""
+    try:
+        from .. import hub
+    except ImportError as e:
+        raise CLIError(f"Hub support is not available in this installation ({e}); convert locally and upload "
+                       "with 'hf upload'") from None
+    return hub

@@ -1,0 +1,41 @@
+"""``szconvert verify``: check headers and checksums and decode every tensor; exit 1 naming what is bad."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from ..convert import verify
+from ._common import add_quiet, print_lines, show_progress
+
+NAME = "verify"
+
+EXAMPLES = """\
+examples:
+  szconvert verify model.szt
+  szconvert verify ./model-szt                      every .szt file and index in the folder
+  szconvert verify model.szt.index.json             the index and the shards it names
+
+Exit status: 0 when everything checks, 1 when anything is wrong (each bad file and tensor is listed).
+"""
+
+
+def register(subparsers: argparse._SubParsersAction) -> None:
+    parser = subparsers.add_parser(
+        NAME, help="check every checksum and decode every tensor", epilog=EXAMPLES,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        description="Verify a .szt file, a *.szt.index.json sharded checkpoint or a converted folder: headers, "
+                    "stored checksums, and every tensor decoded against the checksum of its raw bytes.")
+    parser.add_argument("path", help="a .szt file, a *.szt.index.json or a converted folder")
+    add_quiet(parser)
+    parser.set_defaults(run=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = verify(args.path, progress=show_progress(args))
+    if not report.ok:  # what is wrong goes to stderr, even with --quiet
+        print_lines(report.summary(), file=sys.stderr)
+        return 1
+    if not args.quiet:
+        print_lines(report.summary())
+    return 0

@@ -1,0 +1,191 @@
+"""Batched SplitZip decode: any number of tensors in two kernel launches, driven by a device-side table.
+
+A checkpoint holds hundreds of tensors, many of them small; one or two launches each would cost more than the
+decode. Instead, all payloads sit in one uint8 buffer and all outputs in one BF16 buffer, and a
+:class:`BatchTable` (built once on the host with :func:`build_batch_table`, then copied to the device) says where each
+tensor's payload and output are. The dense launch has one program per tile of any tensor; a tile-owner array maps the
+program to its tensor. The escape launch has one program per block of escapes, mapped the same way. Both run the
+per-tile functions of :mod:`._decode`, so single and batched decoding cannot drift apart.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from ..codebook import Codebook
+from ..layout import PayloadLayout
+from ._common import check_aligned, check_device, codebook_words, on_stream, tl, triton
+from ._decode import DECODE_WARPS, ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes
+
+__all__ = ["BatchTable", "build_batch_table", "decode_batch"]
+
+PAYLOAD_ALIGNMENT = 16
+"""Payload offsets into the batch buffer are multiples of this (bytes): the kernels load whole 16-byte vectors."""
+OUTPUT_ALIGNMENT = 8
+"""Output offsets are multiples of this many elements (16 bytes), for the same reason."""
+
+# Columns of the descriptor table (int64, one row per tensor).
+_PAY, _N, _NESC, _OUT, _SM, _CID, _LUT01, _LUT23, _CHUNK, _TILE0, _ESC0 = (tl.constexpr(i) for i in range(11))
+_WIDTH = tl.constexpr(12)
+
+
+@dataclass(frozen=True)
+class BatchTable:
+    """Where each tensor of a batch lives, on the device, plus the host-side sizes launches and checks need.
+
+    ``descriptors`` is int64 ``[count, 12]``: payload offset (bytes), n, n_esc, output offset (elements), sm and
+    chunk-id stream offsets, the codebook as two int64 (16 exponent bytes, little-endian), chunk size, first tile,
+    first escape block. ``tile_owner`` and ``escape_owner`` (int32) map each program of the two launches to a row.
+    """
+
+    descriptors: torch.Tensor
+    tile_owner: torch.Tensor
+    escape_owner: torch.Tensor
+    payload_bytes: int
+    """The batch payload buffer must hold at least this many bytes."""
+    output_elements: int
+    """The batch output buffer must hold at least this many elements."""
+
+    @property
+    def count(self) -> int:
+        return self.descriptors.shape[0]
+
+    @property
+    def launches(self) -> int:
+        """Kernel launches one :func:`decode_batch` call makes: at most two, whatever the tensor count."""
+        return int(self.tile_owner.numel() > 0) + int(self.escape_owner.numel() > 0)
+
+
+def _packed_codebook(codebook: Codebook) -> tuple[int, int]:
+    """The four int32 codebook words as two int64 (low word first), the way the kernel unpacks them."""
+    w0, w1, w2, w3 = ((w + (1 << 32)) % (1 << 32) for w in codebook_words(codebook))
+    signed = lambda v: v - (1 << 64) if v >= 1 << 63 else v  # noqa: E731
+    return signed(w0 | (w1 << 32)), signed(w2 | (w3 << 32))
+
+
+def build_batch_table(
+    entries: Iterable[tuple[PayloadLayout, Codebook, int, int]],
+    *,
+    device: torch.device | str,
+) -> BatchTable:
+    """Describe a batch: one ``(layout, codebook, payload_offset, output_offset)`` per tensor.
+
+    Args:
+        entries: ``payload_offset`` is in bytes into the batch payload buffer (a multiple of 16);
+            ``output_offset`` in elements into the batch output buffer (a multiple of 8). Outputs must not overlap.
+        device (`torch.device` or `str`): where the table goes (the device of the buffers it will decode).
+
+    Returns:
+        `BatchTable`: reusable for every decode of the same batch layout.
+
+    Raises:
+        ValueError: an offset is misaligned or negative, or two outputs overlap.
+    """
+    rows: list[list[int]] = []
+    tile_owner: list[int] = []
+    escape_owner: list[int] = []
+    payload_end = output_end = 0
+    for index, (layout, codebook, pay_off, out_off) in enumerate(entries):
+        if pay_off < 0 or pay_off % PAYLOAD_ALIGNMENT:
+            raise ValueError(f"entry {index}: payload offset {pay_off} is not a non-negative multiple of "
+                             f"{PAYLOAD_ALIGNMENT}")
+        if out_off < 0 or out_off % OUTPUT_ALIGNMENT:
+            raise ValueError(f"entry {index}: output offset {out_off} is not a non-negative multiple of "
+                             f"{OUTPUT_ALIGNMENT} elements")
+        tiles = triton.cdiv(layout.n_pairs, ROWS * 4)
+        escape_blocks = triton.cdiv(layout.n_esc, ESCAPE_BLOCK)
+        lut01, lut23 = _packed_codebook(codebook)
+        rows.append([pay_off, layout.n, layout.n_esc, out_off, layout.off_sm, layout.off_cid, lut01, lut23,
+                     layout.chunk_size, len(tile_owner), len(escape_owner), 0])
+        tile_owner += [index] * tiles
+        escape_owner += [index] * escape_blocks
+        payload_end = max(payload_end, pay_off + layout.comp_bytes)
+        output_end = max(output_end, out_off + layout.n)
+    spans = sorted((row[_OUT.value], row[_OUT.value] + row[_N.value]) for row in rows if row[_N.value])
+    for (_, end), (start, _) in zip(spans, spans[1:]):
+        if start < end:
+            raise ValueError(f"outputs overlap: one ends at element {end}, the next starts at {start}")
+    return BatchTable(
+        descriptors=torch.tensor(rows, dtype=torch.int64).reshape(-1, _WIDTH.value).to(device),
+        tile_owner=torch.tensor(tile_owner, dtype=torch.int32).to(device),
+        escape_owner=torch.tensor(escape_owner, dtype=torch.int32).to(device),
+        payload_bytes=payload_end,
+        output_elements=output_end,
+    )
+
+
+@triton.jit
+def _row(desc_ptr, owner_ptr):
+    """The descriptor row of the tensor that owns this program."""
+    return desc_ptr + tl.load(owner_ptr + tl.program_id(0)).to(tl.int64) * _WIDTH
+
+
+@triton.jit
+def _decode_batch_kernel(pay_ptr, out_ptr, desc_ptr, owner_ptr, ROWS: tl.constexpr):
+    row = _row(desc_ptr, owner_ptr)
+    lut01 = tl.load(row + _LUT01)
+    lut23 = tl.load(row + _LUT23)
+    _decode_tile(
+        pay_ptr + tl.multiple_of(tl.load(row + _PAY), 16),
+        tl.multiple_of(tl.load(row + _SM), 4),
+        out_ptr + tl.multiple_of(tl.load(row + _OUT), 8),
+        tl.load(row + _N),
+        tl.program_id(0) - tl.load(row + _TILE0),
+        lut01.to(tl.int32), (lut01 >> 32).to(tl.int32), lut23.to(tl.int32), (lut23 >> 32).to(tl.int32),
+        ROWS,
+    )
+
+
+@triton.jit
+def _escape_batch_kernel(pay_ptr, out_ptr, desc_ptr, owner_ptr, BLOCK: tl.constexpr):
+    row = _row(desc_ptr, owner_ptr)
+    first = (tl.program_id(0) - tl.load(row + _ESC0)) * BLOCK
+    _fix_escapes(pay_ptr + tl.load(row + _PAY), tl.load(row + _SM), tl.load(row + _CID), out_ptr + tl.load(row + _OUT),
+                 tl.load(row + _N), tl.load(row + _NESC), tl.load(row + _CHUNK), first, BLOCK)
+
+
+def decode_batch(
+    payloads: torch.Tensor,
+    table: BatchTable,
+    *,
+    out: torch.Tensor | None = None,
+    stream: "torch.cuda.Stream | None" = None,
+) -> torch.Tensor:
+    """Decode every tensor a :class:`BatchTable` describes, in at most two launches.
+
+    Args:
+        payloads (`torch.Tensor`): flat uint8 CUDA tensor, 16-byte aligned, of at least ``table.payload_bytes``.
+        table (`BatchTable`): from :func:`build_batch_table`, on the same device.
+        out (`torch.Tensor`, *optional*): flat contiguous bfloat16 tensor, 16-byte aligned, of at least
+            ``table.output_elements`` elements; elements no entry covers are left as they are.
+        stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default.
+
+    Returns:
+        `torch.Tensor`: ``out``, or a new flat bfloat16 tensor of ``table.output_elements`` elements.
+    """
+    device = check_device(payloads, table.descriptors)
+    if payloads.dtype != torch.uint8 or payloads.dim() != 1 or not payloads.is_contiguous():
+        raise ValueError("payloads must be a flat contiguous uint8 tensor")
+    if payloads.numel() < table.payload_bytes:
+        raise ValueError(f"payloads hold {payloads.numel()} bytes, the table reads up to {table.payload_bytes}")
+    if out is None:
+        with on_stream(stream, device):
+            out = torch.empty(table.output_elements, dtype=torch.bfloat16, device=device)
+    elif (out.dtype != torch.bfloat16 or out.dim() != 1 or not out.is_contiguous() or out.device != device
+          or out.numel() < table.output_elements):
+        raise ValueError(f"out must be a flat contiguous bfloat16 tensor of at least {table.output_elements} "
+                         f"elements on {device}")
+    check_aligned(payloads, 16, "payloads")
+    check_aligned(out, 16, "out")
+    bits = out.view(torch.int16)
+    with on_stream(stream, device):
+        if table.tile_owner.numel():
+            _decode_batch_kernel[(table.tile_owner.numel(),)](payloads, bits, table.descriptors, table.tile_owner,
+                                                              ROWS=ROWS, num_warps=DECODE_WARPS)
+        if table.escape_owner.numel():
+            _escape_batch_kernel[(table.escape_owner.numel(),)](payloads, bits, table.descriptors,
+                                                                table.escape_owner, BLOCK=ESCAPE_BLOCK, num_warps=4)
+    return out

@@ -1,0 +1,266 @@
+"""SplitZip encode on the GPU, byte for byte the payload of :func:`..cpu.encode`.
+
+Four steps, all on one stream:
+
+1. histogram: a persistent kernel counts the 256 exponent bytes (shared-memory histograms, spread over ``SUB``
+   copies so that equal exponents in one warp do not all hit one counter), then adds its counts to a global
+   int64 histogram;
+2. calibration: one program picks the Top-16 with the reference's tie rule (most frequent first, then smaller
+   exponent) by ranking ``count * 256 + (255 - exponent)``, and writes the encode table and ``n_esc``. The host
+   reads these 19 numbers back: this is the one synchronisation, needed to size the payload;
+3. pack: one program per tile of 8192 elements writes ``pk`` and ``sm`` and the number of escapes of each
+   1024-element chunk (program 0 also zeroes the alignment gaps, as the reference leaves them);
+4. escapes: after an exclusive prefix sum of the chunk counts, only chunks that hold escapes are read again, and
+   each writes its escapes (chunk id, local position, exponent) at its offset, in ascending element order.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..codebook import Codebook
+from ..layout import CHUNK_SIZE, ESCAPE_CODE, PayloadLayout
+from ._common import check_device, interpreting, on_stream, program_slots, tl, triton
+
+__all__ = ["encode", "encode_to_host"]
+
+PACK_ROWS = 1024
+"""Rows of four element pairs per pack program: 8192 elements, eight chunks."""
+HISTOGRAM_ROWS = 512
+HISTOGRAM_SUB = 8
+"""Copies of each shared-memory histogram bin; lanes of a warp spread over them."""
+HISTOGRAM_PROGRAMS_PER_SM = 4
+
+_ESCAPE = tl.constexpr(ESCAPE_CODE)
+
+
+@triton.jit
+def _load_pairs(x_ptr, n, first, ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """Element pairs ``[first, first + 4 * ROWS)`` as int32 words (first element in the low half); elements past
+    ``n`` read as 0 on the masked path."""
+    pair = first + (tl.arange(0, ROWS)[:, None] * 4 + tl.arange(0, 4)[None, :])
+    if MASKED:
+        low = tl.load(x_ptr + 2 * pair, mask=2 * pair < n, other=0).to(tl.int32) & 0xFFFF
+        high = tl.load(x_ptr + 2 * pair + 1, mask=2 * pair + 1 < n, other=0).to(tl.int32)
+        words = low | (high << 16)
+    else:
+        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pair)
+    return pair, words
+
+
+@triton.jit
+def _tile_histogram(words, ROWS: tl.constexpr, SUB: tl.constexpr):
+    """Counts of both exponents of every word, in ``256 * SUB`` bins (bin ``exponent * SUB + row % SUB``)."""
+    spread = tl.broadcast_to((tl.arange(0, ROWS) % SUB)[:, None], [ROWS, 4])
+    first = tl.reshape(((words >> 7) & 0xFF) * SUB + spread, [ROWS * 4])
+    second = tl.reshape(((words >> 23) & 0xFF) * SUB + spread, [ROWS * 4])
+    return tl.histogram(first, 256 * SUB) + tl.histogram(second, 256 * SUB)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, SUB: tl.constexpr):
+    PAIRS: tl.constexpr = ROWS * 4
+    pid = tl.program_id(0)
+    programs = tl.num_programs(0)
+    full_tiles = n // (2 * PAIRS)
+    counts = tl.zeros([256 * SUB], dtype=tl.int32)
+    for tile in range(pid, full_tiles, programs):
+        _, words = _load_pairs(x_ptr, n, tl.cast(tile, tl.int64) * PAIRS, ROWS, False)
+        counts += _tile_histogram(words, ROWS, SUB)
+    tail = full_tiles.to(tl.int64) * PAIRS  # first pair of the partial tile, if any
+    owns_tail = (pid == programs - 1) & (2 * tail < n)
+    if owns_tail:
+        _, words = _load_pairs(x_ptr, n, tail, ROWS, True)
+        counts += _tile_histogram(words, ROWS, SUB)
+    histogram = tl.sum(tl.reshape(counts, [256, SUB]), axis=1).to(tl.int64)
+    exponent = tl.arange(0, 256)
+    padding = 2 * (tail + PAIRS) - n  # elements past n in the partial tile: read as 0, counted as exponent 0
+    histogram -= tl.where((exponent == 0) & owns_tail, padding, 0)
+    tl.atomic_add(hist_ptr + exponent, histogram)
+
+
+@triton.jit(do_not_specialize=["n"])
+def _calibrate_kernel(hist_ptr, n, info_ptr, enc_ptr):
+    """Top-16 of the histogram: ``info = [n_used, covered, n_esc, dec_lut[0..15]]``, ``enc[exponent] -> code``."""
+    exponent = tl.arange(0, 256)
+    count = tl.load(hist_ptr + exponent)
+    rank_key = tl.where(count > 0, count * 256 + (255 - exponent), -1)  # unique: ties go to the smaller exponent
+    enc = tl.full([256], _ESCAPE, dtype=tl.int32)
+    covered = tl.full([], 0, dtype=tl.int64)
+    n_used = tl.full([], 0, dtype=tl.int64)
+    for code in tl.static_range(16):
+        best = tl.max(rank_key, axis=0)
+        used = best >= 0
+        chosen = 255 - (best & 255)
+        hit = (exponent == chosen) & used
+        enc = tl.where(hit, code, enc)
+        covered += tl.sum(tl.where(hit, count, 0), axis=0)
+        n_used += used.to(tl.int64)
+        tl.store(info_ptr + 3 + code, tl.where(used, chosen, 0))
+        rank_key = tl.where(hit, -1, rank_key)
+    tl.store(info_ptr, n_used)
+    tl.store(info_ptr + 1, covered)
+    tl.store(info_ptr + 2, n - covered)
+    tl.store(enc_ptr + exponent, enc)
+
+
+@triton.jit
+def _zero_gap(pay_ptr, start, end):
+    """Zero the alignment padding ``[start, end)`` (under 4 bytes), as the reference payload has it."""
+    offset = start + tl.arange(0, 4)
+    tl.store(pay_ptr + offset, tl.zeros([4], dtype=tl.uint8), mask=offset < end)
+
+
+@triton.jit
+def _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS: tl.constexpr, MASKED: tl.constexpr):
+    """``pk`` and ``sm`` of one tile, and its number of escapes per 1024-element chunk."""
+    pair, words = _load_pairs(x_ptr, n, tile * ROWS * 4, ROWS, MASKED)
+    code0 = tl.reshape(tl.gather(enc, tl.reshape((words >> 7) & 0xFF, [ROWS * 4]), 0), [ROWS, 4])
+    code1 = tl.reshape(tl.gather(enc, tl.reshape((words >> 23) & 0xFF, [ROWS * 4]), 0), [ROWS, 4])
+    packed = ((code0 & 15) << 4) | (code1 & 15)
+    sm = (words & 0x7F) | ((words >> 8) & 0x80) | ((words >> 8) & 0x7F00) | ((words >> 16) & 0x8000)
+    escaped0 = code0 == _ESCAPE
+    escaped1 = code1 == _ESCAPE
+    sm16 = (pay_ptr + off_sm).to(tl.pointer_type(tl.int16))
+    if MASKED:
+        has_first = 2 * pair < n
+        has_second = 2 * pair + 1 < n
+        escaped0 = escaped0 & has_first
+        escaped1 = escaped1 & has_second
+        packed = tl.where(has_second, packed, packed & 0xF0)  # odd n: the last low nibble is padding
+        tl.store(pay_ptr + pair, packed.to(tl.uint8), mask=has_first)
+        tl.store(sm16 + pair, sm.to(tl.int16), mask=has_second)
+        tl.store(pay_ptr + off_sm + 2 * pair, sm.to(tl.uint8), mask=has_first & ~has_second)
+    else:
+        tl.store(pay_ptr + pair, packed.to(tl.uint8))
+        tl.store(sm16 + pair, sm.to(tl.int16))
+    CHUNKS: tl.constexpr = ROWS // 128  # 1024 elements = 128 rows of 4 pairs
+    escapes = escaped0.to(tl.int32) + escaped1.to(tl.int32)
+    per_chunk = tl.sum(tl.reshape(escapes, [CHUNKS, 512]), axis=1)
+    tl.store(counts_ptr + tile * CHUNKS + tl.arange(0, CHUNKS), per_chunk)
+
+
+@triton.jit(do_not_specialize=["n", "n_esc"])
+def _pack_kernel(x_ptr, pay_ptr, enc_ptr, counts_ptr, n, n_esc, off_sm, ROWS: tl.constexpr):
+    tile = tl.program_id(0).to(tl.int64)
+    enc = tl.load(enc_ptr + tl.arange(0, 256))
+    if (tile + 1) * ROWS * 8 <= n:
+        _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS, False)
+    else:
+        _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS, True)
+    if tile == 0:
+        off_cid = (off_sm + n + 3) // 4 * 4
+        off_lpos_end = off_cid + 6 * n_esc
+        _zero_gap(pay_ptr, (n + 1) // 2, off_sm)
+        _zero_gap(pay_ptr, off_sm + n, off_cid)
+        _zero_gap(pay_ptr, off_lpos_end, (off_lpos_end + 3) // 4 * 4)
+
+
+@triton.jit(do_not_specialize=["n", "n_esc", "off_cid"])
+def _escape_write_kernel(x_ptr, pay_ptr, enc_ptr, counts_ptr, starts_ptr, n, n_esc, off_cid, CHUNKS: tl.constexpr,
+                         CHUNK: tl.constexpr):
+    """Escapes of the chunks of one tile, each at its chunk's offset in the escape streams; chunks without escapes
+    are not read."""
+    cid = (pay_ptr + off_cid).to(tl.pointer_type(tl.int32))
+    lpos = (pay_ptr + off_cid + 4 * n_esc).to(tl.pointer_type(tl.int16))
+    ev = pay_ptr + (off_cid + 6 * n_esc + 3) // 4 * 4
+    for k in tl.static_range(CHUNKS):
+        chunk = tl.program_id(0).to(tl.int64) * CHUNKS + k
+        if tl.load(counts_ptr + chunk) > 0:
+            local = tl.arange(0, CHUNK)
+            index = chunk * CHUNK + local
+            live = index < n
+            exponent = (tl.load(x_ptr + index, mask=live, other=0).to(tl.int32) >> 7) & 0xFF
+            escaped = live & (tl.load(enc_ptr + exponent) == _ESCAPE)
+            flag = escaped.to(tl.int32)
+            slot = tl.load(starts_ptr + chunk) + tl.cumsum(flag, axis=0) - flag
+            tl.store(cid + slot, tl.full([CHUNK], 0, tl.int32) + chunk.to(tl.int32), mask=escaped)
+            tl.store(lpos + slot, local.to(tl.int16), mask=escaped)
+            tl.store(ev + slot, exponent.to(tl.uint8), mask=escaped)
+
+
+def _calibrated(hist: torch.Tensor, n: int, device: torch.device) -> tuple[Codebook, int, torch.Tensor]:
+    """Top-16 on the device; the host reads back the codebook and ``n_esc`` (the encoder's one synchronisation)."""
+    info = torch.empty(19, dtype=torch.int64, device=device)
+    enc = torch.empty(256, dtype=torch.int32, device=device)
+    _calibrate_kernel[(1,)](hist, n, info, enc)
+    n_used, covered, n_esc, *dec_lut = info.tolist()
+    codebook = Codebook(dec_lut=tuple(dec_lut), n_used=n_used, coverage=covered / n if n else 1.0)
+    return codebook, n_esc, enc
+
+
+def _with_codebook(hist: torch.Tensor, n: int, codebook: Codebook, device: torch.device) -> tuple[int, torch.Tensor]:
+    """``n_esc`` and the encode table for a codebook chosen by the caller (one synchronisation too)."""
+    used = torch.tensor(codebook.dec_lut[: codebook.n_used], dtype=torch.int64, device=device)
+    n_esc = n - int(hist.index_select(0, used).sum()) if codebook.n_used else n
+    return n_esc, codebook.encode_lut().to(device=device, dtype=torch.int32)
+
+
+def encode(
+    x: torch.Tensor,
+    codebook: Codebook | None = None,
+    *,
+    stream: "torch.cuda.Stream | None" = None,
+) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
+    """Encode a BF16 tensor on the GPU; the payload bytes equal those of :func:`..cpu.encode` on the same tensor.
+
+    Args:
+        x (`torch.Tensor`): bfloat16 CUDA tensor of any shape (a non-contiguous or misaligned one is copied first).
+        codebook (`Codebook`, *optional*): use this codebook instead of calibrating one.
+        stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default. The host waits
+            once, for the codebook and the escape count that size the payload.
+
+    Returns:
+        `tuple`: ``(payload, layout, codebook)``; ``payload`` is a uint8 tensor of ``layout.comp_bytes`` on ``x``'s
+        device.
+    """
+    if x.dtype != torch.bfloat16:
+        raise TypeError(f"SplitZip encodes bfloat16 tensors only, got {x.dtype}")
+    device = check_device(x)
+    with on_stream(stream, device):
+        bits = x.detach().contiguous().reshape(-1).view(torch.int16)
+        if bits.data_ptr() % 4:
+            bits = bits.clone()
+        n = bits.numel()
+        hist = torch.zeros(256, dtype=torch.int64, device=device)
+        if n:
+            programs = min(program_slots(device, HISTOGRAM_PROGRAMS_PER_SM), triton.cdiv(n, HISTOGRAM_ROWS * 8))
+            _histogram_kernel[(programs,)](bits, hist, n, ROWS=HISTOGRAM_ROWS, SUB=HISTOGRAM_SUB, num_warps=8)
+        if codebook is None:
+            codebook, n_esc, enc = _calibrated(hist, n, device)
+        else:
+            n_esc, enc = _with_codebook(hist, n, codebook, device)
+        layout = PayloadLayout(n=n, n_esc=n_esc)
+        payload = torch.empty(layout.comp_bytes, dtype=torch.uint8, device=device)
+        if n:
+            tiles = triton.cdiv(n, PACK_ROWS * 8)
+            counts = torch.empty(tiles * (PACK_ROWS // 128), dtype=torch.int32, device=device)
+            _pack_kernel[(tiles,)](bits, payload, enc, counts, n, n_esc, layout.off_sm, ROWS=PACK_ROWS, num_warps=8)
+        if n_esc:
+            starts = torch.cumsum(counts, 0) - counts
+            _escape_write_kernel[(tiles,)](bits, payload, enc, counts, starts, n, n_esc, layout.off_cid,
+                                           CHUNKS=PACK_ROWS // 128, CHUNK=CHUNK_SIZE, num_warps=4)
+    return payload, layout, codebook
+
+
+def encode_to_host(
+    x: torch.Tensor,
+    codebook: Codebook | None = None,
+    *,
+    device: torch.device | str | None = None,
+) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
+    """Encode on a GPU, return the payload in host memory: what a converter writes to a file.
+
+    Args:
+        x (`torch.Tensor`): bfloat16 tensor on the CPU or a GPU; a CPU tensor is copied to ``device`` first.
+        codebook (`Codebook`, *optional*): as for :func:`encode`.
+        device (`torch.device` or `str`, *optional*): the GPU to encode on when ``x`` is on the CPU (``"cuda"``
+            by default).
+
+    Returns:
+        `tuple`: ``(payload, layout, codebook)`` exactly as :func:`..cpu.encode` returns them, ``payload`` on the CPU.
+    """
+    if x.device.type == "cpu" and not interpreting():
+        x = x.to(device or "cuda")
+    payload, layout, codebook = encode(x, codebook)
+    return payload.cpu(), layout, codebook

@@ -1,0 +1,171 @@
+"""What a checkpoint path holds, and how its converted twin is laid out.
+
+A path is one weight file, a sharded index (``*.safetensors.index.json`` or ``*.szt.index.json``) with its
+shards, or a model folder. A folder is converted file by file, sub-folders included (a diffusers pipeline keeps
+its ``transformer/``, ``text_encoder/``... layout): weight files change suffix, indexes are rewritten to name the
+new shards, every other file (config, tokenizer, model card) is copied; hidden files and folders (``.git``,
+``.cache``) are left out. The same code serves both directions, ``.safetensors -> .szt`` and back.
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+import shutil
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Mapping
+
+from ..errors import ConversionError
+from .atomic import atomic_directory, check_output
+from .index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
+
+WriteWeights = Callable[[Path, Path], None]
+"""Writes the converted twin of one weight file: ``(source, destination)``."""
+
+
+@dataclass(frozen=True)
+class CheckpointFiles:
+    """The files of a checkpoint as paths relative to ``root`` (POSIX separators), sorted.
+
+    ``source`` is the path as given; ``single_file`` is true when it named one weight file: its output is a file,
+    not a folder.
+    """
+
+    source: Path
+    root: Path
+    single_file: bool
+    weights: tuple[str, ...]
+    indexes: tuple[str, ...]
+    others: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """A checkpoint ready to convert: raw tensor sizes of each weight file, validated indexes, other files."""
+
+    files: CheckpointFiles
+    sizes: dict[str, dict[str, int]]
+    indexes: dict[str, ShardIndex]
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(sum(s.values()) for s in self.sizes.values())
+
+
+def renamed(name: str, old_suffix: str, new_suffix: str) -> str:
+    """``model-00001-of-00002.safetensors`` -> ``model-00001-of-00002.szt``, and likewise for index names."""
+    for tail in (old_suffix + INDEX_TAIL, old_suffix):
+        if name.endswith(tail):
+            return name[: -len(tail)] + new_suffix + tail[len(old_suffix):]
+    return name
+
+
+def find_files(path: str | os.PathLike, suffix: str) -> CheckpointFiles:
+    """List the files of the checkpoint at ``path`` whose weight files end with ``suffix``.
+
+    Raises:
+        FileNotFoundError: ``path`` does not exist.
+        ConversionError: ``path`` is not a weight file, an index or a folder holding weight files; or an index
+            names a shard that is missing.
+    """
+    path = Path(path)
+    if path.is_dir():
+        return _find_in_folder(path, suffix)
+    if not path.exists():
+        raise FileNotFoundError(errno.ENOENT, "no such file or folder", str(path))
+    if path.name.endswith(suffix + INDEX_TAIL):
+        index = read_index(path)
+        for shard in index.shard_names():
+            if not (path.parent / shard).is_file():
+                raise ConversionError(f"the index names shard {shard!r}, which is missing", path=path)
+        return CheckpointFiles(path, path.parent, False, tuple(sorted(index.shard_names())), (path.name,), ())
+    if path.name.endswith(suffix):
+        return CheckpointFiles(path, path.parent, True, (path.name,), (), ())
+    raise ConversionError(f"expected a {suffix} file, a *{suffix}{INDEX_TAIL} index or a model folder", path=path)
+
+
+def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
+    weights, indexes, others = [], [], []
+    for directory, subdirs, names in os.walk(folder):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in sorted(names):
+            full = Path(directory, name)
+            if name.startswith(".") or not full.is_file():
+                continue
+            rel = full.relative_to(folder).as_posix()
+            if name.endswith(suffix + INDEX_TAIL):
+                indexes.append(rel)
+            elif name.endswith(suffix):
+                weights.append(rel)
+            else:
+                others.append(rel)
+    if not weights:
+        raise ConversionError(f"folder holds no {suffix} file", path=folder)
+    return CheckpointFiles(folder, folder, False, tuple(weights), tuple(indexes), tuple(others))
+
+
+def open_checkpoint(path: str | os.PathLike, suffix: str,
+                    read_sizes: Callable[[Path], dict[str, int]]) -> Checkpoint:
+    """Find the files of a checkpoint, read each weight file's header and check each index against its shards.
+
+    ``read_sizes`` returns the raw byte size of each tensor of a weight file (and validates its header), so a bad
+    file anywhere is refused before any output exists.
+    """
+    files = find_files(path, suffix)
+    sizes = {rel: read_sizes(files.root / rel) for rel in files.weights}
+    indexes = {}
+    for rel in files.indexes:
+        index = read_index(files.root / rel)
+        check_index(index, files.root / rel, sizes, rel)
+        indexes[rel] = index
+    return Checkpoint(files, sizes, indexes)
+
+
+def default_output(path: str | os.PathLike, old_suffix: str, new_suffix: str) -> Path | None:
+    """The output a single weight file converts to when none is given (beside it); ``None`` for anything else."""
+    path = Path(path)
+    if path.name.endswith(old_suffix) and not path.is_dir():
+        return path.with_name(renamed(path.name, old_suffix, new_suffix))
+    return None
+
+
+def write_checkpoint(checkpoint: Checkpoint, target: str | os.PathLike, *, old_suffix: str, new_suffix: str,
+                     write_weights: WriteWeights, overwrite: bool = False) -> None:
+    """Produce the converted twin of ``checkpoint`` at ``target``, atomically.
+
+    A single weight file becomes a single file (``write_weights`` writes it atomically); anything else becomes a
+    folder, built in a temporary folder beside ``target`` and renamed at the end.
+    """
+    files = checkpoint.files
+    target = Path(target)
+    _refuse_overlap(files.source, target)
+    if files.single_file:
+        check_output(target, overwrite=overwrite)
+        write_weights(files.root / files.weights[0], target)
+        return
+    rename = lambda name: renamed(name, old_suffix, new_suffix)  # noqa: E731
+    with atomic_directory(target, overwrite=overwrite) as tmp:
+        for rel in files.weights:
+            destination = tmp / rename(rel)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            write_weights(files.root / rel, destination)
+        for rel, index in checkpoint.indexes.items():
+            shards = {shard_path(rel, s) for s in index.shard_names()}
+            total = sum(sum(checkpoint.sizes[s].values()) for s in shards)
+            destination = tmp / rename(rel)
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            write_index(destination, index.renamed(rename, total))
+        for rel in files.others:
+            destination = tmp / rel
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(files.root / rel, destination)
+
+
+def _refuse_overlap(source: Path, target: Path) -> None:
+    """The output must not be the input, hold it, or lie inside an input folder: it would be read while written,
+    or replaced with the input still in it."""
+    source, resolved = source.resolve(), target.resolve()
+    if resolved == source or resolved in source.parents or (source.is_dir() and source in resolved.parents):
+        raise ConversionError(f"the output {str(target)!r} overlaps the input; choose a path outside it",
+                              path=source)

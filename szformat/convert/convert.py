@@ -1,0 +1,92 @@
+"""The conversion driver: .safetensors (a file, a sharded index or a model folder) to .szt, streaming and atomic.
+
+Tensors are read one at a time from a mapping of the source, encoded, decoded again and compared bit for bit with
+the source (the gate does it), then appended to the output; the source pages are released after each tensor, so
+memory stays near the size of the largest tensor. Every output appears whole or not at all. The same input always
+gives the same bytes: tensors keep the source's data order, codebooks break ties deterministically, and nothing
+time- or machine-dependent is stored.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from pathlib import Path
+
+import torch
+
+from ..api import write_tensor
+from ..codec.gate import CodecBackend
+from ..errors import ConversionError
+from ..format import constants as C
+from ..format.writer import SztWriter
+from .checkpoint import default_output, open_checkpoint, write_checkpoint
+from .device import codec_for
+from .progress import progress_bar
+from .report import ConversionReport, TensorRecord
+from .sources import SUFFIX, SafetensorsSource, read_safetensors_header
+
+
+def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, *,
+            device: str | torch.device = "cpu", backend: CodecBackend | None = None, overwrite: bool = False,
+            alignment: int = C.DEFAULT_ALIGNMENT, progress: bool = False) -> ConversionReport:
+    """Convert a safetensors checkpoint to szformat.
+
+    Args:
+        source (`str` or `os.PathLike`): a ``.safetensors`` file, a ``*.safetensors.index.json`` sharded index, or
+            a model folder (sub-folders included).
+        target (`str` or `os.PathLike`, *optional*): the ``.szt`` file for a single file (default: beside it, with
+            the ``.szt`` suffix), else the output folder (required).
+        device (`str` or `torch.device`, *optional*): where to encode: ``"cpu"`` (default) or ``"cuda"``; the
+            bytes are the same.
+        backend (*optional*): a codec object with ``encode(x)`` and ``decode(payload, layout, codebook)`` to use
+            instead of the one ``device`` selects.
+        overwrite (`bool`, *optional*): replace an existing output.
+        alignment (`int`, *optional*): payload alignment of the .szt files (4096 by default).
+        progress (`bool`, *optional*): show a progress bar on stderr.
+
+    Returns:
+        `ConversionReport`: every tensor written, with its encoding and sizes, and the wall time.
+
+    Raises:
+        FileNotFoundError: ``source`` does not exist.
+        FileExistsError: the output exists and ``overwrite`` is false.
+        ConversionError: an input is malformed or holds something .szt cannot store.
+        RoundTripError: a tensor did not decode bit for bit (nothing is written).
+        WriteError: the output cannot be written (nothing is left behind).
+        DecodeRouteError: ``device`` cannot encode (no CUDA, no Triton).
+
+    Example:
+        >>> convert("model.safetensors")  # writes model.szt  # doctest: +SKIP
+        >>> convert("Llama-3.2-1B/", "Llama-3.2-1B-szt/", device="cuda")  # doctest: +SKIP
+    """
+    started = time.perf_counter()
+    codec, device = (backend, torch.device(device)) if backend is not None else codec_for(device)
+    checkpoint = open_checkpoint(source, SUFFIX, lambda path: read_safetensors_header(path).sizes)
+    target = _target(source, target)
+    report = ConversionReport(output=Path(target), files_copied=len(checkpoint.files.others))
+    with progress_bar(checkpoint.raw_bytes, enabled=progress, description="converting") as bar:
+        def write_weights(src: Path, dst: Path) -> None:
+            name = src.relative_to(checkpoint.files.root).as_posix()
+            with SafetensorsSource(src) as reader, SztWriter(dst, metadata=reader.metadata,
+                                                             alignment=alignment) as writer:
+                for tensor, raw in reader.tensors():
+                    entry = write_tensor(writer, tensor.name, tensor.dtype, tensor.shape, raw, backend=codec,
+                                         device=device)
+                    report.records.append(TensorRecord.from_entry(name, entry))
+                    bar.update(tensor.nbytes)
+            report.files_written += 1
+
+        write_checkpoint(checkpoint, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
+                         write_weights=write_weights, overwrite=overwrite)
+    report.seconds = time.perf_counter() - started
+    return report
+
+
+def _target(source: str | os.PathLike, target: str | os.PathLike | None) -> Path:
+    if target is not None:
+        return Path(target)
+    default = default_output(source, SUFFIX, C.FILE_SUFFIX)
+    if default is None:
+        raise ConversionError("an index or a folder converts to a folder: give the output folder", path=source)
+    return default

@@ -1,0 +1,52 @@
+"""Which codec encodes during a conversion: the CPU reference, or the Triton kernels on a CUDA device.
+
+Both produce the same bytes (the GPU path is tested bit for bit against the CPU one), so the device only changes
+the speed. The GPU module is imported only when asked for, so conversion on the CPU needs neither Triton nor CUDA.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+
+import torch
+
+from ..codec import cpu
+from ..codec.gate import CodecBackend
+from ..errors import DecodeRouteError
+
+GPU_CODEC_MODULES = ("szformat.codec.gpu", "szformat.codec.triton_kernels")
+"""Where the Triton codec may live; the first that exists is used."""
+
+
+def codec_for(device: str | torch.device) -> tuple[CodecBackend | ModuleType, torch.device]:
+    """The codec backend that encodes on ``device`` (``"cpu"`` or ``"cuda[:N]"``), and the device.
+
+    Raises:
+        DecodeRouteError: the device is neither CPU nor CUDA, CUDA is not available, or Triton or the GPU codec is
+            not installed.
+    """
+    try:
+        device = torch.device(device)
+    except RuntimeError as e:
+        raise DecodeRouteError(f"{device!r} is not a device ({e}); use 'cpu' or 'cuda'") from None
+    if device.type == "cpu":
+        return cpu, device
+    if device.type != "cuda":
+        raise DecodeRouteError(f"conversion runs on 'cpu' or 'cuda', not {device.type!r}")
+    if not torch.cuda.is_available():
+        build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
+        raise DecodeRouteError(f"converting on {device} needs a CUDA GPU, and torch {torch.__version__} "
+                               f"({build}) sees none; convert on the CPU instead (same bytes)")
+    try:
+        import triton  # noqa: F401
+    except ImportError:
+        raise DecodeRouteError(f"converting on {device} needs Triton: pip install 'szformat[gpu]'") from None
+    for name in GPU_CODEC_MODULES:
+        try:
+            return importlib.import_module(name), device
+        except ModuleNotFoundError as e:
+            if e.name != name:
+                raise
+    raise DecodeRouteError(f"this szformat has no GPU codec (looked for {', '.join(GPU_CODEC_MODULES)}); "
+                           "convert on the CPU instead (same bytes)")

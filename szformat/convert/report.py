@@ -1,0 +1,143 @@
+"""What a conversion did, tensor by tensor, and the short summary ``szconvert`` prints at the end."""
+
+from __future__ import annotations
+
+import re
+import statistics
+from collections import Counter, defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ..format import constants as C
+from ..format.header import TensorEntry
+
+
+@dataclass(frozen=True)
+class TensorRecord:
+    """One stored tensor: where it is, how it is stored, and how much it takes."""
+
+    file: str
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    encoding: str
+    raw_bytes: int
+    stored_bytes: int
+    coverage: float | None = None
+    n_esc: int | None = None
+    reason: str | None = None
+
+    @classmethod
+    def from_entry(cls, file: str, entry: TensorEntry) -> "TensorRecord":
+        encoded = entry.encoding == C.ENCODING_SPLITZIP
+        return cls(file=file, name=entry.name, dtype=entry.dtype, shape=entry.shape, encoding=entry.encoding,
+                   raw_bytes=entry.raw_length, stored_bytes=entry.length,
+                   coverage=entry.codebook.coverage if encoded and entry.codebook else None,
+                   n_esc=entry.layout.n_esc if encoded and entry.layout else None, reason=entry.raw_reason)
+
+    @property
+    def ratio(self) -> float:
+        """Stored bytes over raw bytes (1.0 for empty tensors)."""
+        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+def reason_group(reason: str | None) -> str:
+    """The reason a tensor is stored raw, without its tensor-specific figures, so that reasons can be counted."""
+    if not reason:
+        return "unknown"
+    return re.sub(r"coverage \d+(\.\d+)?", "coverage", reason)
+
+
+@dataclass
+class ConversionReport:
+    """The output, every tensor written, the files copied and the wall time; ``summary()`` is what the command line
+    prints."""
+
+    output: Path | None = None
+    records: list[TensorRecord] = field(default_factory=list)
+    files_written: int = 0
+    files_copied: int = 0
+    seconds: float = 0.0
+
+    @property
+    def raw_bytes(self) -> int:
+        return sum(r.raw_bytes for r in self.records)
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(r.stored_bytes for r in self.records)
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def encoded(self) -> list[TensorRecord]:
+        return [r for r in self.records if r.encoding == C.ENCODING_SPLITZIP]
+
+    @property
+    def stored_raw(self) -> list[TensorRecord]:
+        return [r for r in self.records if r.encoding == C.ENCODING_RAW]
+
+    @property
+    def megabytes_per_second(self) -> float:
+        """Raw megabytes (10^6 bytes) processed per second of wall time."""
+        return self.raw_bytes / 1e6 / self.seconds if self.seconds > 0 else float("inf")
+
+    def raw_reasons(self) -> list[tuple[str, int, int]]:
+        """``(reason, tensors, raw bytes)`` of the tensors stored raw, most tensors first."""
+        count: Counter[str] = Counter()
+        nbytes: defaultdict[str, int] = defaultdict(int)
+        for r in self.stored_raw:
+            group = reason_group(r.reason)
+            count[group] += 1
+            nbytes[group] += r.raw_bytes
+        return [(group, n, nbytes[group]) for group, n in sorted(count.items(), key=lambda kv: (-kv[1], kv[0]))]
+
+    def summary(self) -> list[str]:
+        """The end report of a conversion: encoded vs raw tensors (and why), ratio, coverage, time, throughput."""
+        encoded, raw = self.encoded, self.stored_raw
+        lines = [
+            f"Converted {len(self.records)} tensors in {self.files_written} file(s)"
+            + (f", copied {self.files_copied} other file(s)" if self.files_copied else ""),
+            f"  encoded   {len(encoded):>6} tensors  {format_bytes(sum(r.raw_bytes for r in encoded)):>10} -> "
+            f"{format_bytes(sum(r.stored_bytes for r in encoded))}",
+            f"  raw       {len(raw):>6} tensors  {format_bytes(sum(r.raw_bytes for r in raw)):>10}",
+        ]
+        lines += [f"    {n:>6} x {reason} ({format_bytes(nbytes)})" for reason, n, nbytes in self.raw_reasons()]
+        lines.append(f"  total     {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)}: ratio "
+                     f"{self.ratio:.4f} ({(1 - self.ratio) * 100:.1f} % smaller)")
+        coverages = [r.coverage for r in encoded if r.coverage is not None]
+        if coverages:
+            lines.append(f"  coverage  min {min(coverages):.4f}, median {statistics.median(coverages):.4f} "
+                         f"(Top-16 exponents, encoded tensors)")
+        lines.append(f"  time      {self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights")
+        return lines
+
+
+    def restored_summary(self) -> list[str]:
+        """The end report of a decompression: tensors and files written, sizes, time, throughput."""
+        copied = f", copied {self.files_copied} other file(s)" if self.files_copied else ""
+        return [f"Decompressed {len(self.records)} tensors in {self.files_written} file(s){copied}",
+                f"  {format_bytes(self.stored_bytes)} stored -> {format_bytes(self.raw_bytes)} raw in "
+                f"{self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights"]
+
+
+def format_bytes(n: int) -> str:
+    """``1234567`` -> ``'1.23 MB'`` (decimal units, as the Hub shows sizes)."""
+    value = float(n)
+    for unit in ("B", "kB", "MB", "GB", "TB"):
+        if value < 1000 or unit == "TB":
+            return f"{int(value)} B" if unit == "B" else f"{value:.2f} {unit}"
+        value /= 1000
+    raise AssertionError("unreachable")
+
+
+def format_table(headers: list[str], rows: list[list[str]], *, right: set[int] = frozenset()) -> list[str]:
+    """Columns padded to their widest cell; columns whose index is in ``right`` are right-aligned."""
+    widths = [max([len(h)] + [len(row[i]) for row in rows]) for i, h in enumerate(headers)]
+
+    def line(cells: list[str]) -> str:
+        return "  ".join(c.rjust(w) if i in right else c.ljust(w) for i, (c, w) in enumerate(zip(cells, widths)))
+
+    return [line(headers).rstrip(), line(["-" * w for w in widths])] + [line(row).rstrip() for row in rows]

@@ -1,0 +1,121 @@
+"""Publish a converted checkpoint (one .szt file, or a converted folder) to a Hub repo in one commit.
+
+Everything that can be checked locally is checked before the first request: the path holds .szt files, each opens
+as a valid .szt file, and every shard a sharded index names is present. Then the repo (and branch) is created if
+needed and all files plus a generated model card go up in a single commit. huggingface_hub compares each file
+with the one already on the branch (sha256 for LFS files, git oid otherwise), uploads only what changed, and makes
+no commit at all when nothing did, so pushing the same folder again is a no-op.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+
+from ..errors import PushError
+from ..format.constants import FILE_SUFFIX
+from .card import carried_metadata, checkpoint_stats, render_model_card
+from .client import library_info
+from .index import DEFAULT_INDEX, is_index_name, read_shard_names
+from .refs import HubRef
+
+DEFAULT_COMMIT_MESSAGE = "Upload szformat checkpoint"
+MODEL_CARD = "README.md"
+
+
+def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None = None, revision: str | None = None,
+                commit_message: str | None = None, token: str | bool | None = None, endpoint: str | None = None,
+                base_model: str | None = None, model_card: bool = True) -> CommitInfo:
+    """Upload a .szt file or a converted folder to a model repo, with a generated model card, in one commit.
+
+    For a folder, every file goes up under its relative path (.szt shards, ``model.szt.index.json``, the copied
+    config and tokenizer files), except hidden files and folders. A ``README.md`` in the folder (typically the
+    source model's card) is replaced by the generated card, which keeps its license fields.
+
+    Args:
+        path (`str` or `os.PathLike`): a .szt file, or a folder holding at least one.
+        repo_id (`str`): ``namespace/name`` of the model repo; created if it does not exist.
+        private (`bool`, *optional*): visibility of a repo this call creates; an existing repo keeps its own.
+        revision (`str`, *optional*): branch to commit to, created from ``main`` if missing; defaults to ``main``.
+        commit_message (`str`, *optional*): summary of the commit.
+        token (`str` or `bool`, *optional*): Hub token; by default huggingface_hub's own lookup (``HF_TOKEN``, then
+            the token saved by ``hf auth login``).
+        endpoint (`str`, *optional*): Hub URL; defaults to huggingface_hub's (``HF_ENDPOINT``).
+        base_model (`str`, *optional*): repo id of the source model, recorded as ``base_model`` in the card.
+        model_card (`bool`, *optional*): generate ``README.md`` (default); with ``False`` a ``README.md`` in the
+            folder goes up unchanged.
+
+    Returns:
+        `CommitInfo`: the commit made, or the branch's current commit when nothing changed.
+
+    Raises:
+        PushError: the path holds no .szt file, or an index names a shard that is not in the folder.
+        FormatError (or a subclass): a .szt file is not valid.
+        huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request (token, permissions).
+
+    Example:
+        >>> push_to_hub("./model-szt", "alice/tiny-szt", base_model="alice/tiny")  # doctest: +SKIP
+    """
+    path = Path(path)
+    files = _files_to_push(path, keep_readme=not model_card)
+    _check_index_shards(path, files)
+    stats = checkpoint_stats(local for name, local in files.items() if name.endswith(FILE_SUFFIX))
+    operations = [CommitOperationAdd(path_in_repo=name, path_or_fileobj=str(local)) for name, local in files.items()]
+    if model_card:
+        card = render_model_card(
+            repo_id=repo_id, stats=stats, load_ref=_load_ref(repo_id, revision, files),
+            szformat_version=library_info()["library_version"], base_model=base_model,
+            carried=carried_metadata(path / MODEL_CARD if path.is_dir() else None))
+        operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card.encode()))
+
+    api = HfApi(endpoint=endpoint, token=token, **library_info())
+    api.create_repo(repo_id, private=private, exist_ok=True)
+    if revision is not None and not api.revision_exists(repo_id, revision):
+        api.create_branch(repo_id, branch=revision)
+    return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                             revision=revision)
+
+
+def _files_to_push(path: Path, *, keep_readme: bool) -> dict[str, Path]:
+    """Repo path -> local file, sorted; raises PushError unless at least one .szt file is among them."""
+    if path.is_file():
+        if not path.name.endswith(FILE_SUFFIX):
+            hint = " (push the folder that holds the index and its shards)" if is_index_name(path) else ""
+            raise PushError(f"only .szt files or converted folders can be pushed{hint}", path=path)
+        return {path.name: path}
+    if not path.is_dir():
+        raise PushError("no such file or folder", path=path)
+    files = {}
+    for local in sorted(path.rglob("*")):
+        name = local.relative_to(path).as_posix()
+        hidden = any(part.startswith(".") for part in name.split("/"))
+        if local.is_file() and not hidden and (keep_readme or name != MODEL_CARD):
+            files[name] = local
+    if not any(name.endswith(FILE_SUFFIX) for name in files):
+        raise PushError("the folder holds no .szt file; convert it first with szconvert", path=path)
+    return files
+
+
+def _check_index_shards(path: Path, files: dict[str, Path]) -> None:
+    """Refuse to publish a sharded index whose shards are not all being pushed beside it."""
+    for name, local in files.items():
+        if not is_index_name(name):
+            continue
+        folder = name.rpartition("/")[0]
+        missing = [s for s in read_shard_names(local) if (f"{folder}/{s}" if folder else s) not in files]
+        if missing:
+            raise PushError(f"index {name} names shard(s) absent from the folder: {', '.join(missing)}", path=path)
+
+
+def _load_ref(repo_id: str, revision: str | None, files: dict[str, Path]) -> str:
+    """The reference the card's loading example uses: the file of a single-file checkpoint, the repo for a root
+    ``model.szt.index.json``, else the first index, else the first .szt file."""
+    szt_files = [name for name in files if name.endswith(FILE_SUFFIX)]
+    indexes = [name for name in files if is_index_name(name)]
+    if DEFAULT_INDEX in indexes:
+        filename = ""
+    else:
+        filename = szt_files[0] if len(szt_files) == 1 or not indexes else indexes[0]
+    return str(HubRef(repo_id, filename, revision))

@@ -1,0 +1,206 @@
+"""Turn what a user passed to a loader (a local path, an ``hf://`` reference, ``repo_id=``...) into local files.
+
+Downloads go through huggingface_hub, so its cache, ``HF_HUB_OFFLINE``, ``local_files_only``, tokens and revision
+pinning behave as everywhere else in the Hugging Face ecosystem. A sharded checkpoint is fetched by its index: the
+index first, then exactly the shards it names, all from the commit the index came from, so a push landing in
+between cannot mix shards of two versions.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import replace
+from pathlib import Path
+
+from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
+
+from ..errors import HubCheckpointNotFoundError, HubReferenceError
+from .client import library_info
+from .index import DEFAULT_FILE, DEFAULT_INDEX, is_index_name, read_shard_names
+from .refs import HubRef, is_hub_ref, make_hub_ref, parse_hub_ref
+
+SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "README.md", "LICENSE*")
+"""What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, card and license.
+Pickled weights (``.bin``, ``.pt``, ``.ckpt``) and other formats are left on the Hub."""
+
+_COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
+_MAX_PARALLEL_DOWNLOADS = 8
+
+
+def resolve(path_or_ref: str | os.PathLike | None = None, *, repo_id: str | None = None,
+            filename: str | None = None, revision: str | None = None, repo_type: str | None = None,
+            local_files_only: bool = False, token: str | bool | None = None,
+            cache_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> Path:
+    """The local path of a checkpoint: a local path as given, or what a Hub reference downloads to.
+
+    What a Hub reference resolves to:
+
+    - a file (``hf://user/repo/model.szt``): that file in the Hugging Face cache;
+    - a sharded index (``hf://user/repo/model.szt.index.json``): the index, once it and every shard it names are
+      in the cache, side by side;
+    - a repo (``hf://user/repo``): the cached snapshot folder, holding ``model.szt.index.json`` and its shards
+      when the repo has that index, else ``model.szt``.
+
+    Args:
+        path_or_ref (`str` or `os.PathLike`, *optional*): a local path (returned unchanged, as a `Path`) or an
+            ``hf://[models/|datasets/|spaces/]namespace/name[@revision][/file]`` reference.
+        repo_id (`str`, *optional*): instead of ``path_or_ref``: the repo, with ``filename``, ``revision`` and
+            ``repo_type`` as separate keywords.
+        filename (`str`, *optional*): file in the repo; with an ``hf://`` reference that names no file, added to it.
+        revision (`str`, *optional*): branch, tag or commit sha; must agree with an ``@revision`` in the reference.
+        repo_type (`str`, *optional*): ``"model"`` (default), ``"dataset"`` or ``"space"``; with ``repo_id`` only.
+        local_files_only (`bool`, *optional*): never touch the network, use the cache only.
+        token (`str` or `bool`, *optional*): Hub token for private repos; by default huggingface_hub's own lookup.
+        cache_dir (`str` or `os.PathLike`, *optional*): Hugging Face cache folder; defaults to ``HF_HUB_CACHE``.
+        endpoint (`str`, *optional*): Hub URL; defaults to huggingface_hub's (``HF_ENDPOINT``).
+
+    Returns:
+        `Path`: a local file, or the local snapshot folder for a repo reference.
+
+    Raises:
+        HubReferenceError: the reference is malformed, or the keywords contradict it.
+        HubCheckpointNotFoundError: a repo reference, and the repo has neither ``model.szt.index.json`` nor
+            ``model.szt``.
+        FormatError: a downloaded index is malformed.
+        huggingface_hub.utils.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo (or
+            a private repo without the right token), the revision or the file does not exist.
+        huggingface_hub.utils.LocalEntryNotFoundError: offline (or the Hub unreachable) and not in the cache.
+
+    Example:
+        >>> resolve("hf://alice/tiny-szt@v1/model.szt")  # doctest: +SKIP
+        PosixPath('/home/me/.cache/huggingface/hub/models--alice--tiny-szt/snapshots/1f0c.../model.szt')
+    """
+    ref = hub_ref_from_arguments(path_or_ref, repo_id=repo_id, filename=filename, revision=revision,
+                                 repo_type=repo_type)
+    if ref is None:
+        return Path(path_or_ref)
+    return _Downloader(ref, local_files_only=local_files_only, token=token, cache_dir=cache_dir,
+                       endpoint=endpoint).checkpoint()
+
+
+def hub_ref_from_arguments(path_or_ref: str | os.PathLike | None, *, repo_id: str | None = None,
+                           filename: str | None = None, revision: str | None = None,
+                           repo_type: str | None = None) -> HubRef | None:
+    """The Hub reference the arguments describe, or ``None`` for a local path; refuses contradictions.
+
+    Raises:
+        HubReferenceError: malformed reference, or arguments that contradict each other.
+    """
+    if repo_id is not None:
+        if path_or_ref is not None:
+            raise HubReferenceError(f"pass either a path or hf:// reference ({path_or_ref!r}) or repo_id=, not both")
+        return make_hub_ref(repo_id, filename, revision, repo_type)
+    if path_or_ref is None:
+        raise HubReferenceError("nothing to open: pass a local path, an hf:// reference or repo_id=")
+    if not is_hub_ref(path_or_ref):
+        hub_only = [f"{k}=" for k, v in (("filename", filename), ("revision", revision), ("repo_type", repo_type))
+                    if v is not None]
+        if hub_only:
+            raise HubReferenceError(f"{', '.join(hub_only)} only apply to Hub references, and {path_or_ref!r} is "
+                                    "a local path; write hf://namespace/name[@revision][/file] or pass repo_id=")
+        return None
+    ref = parse_hub_ref(path_or_ref)
+    if repo_type is not None:
+        raise HubReferenceError(f"repo_type= cannot be combined with {path_or_ref!r}; write the type in the "
+                                "reference (hf://datasets/namespace/name/...)")
+    if revision is not None and ref.revision is not None and revision != ref.revision:
+        raise HubReferenceError(f"revision={revision!r} contradicts the revision {ref.revision!r} of {path_or_ref!r}")
+    if filename is not None and ref.filename:
+        raise HubReferenceError(f"filename={filename!r} given, but {path_or_ref!r} already names a file")
+    if filename is not None:
+        ref = make_hub_ref(ref.repo_id, filename, ref.revision, ref.repo_type, source=path_or_ref)
+    return replace(ref, revision=revision or ref.revision)
+
+
+def download_safetensors_repo(ref: str | HubRef, *, revision: str | None = None, local_files_only: bool = False,
+                              token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                              endpoint: str | None = None) -> Path:
+    """Download a safetensors model from the Hub for conversion, and return its local path.
+
+    For a ``.safetensors`` file, that file. Anything else is a repo or a folder in it (``hf://user/repo``,
+    ``hf://user/repo@rev/transformer``): only the files matching `SOURCE_PATTERNS` are fetched, and the local
+    folder is returned.
+
+    Args:
+        ref (`str` or `HubRef`): the ``hf://`` reference of the source.
+        revision (`str`, *optional*): branch, tag or commit sha; must agree with an ``@revision`` in the reference.
+        local_files_only, token, cache_dir, endpoint: as in `resolve`.
+
+    Raises:
+        HubReferenceError: the reference is malformed.
+        HubCheckpointNotFoundError: the repo or folder holds no ``.safetensors`` file.
+        huggingface_hub.utils.HfHubHTTPError (or a subclass), LocalEntryNotFoundError: as in `resolve`.
+    """
+    if isinstance(ref, str):
+        ref = hub_ref_from_arguments(ref, revision=revision)
+    elif revision is not None:
+        ref = replace(ref, revision=revision)
+    downloader = _Downloader(ref, local_files_only=local_files_only, token=token, cache_dir=cache_dir,
+                             endpoint=endpoint)
+    if ref.filename.endswith(".safetensors"):
+        return downloader.file(ref.filename)
+    folder = downloader.snapshot([f"{ref.filename}/{p}" if ref.filename else p for p in SOURCE_PATTERNS])
+    local = folder.joinpath(*ref.filename.split("/")) if ref.filename else folder
+    if not any(local.rglob("*.safetensors")):
+        raise HubCheckpointNotFoundError(f"{ref} holds no .safetensors file to convert", path=local)
+    return local
+
+
+class _Downloader:
+    """One Hub reference plus the download options; fetches files of that repo through the Hugging Face cache."""
+
+    def __init__(self, ref: HubRef, *, local_files_only: bool, token: str | bool | None,
+                 cache_dir: str | os.PathLike | None, endpoint: str | None):
+        self.ref = ref
+        self.options = dict(repo_id=ref.repo_id, repo_type=ref.repo_type, local_files_only=local_files_only,
+                            token=token, cache_dir=cache_dir, endpoint=endpoint, **library_info())
+
+    def file(self, filename: str, revision: str | None = None) -> Path:
+        return Path(hf_hub_download(filename=filename, revision=revision or self.ref.revision, **self.options))
+
+    def snapshot(self, allow_patterns: list[str]) -> Path:
+        return Path(snapshot_download(revision=self.ref.revision, allow_patterns=allow_patterns, **self.options))
+
+    def checkpoint(self) -> Path:
+        """What `resolve` returns for this reference (see there)."""
+        if self.ref.filename and not is_index_name(self.ref.filename):
+            return self.file(self.ref.filename)
+        if self.ref.filename:
+            return self.sharded(self.ref.filename)
+        try:
+            index = self.file(DEFAULT_INDEX)
+        except EntryNotFoundError as index_error:
+            try:
+                single = self.file(DEFAULT_FILE)
+            except EntryNotFoundError as file_error:
+                if isinstance(index_error, LocalEntryNotFoundError) or isinstance(file_error, LocalEntryNotFoundError):
+                    raise  # offline or unreachable: say that, rather than "no checkpoint"
+                raise HubCheckpointNotFoundError(
+                    f"{self.ref} holds neither {DEFAULT_INDEX} nor {DEFAULT_FILE}; name the file to load "
+                    f"(hf://{self.ref.repo_id}/<file>.szt)") from None
+            return single.parent
+        self.shards(index, DEFAULT_INDEX)
+        return index.parent
+
+    def sharded(self, index_name: str) -> Path:
+        """Download an index and the shards it names; return the local index."""
+        index = self.file(index_name)
+        self.shards(index, index_name)
+        return index
+
+    def shards(self, index: Path, index_name: str) -> None:
+        """Download every shard a downloaded index names, from the commit the index came from."""
+        commit = _snapshot_commit(index, index_name)
+        folder = index_name.rpartition("/")[0]
+        names = [f"{folder}/{s}" if folder else s for s in read_shard_names(index)]
+        with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_DOWNLOADS, len(names))) as pool:
+            list(pool.map(lambda name: self.file(name, revision=commit), names))
+
+
+def _snapshot_commit(local: Path, filename: str) -> str | None:
+    """The commit sha of the cache snapshot a downloaded file sits in (``.../snapshots/<sha>/<filename>``)."""
+    snapshot = local.parents[filename.count("/")]
+    return snapshot.name if _COMMIT_SHA.fullmatch(snapshot.name) else None

@@ -1,0 +1,79 @@
+"""The device codec as the loading routes call it: batched decode, and in-place expansion over a slot.
+
+The routes enqueue decoding through a :class:`DeviceCodec`; :func:`triton_codec` wraps the Triton kernels of
+:mod:`szformat.codec.gpu` (imported only here, only when a device route is used), and tests pass the CPU reference
+instead, so the scheduling runs the same without a GPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from ..codec.codebook import Codebook
+from ..codec.layout import PayloadLayout
+from ..errors import DecodeRouteError
+
+__all__ = ["BatchEntry", "DeviceCodec", "TritonCodec", "triton_codec"]
+
+BatchEntry = tuple[PayloadLayout, Codebook, int, int]
+"""One tensor of a batch: layout, codebook, payload offset (bytes, multiple of 16) into the batch's payload buffer,
+output offset (elements, multiple of 8) into its bfloat16 output buffer."""
+
+
+class DeviceCodec(Protocol):
+    """Decoding on the device. ``batch_table`` is host work done ahead of time; the other calls enqueue on the
+    current stream and never wait on the host."""
+
+    def batch_table(self, entries: Sequence[BatchEntry], device: torch.device) -> Any:
+        """Describe a batch once, on the host (it may copy a small table to the device on the current stream)."""
+
+    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
+        """Decode every tensor of ``table`` from ``payloads`` (uint8) into ``out`` (bfloat16) in a few launches."""
+
+    def new_scratch(self) -> Any:
+        """Reusable scratch for :meth:`decode_in_place`; keep one per stream."""
+
+    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
+        """Expand the payload in the leading ``layout.comp_bytes`` of ``buffer`` over ``buffer[:layout.raw_bytes]``."""
+
+
+class TritonCodec:
+    """:class:`DeviceCodec` over the Triton kernels of :mod:`szformat.codec.gpu`."""
+
+    def __init__(self, single: Any, batch: Any):
+        self._single = single
+        self._batch = batch
+
+    def batch_table(self, entries: Sequence[BatchEntry], device: torch.device) -> Any:
+        table = self._batch.build_batch_table(entries, device="cpu")
+        if device.type != "cuda":
+            return table  # the Triton interpreter decodes CPU tensors
+        # A pageable copy would make the host wait for the current stream; a pinned one is only enqueued on it.
+        to_device = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
+        return dataclasses.replace(table, descriptors=to_device(table.descriptors),
+                                   tile_owner=to_device(table.tile_owner), escape_owner=to_device(table.escape_owner))
+
+    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
+        self._batch.decode_batch(payloads, table, out=out)
+
+    def new_scratch(self) -> Any:
+        return self._single.DecodeScratch()
+
+    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
+        self._single.decode_in_place(buffer, layout, codebook, scratch=scratch)
+
+
+def triton_codec() -> TritonCodec:
+    """The Triton codec, or a :class:`DecodeRouteError` that says how to get it or how to do without."""
+    try:
+        single = importlib.import_module("szformat.codec.gpu.decode")
+        batch = importlib.import_module("szformat.codec.gpu.batch")
+    except (ImportError, DecodeRouteError) as e:
+        raise DecodeRouteError(
+            f"decoding on the device needs Triton ({e}); install it with pip install 'szformat[gpu]', or pass "
+            "route='cpu' to decode on the CPU and copy the tensors") from None
+    return TritonCodec(single, batch)

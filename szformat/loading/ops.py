@@ -1,0 +1,98 @@
+"""Every stream, event, copy and buffer a loading route touches, behind one small interface.
+
+The routes never call ``torch.cuda`` themselves: they ask a :class:`DeviceOps` to enqueue work on a stream, record and
+wait on events, and allocate buffers. :class:`CudaOps` does it with PyTorch's CUDA streams; a test can pass an
+implementation that runs the same schedule on the CPU and checks its ordering (copy before decode, decode before
+slot reuse) without a GPU.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Protocol
+
+import torch
+
+from ..errors import DecodeRouteError
+
+__all__ = ["DeviceOps", "CudaOps", "cuda_ops"]
+
+
+class DeviceOps(Protocol):
+    """The device operations a loading route is built from.
+
+    ``enqueue(stream, work, label)`` runs ``work`` so that the device work it launches lands on ``stream`` in order
+    (with CUDA: inside ``torch.cuda.stream(stream)``); ``label`` names the step for logs and tests.
+    """
+
+    device: torch.device
+
+    def new_stream(self) -> Any: ...
+
+    def current_stream(self) -> Any: ...
+
+    def enqueue(self, stream: Any, work: Callable[[], None], label: str) -> None: ...
+
+    def record(self, stream: Any) -> Any:
+        """An event marking everything enqueued on ``stream`` so far."""
+
+    def wait(self, stream: Any, event: Any) -> None:
+        """Work enqueued on ``stream`` from now on starts after ``event`` (no host wait)."""
+
+    def synchronize(self, event: Any) -> None:
+        """Block the host until ``event`` has completed."""
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 host buffer the device can copy from asynchronously (pinned)."""
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        """A flat uint8 buffer on the device."""
+
+
+class CudaOps:
+    """:class:`DeviceOps` on a CUDA device through PyTorch streams and events."""
+
+    def __init__(self, device: torch.device):
+        if device.type != "cuda":
+            raise ValueError(f"CudaOps needs a CUDA device, got {device}")
+        self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
+
+    def current_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.current_stream(self.device)
+
+    def enqueue(self, stream: torch.cuda.Stream, work: Callable[[], None], label: str) -> None:
+        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+            work()
+
+    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        event = torch.cuda.Event()
+        event.record(stream)
+        return event
+
+    def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
+        stream.wait_event(event)
+
+    def synchronize(self, event: torch.cuda.Event) -> None:
+        event.synchronize()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+
+def cuda_ops(device: str | torch.device) -> CudaOps:
+    """:class:`CudaOps` for ``device``, or a :class:`DecodeRouteError` saying why this machine cannot serve it."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        raise DecodeRouteError(f"device {device} is not supported for loading; use 'cpu' or a CUDA device")
+    if not torch.cuda.is_available():
+        raise DecodeRouteError(f"device {device} was requested, but this PyTorch ({torch.__version__}) sees no CUDA "
+                               "device; load to 'cpu' instead")
+    if device.index is not None and device.index >= torch.cuda.device_count():
+        raise DecodeRouteError(f"device {device} was requested, but only {torch.cuda.device_count()} CUDA "
+                               "device(s) are visible")
+    return CudaOps(device)

@@ -1,0 +1,283 @@
+"""The transfer pipeline: host staging -> staging slot -> copy stream -> decode stream, ordered by events.
+
+:class:`TransferLoop` walks a list of transfers through a :class:`StagingRing`. While the device copies and decodes
+transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background), and a slot
+is written again only after the event that ends its previous use. Two routes plug into the loop:
+
+* :class:`DeviceDecodeRoute` moves the stored bytes (compressed, so fewer of them cross PCIe) and expands them on
+  the device: a packed slot of small tensors crosses in one copy and is expanded by one batched decode; a tensor
+  larger than a slot streams into the leading bytes of its own destination and is expanded there in place.
+* :class:`HostDecodeRoute` decodes on the CPU into the staging slots (which then advance by the raw size) and
+  copies raw bytes; it needs no Triton, and gives bit-identical tensors.
+
+Raw-passthrough tensors take the same slots and copies, without a decode.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, Callable, Protocol, Sequence
+
+import torch
+
+from ..codec import cpu as cpu_codec
+from ..codec.gate import ENCODING_SPLITZIP
+from ..errors import PayloadError
+from ..format.header import TensorEntry
+from ..format.reader import SztFile
+from .gpu_codec import DeviceCodec
+from .hostio import FileReader, RegisteredMapping, Staged
+from .ops import DeviceOps
+from .plan import Extent, Transfer, plan_transfers, raw_extents
+from .ring import Slot, StagingRing
+
+__all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDecodeRoute", "HostDecodeRoute",
+           "destination_bytes"]
+
+Landing = Callable[[int, Slot, torch.Tensor], Any]
+
+
+class HostSource(Protocol):
+    """Where the stored bytes of one file come from on the host."""
+
+    host_writes: bool
+    """Whether staging writes the slot's host buffer (then a slot is refilled only after a host wait)."""
+
+    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
+        """Start making file bytes ``[transfer.start, transfer.start + transfer.nbytes)`` available to copy from."""
+
+
+class ReadSource:
+    """Threaded reads of the file into the slot's pinned buffer."""
+
+    host_writes = True
+
+    def __init__(self, reader: FileReader):
+        self.reader = reader
+
+    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
+        return self.reader.read_into(transfer.start, slot.host[: transfer.nbytes])
+
+
+class MappedSource:
+    """The registered page-cache mapping itself: nothing to stage, the copy DMAs straight from it."""
+
+    host_writes = False
+
+    def __init__(self, mapping: RegisteredMapping):
+        self.mapping = mapping
+
+    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
+        return Staged(self.mapping.view[transfer.start: transfer.start + transfer.nbytes])
+
+
+class TransferLoop:
+    """Runs transfers through a ring with a copy stream and a decode stream.
+
+    Args:
+        ops (`DeviceOps`): streams, events and copies.
+        ring (`StagingRing`): the slots; at most ``ring.slots`` transfers are in flight.
+    """
+
+    def __init__(self, ops: DeviceOps, ring: StagingRing):
+        self.ops = ops
+        self.ring = ring
+        self.copy_stream = ops.new_stream()
+        self.decode_stream = ops.new_stream()
+
+    def run(self, transfers: Sequence[Transfer], stage: Callable[[Transfer, Slot], Staged], land: Landing, *,
+            host_writes: bool) -> None:
+        """Stage and land every transfer; returns once all device work is enqueued (see :meth:`finish`).
+
+        ``land(k, slot, host_bytes)`` enqueues the device side of ``transfers[k]`` and returns the event after
+        which its slot may be reused.
+        """
+        ops = self.ops
+        start = ops.record(ops.current_stream())  # destinations may reuse memory the current stream just freed
+        ops.wait(self.copy_stream, start)
+        ops.wait(self.decode_stream, start)
+        pending: deque[tuple[int, Slot, Staged]] = deque()
+        try:
+            for k, transfer in enumerate(transfers):
+                slot = self.ring.acquire(host_writes=host_writes, stream=self.copy_stream)
+                pending.append((k, slot, stage(transfer, slot)))
+                while len(pending) >= self.ring.slots:
+                    self._land(pending.popleft(), land)
+            while pending:
+                self._land(pending.popleft(), land)
+        except BaseException:
+            for _, _, staged in pending:
+                staged.settle()
+            self.finish()
+            raise
+
+    def _land(self, item: tuple[int, Slot, Staged], land: Landing) -> None:
+        k, slot, staged = item
+        host = staged.result()
+        self.ring.release(slot, land(k, slot, host))
+
+    def finish(self) -> None:
+        """Block until every copy and decode enqueued so far has completed."""
+        for stream in (self.copy_stream, self.decode_stream):
+            self.ops.synchronize(self.ops.record(stream))
+
+
+ARENA_ALIGNMENT = 256
+"""Tensors sharing a packed transfer's output allocation start at multiples of this many bytes."""
+
+
+def destination_bytes(entry: TensorEntry) -> int:
+    """Bytes to allocate for a tensor that streams into its own destination: its raw size, or its payload's if that
+    is larger (the payload must fit there before it is expanded over it)."""
+    return max(entry.raw_length, entry.length)
+
+
+@dataclass
+class _Packed:
+    """A packed transfer's destinations: one device allocation, a view per tensor, and its batch decode table."""
+
+    arena: torch.Tensor
+    table: Any
+
+
+class DeviceDecodeRoute:
+    """Stored bytes cross to the device; the device expands them.
+
+    The tensors of one packed transfer are decoded by one batched launch into one allocation, of which each tensor
+    is a view (as ``safetensors`` does for a whole file on the CPU); a tensor too large for a slot gets an
+    allocation of its own.
+
+    Args:
+        loop (`TransferLoop`): its ring needs device buffers.
+        codec (`DeviceCodec`): batched and in-place decoding.
+    """
+
+    def __init__(self, loop: TransferLoop, codec: DeviceCodec):
+        self.loop = loop
+        self.codec = codec
+        self._scratch = codec.new_scratch()  # used on the decode stream only, so reuse is ordered
+
+    def load(self, entries: Sequence[TensorEntry], source: HostSource) -> list[torch.Tensor]:
+        """Transfer ``entries`` (of one file) to the device; returns their raw bytes there, flat uint8, in the
+        order given. The device work is enqueued, not finished: call ``loop.finish()`` before reading them."""
+        ops = self.loop.ops
+        order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
+        transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
+                                   self.loop.ring.slot_bytes)
+        dests: list[torch.Tensor | None] = [None] * len(entries)
+        packed: dict[int, _Packed] = {}
+        for k, transfer in enumerate(transfers):  # host work and allocations, all before the first copy
+            if transfer.packed:
+                packed[k] = self._prepare_packed(transfer, entries, dests)
+            elif transfer.pieces[0].offset == 0:
+                item = transfer.pieces[0].item
+                dests[item] = ops.device_buffer(destination_bytes(entries[item]))
+        for i, dest in enumerate(dests):
+            if dest is None:  # nothing stored: an empty tensor
+                dests[i] = ops.device_buffer(entries[i].raw_length)
+
+        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
+            if k in packed:
+                return self._land_packed(transfers[k], packed[k], slot, host, entries, dests)
+            return self._land_direct(transfers[k], host, entries, dests)
+
+        self.loop.run(transfers, source.stage, land, host_writes=source.host_writes)
+        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
+
+    def _prepare_packed(self, transfer: Transfer, entries: Sequence[TensorEntry], dests: list) -> _Packed:
+        offsets, cursor = [], 0
+        for piece in transfer.pieces:
+            offsets.append(cursor)
+            cursor += -(-entries[piece.item].raw_length // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
+        arena = self.loop.ops.device_buffer(cursor)
+        batch = []
+        for piece, offset in zip(transfer.pieces, offsets):
+            entry = entries[piece.item]
+            dests[piece.item] = arena[offset: offset + entry.raw_length]
+            if entry.encoding == ENCODING_SPLITZIP:
+                batch.append((entry.layout, entry.codebook, piece.slot_offset, offset // 2))
+        table = self.codec.batch_table(batch, arena.device) if batch else None
+        return _Packed(arena, table)
+
+    def _land_packed(self, transfer: Transfer, prepared: _Packed, slot: Slot, host: torch.Tensor, entries,
+                     dests) -> Any:
+        ops, loop = self.loop.ops, self.loop
+        staged = slot.device[: transfer.nbytes]
+
+        def expand() -> None:
+            for piece in transfer.pieces:  # raw pieces are copied as they are
+                if entries[piece.item].encoding != ENCODING_SPLITZIP:
+                    dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
+            if prepared.table is not None:
+                self.codec.decode_batch(staged, prepared.table, prepared.arena.view(torch.bfloat16))
+
+        ops.enqueue(loop.copy_stream, lambda: staged.copy_(host, non_blocking=True), "copy")
+        ops.wait(loop.decode_stream, ops.record(loop.copy_stream))
+        ops.enqueue(loop.decode_stream, expand, "decode")
+        return ops.record(loop.decode_stream)
+
+    def _land_direct(self, transfer: Transfer, host: torch.Tensor, entries, dests) -> Any:
+        ops, loop = self.loop.ops, self.loop
+        (piece,) = transfer.pieces
+        entry = entries[piece.item]
+        target = dests[piece.item][piece.offset: piece.offset + piece.length]
+        ops.enqueue(loop.copy_stream, lambda: target.copy_(host, non_blocking=True), "copy")
+        copied = ops.record(loop.copy_stream)
+        if piece.last and entry.encoding == ENCODING_SPLITZIP:
+            ops.wait(loop.decode_stream, copied)
+            ops.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
+                dests[piece.item], entry.layout, entry.codebook, self._scratch), "decode")
+        return copied
+
+
+class HostDecodeRoute:
+    """The CPU decodes into the staging slots (advancing by raw size); raw bytes cross to the device.
+
+    Args:
+        loop (`TransferLoop`): its ring needs host buffers only.
+        pool (`ThreadPoolExecutor`): runs the decoding of staged transfers while earlier ones are copied.
+    """
+
+    def __init__(self, loop: TransferLoop, pool: ThreadPoolExecutor):
+        self.loop = loop
+        self.pool = pool
+
+    def load(self, file: SztFile, entries: Sequence[TensorEntry]) -> list[torch.Tensor]:
+        """Decode ``entries`` of ``file`` on the host and copy them to the device; returns their raw bytes there,
+        flat uint8, in the order given, each in its own allocation. Call ``loop.finish()`` before reading them."""
+        ops = self.loop.ops
+        transfers = plan_transfers(raw_extents([e.raw_length for e in entries]), self.loop.ring.slot_bytes)
+        dests = [ops.device_buffer(e.raw_length) for e in entries]
+
+        def stage(transfer: Transfer, slot: Slot) -> Staged:
+            host = slot.host[: transfer.nbytes]
+            return Staged(host, [self.pool.submit(self._decode, file, entries, transfer, host)])
+
+        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
+            def copy() -> None:
+                for piece in transfers[k].pieces:
+                    dests[piece.item][piece.offset: piece.offset + piece.length].copy_(
+                        host[piece.slot_offset: piece.slot_offset + piece.length], non_blocking=True)
+
+            ops.enqueue(self.loop.copy_stream, copy, "copy")
+            return ops.record(self.loop.copy_stream)
+
+        self.loop.run(transfers, stage, land, host_writes=True)
+        return dests
+
+    @staticmethod
+    def _decode(file: SztFile, entries: Sequence[TensorEntry], transfer: Transfer, host: torch.Tensor) -> None:
+        for piece in transfer.pieces:
+            entry = entries[piece.item]
+            out = host[piece.slot_offset: piece.slot_offset + piece.length]
+            payload = file.payload(entry.name)
+            if entry.encoding != ENCODING_SPLITZIP:
+                out.copy_(payload[piece.offset: piece.offset + piece.length])
+                continue
+            try:
+                cpu_codec.decode(payload, entry.layout, entry.codebook, start=piece.offset // 2,
+                                 stop=(piece.offset + piece.length) // 2, out=out.view(torch.bfloat16))
+            except ValueError as e:
+                raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
