@@ -21,6 +21,7 @@ from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
 from .format.writer import SztWriter
+from .loading import DeviceLoader, StagingConfig, load_to_device
 
 __all__ = ["safe_open", "load_file", "save_file"]
 
@@ -43,6 +44,10 @@ class safe_open:
         verify (`bool`, *optional*): check CRC-32s (default). The stored bytes of a tensor are checked once per
             open file, before any of them is used (a slice reads the whole payload once for that); a tensor read
             whole is checked again after decoding. Structural checks (offsets, escape streams) always run.
+        route (`str`, *optional*): for a CUDA ``device``: ``"gpu"`` (default, via ``"auto"``) copies the stored bytes
+            and decodes on the GPU (needs Triton); ``"cpu"`` decodes on the host and copies raw bytes.
+        staging (`StagingConfig`, *optional*): for a CUDA ``device``: pinned slot size and count, reader threads,
+            host transport (see :class:`szformat.loading.StagingConfig`).
 
     Example:
         >>> with safe_open("model.szt", framework="pt") as f:  # doctest: +SKIP
@@ -50,12 +55,19 @@ class safe_open:
     """
 
     def __init__(self, filename: str | os.PathLike, framework: str = "pt", device: str | torch.device = "cpu", *,
-                 verify: bool = True):
+                 verify: bool = True, route: str = "auto", staging: StagingConfig | None = None):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported; use 'pt'")
         self.device = torch.device(device)
         self.verify = verify
-        self._file = SztFile(filename)
+        self._device_loader = (DeviceLoader(self.device, route=route, staging=staging, verify=verify)
+                               if self.device.type != "cpu" else None)
+        try:
+            self._file = SztFile(filename)
+        except BaseException:
+            if self._device_loader is not None:
+                self._device_loader.close()
+            raise
         self._verified: set[str] = set()
 
     @property
@@ -69,6 +81,8 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
+        if self._device_loader is not None:
+            self._device_loader.close()
         self._file.close()
 
     def keys(self) -> list[str]:
@@ -94,6 +108,8 @@ class safe_open:
         return self._file.payload(name)
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        if self._device_loader is not None:
+            return self._device_loader.load(self._file, [name])[name]
         entry = self._file.entry(name)
         return self._read(entry, 0, entry.shape[0] if entry.shape else 1).to(self.device)
 
@@ -177,8 +193,14 @@ def _as_int(index: Any) -> int | None:
 
 
 def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *,
-              verify: bool = True) -> dict[str, torch.Tensor]:
-    """Load every tensor of a .szt file into a dict, like ``safetensors.torch.load_file``."""
+              verify: bool = True, route: str = "auto", staging: StagingConfig | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a .szt file into a dict, like ``safetensors.torch.load_file``.
+
+    With a CUDA ``device``, ``filename`` may also be a sharded index or a folder, and the tensors stream through a
+    pinned staging ring and are decoded on the GPU (``route`` and ``staging`` as for :class:`safe_open`).
+    """
+    if torch.device(device).type != "cpu":
+        return load_to_device(filename, device, route=route, staging=staging, verify=verify)
     with safe_open(filename, framework="pt", device=device, verify=verify) as f:
         return {name: f.get_tensor(name) for name in f.keys()}
 

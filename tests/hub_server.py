@@ -25,6 +25,7 @@ import secrets
 import socket
 import threading
 from dataclasses import dataclass, field
+from typing import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import parse_qs, unquote, urlsplit
 
@@ -421,6 +422,8 @@ class _Handler(BaseHTTPRequestHandler):
                           hub.state.tokens.get(token) if token else None)
             with hub.state.lock:
                 response = Routes(hub.state, hub.endpoint).dispatch(req)
+                if hub.after_request is not None:
+                    hub.after_request(self.command, url.path)
         except HubError as e:
             response = Response.of_json({"error": e.message, **e.extra}, status=e.status)
             response.headers["X-Error-Message"] = e.message
@@ -472,6 +475,8 @@ class LoopbackHub:
     def __init__(self, tokens: dict[str, str]):
         self.state = HubState(tokens)
         self.requests: list[tuple[str, str]] = []
+        self.after_request: Callable[[str, str], None] | None = None
+        """Called with (method, path) after each successful request, before the answer is sent (to stage races)."""
         self._requests_lock = threading.Lock()
         self._server: _Server | None = None
         self._thread: threading.Thread | None = None
@@ -481,7 +486,8 @@ class LoopbackHub:
         self._server = _Server(self)
         host, port = self._server.server_address[:2]
         self.endpoint = f"http://{host}:{port}"
-        self._thread = threading.Thread(target=self._server.serve_forever, name="loopback-hub", daemon=True)
+        self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.02},
+                                        name="loopback-hub", daemon=True)
         self._thread.start()
         return self
 
@@ -515,6 +521,13 @@ class LoopbackHub:
         """Path -> content of every file at a revision."""
         commit = self.state.repos[repo_id].find_commit(revision)
         return {path: blob.data for path, blob in commit.files.items()}
+
+    def commit_files(self, repo_id: str, files: dict[str, bytes], branch: str = "main") -> str:
+        """Commit files straight into the store, as another client's push would; returns the new commit oid."""
+        repo = self.state.repos[repo_id]
+        merged = dict(repo.commits[repo.branches[branch]].files)
+        merged.update({path: Blob(data, lfs=_is_lfs(path, len(data), data[:512])) for path, data in files.items()})
+        return self.state.new_commit(repo, branch, "direct commit", merged).oid
 
     def commit_count(self, repo_id: str) -> int:
         return len(self.state.repos[repo_id].commits)

@@ -20,7 +20,7 @@ from huggingface_hub.utils import (EntryNotFoundError, LocalEntryNotFoundError, 
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.errors import FormatError, HubCheckpointNotFoundError, HubReferenceError, PushError
+from szformat.errors import ConversionError, FormatError, HubCheckpointNotFoundError, HubReferenceError, PushError
 from szformat.format.reader import SztFile
 from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_hub, resolve
 from szformat.hub.card import checkpoint_stats
@@ -263,6 +263,13 @@ def test_push_to_a_new_branch_leaves_main_alone(hub, tmp_path):
     assert "hf://alice/tiny@dev/model.szt" in card_of(hub, "alice/tiny", "dev").text
 
 
+def test_push_without_model_card_keeps_the_folder_readme(hub, tmp_path):
+    folder = tmp_path / "model-szt"
+    write_sharded_folder(folder)
+    push_to_hub(folder, "alice/sharded", token=ALICE, model_card=False)
+    assert hub.files("alice/sharded")["README.md"] == (folder / "README.md").read_bytes()
+
+
 def test_push_private_repo_and_token_from_the_environment(hub, tmp_path, monkeypatch):
     write_szt(tmp_path / "model.szt", seed=5)
     monkeypatch.setenv("HF_TOKEN", ALICE)  # huggingface_hub's usual lookup, no token argument
@@ -276,6 +283,7 @@ def test_push_private_repo_and_token_from_the_environment(hub, tmp_path, monkeyp
     ("truncated shard", FormatError, "model-00001-of-00002.szt"),
     ("index file", PushError, "push the folder"),
     ("safetensors file", PushError, "only .szt files"),
+    ("unparsable source card", PushError, "front matter cannot be parsed"),
 ])
 def test_push_refuses_bad_input_before_any_request(hub, tmp_path, layout, error, message):
     folder = tmp_path / "out"
@@ -291,6 +299,9 @@ def test_push_refuses_bad_input_before_any_request(hub, tmp_path, layout, error,
     elif layout == "index file":
         write_sharded_folder(folder)
         target = folder / "model.szt.index.json"
+    elif layout == "unparsable source card":
+        write_sharded_folder(folder)
+        (folder / "README.md").write_text("---\nlicense: [mit\n---\n")
     elif layout == "safetensors file":
         target = folder / "model.safetensors"
         save_safetensors(make_tensors(0), target)
@@ -316,24 +327,23 @@ def test_sharded_repo_resolves_by_its_index(hub, tmp_path):
     # A shard the index does not name must not be downloaded.
     HfApi(token=ALICE).upload_file(path_or_fileobj=b"stale", path_in_repo="old-shard.szt", repo_id="alice/sharded")
 
-    snapshot = resolve("hf://alice/sharded")
-    assert snapshot.is_dir()
-    assert sorted(p.name for p in snapshot.iterdir()) == [
+    index = resolve("hf://alice/sharded")
+    assert index.name == "model.szt.index.json"
+    assert sorted(p.name for p in index.parent.iterdir()) == [
         "model-00001-of-00002.szt", "model-00002-of-00002.szt", "model.szt.index.json"]
     loaded = {}
     for shard in ("model-00001-of-00002.szt", "model-00002-of-00002.szt"):
-        loaded.update(szformat.load_file(snapshot / shard))
+        loaded.update(szformat.load_file(index.parent / shard))
     assert_same_tensors(loaded, tensors)
-
-    index = resolve("hf://alice/sharded/model.szt.index.json")
-    assert index == snapshot / "model.szt.index.json"
+    assert resolve("hf://alice/sharded/model.szt.index.json") == index
 
 
 def test_repo_reference_falls_back_to_model_szt(hub, tmp_path):
     write_szt(tmp_path / "model.szt", seed=7)
     push_to_hub(tmp_path / "model.szt", "alice/tiny", token=ALICE)
-    snapshot = resolve("hf://alice/tiny")
-    assert (snapshot / "model.szt").read_bytes() == (tmp_path / "model.szt").read_bytes()
+    local = resolve("hf://alice/tiny")
+    assert local.name == "model.szt"
+    assert local.read_bytes() == (tmp_path / "model.szt").read_bytes()
 
 
 def test_revision_pinning_loads_the_first_push(hub, tmp_path):
@@ -355,9 +365,29 @@ def test_sharded_download_takes_every_shard_from_the_index_commit(hub, tmp_path)
     write_sharded_folder(tmp_path / "v2", seed=30)
     push_to_hub(tmp_path / "v2", "alice/sharded", token=ALICE)
 
-    snapshot = resolve(f"hf://alice/sharded@{first_commit}")
+    snapshot = resolve(f"hf://alice/sharded@{first_commit}").parent
     assert snapshot.name == first_commit
     for shard in ("model-00001-of-00002.szt", "model-00002-of-00002.szt"):
+        assert (snapshot / shard).read_bytes() == (folder / shard).read_bytes()
+
+
+def test_a_push_landing_mid_download_does_not_mix_shards(hub, tmp_path):
+    folder = tmp_path / "model-szt"
+    write_sharded_folder(folder, seed=40)
+    first_commit = push_to_hub(folder, "alice/sharded", token=ALICE).oid
+    write_sharded_folder(tmp_path / "v2", seed=50)
+    newer = {name: (tmp_path / "v2" / name).read_bytes() for name in ("model-00001-of-00002.szt",
+                                                                       "model-00002-of-00002.szt")}
+
+    def push_newer_shards_once_the_index_is_read(method, path):
+        if method == "GET" and path.endswith("/model.szt.index.json") and hub.head("alice/sharded") == first_commit:
+            hub.commit_files("alice/sharded", newer)
+
+    hub.after_request = push_newer_shards_once_the_index_is_read
+    snapshot = resolve("hf://alice/sharded").parent
+    assert hub.head("alice/sharded") != first_commit  # the race did happen
+    assert snapshot.name == first_commit
+    for shard in newer:
         assert (snapshot / shard).read_bytes() == (folder / shard).read_bytes()
 
 
@@ -369,7 +399,7 @@ def test_cached_checkpoints_load_without_the_hub(hub, tmp_path, monkeypatch, go_
     single = write_szt(tmp_path / "model.szt", seed=8)
     push_to_hub(tmp_path / "model.szt", "alice/tiny", token=ALICE)
     online_file = resolve("hf://alice/tiny/model.szt")
-    online_snapshot = resolve("hf://alice/sharded")
+    online_index = resolve("hf://alice/sharded")
 
     requests_before = len(hub.requests)
     options = {}
@@ -380,10 +410,10 @@ def test_cached_checkpoints_load_without_the_hub(hub, tmp_path, monkeypatch, go_
     else:
         hub.stop()
     assert resolve("hf://alice/tiny/model.szt", **options) == online_file
-    assert resolve("hf://alice/sharded", **options) == online_snapshot
+    assert resolve("hf://alice/sharded", **options) == online_index
     assert len(hub.requests) == requests_before
     assert_same_tensors(szformat.load_file(online_file), single)
-    assert szformat.load_file(online_snapshot / "model-00001-of-00002.szt").keys() <= tensors.keys()
+    assert szformat.load_file(online_index.parent / "model-00002-of-00002.szt").keys() <= tensors.keys()
 
 
 def test_private_repo_needs_its_owners_token(hub, tmp_path, monkeypatch):
@@ -397,7 +427,7 @@ def test_private_repo_needs_its_owners_token(hub, tmp_path, monkeypatch):
     assert_same_tensors(szformat.load_file(resolve("hf://alice/secret/model.szt", token=ALICE)), tensors)
 
     monkeypatch.setenv("HF_TOKEN", ALICE)
-    assert resolve("hf://alice/secret", cache_dir=tmp_path / "other-cache").is_dir()
+    assert resolve("hf://alice/secret", cache_dir=tmp_path / "other-cache").is_file()
 
 
 def test_errors_name_what_is_missing(hub, tmp_path):
@@ -437,7 +467,7 @@ def test_malformed_index_on_the_hub_is_refused(hub):
     index = {"weight_map": {"w": "../../../outside.szt"}}
     api.upload_file(path_or_fileobj=json.dumps(index).encode(), path_in_repo="model.szt.index.json",
                     repo_id="alice/evil")
-    with pytest.raises(FormatError, match="not a relative path"):
+    with pytest.raises(ConversionError, match="not a file inside the index's folder"):
         resolve("hf://alice/evil")
 
 
@@ -480,6 +510,14 @@ def test_download_safetensors_repo_takes_weights_and_config_only(hub, tmp_path):
     assert sub == local / "transformer"
     single = download_safetensors_repo("hf://alice/source/model.safetensors")
     assert single.read_bytes() == (source / "model.safetensors").read_bytes()
+
+
+def test_download_safetensors_repo_needs_a_hub_reference(hub, tmp_path):
+    with pytest.raises(HubReferenceError, match="not a Hub reference"):
+        download_safetensors_repo(str(tmp_path))
+    with pytest.raises(HubReferenceError, match="contradicts"):
+        download_safetensors_repo(HubRef("alice/source", revision="v1"), revision="v2")
+    assert hub.requests == []
 
 
 def test_download_safetensors_repo_without_safetensors_is_refused(hub, tmp_path):

@@ -30,7 +30,7 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 
 import torch  # noqa: E402
 
-from szformat.api import load_file, tensor_bytes, write_tensor  # noqa: E402
+from szformat.api import load_file, safe_open, tensor_bytes, write_tensor  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.writer import SztWriter  # noqa: E402
 
@@ -71,14 +71,16 @@ def bf16_bits(seed: int, n: int, exponents: list[int], *, rare: tuple[int, ...] 
         is_rare = (w >> np.uint64(24)) % np.uint64(1000) < np.uint64(rare_per_mille)
         is_rare[list(forced_rare)] = True
         exponent = np.where(is_rare, pick, exponent)
-    bits = ((w & np.uint64(1)) << np.uint64(15)) | (exponent << np.uint64(7)) | ((w >> np.uint64(1)) & np.uint64(0x7F))
-    return bits.astype("<u2").tobytes()
+    return _bf16(w, exponent)
 
 
 def round_robin_bf16(seed: int, n: int, exponents: list[int]) -> bytes:
     """BF16 elements whose exponents cycle through ``exponents``: equal counts, so the codebook tie rule decides."""
-    w = splitmix64(seed, n)
-    exponent = np.array(exponents, dtype=np.uint64)[np.arange(n) % len(exponents)]
+    return _bf16(splitmix64(seed, n), np.array(exponents, dtype=np.uint64)[np.arange(n) % len(exponents)])
+
+
+def _bf16(w: np.ndarray, exponent: np.ndarray) -> bytes:
+    """BF16 bytes with the given exponents, the sign from bit 0 of ``w`` and the mantissa from its bits 1..7."""
     bits = ((w & np.uint64(1)) << np.uint64(15)) | (exponent << np.uint64(7)) | ((w >> np.uint64(1)) & np.uint64(0x7F))
     return bits.astype("<u2").tobytes()
 
@@ -223,24 +225,23 @@ def sha256(data: bytes) -> str:
 def generate(out: Path) -> None:
     """Write every case, ``vectors.json`` and ``SHA256SUMS`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
-    listing = []
+    listing, files = [], [out / "vectors.json"]
     for case in cases():
         source, target = out / f"{case.name}.safetensors", out / f"{case.name}.szt"
         write_safetensors(source, case.tensors, case.metadata)
         convert(source, target, alignment=case.alignment)
         listing.append(_describe(case, source, target))
+        files += [source, target]
     (out / "vectors.json").write_text(json.dumps({
         "format": "szt", "version": f"{C.VERSION_MAJOR}.{C.VERSION_MINOR}",
         "generator": "tools/make_vectors.py", "cases": listing}, indent=2, ensure_ascii=False) + "\n",
         encoding="utf-8")
-    files = sorted(p for p in out.iterdir() if p.suffix in (".szt", ".safetensors") or p.name == "vectors.json")
-    (out / "SHA256SUMS").write_text("".join(f"{sha256(p.read_bytes())}  {p.name}\n" for p in files))
+    (out / "SHA256SUMS").write_text("".join(f"{sha256(p.read_bytes())}  {p.name}\n"
+                                            for p in sorted(files, key=lambda p: p.name)))
 
 
 def _describe(case: Case, source: Path, target: Path) -> dict:
     """The case's record in vectors.json; also checks that the file decodes to its source and covers its case."""
-    from szformat.api import safe_open
-
     decoded = load_file(target)
     tensors = []
     with safe_open(target, framework="pt") as f:

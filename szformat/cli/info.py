@@ -25,6 +25,7 @@ examples:
 
 TABLE_HEADERS = ["name", "dtype", "shape", "encoding", "stored", "raw", "ratio", "coverage", "n_esc", "note"]
 RIGHT_ALIGNED = {4, 5, 6, 7, 8}
+METADATA_WIDTH = 116
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
@@ -87,12 +88,19 @@ def _summary_text(counts: dict[str, Any]) -> str:
             f"ratio {counts['ratio']:.4f}")
 
 
+def _shorten(text: str) -> str:
+    """Long metadata values (some checkpoints carry whole configs) are cut; ``--json`` shows them whole."""
+    return text if len(text) <= METADATA_WIDTH else text[: METADATA_WIDTH - 3] + "..."
+
+
 def _file_lines(file: dict[str, Any]) -> list[str]:
     metadata = file["metadata"]
     lines = [f"{file['file']}: szt {file['version']}, alignment {file['alignment']}, "
              f"{format_bytes(file['file_bytes'])} on disk",
              f"  {_summary_text(file)}",
-             "  metadata: " + (", ".join(f"{k}={v}" for k, v in metadata.items()) if metadata else "none")]
+             "  metadata:" + ("" if metadata else " none")]
+    lines += [f"    {_shorten(f'{key} = {json.dumps(value, ensure_ascii=False)}')}" for key, value in
+              (metadata or {}).items()]
     rows = [[t["name"], t["dtype"], "x".join(map(str, t["shape"])) or "scalar", t["encoding"],
              format_bytes(t["stored_bytes"]), format_bytes(t["raw_bytes"]), f"{t['ratio']:.3f}",
              "-" if t["coverage"] is None else f"{t['coverage']:.4f}", "-" if t["n_esc"] is None else str(t["n_esc"]),

@@ -1,22 +1,23 @@
 """SplitZip on the CPU in pure PyTorch: the reference every other path is tested against, bit for bit.
 
-It runs wherever PyTorch runs (Windows included) and needs no compiled extension. Speed comes from three choices,
-each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
+It runs wherever PyTorch runs (Windows included) and needs no compiled extension. Its speed comes from a few
+choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
 
 - **Pairs, not elements.** Two BF16 elements are one little-endian int32 word, and the payload keeps their two
-  exponent codes in one ``pk`` byte and their two sign+mantissa bytes side by side in ``sm``. Decoding a pair is one
-  gather from a 256-entry int32 table (``pk`` byte -> both exponent fields in place) OR-ed with the two sign+mantissa
-  fields, which two masks and a shift move into place from the ``sm`` byte pair read as one int16. Encoding a pair
-  gathers its ``pk`` byte from a 65,536-entry table indexed by the pair's two exponents, and the histogram counts
-  exponent pairs, which halves the serial ``bincount`` work.
-- **Cache-sized slices.** Each eager PyTorch op streams its whole operand through memory, so the work runs in slices
-  of :data:`SLICE_PAIRS` pairs whose temporaries stay in the L2 cache; only the input and output touch DRAM.
+  exponent codes in one ``pk`` byte. Decoding a pair is one gather from a 256-entry int32 table (``pk`` byte -> both
+  exponent fields in place) OR-ed with both sign+mantissa fields; those come from the ``sm`` bytes read as int8 and
+  widened to int16 (which copies each sign into bit 15) and masked. Encoding a pair gathers its ``pk`` byte from a
+  65,536-entry table indexed by the pair's two exponent bytes.
+- **Few, cache-sized ops.** Every eager PyTorch call costs a few microseconds and streams its operands through
+  memory, so the work runs in slices of :data:`SLICE_PAIRS` pairs whose temporaries stay in the L2 cache, with as
+  few calls per slice as the arithmetic allows (5 to decode, 7 to encode). Only input and output touch DRAM.
 - **int32 indices.** ``torch.index_select`` with an int32 index is the fastest gather PyTorch offers on the CPU
-  (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``); int64 indices cost a
-  widening pass and twice the bandwidth.
+  (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``).
+- **Escapes aside.** The encoder gathers escape flags only for tensors that have escapes and scans them with
+  ``nonzero`` over int64 words, 8 pairs per step; the decoder decodes every element as if it had no escape and then
+  patches the escaped ones.
 
-Odd elements at the ends of a range are done one at a time and escapes are patched after the bulk pass, so every
-input decodes exactly. The encoder looks for escape positions only in slices whose gathered codes flag one. Byte
+Odd elements at the ends of a range are done one at a time, so every range of every input decodes exactly. Byte
 views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 """
 
@@ -31,17 +32,11 @@ from .codebook import Codebook, codebook_from_histogram
 from .layout import ESCAPE_CODE, PayloadLayout
 
 SLICE_PAIRS = 1 << 16
-"""Pairs processed per step: the step's temporaries (256 KiB each) stay inside a core's L2 cache, and the fixed
-cost of each PyTorch call (a few microseconds) stays small next to its work."""
+"""Pairs processed per step (a multiple of 8): each temporary of a step (64 to 256 KiB) stays in a core's L2 cache,
+and the fixed cost of a PyTorch call stays small next to its work."""
 
-_KEEP_SIGN_AND_MANTISSA = -0x7F81
+_SIGN_AND_MANTISSA = -0x7F81
 """``0x807F`` as int16: the sign and mantissa bits of one BF16 element."""
-
-_FIRST_MANTISSA_SECOND_SIGN = -0x7FFFFF81
-"""``0x8000007F`` as int32: in a sign-extended ``sm`` byte pair, the first mantissa and the second sign in place."""
-
-_FIRST_SIGN_SECOND_MANTISSA = 0x007F8000
-"""After ``<< 8`` of an ``sm`` byte pair: the first element's sign (bit 15) and the second mantissa (bits 16..22)."""
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -87,7 +82,7 @@ class _SliceScratch:
     """Temporaries for one slice, allocated once per call and reused by every slice."""
 
     def __init__(self, n_pairs: int):
-        size = -(-max(1, min(SLICE_PAIRS, n_pairs)) // 4) * 4  # whole groups of 4 pairs for int64 views
+        size = max(1, min(SLICE_PAIRS, n_pairs))
         self.index = torch.empty(size, dtype=torch.int32)
         self.words = torch.empty(size, dtype=torch.int32)
         self.halves = torch.empty(2 * size, dtype=torch.int16)
@@ -102,11 +97,9 @@ class _SliceScratch:
 def _exponents(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
     """The exponent byte of each BF16 element in ``bits`` (int16), as uint8 in scratch.
 
-    ``bits >> 7`` has the exponent in its low byte, which narrowing to uint8 keeps.
+    ``bits >> 7`` has the exponent in its low byte; writing it to uint8 keeps that byte.
     """
-    shifted = torch.bitwise_right_shift(bits, 7, out=scratch.halves[: bits.numel()])
-    exponents = scratch.bytes[: bits.numel()]
-    return exponents.copy_(shifted)
+    return torch.bitwise_right_shift(bits, 7, out=scratch.bytes[: bits.numel()])
 
 
 def _exponent_pair_index(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
@@ -123,7 +116,7 @@ def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     """How many elements of a BF16 tensor have each exponent byte (int64, 256 entries).
 
     The same counts as ``exponent_histogram(split_bf16(x)[0])``, computed slice by slice so the exponent bytes never
-    leave the cache. (``bincount`` is serial; on uint8 with 256 bins it beats counting exponent pairs into 65,536
+    leave the cache. (``bincount`` is serial; over uint8 into 256 bins it beats counting exponent pairs into 65,536
     bins once the larger histogram's zeroing and summing are paid.)
     """
     bits = _bf16_bits(x)
@@ -156,47 +149,63 @@ def payload_layout(histogram: torch.Tensor, codebook: Codebook) -> PayloadLayout
 
 
 @functools.lru_cache(maxsize=64)
-def _pair_code_table(dec_lut: tuple[int, ...], n_used: int) -> torch.Tensor:
-    """``table[e0 | e1 << 8]`` = the ``pk`` byte of an element pair, plus escape flags in bit 8 (e0) and bit 9 (e1).
-
-    int16, 65,536 entries. An escaped exponent gets nibble ``ESCAPE_CODE & 0xF`` (0).
-    """
+def _pair_code_tables(dec_lut: tuple[int, ...], n_used: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Two uint8 tables indexed by ``e0 | e1 << 8``: the pair's ``pk`` byte, and its escape flags (bit 0: e0, bit 1:
+    e1). An escaped exponent gets nibble ``ESCAPE_CODE & 0xF`` (0)."""
     code = torch.full((256,), ESCAPE_CODE, dtype=torch.int32)
     code[list(dec_lut[:n_used])] = torch.arange(n_used, dtype=torch.int32)
+    nibble = code & 0xF
     escaped = (code == ESCAPE_CODE).to(torch.int32)
-    first = ((code & 0xF) << 4) | (escaped << 8)  # high nibble
-    second = (code & 0xF) | (escaped << 9)  # low nibble
-    return (second.view(256, 1) | first.view(1, 256)).reshape(-1).to(torch.int16)
+    pk = (nibble.view(1, 256) << 4) | nibble.view(256, 1)  # rows e1, columns e0; e0 in the high nibble
+    flags = escaped.view(1, 256) | (escaped.view(256, 1) << 1)
+    return pk.reshape(-1).to(torch.uint8), flags.reshape(-1).to(torch.uint8)
 
 
-_ESCAPE_FLAGS = 0x0300_0300_0300_0300
-"""The escape flags of 4 gathered pair codes read as one int64."""
+class _EscapeFinder:
+    """Collects the element positions of escapes while a tensor is encoded slice by slice.
 
-
-def _flagged_groups(codes: torch.Tensor, first_pair: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The groups of 4 pairs in one slice's gathered codes that hold an escape: (global group index, flags word).
-
-    ``codes`` is the slice's int16 codes followed by zeros up to a multiple of 4; reading them 4 at a time as int64
-    makes the ``nonzero`` scan 4 times shorter. :func:`_escape_elements` expands the words once for the tensor.
+    Each slice's escape flags (one byte per pair, from a table gather) go into a block buffer; a full block is
+    scanned once with ``nonzero`` over its bytes read 8 at a time as int64, and only the flagged words are kept. A
+    scan per slice would cost more than the gather: each PyTorch call has a fixed cost of a few microseconds.
     """
-    flags = codes.view(torch.int64) & _ESCAPE_FLAGS
-    group = torch.nonzero(flags).reshape(-1)
-    return group + first_pair // 4, flags[group]
 
+    def __init__(self, n_pairs: int):
+        self.flags = torch.empty(min(4 * SLICE_PAIRS, -(-n_pairs // 8) * 8), dtype=torch.uint8)
+        self.block_start = 0  # the pair the buffer starts at (a multiple of 8)
+        self.filled = 0
+        self.found: list[tuple[torch.Tensor, torch.Tensor]] = []  # (index of an 8-pair group, its flags word)
 
-def _escape_elements(groups: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Ascending element positions (int64) of the escapes in the flagged groups of :func:`_flagged_groups`.
+    def add(self, flag_table: torch.Tensor, pair_index: torch.Tensor, first_pair: int) -> None:
+        """Record the flags of pairs ``first_pair, first_pair + 1, ...`` from their exponent pair index."""
+        if self.filled + pair_index.numel() > self.flags.numel():
+            self._scan()
+            self.block_start = first_pair
+        torch.index_select(flag_table, 0, pair_index, out=self.flags[self.filled: self.filled + pair_index.numel()])
+        self.filled += pair_index.numel()
 
-    Pair ``j`` of a group has its flags at bits ``8 + 16 j`` (first element) and ``9 + 16 j`` (second element).
-    """
-    if not groups:
-        return torch.zeros(0, dtype=torch.int64)
-    group = torch.cat([g for g, _ in groups]).view(-1, 1)
-    word = torch.cat([w for _, w in groups]).view(-1, 1)
-    offset = torch.arange(8)  # element 2 j + e of the group's 8
-    flag_bit = 8 + 16 * (offset // 2) + offset % 2
-    escaped = ((word >> flag_bit) & 1).bool()
-    return (8 * group + offset)[escaped]
+    def _scan(self) -> None:
+        whole = -(-self.filled // 8) * 8
+        self.flags[self.filled: whole] = 0
+        words = self.flags[:whole].view(torch.int64)
+        group = torch.nonzero(words).reshape(-1)
+        if group.numel():
+            self.found.append((group + self.block_start // 8, words[group]))
+        self.filled = 0
+
+    def positions(self) -> torch.Tensor:
+        """Ascending element positions (int64) of all escapes recorded.
+
+        Pair ``j`` of a group has its flags in byte ``j`` of the word: bit ``8 j`` for its first element and bit
+        ``8 j + 1`` for its second.
+        """
+        self._scan()
+        if not self.found:
+            return torch.zeros(0, dtype=torch.int64)
+        group = torch.cat([g for g, _ in self.found]).view(-1, 1)
+        word = torch.cat([w for _, w in self.found]).view(-1, 1)
+        element = torch.arange(16)  # element 2 j + e of the group's 16
+        escaped = ((word >> (8 * (element // 2) + element % 2)) & 1).bool()
+        return (16 * group + element)[escaped]
 
 
 def _write_padding(payload: torch.Tensor, layout: PayloadLayout) -> None:
@@ -227,33 +236,30 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
     if layout.n != n:
         raise ValueError(f"layout is for {layout.n} elements, the tensor has {n}")
     _check_payload(payload, layout)
-    table = _pair_code_table(codebook.dec_lut, codebook.n_used)
+    pk_table, flag_table = _pair_code_tables(codebook.dec_lut, codebook.n_used)
     pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = payload[layout.off_sm: layout.off_sm + n]
     scratch = _SliceScratch(n // 2)
-    flagged = []
+    escapes = _EscapeFinder(n // 2) if layout.n_esc else None
 
     for a, b in _pair_slices(n // 2):
         m = b - a
         pair_index = _exponent_pair_index(bits[2 * a: 2 * b], scratch)
-        codes = torch.index_select(table, 0, pair_index, out=scratch.words.view(torch.int16)[:m])
-        pk[a:b].copy_(codes)  # int16 -> uint8 keeps the low byte: the pk byte without its escape flags
-        if layout.n_esc and int(codes.max()) > 0xFF:
-            whole_groups = scratch.words.view(torch.int16)[: -(-m // 4) * 4]
-            whole_groups[m:] = 0
-            flagged.append(_flagged_groups(whole_groups, a))
+        torch.index_select(pk_table, 0, pair_index, out=pk[a:b])
+        if escapes is not None:
+            escapes.add(flag_table, pair_index, a)
         # sm byte = sign << 7 | mantissa: keep sign and mantissa; the arithmetic shift copies the sign into bit 7.
-        kept = torch.bitwise_and(bits[2 * a: 2 * b], _KEEP_SIGN_AND_MANTISSA, out=scratch.halves[: 2 * m])
-        kept.bitwise_or_(torch.bitwise_right_shift(kept, 8, out=scratch.words.view(torch.int16)[: 2 * m]))
-        sm[2 * a: 2 * b].copy_(kept)  # low byte
+        kept = torch.bitwise_and(bits[2 * a: 2 * b], _SIGN_AND_MANTISSA, out=scratch.halves[: 2 * m])
+        sign = torch.bitwise_right_shift(kept, 8, out=scratch.words.view(torch.int16)[: 2 * m])
+        torch.bitwise_or(kept, sign, out=sm[2 * a: 2 * b])  # writing uint8 keeps the low byte
 
-    position = _escape_elements(flagged)
+    position = escapes.positions() if escapes is not None else torch.zeros(0, dtype=torch.int64)
     if n % 2:
         last = int(bits[-1]) & 0xFFFF
-        code = int(table[(last >> 7) & 0xFF])  # as the first element of a pair: high nibble, flag in bit 8
-        pk[-1] = code & 0xF0  # the low nibble is padding
+        exponent = (last >> 7) & 0xFF  # as the first element of a pair (the table's column)
+        pk[-1] = int(pk_table[exponent]) & 0xF0  # the low nibble is padding
         sm[-1] = ((last >> 8) & 0x80) | (last & 0x7F)
-        if code & 0x100:
+        if int(flag_table[exponent]) & 1:
             position = torch.cat((position, torch.tensor([n - 1])))
 
     if position.numel() != layout.n_esc:
@@ -327,16 +333,15 @@ def _pair_exponent_table(dec_lut: tuple[int, ...]) -> torch.Tensor:
 
 def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
                   scratch: _SliceScratch) -> None:
-    """Decode ``len(out)`` pairs from ``pk`` bytes and ``sm`` byte pairs (int16) into int32 words of two BF16s."""
+    """Decode ``len(out)`` pairs from their ``pk`` bytes and ``sm`` bytes (as int8) into int32 words of two BF16s."""
     m = out.numel()
-    index, fields = scratch.index[:m], scratch.words[:m]
+    index = scratch.index[:m]
     index.copy_(pk)
     torch.index_select(table, 0, index, out=out)  # both exponent fields
-    fields.copy_(sm)  # sign-extended: bit 31 is the second element's sign
-    middle = torch.bitwise_left_shift(fields, 8, out=index)
-    middle.bitwise_and_(_FIRST_SIGN_SECOND_MANTISSA)
-    fields.bitwise_and_(_FIRST_MANTISSA_SECOND_SIGN)
-    out.bitwise_or_(fields).bitwise_or_(middle)
+    fields = scratch.halves[: 2 * m]
+    fields.copy_(sm)  # int8 -> int16 sign-extends: the sign lands in bit 15 (and bits 7..14)
+    fields.bitwise_and_(_SIGN_AND_MANTISSA)
+    out.bitwise_or_(fields.view(torch.int32))
 
 
 def _decode_pair_range(pk: torch.Tensor, sm: torch.Tensor, codebook: Codebook, first: int, stop: int,
@@ -344,15 +349,15 @@ def _decode_pair_range(pk: torch.Tensor, sm: torch.Tensor, codebook: Codebook, f
     """Decode the whole pairs of elements ``[first, stop)`` (both even) into ``bits`` (int16, ``stop - first``)."""
     table = _pair_exponent_table(codebook.dec_lut)
     pk = pk[first // 2: stop // 2]
-    sm = _view_as(sm[first:stop], torch.int16)
+    sm = sm[first:stop].view(torch.int8)
     scratch = _SliceScratch(pk.numel())
     aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
     for a, b in _pair_slices(pk.numel()):
         if aligned:
-            _decode_pairs(pk[a:b], sm[a:b], table, bits[2 * a: 2 * b].view(torch.int32), scratch)
+            _decode_pairs(pk[a:b], sm[2 * a: 2 * b], table, bits[2 * a: 2 * b].view(torch.int32), scratch)
         else:
-            words = scratch.halves.view(torch.int32)[: b - a]
-            _decode_pairs(pk[a:b], sm[a:b], table, words, scratch)
+            words = scratch.words[: b - a]
+            _decode_pairs(pk[a:b], sm[2 * a: 2 * b], table, words, scratch)
             bits[2 * a: 2 * b].copy_(words.view(torch.int16))
 
 

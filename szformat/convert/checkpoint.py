@@ -66,20 +66,16 @@ def find_files(path: str | os.PathLike, suffix: str) -> CheckpointFiles:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConversionError: ``path`` is not a weight file, an index or a folder holding weight files; or an index
-            names a shard that is missing.
+        ConversionError: ``path`` is not a weight file, an index or a folder holding weight files.
     """
     path = Path(path)
     if path.is_dir():
         return _find_in_folder(path, suffix)
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "no such file or folder", str(path))
-    if path.name.endswith(suffix + INDEX_TAIL):
-        index = read_index(path)
-        for shard in index.shard_names():
-            if not (path.parent / shard).is_file():
-                raise ConversionError(f"the index names shard {shard!r}, which is missing", path=path)
-        return CheckpointFiles(path, path.parent, False, tuple(sorted(index.shard_names())), (path.name,), ())
+    if path.name.endswith(suffix + INDEX_TAIL):  # the shards present; a missing one is the index's problem
+        shards = sorted(s for s in read_index(path).shard_names() if (path.parent / s).is_file())
+        return CheckpointFiles(path, path.parent, False, tuple(shards), (path.name,), ())
     if path.name.endswith(suffix):
         return CheckpointFiles(path, path.parent, True, (path.name,), (), ())
     raise ConversionError(f"expected a {suffix} file, a *{suffix}{INDEX_TAIL} index or a model folder", path=path)
@@ -122,12 +118,22 @@ def open_checkpoint(path: str | os.PathLike, suffix: str,
     return Checkpoint(files, sizes, indexes)
 
 
-def default_output(path: str | os.PathLike, old_suffix: str, new_suffix: str) -> Path | None:
-    """The output a single weight file converts to when none is given (beside it); ``None`` for anything else."""
-    path = Path(path)
-    if path.name.endswith(old_suffix) and not path.is_dir():
-        return path.with_name(renamed(path.name, old_suffix, new_suffix))
-    return None
+def output_path(files: CheckpointFiles, target: str | os.PathLike | None, old_suffix: str, new_suffix: str) -> Path:
+    """Where the converted twin goes: ``target`` as given, except for a single file, which goes beside its source
+    when ``target`` is ``None`` and into ``target`` when that is an existing folder (as ``cp`` does).
+
+    Raises:
+        ConversionError: ``target`` is ``None`` for an index or a folder.
+    """
+    if files.single_file:
+        name = renamed(files.weights[0], old_suffix, new_suffix)
+        if target is None:
+            return files.root / name
+        return Path(target) / name if Path(target).is_dir() else Path(target)
+    if target is None:
+        raise ConversionError("a sharded checkpoint or a folder gives a folder: name the output folder",
+                              path=files.source)
+    return Path(target)
 
 
 def write_checkpoint(checkpoint: Checkpoint, target: str | os.PathLike, *, old_suffix: str, new_suffix: str,

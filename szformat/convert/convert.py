@@ -17,10 +17,9 @@ import torch
 
 from ..api import write_tensor
 from ..codec.gate import CodecBackend
-from ..errors import ConversionError
 from ..format import constants as C
 from ..format.writer import SztWriter
-from .checkpoint import default_output, open_checkpoint, write_checkpoint
+from .checkpoint import open_checkpoint, output_path, write_checkpoint
 from .device import codec_for
 from .progress import progress_bar
 from .report import ConversionReport, TensorRecord
@@ -35,8 +34,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     Args:
         source (`str` or `os.PathLike`): a ``.safetensors`` file, a ``*.safetensors.index.json`` sharded index, or
             a model folder (sub-folders included).
-        target (`str` or `os.PathLike`, *optional*): the ``.szt`` file for a single file (default: beside it, with
-            the ``.szt`` suffix), else the output folder (required).
+        target (`str` or `os.PathLike`, *optional*): for a single file, the ``.szt`` file or a folder to put it in
+            (default: beside the source); else the output folder (required).
         device (`str` or `torch.device`, *optional*): where to encode: ``"cpu"`` (default) or ``"cuda"``; the
             bytes are the same.
         backend (*optional*): a codec object with ``encode(x)`` and ``decode(payload, layout, codebook)`` to use
@@ -63,8 +62,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     started = time.perf_counter()
     codec, device = (backend, torch.device(device)) if backend is not None else codec_for(device)
     checkpoint = open_checkpoint(source, SUFFIX, lambda path: read_safetensors_header(path).sizes)
-    target = _target(source, target)
-    report = ConversionReport(output=Path(target), files_copied=len(checkpoint.files.others))
+    target = output_path(checkpoint.files, target, SUFFIX, C.FILE_SUFFIX)
+    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
     with progress_bar(checkpoint.raw_bytes, enabled=progress, description="converting") as bar:
         def write_weights(src: Path, dst: Path) -> None:
             name = src.relative_to(checkpoint.files.root).as_posix()
@@ -82,11 +81,3 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     report.seconds = time.perf_counter() - started
     return report
 
-
-def _target(source: str | os.PathLike, target: str | os.PathLike | None) -> Path:
-    if target is not None:
-        return Path(target)
-    default = default_output(source, SUFFIX, C.FILE_SUFFIX)
-    if default is None:
-        raise ConversionError("an index or a folder converts to a folder: give the output folder", path=source)
-    return default

@@ -11,10 +11,9 @@ import os
 import time
 from pathlib import Path
 
-from ..errors import ConversionError
 from ..format import constants as C
 from ..format.reader import SztFile
-from .checkpoint import default_output, open_checkpoint, write_checkpoint
+from .checkpoint import open_checkpoint, output_path, write_checkpoint
 from .expand import iter_raw_bytes
 from .progress import progress_bar
 from .report import ConversionReport, TensorRecord
@@ -28,8 +27,8 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
 
     Args:
         source (`str` or `os.PathLike`): a ``.szt`` file, a ``*.szt.index.json`` index, or a converted folder.
-        target (`str` or `os.PathLike`, *optional*): the ``.safetensors`` file for a single file (default: beside
-            it), else the output folder (required).
+        target (`str` or `os.PathLike`, *optional*): for a single file, the ``.safetensors`` file or a folder to
+            put it in (default: beside the source); else the output folder (required).
         overwrite (`bool`, *optional*): replace an existing output.
         progress (`bool`, *optional*): show a progress bar on stderr.
 
@@ -46,12 +45,8 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
     """
     started = time.perf_counter()
     checkpoint = open_checkpoint(source, C.FILE_SUFFIX, _raw_sizes)
-    if target is None:
-        target = default_output(source, C.FILE_SUFFIX, SUFFIX)
-        if target is None:
-            raise ConversionError("an index or a folder decompresses to a folder: give the output folder",
-                                  path=source)
-    report = ConversionReport(output=Path(target), files_copied=len(checkpoint.files.others))
+    target = output_path(checkpoint.files, target, C.FILE_SUFFIX, SUFFIX)
+    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
     with progress_bar(checkpoint.raw_bytes, enabled=progress, description="decompressing") as bar:
         def write_weights(src: Path, dst: Path) -> None:
             name = src.relative_to(checkpoint.files.root).as_posix()

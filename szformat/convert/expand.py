@@ -23,8 +23,9 @@ SLICE_BYTES = 8 << 20
 """Raw bytes produced per step."""
 
 
-def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int = SLICE_BYTES) -> Iterator[torch.Tensor]:
-    """Yield the raw bytes of ``entry`` in order, as flat uint8 CPU tensors of at most ``slice_bytes``.
+def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the raw bytes of ``entry`` in order, as flat uint8 CPU tensors of at most ``slice_bytes``
+    (default :data:`SLICE_BYTES`).
 
     The stored bytes are checked against their CRC-32 before the first slice; the decoded bytes against theirs
     after the last one (the generator raises then, so a consumer writing an atomic output discards it). Each slice
@@ -34,6 +35,7 @@ def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int = SLIC
         ChecksumMismatchError: stored or decoded bytes differ from the checksums the header records.
         PayloadError: the escape stream of a SplitZip payload is inconsistent.
     """
+    slice_bytes = slice_bytes or SLICE_BYTES
     payload = file.payload(entry.name, verify=True)
     try:
         if entry.encoding == C.ENCODING_RAW:  # the header guarantees crc32 == raw_crc32 for raw payloads

@@ -190,12 +190,9 @@ class SafetensorsSource:
         self.close()
 
     def close(self) -> None:
-        if self._mmap is not None:
-            try:
-                self._mmap.close()
-            except BufferError:
-                pass  # a yielded view is still alive; the mapping goes with it
-            self._mmap = None
+        """Let go of the mapping. It is unmapped when the last yielded view is freed, not before: torch views hold a
+        reference to the mapping but no buffer export, so ``mmap.close()`` would unmap memory they still point to."""
+        self._mmap = None
 
     def tensors(self) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
         """Yield each tensor with its raw bytes as a flat, read-only, zero-copy uint8 view.

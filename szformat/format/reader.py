@@ -69,10 +69,15 @@ class SztFile:
         self._mmap: mmap.mmap | None = None
         # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below as not a regular file.
         fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
-        with os.fdopen(fd, "rb") as f:
-            st = os.fstat(f.fileno())
+        try:
+            st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise FormatError("not a regular file", path=path)
+            file = os.fdopen(fd, "rb")
+        except BaseException:
+            os.close(fd)
+            raise
+        with file as f:
             header_offset, header_length, header_crc = self._read_preamble(f, st.st_size)
             f.seek(header_offset)
             raw_header = f.read(header_length)
@@ -143,7 +148,7 @@ class SztFile:
         self.close()
 
     def close(self) -> None:
-        """Release the mapping. Payload views still alive keep it mapped until they are freed."""
+        """Release the mapping. Payload views still alive keep it mapped until the last of them is freed."""
         if self._mmap is not None:
             try:
                 self._mmap.close()
@@ -180,7 +185,12 @@ class SztFile:
 
     @property
     def buffer(self) -> mmap.mmap:
-        """The whole mapping, for routes that register it with a device driver."""
+        """The whole mapping, for routes that register it with a device driver.
+
+        Take tensors or arrays of it through ``memoryview(buffer)``, as :meth:`payload` does: a memoryview holds a
+        buffer export that keeps :meth:`close` from unmapping the pages while it lives; ``torch.frombuffer(buffer)``
+        alone does not, and reading such a tensor after ``close()`` would crash the process.
+        """
         if self._mmap is None:
             raise ValueError(f"{self.path} is closed")
         return self._mmap
@@ -195,9 +205,11 @@ class SztFile:
         if mm.size() < self.file_length:  # reading a page past the new end would raise SIGBUS
             raise TruncatedFileError(f"file shrank to {mm.size()} bytes after it was opened ({self.file_length})",
                                      path=self.path, tensor=tensor)
+        # Through a memoryview: the view holds a buffer export on the mapping, so close() cannot unmap the pages
+        # under a live tensor (torch.frombuffer keeps its source object alive, but not an export of it).
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable
-            return torch.frombuffer(mm, dtype=torch.uint8, count=length, offset=offset)
+            return torch.frombuffer(memoryview(mm)[offset: offset + length], dtype=torch.uint8)
 
 
 def check_crc(data: torch.Tensor, expected: int, *, what: str, path, tensor: str) -> None:

@@ -14,6 +14,7 @@ from typing import Iterable
 from huggingface_hub import ModelCardData
 from huggingface_hub.repocard import metadata_load
 
+from ..errors import PushError
 from ..format import constants as C
 from ..format.reader import SztFile
 
@@ -58,10 +59,18 @@ def checkpoint_stats(paths: Iterable[str | os.PathLike]) -> CheckpointStats:
 
 
 def carried_metadata(source_card: str | os.PathLike | None) -> dict[str, str]:
-    """The license fields of a source model card's front matter; empty when there is no card or no such field."""
+    """The license fields of a source model card's front matter; empty when there is no card or no such field.
+
+    Raises:
+        PushError: the front matter is not a YAML mapping (the license it may state cannot be carried).
+    """
     if source_card is None or not Path(source_card).is_file():
         return {}
-    metadata = metadata_load(source_card) or {}
+    try:
+        metadata = metadata_load(source_card) or {}
+    except Exception as e:  # ValueError, or a YAML parser error whose class huggingface_hub does not re-export
+        raise PushError(f"the model card's front matter cannot be parsed ({e}); fix it, or push with "
+                        "model_card=False to upload it unchanged", path=source_card) from None
     return {key: metadata[key] for key in CARRIED_METADATA if isinstance(metadata.get(key), str)}
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 
 def library_info() -> dict[str, str]:
-    """Keyword arguments naming szformat and its version, for ``HfApi``, ``hf_hub_download`` and ``snapshot_download``."""
+    """Keyword arguments naming szformat and its version, for ``HfApi``, ``hf_hub_download``, ``snapshot_download``."""
     from .. import __version__  # the package root imports this package: read the version at call time
 
     return {"library_name": "szformat", "library_version": __version__}

@@ -14,12 +14,13 @@ from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
+from ..convert.index import read_index, shard_path
 from ..errors import PushError
-from ..format.constants import FILE_SUFFIX
+from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
 from .card import carried_metadata, checkpoint_stats, render_model_card
 from .client import library_info
-from .index import DEFAULT_INDEX, is_index_name, read_shard_names
 from .refs import HubRef
+from .resolve import DEFAULT_INDEX
 
 DEFAULT_COMMIT_MESSAGE = "Upload szformat checkpoint"
 MODEL_CARD = "README.md"
@@ -52,6 +53,7 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
 
     Raises:
         PushError: the path holds no .szt file, or an index names a shard that is not in the folder.
+        ConversionError: an index is malformed.
         FormatError (or a subclass): a .szt file is not valid.
         huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request (token, permissions).
 
@@ -82,7 +84,8 @@ def _files_to_push(path: Path, *, keep_readme: bool) -> dict[str, Path]:
     """Repo path -> local file, sorted; raises PushError unless at least one .szt file is among them."""
     if path.is_file():
         if not path.name.endswith(FILE_SUFFIX):
-            hint = " (push the folder that holds the index and its shards)" if is_index_name(path) else ""
+            is_index = path.name.endswith(INDEX_SUFFIX)
+            hint = " (push the folder that holds the index and its shards)" if is_index else ""
             raise PushError(f"only .szt files or converted folders can be pushed{hint}", path=path)
         return {path.name: path}
     if not path.is_dir():
@@ -101,10 +104,9 @@ def _files_to_push(path: Path, *, keep_readme: bool) -> dict[str, Path]:
 def _check_index_shards(path: Path, files: dict[str, Path]) -> None:
     """Refuse to publish a sharded index whose shards are not all being pushed beside it."""
     for name, local in files.items():
-        if not is_index_name(name):
+        if not name.endswith(INDEX_SUFFIX):
             continue
-        folder = name.rpartition("/")[0]
-        missing = [s for s in read_shard_names(local) if (f"{folder}/{s}" if folder else s) not in files]
+        missing = [s for s in read_index(local).shard_names() if shard_path(name, s) not in files]
         if missing:
             raise PushError(f"index {name} names shard(s) absent from the folder: {', '.join(missing)}", path=path)
 
@@ -113,7 +115,7 @@ def _load_ref(repo_id: str, revision: str | None, files: dict[str, Path]) -> str
     """The reference the card's loading example uses: the file of a single-file checkpoint, the repo for a root
     ``model.szt.index.json``, else the first index, else the first .szt file."""
     szt_files = [name for name in files if name.endswith(FILE_SUFFIX)]
-    indexes = [name for name in files if is_index_name(name)]
+    indexes = [name for name in files if name.endswith(INDEX_SUFFIX)]
     if DEFAULT_INDEX in indexes:
         filename = ""
     else:

@@ -17,10 +17,15 @@ from pathlib import Path
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
+from ..convert.index import read_index, shard_path
 from ..errors import HubCheckpointNotFoundError, HubReferenceError
+from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
 from .client import library_info
-from .index import DEFAULT_FILE, DEFAULT_INDEX, is_index_name, read_shard_names
 from .refs import HubRef, is_hub_ref, make_hub_ref, parse_hub_ref
+
+DEFAULT_FILE = "model" + FILE_SUFFIX
+DEFAULT_INDEX = "model" + INDEX_SUFFIX
+"""What a reference to a whole repo loads: the sharded index if the repo has one, else the single file."""
 
 SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "README.md", "LICENSE*")
 """What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, card and license.
@@ -36,13 +41,11 @@ def resolve(path_or_ref: str | os.PathLike | None = None, *, repo_id: str | None
             cache_dir: str | os.PathLike | None = None, endpoint: str | None = None) -> Path:
     """The local path of a checkpoint: a local path as given, or what a Hub reference downloads to.
 
-    What a Hub reference resolves to:
+    What a Hub reference resolves to, in the Hugging Face cache:
 
-    - a file (``hf://user/repo/model.szt``): that file in the Hugging Face cache;
-    - a sharded index (``hf://user/repo/model.szt.index.json``): the index, once it and every shard it names are
-      in the cache, side by side;
-    - a repo (``hf://user/repo``): the cached snapshot folder, holding ``model.szt.index.json`` and its shards
-      when the repo has that index, else ``model.szt``.
+    - a file (``hf://user/repo/model.szt``): that file;
+    - a sharded index (``hf://user/repo/model.szt.index.json``): the index, once every shard it names is beside it;
+    - a repo (``hf://user/repo``): its ``model.szt.index.json`` as above if it has one, else its ``model.szt``.
 
     Args:
         path_or_ref (`str` or `os.PathLike`, *optional*): a local path (returned unchanged, as a `Path`) or an
@@ -58,13 +61,13 @@ def resolve(path_or_ref: str | os.PathLike | None = None, *, repo_id: str | None
         endpoint (`str`, *optional*): Hub URL; defaults to huggingface_hub's (``HF_ENDPOINT``).
 
     Returns:
-        `Path`: a local file, or the local snapshot folder for a repo reference.
+        `Path`: the local file or index; its folder is the cache snapshot of the commit it came from.
 
     Raises:
         HubReferenceError: the reference is malformed, or the keywords contradict it.
         HubCheckpointNotFoundError: a repo reference, and the repo has neither ``model.szt.index.json`` nor
             ``model.szt``.
-        FormatError: a downloaded index is malformed.
+        ConversionError: a downloaded index is malformed (not JSON, no weight map, a shard outside its folder).
         huggingface_hub.utils.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo (or
             a private repo without the right token), the revision or the file does not exist.
         huggingface_hub.utils.LocalEntryNotFoundError: offline (or the Hub unreachable) and not in the cache.
@@ -130,14 +133,13 @@ def download_safetensors_repo(ref: str | HubRef, *, revision: str | None = None,
         local_files_only, token, cache_dir, endpoint: as in `resolve`.
 
     Raises:
-        HubReferenceError: the reference is malformed.
+        HubReferenceError: not an ``hf://`` reference, malformed, or contradicting ``revision``.
         HubCheckpointNotFoundError: the repo or folder holds no ``.safetensors`` file.
         huggingface_hub.utils.HfHubHTTPError (or a subclass), LocalEntryNotFoundError: as in `resolve`.
     """
-    if isinstance(ref, str):
-        ref = hub_ref_from_arguments(ref, revision=revision)
-    elif revision is not None:
-        ref = replace(ref, revision=revision)
+    if not is_hub_ref(str(ref)):
+        raise HubReferenceError(f"{str(ref)!r} is not a Hub reference; write hf://namespace/name[@revision][/path]")
+    ref = hub_ref_from_arguments(str(ref), revision=revision)
     downloader = _Downloader(ref, local_files_only=local_files_only, token=token, cache_dir=cache_dir,
                              endpoint=endpoint)
     if ref.filename.endswith(".safetensors"):
@@ -166,7 +168,7 @@ class _Downloader:
 
     def checkpoint(self) -> Path:
         """What `resolve` returns for this reference (see there)."""
-        if self.ref.filename and not is_index_name(self.ref.filename):
+        if self.ref.filename and not self.ref.filename.endswith(INDEX_SUFFIX):
             return self.file(self.ref.filename)
         if self.ref.filename:
             return self.sharded(self.ref.filename)
@@ -181,9 +183,9 @@ class _Downloader:
                 raise HubCheckpointNotFoundError(
                     f"{self.ref} holds neither {DEFAULT_INDEX} nor {DEFAULT_FILE}; name the file to load "
                     f"(hf://{self.ref.repo_id}/<file>.szt)") from None
-            return single.parent
+            return single
         self.shards(index, DEFAULT_INDEX)
-        return index.parent
+        return index
 
     def sharded(self, index_name: str) -> Path:
         """Download an index and the shards it names; return the local index."""
@@ -194,9 +196,8 @@ class _Downloader:
     def shards(self, index: Path, index_name: str) -> None:
         """Download every shard a downloaded index names, from the commit the index came from."""
         commit = _snapshot_commit(index, index_name)
-        folder = index_name.rpartition("/")[0]
-        names = [f"{folder}/{s}" if folder else s for s in read_shard_names(index)]
-        with ThreadPoolExecutor(max_workers=min(_MAX_PARALLEL_DOWNLOADS, len(names))) as pool:
+        names = [shard_path(index_name, shard) for shard in read_index(index).shard_names()]
+        with ThreadPoolExecutor(max_workers=max(1, min(_MAX_PARALLEL_DOWNLOADS, len(names)))) as pool:
             list(pool.map(lambda name: self.file(name, revision=commit), names))
 
 

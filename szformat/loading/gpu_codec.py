@@ -8,7 +8,6 @@ instead, so the scheduling runs the same without a GPU.
 from __future__ import annotations
 
 import dataclasses
-import importlib
 from typing import Any, Protocol, Sequence
 
 import torch
@@ -44,12 +43,11 @@ class DeviceCodec(Protocol):
 class TritonCodec:
     """:class:`DeviceCodec` over the Triton kernels of :mod:`szformat.codec.gpu`."""
 
-    def __init__(self, single: Any, batch: Any):
-        self._single = single
-        self._batch = batch
+    def __init__(self, kernels: Any):
+        self._kernels = kernels
 
     def batch_table(self, entries: Sequence[BatchEntry], device: torch.device) -> Any:
-        table = self._batch.build_batch_table(entries, device="cpu")
+        table = self._kernels.build_batch_table(entries, device="cpu")
         if device.type != "cuda":
             return table  # the Triton interpreter decodes CPU tensors
         # A pageable copy would make the host wait for the current stream; a pinned one is only enqueued on it.
@@ -58,22 +56,23 @@ class TritonCodec:
                                    tile_owner=to_device(table.tile_owner), escape_owner=to_device(table.escape_owner))
 
     def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
-        self._batch.decode_batch(payloads, table, out=out)
+        self._kernels.decode_batch(payloads, table, out=out)
 
     def new_scratch(self) -> Any:
-        return self._single.DecodeScratch()
+        return self._kernels.DecodeScratch()
 
     def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
-        self._single.decode_in_place(buffer, layout, codebook, scratch=scratch)
+        self._kernels.decode_in_place(buffer, layout, codebook, scratch=scratch)
 
 
 def triton_codec() -> TritonCodec:
     """The Triton codec, or a :class:`DecodeRouteError` that says how to get it or how to do without."""
+    from ..codec import gpu as kernels
+
     try:
-        single = importlib.import_module("szformat.codec.gpu.decode")
-        batch = importlib.import_module("szformat.codec.gpu.batch")
+        kernels.decode_in_place  # noqa: B018 - the first use imports Triton
     except (ImportError, DecodeRouteError) as e:
         raise DecodeRouteError(
             f"decoding on the device needs Triton ({e}); install it with pip install 'szformat[gpu]', or pass "
             "route='cpu' to decode on the CPU and copy the tensors") from None
-    return TritonCodec(single, batch)
+    return TritonCodec(kernels)

@@ -60,8 +60,8 @@ class FileReader:
 
     Args:
         path (`str` or `os.PathLike`): the file.
-        pool (`ThreadPoolExecutor`): the threads that read; ``pool._max_workers`` pieces at most per range.
-        threads (`int`): how many pieces a large range is cut into.
+        pool (`ThreadPoolExecutor`): the threads that read.
+        threads (`int`): how many pieces a large range is cut into (the pool's size).
     """
 
     def __init__(self, path: str | os.PathLike, pool: ThreadPoolExecutor, threads: int):
@@ -126,15 +126,19 @@ class RegisteredMapping:
 
     @classmethod
     def open(cls, path: str | os.PathLike, device: torch.device) -> "RegisteredMapping | None":
+        if os.name != "posix" or device.type != "cuda" or not torch.cuda.is_available():
+            return None
         cudart = _cudart()
-        if cudart is None or os.name != "posix":
+        if cudart is None:
             return None
         path = Path(path)
         fd = os.open(path, os.O_RDONLY)
         try:
             size = os.fstat(fd).st_size
             if size == 0:
+                os.close(fd)
                 return None
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # start reading a cold file before pinning it
             mapping = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
         except BaseException:
             os.close(fd)

@@ -48,6 +48,9 @@ class HostSource(Protocol):
     def stage(self, transfer: Transfer, slot: Slot) -> Staged:
         """Start making file bytes ``[transfer.start, transfer.start + transfer.nbytes)`` available to copy from."""
 
+    def close(self) -> None:
+        """Release the file; every copy out of it must have completed."""
+
 
 class ReadSource:
     """Threaded reads of the file into the slot's pinned buffer."""
@@ -60,6 +63,9 @@ class ReadSource:
     def stage(self, transfer: Transfer, slot: Slot) -> Staged:
         return self.reader.read_into(transfer.start, slot.host[: transfer.nbytes])
 
+    def close(self) -> None:
+        self.reader.close()
+
 
 class MappedSource:
     """The registered page-cache mapping itself: nothing to stage, the copy DMAs straight from it."""
@@ -71,6 +77,9 @@ class MappedSource:
 
     def stage(self, transfer: Transfer, slot: Slot) -> Staged:
         return Staged(self.mapping.view[transfer.start: transfer.start + transfer.nbytes])
+
+    def close(self) -> None:
+        self.mapping.close()
 
 
 class TransferLoop:

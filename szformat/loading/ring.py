@@ -54,6 +54,10 @@ class StagingRing:
     def slots(self) -> int:
         return len(self._slots)
 
+    @property
+    def has_host(self) -> bool:
+        return self._slots[0].host is not None
+
     def acquire(self, *, host_writes: bool, stream: Any = None) -> Slot:
         """The next slot, once its previous use is over.
 

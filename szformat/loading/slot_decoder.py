@@ -62,6 +62,7 @@ class SlotDecoder:
         self.ops = ops if ops is not None else cuda_ops(device if device is not None else "cuda")
         self.codec = codec if codec is not None else triton_codec()
         self._scratch: dict[Any, Any] = {}
+        self._stash: dict[Any, torch.Tensor] = {}
 
     def expand(self, slot: torch.Tensor, payload: PayloadLike, stream: Any = None) -> Any:
         """Enqueue on ``stream`` the expansion of the payload held in ``slot[:payload.length]`` over
@@ -106,24 +107,30 @@ class SlotDecoder:
             if payload.encoding == ENCODING_SPLITZIP and payload.layout.n:
                 batch.append((payload.layout, payload.codebook, offset, offset // 2))
         if batch:
-            scratch = self._scratch_for(stream)
-            used = -(-used // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
-            region = buffer[: min(used, buffer.numel() // 2 * 2)]
+            region = buffer[: min(-(-used // PACKED_ALIGNMENT) * PACKED_ALIGNMENT, buffer.numel() // 2 * 2)]
 
             def expand() -> None:
                 table = self.codec.batch_table(batch, buffer.device)
-                stash = scratch.reserve(region.numel(), buffer.device)
-                stash[: region.numel()].copy_(region)
+                stash = self._stash_on(stream, region.numel())
+                stash.copy_(region)
                 self.codec.decode_batch(stash, table, region.view(torch.bfloat16))
 
             self.ops.enqueue(stream, expand, "decode")
         return self.ops.record(stream)
 
     def _scratch_for(self, stream: Any) -> Any:
-        """Scratch used on one stream only, so its reuse is ordered by that stream."""
+        """The codec's scratch for ``stream``: used on that stream only, so its reuse is ordered by it."""
         if stream not in self._scratch:
             self._scratch[stream] = self.codec.new_scratch()
         return self._scratch[stream]
+
+    def _stash_on(self, stream: Any, nbytes: int) -> torch.Tensor:
+        """``nbytes`` of device memory reused on ``stream`` only; called from work enqueued there, so a buffer
+        replaced by a larger one is recycled by the allocator only behind that stream's earlier work."""
+        stash = self._stash.get(stream)
+        if stash is None or stash.numel() < nbytes:
+            stash = self._stash[stream] = self.ops.device_buffer(nbytes + nbytes // 2)
+        return stash[:nbytes]
 
 
 def _path(payload: PayloadLike) -> str | os.PathLike | None:

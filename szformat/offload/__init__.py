@@ -5,10 +5,11 @@ pool, or an installed engine: diffusers group offloading, accelerate hooks) and 
 """
 
 from .binding import ModuleBinding, TensorBinding, bind_module
+from .handle import OffloadedModel
 from .loader import load_into_offloader
 from .routes import ROUTES, OffloadEnvironment, Route, detect_environment, select_route
 
 __all__ = [
-    "ROUTES", "ModuleBinding", "OffloadEnvironment", "Route", "TensorBinding", "bind_module", "detect_environment",
-    "load_into_offloader", "select_route",
+    "ROUTES", "ModuleBinding", "OffloadEnvironment", "OffloadedModel", "Route", "TensorBinding", "bind_module",
+    "detect_environment", "load_into_offloader", "select_route",
 ]

@@ -13,7 +13,7 @@ bound when the checkpoint happens to hold them and are not required otherwise, a
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -22,7 +22,8 @@ import torch
 from ..errors import BindingError
 from ..format import constants as C
 
-__all__ = ["EntryLike", "TensorBinding", "ModuleBinding", "bind_module"]
+__all__ = ["EntryLike", "TensorBinding", "ModuleBinding", "assign_tensor", "bind_module", "module_tensor",
+           "snapshot_tensors"]
 
 LISTED_PER_PROBLEM = 10
 """How many names each problem lists before it says how many more there are."""
@@ -230,3 +231,59 @@ def _listing(items: list[str]) -> str:
     shown = "; ".join(items[:LISTED_PER_PROBLEM])
     hidden = len(items) - LISTED_PER_PROBLEM
     return f"{shown}; ... and {hidden} more" if hidden > 0 else shown
+
+
+def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
+    """The parameter or buffer ``name`` (dotted, as in ``state_dict``) of ``module`` as it is now."""
+    owner, key = _owner(module, name)
+    found = owner._parameters.get(key)
+    if found is None:
+        found = owner._buffers.get(key)
+    if found is None:
+        raise KeyError(f"module has no parameter or buffer {name!r}")
+    return found
+
+
+def assign_tensor(module: torch.nn.Module, names: tuple[str, ...], value: torch.Tensor) -> None:
+    """Make every name of one storage refer to ``value``, keeping tied names tied.
+
+    Materialized tensors keep their identity (``.data`` is replaced, so references held elsewhere, hooks and
+    optimizers included, see the new bytes). A ``meta`` tensor cannot take data; it is replaced by one new
+    parameter (or buffer) shared by all of its names.
+    """
+    replacements: dict[int, torch.Tensor] = {}
+    for name in names:
+        owner, key = _owner(module, name)
+        current = owner._parameters.get(key)
+        table = owner._parameters if current is not None else owner._buffers
+        current = current if current is not None else owner._buffers[key]
+        if current.device.type != "meta":
+            current.data = value
+            continue
+        if id(current) not in replacements:
+            replacements[id(current)] = (torch.nn.Parameter(value, requires_grad=current.requires_grad)
+                                         if isinstance(current, torch.nn.Parameter) else value)
+        table[key] = replacements[id(current)]
+
+
+def snapshot_tensors(module: torch.nn.Module, names: Iterable[str]) -> Callable[[], None]:
+    """Remember what ``names`` refer to now; the returned function puts it all back (after a failed install)."""
+    saved = []
+    for name in names:
+        owner, key = _owner(module, name)
+        table = owner._parameters if owner._parameters.get(key) is not None else owner._buffers
+        current = table[key]
+        saved.append((table, key, current, None if current.device.type == "meta" else current.data))
+
+    def restore() -> None:
+        for table, key, tensor, data in saved:
+            table[key] = tensor
+            if data is not None:
+                tensor.data = data
+
+    return restore
+
+
+def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    prefix, _, key = name.rpartition(".")
+    return (module.get_submodule(prefix) if prefix else module), key

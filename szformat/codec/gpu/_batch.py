@@ -76,7 +76,8 @@ def build_batch_table(
     Args:
         entries: ``payload_offset`` is in bytes into the batch payload buffer (a multiple of 16);
             ``output_offset`` in elements into the batch output buffer (a multiple of 8). Outputs must not overlap.
-        device (`torch.device` or `str`): where the table goes (the device of the buffers it will decode).
+        device (`torch.device` or `str`): where the table goes (the device of the buffers it will decode). The
+            copy is enqueued on the current stream; the host does not wait for it.
 
     Returns:
         `BatchTable`: reusable for every decode of the same batch layout.
@@ -108,13 +109,21 @@ def build_batch_table(
     for (_, end), (start, _) in zip(spans, spans[1:]):
         if start < end:
             raise ValueError(f"outputs overlap: one ends at element {end}, the next starts at {start}")
+    device = torch.device(device)
     return BatchTable(
-        descriptors=torch.tensor(rows, dtype=torch.int64).reshape(-1, _WIDTH.value).to(device),
-        tile_owner=torch.tensor(tile_owner, dtype=torch.int32).to(device),
-        escape_owner=torch.tensor(escape_owner, dtype=torch.int32).to(device),
+        descriptors=_to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, _WIDTH.value), device),
+        tile_owner=_to_device(torch.tensor(tile_owner, dtype=torch.int32), device),
+        escape_owner=_to_device(torch.tensor(escape_owner, dtype=torch.int32), device),
         payload_bytes=payload_end,
         output_elements=output_end,
     )
+
+
+def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """Copy through pinned memory so the copy is only enqueued on the current stream: the host does not wait."""
+    if device.type != "cuda":
+        return table.to(device)
+    return table.pin_memory().to(device, non_blocking=True)
 
 
 @triton.jit

@@ -24,8 +24,8 @@ from ._common import check_aligned, check_device, codebook_words, on_stream, tl,
 
 __all__ = ["DecodeScratch", "decode", "decode_in_place"]
 
-ROWS = 1024
-"""Rows of four element pairs per dense program: 8192 elements, 28 KiB of traffic."""
+ROWS = 512
+"""Rows of four element pairs per dense program: 4096 elements, two rows per thread with 8 warps."""
 
 DECODE_WARPS = 8
 ESCAPE_BLOCK = 1024
@@ -68,6 +68,7 @@ def _decode_tile(pay_ptr, off_sm, out_ptr, n, tile, l0, l1, l2, l3, ROWS: tl.con
     n_full = n // 2  # pairs holding two elements
     first = tile * PAIRS
     pair = first + (tl.arange(0, ROWS)[:, None] * 4 + tl.arange(0, 4)[None, :])
+    off_sm = off_sm // 4 * 4  # a no-op that tells the compiler sm starts on a word: 4-byte loads at least
     sm16 = (pay_ptr + off_sm).to(tl.pointer_type(tl.int16))
     out32 = out_ptr.to(tl.pointer_type(tl.int32))
     if first + PAIRS <= n_full:
@@ -107,13 +108,15 @@ def _fix_escapes(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, first,
 
 @triton.jit(do_not_specialize=["n", "l0", "l1", "l2", "l3"])
 def _decode_kernel(pay_ptr, off_sm, out_ptr, n, l0, l1, l2, l3, ROWS: tl.constexpr):
-    _decode_tile(pay_ptr, off_sm, out_ptr, n, tl.program_id(0).to(tl.int64), l0, l1, l2, l3, ROWS)
+    _decode_tile(pay_ptr, tl.cast(off_sm, tl.int64), out_ptr, tl.cast(n, tl.int64), tl.program_id(0).to(tl.int64),
+                 l0, l1, l2, l3, ROWS)
 
 
 @triton.jit(do_not_specialize=["off_sm", "off_cid", "n", "n_esc", "chunk_size"])
 def _escape_kernel(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, BLOCK: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCK
-    _fix_escapes(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, first, BLOCK)
+    _fix_escapes(pay_ptr, tl.cast(off_sm, tl.int64), tl.cast(off_cid, tl.int64), out_ptr, tl.cast(n, tl.int64),
+                 tl.cast(n_esc, tl.int64), chunk_size, first, BLOCK)
 
 
 def _launch(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out_bits: torch.Tensor) -> None:

@@ -8,7 +8,7 @@ Four steps, all on one stream:
 2. calibration: one program picks the Top-16 with the reference's tie rule (most frequent first, then smaller
    exponent) by ranking ``count * 256 + (255 - exponent)``, and writes the encode table and ``n_esc``. The host
    reads these 19 numbers back: this is the one synchronisation, needed to size the payload;
-3. pack: one program per tile of 8192 elements writes ``pk`` and ``sm`` and the number of escapes of each
+3. pack: one program per tile of 4096 elements writes ``pk`` and ``sm`` and the number of escapes of each
    1024-element chunk (program 0 also zeroes the alignment gaps, as the reference leaves them);
 4. escapes: after an exclusive prefix sum of the chunk counts, only chunks that hold escapes are read again, and
    each writes its escapes (chunk id, local position, exponent) at its offset, in ascending element order.
@@ -24,11 +24,14 @@ from ._common import check_device, interpreting, on_stream, program_slots, tl, t
 
 __all__ = ["encode", "encode_to_host"]
 
-PACK_ROWS = 1024
-"""Rows of four element pairs per pack program: 8192 elements, eight chunks."""
+PACK_ROWS = 512
+"""Rows of four element pairs per pack program: 4096 elements, four chunks (a multiple of 128 rows)."""
+PACK_WARPS = 8
 HISTOGRAM_ROWS = 512
-HISTOGRAM_SUB = 8
-"""Copies of each shared-memory histogram bin; lanes of a warp spread over them."""
+"""Rows of four element pairs per step of a histogram program."""
+HISTOGRAM_SUB = 1
+"""Copies of each histogram bin, lanes of a warp spread over them: fewer conflicts where ``tl.histogram`` uses
+shared-memory atomics, many more instructions where it counts with warp votes (Triton 3.6)."""
 HISTOGRAM_PROGRAMS_PER_SM = 4
 
 _ESCAPE = tl.constexpr(ESCAPE_CODE)
@@ -39,12 +42,15 @@ def _load_pairs(x_ptr, n, first, ROWS: tl.constexpr, MASKED: tl.constexpr):
     """Element pairs ``[first, first + 4 * ROWS)`` as int32 words (first element in the low half); elements past
     ``n`` read as 0 on the masked path."""
     pair = first + (tl.arange(0, ROWS)[:, None] * 4 + tl.arange(0, 4)[None, :])
+    x32 = x_ptr.to(tl.pointer_type(tl.int32))
     if MASKED:
-        low = tl.load(x_ptr + 2 * pair, mask=2 * pair < n, other=0).to(tl.int32) & 0xFFFF
-        high = tl.load(x_ptr + 2 * pair + 1, mask=2 * pair + 1 < n, other=0).to(tl.int32)
-        words = low | (high << 16)
+        n_full = n // 2
+        words = tl.load(x32 + pair, mask=pair < n_full, other=0)
+        if n % 2 == 1:  # the last element has no partner: read it alone, never the 2 bytes past the tensor
+            last = tl.load(x_ptr + n - 1).to(tl.int32) & 0xFFFF
+            words = tl.where(pair == n_full, last, words)
     else:
-        words = tl.load(x_ptr.to(tl.pointer_type(tl.int32)) + pair)
+        words = tl.load(x32 + pair)
     return pair, words
 
 
@@ -60,9 +66,10 @@ def _tile_histogram(words, ROWS: tl.constexpr, SUB: tl.constexpr):
 @triton.jit(do_not_specialize=["n"])
 def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, SUB: tl.constexpr):
     PAIRS: tl.constexpr = ROWS * 4
+    n = tl.cast(n, tl.int64)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
-    full_tiles = n // (2 * PAIRS)
+    full_tiles = (n // (2 * PAIRS)).to(tl.int32)
     counts = tl.zeros([256 * SUB], dtype=tl.int32)
     for tile in range(pid, full_tiles, programs):
         _, words = _load_pairs(x_ptr, n, tl.cast(tile, tl.int64) * PAIRS, ROWS, False)
@@ -82,6 +89,7 @@ def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, SUB: tl.constexpr)
 @triton.jit(do_not_specialize=["n"])
 def _calibrate_kernel(hist_ptr, n, info_ptr, enc_ptr):
     """Top-16 of the histogram: ``info = [n_used, covered, n_esc, dec_lut[0..15]]``, ``enc[exponent] -> code``."""
+    n = tl.cast(n, tl.int64)
     exponent = tl.arange(0, 256)
     count = tl.load(hist_ptr + exponent)
     rank_key = tl.where(count > 0, count * 256 + (255 - exponent), -1)  # unique: ties go to the smaller exponent
@@ -142,6 +150,9 @@ def _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS: tl.conste
 
 @triton.jit(do_not_specialize=["n", "n_esc"])
 def _pack_kernel(x_ptr, pay_ptr, enc_ptr, counts_ptr, n, n_esc, off_sm, ROWS: tl.constexpr):
+    n = tl.cast(n, tl.int64)
+    n_esc = tl.cast(n_esc, tl.int64)
+    off_sm = tl.cast(off_sm, tl.int64) // 4 * 4  # a no-op that tells the compiler sm starts on a word
     tile = tl.program_id(0).to(tl.int64)
     enc = tl.load(enc_ptr + tl.arange(0, 256))
     if (tile + 1) * ROWS * 8 <= n:
@@ -161,6 +172,9 @@ def _escape_write_kernel(x_ptr, pay_ptr, enc_ptr, counts_ptr, starts_ptr, n, n_e
                          CHUNK: tl.constexpr):
     """Escapes of the chunks of one tile, each at its chunk's offset in the escape streams; chunks without escapes
     are not read."""
+    n = tl.cast(n, tl.int64)
+    n_esc = tl.cast(n_esc, tl.int64)
+    off_cid = tl.cast(off_cid, tl.int64)
     cid = (pay_ptr + off_cid).to(tl.pointer_type(tl.int32))
     lpos = (pay_ptr + off_cid + 4 * n_esc).to(tl.pointer_type(tl.int16))
     ev = pay_ptr + (off_cid + 6 * n_esc + 3) // 4 * 4
@@ -235,7 +249,8 @@ def encode(
         if n:
             tiles = triton.cdiv(n, PACK_ROWS * 8)
             counts = torch.empty(tiles * (PACK_ROWS // 128), dtype=torch.int32, device=device)
-            _pack_kernel[(tiles,)](bits, payload, enc, counts, n, n_esc, layout.off_sm, ROWS=PACK_ROWS, num_warps=8)
+            _pack_kernel[(tiles,)](bits, payload, enc, counts, n, n_esc, layout.off_sm, ROWS=PACK_ROWS,
+                                   num_warps=PACK_WARPS)
         if n_esc:
             starts = torch.cumsum(counts, 0) - counts
             _escape_write_kernel[(tiles,)](bits, payload, enc, counts, starts, n, n_esc, layout.off_cid,

@@ -1,0 +1,266 @@
+"""Load .szt tensors onto a device: choose the route and the host transport, run the pipeline, hand back tensors.
+
+:class:`DeviceLoader` serves ``safe_open(..., device="cuda")`` and ``load_file(..., device="cuda")``. It keeps the
+expensive pieces between calls (pinned slots, streams, reader threads, page-cache registrations) and releases them
+in :meth:`DeviceLoader.close`. :func:`load_to_device` loads a whole checkpoint: one file, a sharded index, or a folder.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+
+from ..errors import DecodeRouteError, FormatError
+from ..format import constants as C
+from ..format.header import TensorEntry
+from ..format.reader import SztFile, check_crc
+from .gpu_codec import DeviceCodec, triton_codec
+from .hostio import FileReader, RegisteredMapping, available_memory, default_threads
+from .ops import DeviceOps, cuda_ops
+from .pipeline import DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource, TransferLoop
+from .ring import StagingRing
+
+__all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "load_checkpoint", "checkpoint_shards"]
+
+ROUTES = ("auto", "gpu", "cpu")
+TRANSPORTS = ("auto", "registered", "staged")
+SLOT_GRANULE = 4096
+
+
+@dataclass(frozen=True)
+class StagingConfig:
+    """How a device load moves bytes.
+
+    Args:
+        slot_bytes (`int`): size of each pinned staging slot (64 MiB: large copies, little pinned memory).
+        slots (`int`): slots in the ring, at least 2, so staging one overlaps copying and decoding another.
+        threads (`int`, *optional*): host reader threads; ``min(8, cores)`` by default.
+        transport (`str`): ``"registered"`` copies straight out of the page cache after registering the file's
+            read-only mapping with the driver; ``"staged"`` reads through the pinned slots; ``"auto"`` registers
+            files that fit in half the available memory where the driver allows it, and stages the rest.
+    """
+
+    slot_bytes: int = 64 << 20
+    slots: int = 2
+    threads: int | None = None
+    transport: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.slot_bytes < SLOT_GRANULE:
+            raise ValueError(f"slot_bytes must be at least {SLOT_GRANULE}, got {self.slot_bytes}")
+        if self.slots < 2:
+            raise ValueError(f"slots must be at least 2, got {self.slots}")
+        if self.threads is not None and self.threads < 1:
+            raise ValueError(f"threads must be positive, got {self.threads}")
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+
+
+class DeviceLoader:
+    """Loads tensors of open .szt files onto one device.
+
+    Args:
+        device (`str` or `torch.device`): a CUDA device.
+        route (`str`, *optional*): ``"gpu"`` moves the stored (compressed) bytes and decodes on the device (needs
+            Triton); ``"cpu"`` decodes on the host and moves raw bytes; ``"auto"`` (default) is ``"gpu"``.
+        staging (`StagingConfig`, *optional*): slot size and count, reader threads, host transport.
+        verify (`bool`, *optional*): check the CRC-32 of each tensor's stored bytes, on host threads while the
+            transfer runs; a mismatch raises after the transfer and no tensor is returned.
+        ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
+
+    Raises:
+        DecodeRouteError: no such CUDA device, or the GPU route without Triton.
+    """
+
+    def __init__(self, device: str | torch.device, *, route: str = "auto", staging: StagingConfig | None = None,
+                 verify: bool = True, ops: DeviceOps | None = None, codec: DeviceCodec | None = None):
+        if route not in ROUTES:
+            raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
+        self.ops = ops if ops is not None else cuda_ops(device)
+        self.route = "cpu" if route == "cpu" else "gpu"
+        self.codec = (codec if codec is not None else triton_codec()) if self.route == "gpu" else None
+        self.staging = staging if staging is not None else StagingConfig()
+        self.verify = verify
+        self.threads = self.staging.threads or default_threads()
+        self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="szformat-io")
+        self._verify_pool: ThreadPoolExecutor | None = None
+        self._sources: dict[Path, HostSource] = {}
+        self._loop: TransferLoop | None = None
+        self._route: DeviceDecodeRoute | HostDecodeRoute | None = None
+
+    def __enter__(self) -> "DeviceLoader":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def load(self, file: SztFile, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """Tensors ``names`` (all by default) of ``file``, on the device, ready to use on any stream."""
+        entries = [file.entry(name) for name in (file.entries if names is None else names)]
+        dtypes = [_torch_dtype(entry, file.path) for entry in entries]
+        checks = self._start_verify(file, entries) if self.verify else []
+        try:
+            if self.route == "gpu":
+                source = self._source(file)
+                route = self._route_for(entries, host=source.host_writes)
+                flat = route.load(entries, source)
+            else:
+                route = self._route_for(entries, host=True)
+                flat = route.load(file, entries)
+            route.loop.finish()
+        except BaseException:
+            for check in checks:
+                check.cancel()
+            raise
+        for check in checks:
+            check.result()
+        return {e.name: raw.view(dtype).reshape(e.shape) for raw, e, dtype in zip(flat, entries, dtypes)}
+
+    def release(self, file: SztFile) -> None:
+        """Drop what this loader holds for ``file`` (its registration or reader); a later load opens it again."""
+        source = self._sources.pop(file.path, None)
+        if source is not None:
+            source.close()
+
+    def close(self) -> None:
+        """Release registrations, file handles, threads and staging memory."""
+        if self._loop is not None:
+            self._loop.finish()
+        for source in self._sources.values():
+            source.close()
+        self._sources.clear()
+        self._pool.shutdown()
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown()
+        self._loop = self._route = None
+
+    # -- pieces ---------------------------------------------------------------------------------------------------
+
+    def _route_for(self, entries: Sequence[TensorEntry], *, host: bool) -> DeviceDecodeRoute | HostDecodeRoute:
+        """The route, with a ring whose slots are as large as this load can use (up to the configured size) and
+        pinned host buffers when ``host`` (a registered file needs none)."""
+        if self.route == "gpu":
+            need = max((e.offset + e.length for e in entries), default=0) - min((e.offset for e in entries), default=0)
+        else:
+            need = sum(-(-e.raw_length // 64) * 64 for e in entries)
+        slot_bytes = min(self.staging.slot_bytes, max(SLOT_GRANULE, -(-need // SLOT_GRANULE) * SLOT_GRANULE))
+        slot_bytes -= slot_bytes % 64
+        ring = self._loop.ring if self._loop is not None else None
+        if ring is None or ring.slot_bytes < slot_bytes or (host and not ring.has_host):
+            self._route = self._loop = None  # the previous load finished: its buffers may go
+            ring = StagingRing(self.ops, self.staging.slots, slot_bytes, host=host, device=self.route == "gpu")
+            self._loop = TransferLoop(self.ops, ring)
+            self._route = (DeviceDecodeRoute(self._loop, self.codec) if self.route == "gpu"
+                           else HostDecodeRoute(self._loop, self._pool))
+        return self._route
+
+    def _source(self, file: SztFile) -> HostSource:
+        source = self._sources.get(file.path)
+        if source is None:
+            source = self._sources[file.path] = self._open_source(file)
+        return source
+
+    def _open_source(self, file: SztFile) -> HostSource:
+        transport = self.staging.transport
+        size = os.path.getsize(file.path)
+        if transport == "auto":
+            memory = available_memory()
+            transport = "registered" if memory is not None and size <= memory // 2 else "staged"
+        if transport == "registered":
+            mapping = RegisteredMapping.open(file.path, self.ops.device)
+            if mapping is not None:
+                return MappedSource(mapping)
+            if self.staging.transport == "registered":
+                raise DecodeRouteError("the CUDA driver refused to register the file's read-only mapping; use "
+                                       "transport='staged'", path=file.path)
+        return ReadSource(FileReader(file.path, self._pool, self.threads))
+
+    def _start_verify(self, file: SztFile, entries: Sequence[TensorEntry]) -> list[Future]:
+        if self._verify_pool is None:
+            self._verify_pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="szformat-verify")
+        return [self._verify_pool.submit(check_crc, file.payload(e.name), e.crc32, what="stored bytes",
+                                         path=file.path, tensor=e.name) for e in entries]
+
+
+def _torch_dtype(entry: TensorEntry, path: Path) -> torch.dtype:
+    dtype = C.DTYPES[entry.dtype][0]
+    if dtype is None:
+        raise DecodeRouteError(f"dtype {entry.dtype} has no torch equivalent in torch {torch.__version__}",
+                               path=path, tensor=entry.name)
+    return dtype
+
+
+def checkpoint_shards(path: str | os.PathLike) -> list[tuple[Path, list[str] | None]]:
+    """The .szt files of a checkpoint and the tensors to take from each (``None``: all of them).
+
+    ``path`` is a .szt file, a sharded index (``*.szt.index.json``, shaped like ``model.safetensors.index.json``),
+    or a folder holding one index or else .szt files.
+
+    Raises:
+        FormatError: an index that is not valid, or names a shard outside its folder; a folder with no checkpoint.
+    """
+    path = Path(path)
+    if path.is_dir():
+        indexes = sorted(path.glob("*" + C.INDEX_SUFFIX))
+        if len(indexes) == 1:
+            return checkpoint_shards(indexes[0])
+        files = sorted(path.glob("*" + C.FILE_SUFFIX))
+        if len(indexes) > 1 or not files:
+            found = "several sharded indexes" if indexes else f"no {C.FILE_SUFFIX} file"
+            raise FormatError(f"folder holds {found}; pass the file or index to load", path=path)
+        return [(f, None) for f in files]
+    if not path.name.endswith(C.INDEX_SUFFIX):
+        return [(path, None)]
+    try:
+        weight_map = json.loads(path.read_text(encoding="utf-8")).get("weight_map")
+    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
+        raise FormatError(f"sharded index is not a JSON object ({e})", path=path) from None
+    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
+        raise FormatError("sharded index has no 'weight_map' object of tensor name -> shard file", path=path)
+    shards: dict[str, list[str]] = {}
+    for name, shard in weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    folder = path.parent.resolve()
+    resolved = []
+    for shard, names in sorted(shards.items()):
+        file = (folder / shard).resolve()
+        if folder not in file.parents:
+            raise FormatError(f"weight_map names {shard!r}, outside the index's folder", path=path,
+                              tensor=names[0])
+        resolved.append((file, names))
+    return resolved
+
+
+def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",
+                   staging: StagingConfig | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (file, sharded index or folder) on ``device``; see :class:`DeviceLoader`."""
+    with DeviceLoader(device, route=route, staging=staging, verify=verify) as loader:
+        return load_checkpoint(loader, path)
+
+
+def load_checkpoint(loader: DeviceLoader, path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (file, sharded index or folder), through ``loader``, one shard at a time.
+
+    Raises:
+        FormatError: an index maps a tensor to a shard that does not hold it, or two shards hold one tensor.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for file_path, names in checkpoint_shards(path):
+        with SztFile(file_path) as file:
+            missing = [name for name in names or () if name not in file.entries]
+            if missing:
+                raise FormatError(f"the sharded index maps {len(missing)} tensor(s) to this shard, which does not "
+                                  "hold them", path=file_path, tensor=missing[0])
+            loaded = loader.load(file, names)
+            loader.release(file)
+        for name, tensor in loaded.items():
+            if name in tensors:
+                raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
+            tensors[name] = tensor
+    return tensors

@@ -1,0 +1,77 @@
+"""The .szt files of one checkpoint, open together: every entry by name, and the file that holds it.
+
+An offloader streams from whichever shard holds a tensor, so a sharded checkpoint is opened whole (every file
+mapped, every header validated) before anything is bound, and stays open while the runtime uses it.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from ..errors import FormatError
+from ..format.header import TensorEntry
+from ..format.reader import SztFile
+from ..loading.loader import checkpoint_shards
+
+__all__ = ["Checkpoint"]
+
+
+class Checkpoint:
+    """A .szt file, a sharded index (``*.szt.index.json``) or a converted model folder, opened.
+
+    Args:
+        path (`str` or `os.PathLike`): the file, index or folder.
+
+    Raises:
+        FormatError: a file is not valid .szt, the index maps a tensor to a shard that lacks it, or a tensor is held
+            by two shards.
+    """
+
+    def __init__(self, path: str | os.PathLike):
+        self.path = Path(path)
+        self.files: list[SztFile] = []
+        self.entries: dict[str, TensorEntry] = {}
+        self._file_of: dict[str, SztFile] = {}
+        try:
+            for file_path, names in checkpoint_shards(path):
+                file = SztFile(file_path)
+                self.files.append(file)
+                for name in file.entries if names is None else names:
+                    if name not in file.entries:
+                        raise FormatError("the sharded index maps this tensor to a shard that does not hold it",
+                                          path=file_path, tensor=name)
+                    if name in self.entries:
+                        raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
+                    self.entries[name] = file.entries[name]
+                    self._file_of[name] = file
+        except BaseException:
+            self.close()
+            raise
+
+    def file(self, name: str) -> SztFile:
+        """The open file that holds entry ``name``."""
+        try:
+            return self._file_of[name]
+        except KeyError:
+            raise KeyError(f"tensor {name!r} is not in {self.path}") from None
+
+    @property
+    def stored_bytes(self) -> int:
+        """Bytes of every payload as stored (what stays in host memory)."""
+        return sum(entry.length for entry in self.entries.values())
+
+    @property
+    def raw_bytes(self) -> int:
+        """Bytes of every tensor once decoded."""
+        return sum(entry.raw_length for entry in self.entries.values())
+
+    def close(self) -> None:
+        for file in self.files:
+            file.close()
+
+    def __enter__(self) -> "Checkpoint":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()

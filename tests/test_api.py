@@ -1,0 +1,348 @@
+"""``safe_open`` / ``load_file`` / ``save_file``: the safetensors-shaped API, bit for bit."""
+
+from __future__ import annotations
+
+import re
+import zlib
+from pathlib import Path
+
+import pytest
+import torch
+
+import szformat.api as api
+from szformat import SzformatError, load_file, safe_open, save_file
+from szformat.api import tensor_bytes
+from szformat.errors import ChecksumMismatchError, ConversionError, PayloadError, RoundTripError
+from szformat.format import constants as C
+from szformat.format.reader import SztFile
+
+
+def bf16_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(rows, cols, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def random_bits(shape: tuple[int, ...], dtype: torch.dtype, seed: int) -> torch.Tensor:
+    """A tensor of ``dtype`` holding random bit patterns (NaNs included for float types)."""
+    g = torch.Generator().manual_seed(seed)
+    count = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    raw = torch.randint(0, 256, (count,), generator=g, dtype=torch.uint8)
+    if dtype == torch.bool:
+        raw &= 1
+    return raw.view(dtype).reshape(shape)
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(tensor_bytes(a), tensor_bytes(b))
+
+
+EVERY_DTYPE = {f"t.{name.lower()}": random_bits((3, 5), dtype, seed=i)
+               for i, (name, (dtype, _)) in enumerate(C.DTYPES.items()) if dtype is not None}
+
+MODEL = {
+    "weight": bf16_weight(300, 301, seed=1),
+    "noise": random_bits((40, 50), torch.bfloat16, seed=2),
+    "tiny": torch.tensor([1.0, 2.0], dtype=torch.bfloat16),
+    "fp8": bf16_weight(64, 64, seed=3).float().to(torch.float8_e4m3fn),
+    "bias": torch.linspace(-1, 1, 301),
+    "empty": torch.zeros(0, 3, dtype=torch.bfloat16),
+    "scalar": torch.tensor(7, dtype=torch.int64),
+}
+
+
+@pytest.fixture(scope="module")
+def model_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("model") / "model.szt"
+    save_file(MODEL, path, metadata={"format": "pt", "source": "test"})
+    return path
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# save_file / load_file
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_round_trip_of_every_dtype(tmp_path):
+    path = tmp_path / "all.szt"
+    save_file(EVERY_DTYPE, path)
+    loaded = load_file(path)
+    assert list(loaded) == list(EVERY_DTYPE)
+    for name, t in EVERY_DTYPE.items():
+        assert same_bits(loaded[name], t), name
+
+
+def test_round_trip_of_a_model_and_its_encodings(model_file):
+    loaded = load_file(model_file)
+    for name, t in MODEL.items():
+        assert same_bits(loaded[name], t), name
+    with safe_open(model_file, framework="pt") as f:
+        encodings = {name: (f.entry(name).encoding, f.entry(name).raw_reason) for name in f.keys()}
+    assert encodings["weight"] == ("splitzip", None)
+    assert encodings["noise"][0] == "raw" and encodings["noise"][1].startswith("coverage 0.")
+    assert encodings["tiny"] == ("raw", "payload not smaller")
+    assert encodings["fp8"] == ("raw", "FP8 would expand")
+    assert encodings["bias"] == ("raw", "dtype F32 is not encoded")
+    assert encodings["empty"] == ("raw", "empty")
+
+
+def test_compressed_file_is_smaller_than_the_raw_bytes(tmp_path):
+    path = tmp_path / "w.szt"
+    weight = bf16_weight(512, 512, seed=4)
+    save_file({"w": weight}, path)
+    assert path.stat().st_size < 0.8 * weight.numel() * 2
+
+
+def test_non_contiguous_and_offset_views_are_stored_by_value(tmp_path):
+    base = bf16_weight(64, 128, seed=5)
+    tensors = {"transposed": base.t(), "strided": base[::2, 1::3], "tail": base.reshape(-1)[17:1000]}
+    save_file(tensors, tmp_path / "v.szt")
+    loaded = load_file(tmp_path / "v.szt")
+    for name, t in tensors.items():
+        assert same_bits(loaded[name], t.contiguous()), name
+
+
+def test_metadata_is_carried_through(tmp_path, model_file):
+    with safe_open(model_file, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "source": "test"}
+    save_file({"a": torch.zeros(1)}, tmp_path / "none.szt")
+    save_file({"a": torch.zeros(1)}, tmp_path / "empty.szt", metadata={})
+    with safe_open(tmp_path / "none.szt", framework="pt") as f:
+        assert f.metadata() is None
+    with safe_open(tmp_path / "empty.szt", framework="pt") as f:
+        assert f.metadata() == {}
+
+
+@pytest.mark.parametrize("tensors, reason", [
+    ({5: torch.zeros(1)}, "non-empty string"),
+    ({"a\x00": torch.zeros(1)}, "NUL"),
+    ({"a": [1.0]}, "value is a list, not a torch.Tensor"),
+    ({"a": torch.zeros(2, dtype=torch.complex128)}, "dtype torch.complex128 cannot be stored"),
+    ({"a": torch.zeros(2).to_sparse()}, "convert it with .to_dense() first"),
+])
+def test_save_file_refuses_bad_arguments_before_writing(tmp_path, tensors, reason):
+    with pytest.raises(ConversionError, match=re.escape(reason)) as info:
+        save_file(tensors, tmp_path / "m.szt")
+    assert isinstance(info.value, ValueError) and "m.szt" in str(info.value)
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("failure", [KeyboardInterrupt, RuntimeError, "round_trip"])
+def test_save_file_is_atomic(tmp_path, monkeypatch, failure):
+    path = tmp_path / "model.szt"
+    path.write_bytes(b"the previous file")
+    real = api.encode_tensor
+    calls = []
+
+    def failing(raw, dtype, **kw):
+        calls.append(dtype)
+        if len(calls) == 3:  # after two tensors were written
+            if failure == "round_trip":
+                raise api.RoundTripMismatch("SplitZip payload does not decode bit for bit")
+            raise failure("interrupted")
+        return real(raw, dtype, **kw)
+
+    monkeypatch.setattr(api, "encode_tensor", failing)
+    expected = RoundTripError if failure == "round_trip" else failure
+    with pytest.raises(expected) as info:
+        save_file(MODEL, path)
+    if failure == "round_trip":
+        assert info.value.tensor == "tiny" and "model.szt" in str(info.value)
+    assert len(calls) == 3
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.szt"]
+    assert path.read_bytes() == b"the previous file"
+
+
+def test_save_file_replaces_an_existing_file(tmp_path):
+    path = tmp_path / "m.szt"
+    save_file({"a": torch.zeros(3)}, path)
+    save_file({"b": torch.ones(2)}, path)
+    assert list(load_file(path)) == ["b"]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# safe_open
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_keys_are_in_file_order_and_entries_describe_the_tensors(model_file):
+    with safe_open(model_file, framework="pt") as f:
+        assert f.keys() == list(MODEL)
+        for name, t in MODEL.items():
+            e = f.entry(name)
+            assert e.shape == tuple(t.shape) and e.dtype == C.TORCH_TO_DTYPE[t.dtype]
+        with pytest.raises(KeyError, match="'missing' is not in"):
+            f.get_tensor("missing")
+
+
+def test_framework_other_than_pytorch_is_refused(model_file):
+    with pytest.raises(ValueError, match="framework 'np' is not supported"):
+        safe_open(model_file, framework="np")
+
+
+def test_descriptor_says_where_the_bytes_are(model_file):
+    data = model_file.read_bytes()
+    with safe_open(model_file, framework="pt") as f:
+        d = f.descriptor("weight")
+        e = f.entry("weight")
+        assert (d.path, d.name, d.dtype, d.shape, d.encoding) == (model_file, "weight", "BF16", (300, 301), "splitzip")
+        assert (d.offset, d.length, d.raw_length, d.layout, d.codebook) == (
+            e.offset, e.length, e.raw_length, e.layout, e.codebook)
+        assert d.offset % C.DEFAULT_ALIGNMENT == 0 and d.length == d.layout.comp_bytes
+        assert d.crc32 == zlib.crc32(data[d.offset: d.offset + d.length])
+        assert d.raw_crc32 == zlib.crc32(tensor_bytes(MODEL["weight"]).numpy())
+
+
+def test_payload_is_a_zero_copy_view_of_the_mapping(model_file):
+    data = model_file.read_bytes()
+    with SztFile(model_file) as f:
+        whole = torch.frombuffer(memoryview(f.buffer), dtype=torch.uint8)
+        assert whole.numel() == len(data)
+        for name in ("weight", "bias"):
+            e = f.entry(name)
+            view = f.payload(name)
+            assert view.dtype == torch.uint8 and view.numel() == e.length
+            assert view.data_ptr() == whole.data_ptr() + e.offset
+            assert view.data_ptr() % C.DEFAULT_ALIGNMENT == 0  # page-aligned: mmap base + aligned offset
+            assert bytes(view.numpy()) == data[e.offset: e.offset + e.length]
+    del whole
+    assert bytes(view.numpy()) == data[e.offset: e.offset + e.length]  # the view keeps the pages mapped
+    with safe_open(model_file, framework="pt") as f:
+        first, second = f.payload("weight"), f.payload("bias")
+        assert second.data_ptr() - first.data_ptr() == f.entry("bias").offset - f.entry("weight").offset
+
+
+def test_get_tensor_returns_independent_writable_tensors(model_file):
+    with safe_open(model_file, framework="pt") as f:
+        t = f.get_tensor("bias")
+        t += 1
+        assert same_bits(f.get_tensor("bias"), MODEL["bias"])
+
+
+ROW_INDICES = [
+    slice(None), slice(2, 5), slice(-3, None), slice(None, -290), slice(5, 2), slice(300, 400), slice(0, 0),
+    slice(0, None, 7), slice(-10, None, 3), slice(1, 50, 2), 0, 299, -1, -300, (slice(1, 4), 2),
+    (slice(1, 4), slice(5, -5, 2)), (3, slice(None, 4)), (-2, -1), ..., (..., 0), (), [0, 2, 2], None,
+    (None, slice(1, 3)), torch.tensor([1, 0]), torch.tensor(4),
+]
+
+
+@pytest.mark.parametrize("name", ["weight", "bias", "noise"])
+@pytest.mark.parametrize("index", ROW_INDICES, ids=repr)
+def test_get_slice_matches_indexing_the_whole_tensor(model_file, name, index):
+    full = MODEL[name]
+    with safe_open(model_file, framework="pt") as f:
+        sliced = f.get_slice(name)
+        assert sliced.get_shape() == list(full.shape) and sliced.get_dtype() == C.TORCH_TO_DTYPE[full.dtype]
+        try:
+            want = full[index]
+        except IndexError:
+            with pytest.raises(IndexError):
+                sliced[index]
+            return
+        assert same_bits(sliced[index], want.contiguous())
+
+
+@pytest.mark.parametrize("index", [300, -301, slice(None, None, -1), (0, 301)])
+def test_get_slice_refuses_what_torch_refuses(model_file, index):
+    with pytest.raises((IndexError, ValueError)) as torch_refusal:
+        MODEL["weight"][index]
+    with safe_open(model_file, framework="pt") as f:
+        with pytest.raises(type(torch_refusal.value)):
+            f.get_slice("weight")[index]
+
+
+def test_get_slice_of_scalars_and_empty_tensors(model_file):
+    with safe_open(model_file, framework="pt") as f:
+        scalar = f.get_slice("scalar")
+        assert scalar.get_shape() == []
+        assert same_bits(scalar[()], MODEL["scalar"]) and same_bits(scalar[...], MODEL["scalar"])
+        with pytest.raises(IndexError):
+            scalar[0]
+        empty = f.get_slice("empty")
+        assert same_bits(empty[:], MODEL["empty"]) and empty[:, 1].shape == (0,)
+
+
+def test_get_slice_decodes_only_the_rows_it_needs(model_file, monkeypatch):
+    ranges = []
+    real = api.cpu_codec.decode
+
+    def spy(*args, **kwargs):
+        ranges.append((kwargs["start"], kwargs["stop"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api.cpu_codec, "decode", spy)
+    with safe_open(model_file, framework="pt") as f:
+        rows = f.get_slice("weight")
+        assert same_bits(rows[10:13], MODEL["weight"][10:13])
+        assert same_bits(rows[-1], MODEL["weight"][-1])
+        assert same_bits(rows[4:40:9], MODEL["weight"][4:40:9])
+    assert ranges == [(10 * 301, 13 * 301), (299 * 301, 300 * 301), (4 * 301, 40 * 301)]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# verify
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _corrupt_sm_byte(source: Path, target: Path, element: int) -> None:
+    """Copy a file, flipping the sign bit of one element of ``weight`` (in the ``sm`` stream)."""
+    with safe_open(source, framework="pt") as f:
+        e = f.entry("weight")
+        at = e.offset + e.layout.off_sm + element
+    data = bytearray(source.read_bytes())
+    data[at] ^= 0x80
+    target.write_bytes(bytes(data))
+
+
+def test_verify_detects_corrupted_stored_bytes(model_file, tmp_path):
+    bad = tmp_path / "bad.szt"
+    _corrupt_sm_byte(model_file, bad, element=1234)
+    with safe_open(bad, framework="pt") as f:
+        assert same_bits(f.get_tensor("bias"), MODEL["bias"])  # other tensors still load
+        with pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
+            f.get_tensor("weight")
+        assert info.value.tensor == "weight" and "bad.szt" in str(info.value)
+        with pytest.raises(ChecksumMismatchError):
+            f.get_slice("weight")[0]
+    with pytest.raises(SzformatError):
+        load_file(bad)
+
+
+def test_verify_false_skips_checksums_but_not_structure(model_file, tmp_path):
+    bad = tmp_path / "bad.szt"
+    _corrupt_sm_byte(model_file, bad, element=1234)
+    with safe_open(bad, framework="pt", verify=False) as f:
+        got = f.get_tensor("weight").reshape(-1)
+    want = MODEL["weight"].reshape(-1)
+    differs = (got.view(torch.int16) != want.view(torch.int16)).nonzero().reshape(-1).tolist()
+    assert differs == [1234] and got[1234] == -want[1234]
+
+    broken = tmp_path / "broken.szt"
+    sixteen_exponents_and_an_escape = [2.0 ** k for k in range(-8, 8)] * 100 + [1e30]
+    save_file({"w": torch.tensor(sixteen_exponents_and_an_escape, dtype=torch.bfloat16)}, broken)
+    with safe_open(broken, framework="pt") as f:
+        e = f.entry("w")
+    assert e.encoding == "splitzip" and e.layout.n_esc > 0
+    data = bytearray(broken.read_bytes())
+    data[e.offset + e.layout.off_cid] = 0x7F  # chunk id far out of range
+    broken.write_bytes(bytes(data))
+    with safe_open(broken, framework="pt", verify=False) as f:
+        with pytest.raises(PayloadError, match="chunk id out of range"):
+            f.get_tensor("w")
+
+
+def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
+    checked = []
+    real = api.check_crc
+
+    def spy(*args, **kwargs):
+        checked.append((kwargs["tensor"], kwargs["what"]))
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(api, "check_crc", spy)
+    with safe_open(model_file, framework="pt") as f:
+        f.get_slice("weight")[0:2]
+        f.get_slice("weight")[5]
+        f.get_tensor("weight")
+        f.get_tensor("bias")
+    assert checked == [("weight", "stored bytes"), ("weight", "decoded bytes"), ("bias", "stored bytes")]

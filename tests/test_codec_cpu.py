@@ -1,0 +1,439 @@
+"""The CPU SplitZip codec: exact round trips, the frozen payload bytes, calibration, partial decodes, bad escapes.
+
+Random cases draw a fresh seed each run and print it; a failure report shows ``seed=...`` to replay it.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+
+from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
+from szformat.codec.codebook import exponent_histogram
+
+MINILM_BF16 = (Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser()
+               / "minilm-bf16" / "model.safetensors")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def rng() -> random.Random:
+    seed = random.SystemRandom().randrange(2**32)
+    print(f"seed={seed}")
+    return random.Random(seed)
+
+
+@pytest.fixture(params=["default slices", "tiny slices"])
+def slicing(request, monkeypatch) -> None:
+    """Run each test with the default slice size and with 8-pair slices, so that small tensors cross many slice
+    (and escape-scan block) boundaries."""
+    if request.param == "tiny slices":
+        monkeypatch.setattr(cpu, "SLICE_PAIRS", 8)
+
+
+def from_bits(bits: list[int] | torch.Tensor) -> torch.Tensor:
+    """A bfloat16 tensor with the given 16-bit patterns."""
+    if not isinstance(bits, torch.Tensor):
+        bits = torch.tensor([b - 0x10000 if b & 0x8000 else b for b in bits], dtype=torch.int16)
+    return bits.to(torch.int16).view(torch.bfloat16)
+
+
+def random_bits(rng: random.Random, n: int) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(rng.randrange(2**63))
+    return torch.randint(-32768, 32768, (n,), dtype=torch.int16, generator=gen).view(torch.bfloat16)
+
+
+def weight_like(rng: random.Random, n: int, scale: float = 0.02) -> torch.Tensor:
+    """Normal values: about 16 exponents cover them, with a thin tail of escapes."""
+    gen = torch.Generator().manual_seed(rng.randrange(2**63))
+    return (torch.randn(n, generator=gen) * scale).to(torch.bfloat16)
+
+
+def assert_round_trip(x: torch.Tensor, codebook: Codebook | None = None):
+    """Encode, decode the whole tensor, compare bits; returns what ``encode`` returned."""
+    payload, layout, codebook = cpu.encode(x, codebook)
+    assert payload.dtype == torch.uint8 and payload.numel() == layout.comp_bytes
+    decoded = cpu.decode(payload, layout, codebook)
+    assert torch.equal(decoded.view(torch.int16), x.reshape(-1).view(torch.int16))
+    return payload, layout, codebook
+
+
+def reference_payload(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[bytes, Codebook]:
+    """The payload written byte by byte in plain Python from the layout's definition, independent of the codec."""
+    bits = [b & 0xFFFF for b in x.reshape(-1).view(torch.int16).tolist()]
+    exponents = [(b >> 7) & 0xFF for b in bits]
+    if codebook is None:
+        counts = [0] * 256
+        for e in exponents:
+            counts[e] += 1
+        ranked = sorted((e for e in range(256) if counts[e]), key=lambda e: (-counts[e], e))[:16]
+        codebook = Codebook(tuple(ranked) + (0,) * (16 - len(ranked)), len(ranked),
+                            sum(counts[e] for e in ranked) / len(bits) if bits else 1.0)
+    code_of = {e: c for c, e in enumerate(codebook.dec_lut[: codebook.n_used])}
+    codes = [code_of.get(e, 16) for e in exponents]
+    escapes = [i for i, c in enumerate(codes) if c == 16]
+
+    def pad4(data: bytes) -> bytes:
+        return data + b"\0" * (-len(data) % 4)
+
+    nibbles = [c & 0xF for c in codes] + [0] * (len(codes) % 2)
+    pk = bytes((nibbles[i] << 4) | nibbles[i + 1] for i in range(0, len(nibbles), 2))
+    sm = bytes(((b >> 8) & 0x80) | (b & 0x7F) for b in bits)
+    chunk_id = b"".join(struct.pack("<i", i // 1024) for i in escapes)
+    local_pos = b"".join(struct.pack("<H", i % 1024) for i in escapes)
+    esc_val = bytes(exponents[i] for i in escapes)
+    return pad4(pad4(pad4(pk) + sm) + chunk_id + local_pos) + esc_val, codebook
+
+
+def special_values() -> list[int]:
+    """+-0, +-Inf, NaNs with various payloads, subnormals, the extremes of the normal range."""
+    return [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC0, 0x7F81, 0xFF81, 0x7FFF, 0xFFFF, 0x7FA5, 0xFFD3,
+            0x0001, 0x8001, 0x007F, 0x807F, 0x0040, 0x0080, 0x8080, 0x7F7F, 0xFF7F, 0x3F80, 0xBF80]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Round trips
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_every_bf16_bit_pattern_round_trips(slicing):
+    x = from_bits(torch.arange(-32768, 32768, dtype=torch.int32))
+    _, layout, codebook = assert_round_trip(x)
+    assert codebook.n_used == 16 and layout.n_esc == 65536 - 16 * 256
+
+
+def test_every_bit_pattern_shuffled_round_trips(rng):
+    perm = torch.randperm(65536, generator=torch.Generator().manual_seed(rng.randrange(2**63)))
+    assert_round_trip(from_bits(perm.to(torch.int32) - 32768))
+
+
+def test_special_values_round_trip(slicing):
+    specials = special_values()
+    x = from_bits(specials * 37)  # odd length, repeated so some of them are in the codebook
+    assert_round_trip(x)
+    for value in specials:  # each alone: a single distinct exponent
+        assert_round_trip(from_bits([value] * 5))
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 3, 1023, 1024, 1025, 2049])
+def test_sizes_round_trip(n, rng, slicing):
+    payload, layout, _ = assert_round_trip(weight_like(rng, n))
+    assert layout.n == n and layout.n_pairs == (n + 1) // 2
+    assert_round_trip(random_bits(rng, n))
+
+
+def test_random_odd_sizes_match_the_reference_bytes(rng, slicing):
+    for _ in range(12):
+        n = rng.randrange(1, 6000) | 1
+        x = weight_like(rng, n, scale=rng.choice([1e-6, 0.02, 3.0, 1e5]))
+        payload, _, codebook = assert_round_trip(x)
+        expected, expected_codebook = reference_payload(x)
+        assert codebook == expected_codebook
+        assert bytes(payload.numpy()) == expected
+
+
+def test_escape_heavy_tensor(rng, slicing):
+    x = random_bits(rng, 4097)  # uniform bits: ~94% of the elements escape
+    payload, layout, _ = assert_round_trip(x)
+    assert layout.n_esc > 3500
+    assert bytes(payload.numpy()) == reference_payload(x)[0]
+
+
+def test_all_escape_tensor(rng, slicing):
+    x = weight_like(rng, 3001)
+    foreign = Codebook(dec_lut=(250,) + (0,) * 15, n_used=1, coverage=0.0)  # no element has exponent 250
+    payload, layout, _ = assert_round_trip(x, foreign)
+    assert layout.n_esc == 3001
+    assert bytes(payload.numpy()) == reference_payload(x, foreign)[0]
+    assert torch.equal(cpu.escape_positions(payload, layout), torch.arange(3001))
+
+
+def test_empty_codebook_escapes_everything():
+    x = from_bits([0x3F80, 0x4000, 0x0000])
+    payload, layout, _ = assert_round_trip(x, Codebook(dec_lut=(0,) * 16, n_used=0, coverage=0.0))
+    assert layout.n_esc == 3
+
+
+def test_fewer_than_16_exponents(slicing):
+    x = from_bits([0x3F80, 0x4000, 0x4080, 0xC000, 0x3F00] * 41)  # exponents 127, 128, 129, 128, 126
+    payload, layout, codebook = assert_round_trip(x)
+    assert codebook.n_used == 4 and codebook.dec_lut[4:] == (0,) * 12
+    assert layout.n_esc == 0 and codebook.coverage == 1.0
+    assert bytes(payload.numpy()) == reference_payload(x)[0]
+
+
+def test_single_distinct_exponent(rng, slicing):
+    mantissas = [rng.randrange(128) | (rng.randrange(2) << 15) for _ in range(777)]
+    x = from_bits([(120 << 7) | m for m in mantissas])
+    payload, layout, codebook = assert_round_trip(x)
+    assert codebook.n_used == 1 and codebook.dec_lut[0] == 120 and layout.n_esc == 0
+    assert bytes(payload[: layout.n_pairs].numpy()) == b"\0" * layout.n_pairs  # every code is 0
+
+
+def test_non_contiguous_input_is_encoded_in_row_major_order(rng):
+    x = weight_like(rng, 60 * 70).view(60, 70).t()
+    payload, layout, codebook = cpu.encode(x)
+    decoded = cpu.decode(payload, layout, codebook)
+    assert torch.equal(decoded.view(torch.int16), x.contiguous().view(-1).view(torch.int16))
+
+
+def test_encode_rejects_other_dtypes():
+    with pytest.raises(TypeError, match="bfloat16"):
+        cpu.encode(torch.zeros(4, dtype=torch.float16))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The frozen layout
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_golden_bytes_of_a_tiny_tensor():
+    # 1.0, 2.0, 1.0, -1.0, the smallest subnormal: exponents 127, 128, 127, 127, 0.
+    # Codebook by count, ties by smaller exponent: 127 (3), 0 (1), 128 (1). Codes 0, 2, 0, 0, 1.
+    payload, layout, codebook = cpu.encode(from_bits([0x3F80, 0x4000, 0x3F80, 0xBF80, 0x0001]))
+    assert codebook == Codebook(dec_lut=(127, 0, 128) + (0,) * 13, n_used=3, coverage=1.0)
+    assert (layout.off_sm, layout.off_cid, layout.comp_bytes) == (4, 12, 12)
+    assert bytes(payload.numpy()) == bytes([0x02, 0x00, 0x10, 0x00,  # pk: 0|2, 0|0, 1|pad, align
+                                            0x00, 0x00, 0x00, 0x80, 0x01, 0x00, 0x00, 0x00])  # sm, align
+
+
+def test_golden_bytes_with_escapes():
+    x = from_bits([0x3F80] * 1030 + [0x4000])  # element 1030 (chunk 1, position 6) escapes
+    payload, layout, _ = cpu.encode(x, Codebook(dec_lut=(127,) + (0,) * 15, n_used=1, coverage=1030 / 1031))
+    assert layout.n_esc == 1 and layout.off_cid == 516 + 1032
+    tail = bytes(payload[layout.off_cid:].numpy())
+    assert tail == struct.pack("<i", 1) + struct.pack("<H", 6) + b"\0\0" + bytes([128])
+
+
+def test_payload_padding_is_zero_even_in_a_dirty_buffer(rng):
+    x = weight_like(rng, 1001)
+    histogram = cpu.exponent_counts(x)
+    codebook = codebook_from_histogram(histogram)
+    layout = cpu.payload_layout(histogram, codebook)
+    payload = torch.full((layout.comp_bytes + 5,), 0xAB, dtype=torch.uint8)
+    cpu.encode_into(x, codebook, layout, payload)
+    assert bytes(payload[: layout.comp_bytes].numpy()) == reference_payload(x)[0]
+    assert bytes(payload[layout.comp_bytes:].numpy()) == b"\xab" * 5  # nothing written past the payload
+
+
+def test_unused_codes_decode_to_exponent_zero():
+    codebook = Codebook(dec_lut=(127,) + (0,) * 15, n_used=1, coverage=1.0)
+    layout = PayloadLayout(n=2, n_esc=0)
+    payload = torch.tensor([0x5F, 0, 0, 0, 0x01, 0x81, 0, 0], dtype=torch.uint8)  # codes 5 and 15
+    assert cpu.decode(payload, layout, codebook).view(torch.int16).tolist() == [0x0001, 0x8001 - 0x10000]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Calibration
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_exponent_counts_match_the_plain_histogram(rng, slicing):
+    for n in (0, 1, 2, 17, 4099):
+        x = weight_like(rng, n, scale=rng.choice([1e-3, 1.0, 1e4]))
+        assert torch.equal(cpu.exponent_counts(x), exponent_histogram(cpu.split_bf16(x)[0]))
+
+
+def test_tie_rule_prefers_smaller_exponents():
+    histogram = [0] * 256
+    for e in (200, 3, 90, 17):
+        histogram[e] = 5  # a four-way tie
+    histogram[100] = 9
+    codebook = codebook_from_histogram(histogram)
+    assert codebook.dec_lut[:5] == (100, 3, 17, 90, 200) and codebook.n_used == 5
+    assert codebook_from_histogram(torch.tensor(histogram)) == codebook
+
+
+def test_tie_at_the_16th_place_keeps_the_smaller_exponent():
+    histogram = [0] * 256
+    for e in range(15):
+        histogram[e + 100] = 50 - e
+    histogram[40], histogram[30], histogram[250] = 7, 7, 7  # three-way tie for the last code
+    codebook = codebook_from_histogram(histogram)
+    assert codebook.dec_lut == tuple(range(100, 115)) + (30,)
+    assert codebook.coverage == pytest.approx((sum(range(36, 51)) + 7) / (sum(range(36, 51)) + 21))
+
+
+def test_calibration_is_deterministic_under_permutation(rng):
+    x = weight_like(rng, 50_000)
+    perm = torch.randperm(x.numel(), generator=torch.Generator().manual_seed(rng.randrange(2**63)))
+    assert cpu.calibrate(x) == cpu.calibrate(x[perm])
+    assert torch.equal(cpu.encode(x)[0], cpu.encode(x.clone())[0])
+
+
+def test_coverage_values():
+    x = from_bits([(e << 7) for e in range(20) for _ in range(e + 1)])  # exponent e appears e + 1 times
+    codebook = cpu.calibrate(x)
+    assert codebook.dec_lut == tuple(range(19, 3, -1)) and codebook.n_used == 16
+    assert codebook.coverage == pytest.approx(sum(range(5, 21)) / sum(range(1, 21)))
+    _, layout, _ = assert_round_trip(x)
+    assert layout.n_esc == sum(range(1, 5))
+    assert cpu.calibrate(from_bits([0x3F80] * 9)).coverage == 1.0
+    assert cpu.calibrate(from_bits([])).coverage == 1.0
+
+
+def test_payload_layout_counts_escapes_of_a_given_codebook(rng):
+    x = weight_like(rng, 5000)
+    other = cpu.calibrate(weight_like(rng, 5000, scale=50.0))
+    histogram = cpu.exponent_counts(x)
+    layout = cpu.payload_layout(histogram, other)
+    payload, encoded_layout, _ = assert_round_trip(x, other)
+    assert layout == encoded_layout and layout.n_esc > 0
+
+
+def test_encode_into_refuses_a_layout_that_does_not_fit(rng):
+    x = weight_like(rng, 100)
+    codebook = cpu.calibrate(x)
+    layout = cpu.payload_layout(cpu.exponent_counts(x), codebook)
+    with pytest.raises(ValueError, match="elements"):
+        cpu.encode_into(x[:99], codebook, layout, torch.empty(layout.comp_bytes, dtype=torch.uint8))
+    with pytest.raises(ValueError, match="needs"):
+        cpu.encode_into(x, codebook, layout, torch.empty(layout.comp_bytes - 1, dtype=torch.uint8))
+    wrong = PayloadLayout(n=100, n_esc=layout.n_esc + 1)
+    with pytest.raises(ValueError, match="escapes"):
+        cpu.encode_into(x, codebook, wrong, torch.empty(wrong.comp_bytes, dtype=torch.uint8))
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Partial decodes and the out= path
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_partial_decodes_match_slices(rng, slicing):
+    x = weight_like(rng, 3 * CHUNK_SIZE + 77, scale=0.5)
+    codebook = cpu.calibrate(x)
+    x[rng.sample(range(x.numel()), 40)] = from_bits([0x0001, 0x7FC1, 0xFF80, 0x4F00] * 10)  # escape with codebook
+    payload, layout, codebook = assert_round_trip(x, codebook)
+    escapes = cpu.escape_positions(payload, layout).tolist()
+    assert len(escapes) >= 40
+    bits = x.view(torch.int16)
+    edges = [0, 1, 2, 3, CHUNK_SIZE - 1, CHUNK_SIZE, CHUNK_SIZE + 1, 2 * CHUNK_SIZE + 3, x.numel() - 1, x.numel()]
+    ranges = [(a, b) for a in edges for b in edges if a <= b]
+    ranges += [(e, e + 1) for e in escapes[:5]] + [(e - 3, e + 4) for e in escapes[5:10] if e >= 3]
+    for _ in range(60):
+        a = rng.randrange(x.numel() + 1)
+        ranges.append((a, rng.randrange(a, x.numel() + 1)))
+    for a, b in ranges:
+        decoded = cpu.decode(payload, layout, codebook, start=a, stop=b)
+        assert torch.equal(decoded.view(torch.int16), bits[a:b]), (a, b)
+
+
+def test_decode_into_out_views_at_any_offset(rng, slicing):
+    x = weight_like(rng, 2001)
+    payload, layout, codebook = cpu.encode(x)
+    bits = x.view(torch.int16)
+    for offset in (0, 1, 2, 3):
+        for a, b in ((0, 2001), (1, 2000), (2, 1999), (7, 8)):
+            buffer = torch.full((b - a + 8,), 7, dtype=torch.int16)
+            out = buffer[offset: offset + b - a].view(torch.bfloat16)
+            returned = cpu.decode(payload, layout, codebook, start=a, stop=b, out=out)
+            assert returned is out
+            assert torch.equal(buffer[offset: offset + b - a], bits[a:b]), (offset, a, b)
+            assert (buffer[:offset] == 7).all() and (buffer[offset + b - a:] == 7).all()
+
+
+def test_decode_from_a_payload_at_an_odd_offset(rng):
+    x = random_bits(rng, 3001)
+    payload, layout, codebook = cpu.encode(x)
+    assert layout.n_esc > 0
+    shifted = torch.zeros(payload.numel() + 1, dtype=torch.uint8)
+    shifted[1:] = payload
+    decoded = cpu.decode(shifted[1:], layout, codebook)
+    assert torch.equal(decoded.view(torch.int16), x.view(torch.int16))
+
+
+def test_decode_rejects_bad_arguments(rng):
+    x = weight_like(rng, 100)
+    payload, layout, codebook = cpu.encode(x)
+    with pytest.raises(ValueError, match="outside"):
+        cpu.decode(payload, layout, codebook, start=5, stop=4)
+    with pytest.raises(ValueError, match="outside"):
+        cpu.decode(payload, layout, codebook, stop=101)
+    with pytest.raises(ValueError, match="needs"):
+        cpu.decode(payload[:-1], layout, codebook)
+    with pytest.raises(ValueError, match="flat contiguous uint8"):
+        cpu.decode(payload.view(torch.int8), layout, codebook)
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.decode(payload, layout, codebook, out=torch.empty(99, dtype=torch.bfloat16))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.decode(payload, layout, codebook, out=torch.empty(100, dtype=torch.float16))
+    with pytest.raises(ValueError, match="out must be"):
+        cpu.decode(payload, layout, codebook, out=torch.empty(200, dtype=torch.bfloat16)[::2])
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Escape stream validation
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def escaped_payload():
+    """A 2,600-element payload with escapes at 5, 1030 and 2500 (chunks 0, 1, 2)."""
+    values = [0x3F80] * 2600
+    for i in (5, 1030, 2500):
+        values[i] = 0x0001
+    only_127 = Codebook(dec_lut=(127,) + (0,) * 15, n_used=1, coverage=2597 / 2600)
+    payload, layout, codebook = cpu.encode(from_bits(values), only_127)
+    assert cpu.escape_positions(payload, layout).tolist() == [5, 1030, 2500]
+    return payload, layout, codebook
+
+
+def _set_escape(payload: torch.Tensor, layout: PayloadLayout, k: int, chunk: int, local: int) -> None:
+    payload[layout.off_cid + 4 * k: layout.off_cid + 4 * k + 4] = torch.tensor(list(struct.pack("<i", chunk)))
+    payload[layout.off_lpos + 2 * k: layout.off_lpos + 2 * k + 2] = torch.tensor(list(struct.pack("<H", local)))
+
+
+@pytest.mark.parametrize("k, chunk, local, message", [
+    (2, 3, 0, "chunk id out of range"),
+    (0, -1, 5, "chunk id out of range"),
+    (1, 1, 1024, "outside its chunk"),
+    (0, 0, 65535, "outside its chunk"),
+    (2, 2, 600, "past the tensor"),
+    (1, 0, 5, "not strictly ascending"),
+    (1, 0, 4, "not strictly ascending"),
+])
+def test_bad_escape_streams_raise(escaped_payload, k, chunk, local, message):
+    payload, layout, codebook = escaped_payload
+    payload = payload.clone()
+    _set_escape(payload, layout, k, chunk, local)
+    with pytest.raises(ValueError, match=message):
+        cpu.escape_positions(payload, layout)
+    out = torch.full((layout.n,), 3.0, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match=message):
+        cpu.decode(payload, layout, codebook, out=out)
+    assert (out == 3.0).all()  # nothing was written
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Real trained weights
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not MINILM_BF16.exists(),
+                    reason=f"{MINILM_BF16} is absent; run `python tools/fetch_minilm.py` to fetch it")
+def test_minilm_weights_round_trip_and_shrink():
+    from safetensors.torch import load_file
+
+    tensors = load_file(MINILM_BF16)
+    bf16 = {name: t for name, t in tensors.items() if t.dtype == torch.bfloat16}
+    assert len(bf16) == 103
+    raw = stored = 0
+    for name, tensor in bf16.items():
+        payload, layout, codebook = assert_round_trip(tensor)
+        if tensor.numel() <= 1536:  # LayerNorm weights and biases: small enough for the plain-Python encoder
+            assert bytes(payload.numpy()) == reference_payload(tensor)[0], name
+        if tensor.dim() == 2:  # trained weight matrices: 16 exponents cover almost everything
+            assert codebook.coverage > 0.99, name
+            assert layout.comp_bytes < layout.raw_bytes, name
+        raw += layout.raw_bytes
+        stored += layout.comp_bytes
+    assert stored < 0.8 * raw

@@ -1,0 +1,602 @@
+"""Conversion safetensors <-> .szt: sources, single files, sharded checkpoints, model folders, atomicity, verify.
+
+Every test builds its checkpoints in ``tmp_path`` with the safetensors package (or forges the bytes with
+``struct.pack`` where a malformed file is the point), converts them, and compares tensors bit for bit (int16 or
+uint8 views), files byte for byte.
+"""
+
+from __future__ import annotations
+
+import errno
+import importlib
+import json
+import os
+import re
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open as safetensors_open
+from safetensors.torch import load_file as load_safetensors
+from safetensors.torch import save_file as save_safetensors
+
+import szformat
+from szformat.codec import cpu
+from szformat.convert import convert, decompress, verify
+from szformat.convert import atomic as atomic_module
+from szformat.convert import expand
+from szformat.convert.device import codec_for
+from szformat.convert.sources import SafetensorsSource, read_safetensors_header
+from szformat.errors import ChecksumMismatchError, ConversionError, DecodeRouteError, RoundTripError, WriteError
+from szformat.format.reader import SztFile
+
+convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
+MINILM_DIR = Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser() / "minilm-bf16"
+"""Where tools/fetch_minilm.py puts the BF16 model folder."""
+
+# -- test data ---------------------------------------------------------------------------------------------------
+
+
+def bf16_weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(shape, generator=g) * 0.02).to(torch.bfloat16)
+
+
+def with_outliers(weights: torch.Tensor) -> torch.Tensor:
+    """Ten huge values with exponents of their own: escapes, but few enough to keep coverage above 0.99."""
+    flat = weights.float().reshape(-1)
+    flat[: 10 * 150: 150] = 2.0 ** torch.arange(60, 70, dtype=torch.float32)
+    return flat.reshape(weights.shape).to(torch.bfloat16)
+
+
+def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    """A small model with one tensor for each way a tensor can be stored."""
+    g = torch.Generator().manual_seed(seed + 1000)
+    return {
+        "embed.weight": bf16_weights((64, 48), seed),                              # encoded
+        "layers.0.attn.q.weight": bf16_weights((48, 48), seed + 1),                # encoded
+        "layers.0.attn.k.weight": with_outliers(bf16_weights((32, 48), seed + 3)),  # encoded, with escapes
+        "layers.0.mlp.up.weight": bf16_weights((96, 48), seed + 2),                # encoded
+        "layers.0.norm.weight": torch.ones(48, dtype=torch.bfloat16),              # encoded: one exponent
+        "layers.0.norm.bias": torch.randn(48, generator=g),                        # raw: F32
+        "position_ids": torch.arange(16),                                          # raw: I64
+        "noise": torch.randint(-32768, 32767, (2000,), generator=g, dtype=torch.int16).view(torch.bfloat16),
+        "scale": torch.tensor(3.0, dtype=torch.bfloat16),                           # raw: payload not smaller
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),                          # raw: empty
+    }
+
+
+METADATA = {"format": "pt", "note": "ünïcode \"quoted\" / \\ \u0001"}
+
+
+def write_sharded(folder: Path, seed: int = 0, stem: str = "model") -> dict[str, torch.Tensor]:
+    """Two shards and their index, as transformers writes them."""
+    folder.mkdir(parents=True, exist_ok=True)
+    tensors = model_tensors(seed)
+    names = list(tensors)
+    shards = {f"{stem}-00001-of-00002.safetensors": names[:6], f"{stem}-00002-of-00002.safetensors": names[6:]}
+    weight_map = {}
+    for shard, keys in shards.items():
+        save_safetensors({k: tensors[k] for k in keys}, folder / shard, metadata={"format": "pt"})
+        weight_map.update({k: shard for k in keys})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (folder / f"{stem}.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return tensors
+
+
+def write_pipeline(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
+    """A diffusers-style folder: a sharded transformer, a single-file text encoder, config files, a hidden cache."""
+    transformer = write_sharded(folder / "transformer", seed=1, stem="diffusion_pytorch_model")
+    text_encoder = model_tensors(seed=2)
+    (folder / "text_encoder").mkdir()
+    save_safetensors(text_encoder, folder / "text_encoder" / "model.safetensors", metadata=METADATA)
+    (folder / "model_index.json").write_text('{"_class_name": "FluxPipeline"}')
+    (folder / "transformer" / "config.json").write_text('{"num_layers": 1}')
+    (folder / "tokenizer").mkdir()
+    (folder / "tokenizer" / "tokenizer.json").write_text('{"model": {}}')
+    (folder / ".cache" / "huggingface").mkdir(parents=True)
+    (folder / ".cache" / "huggingface" / "lock").write_text("local state")
+    return {"transformer": transformer, "text_encoder": text_encoder}
+
+
+def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert actual.keys() == expected.keys()
+    for name, tensor in expected.items():
+        assert actual[name].dtype == tensor.dtype and actual[name].shape == tensor.shape, name
+        assert torch.equal(actual[name].reshape(-1).view(torch.uint8), tensor.reshape(-1).view(torch.uint8)), name
+
+
+def tree(folder: Path) -> dict[str, bytes]:
+    """Every file under ``folder`` (hidden ones too) -> its bytes."""
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def listing(folder: Path) -> list[str]:
+    return sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*"))
+
+
+@pytest.fixture
+def model_file(tmp_path: Path) -> Path:
+    path = tmp_path / "model.safetensors"
+    save_safetensors(model_tensors(), path, metadata=METADATA)
+    return path
+
+
+# -- reading safetensors -----------------------------------------------------------------------------------------
+
+
+def forge(path: Path, header: object, data: bytes = b"", *, length: int | None = None) -> Path:
+    """A .safetensors file with this header (JSON-encoded unless bytes) and data; ``None``: a 3-byte file."""
+    if header is None:
+        path.write_bytes(b"\x01\x02\x03")
+        return path
+    raw = header if isinstance(header, bytes) else json.dumps(header).encode()
+    path.write_bytes(struct.pack("<Q", len(raw) if length is None else length) + raw + data)
+    return path
+
+
+@pytest.mark.parametrize("header, data, length, message", [
+    (None, b"", None, "too short for a safetensors header"),
+    (b"{}", b"", 10**9, "exceeds safetensors' limit"),
+    (b"{}", b"", 50, "runs past the end of the file"),
+    (b"\xff\xfe", b"", None, "not valid UTF-8"),
+    (b"{not json", b"", None, "not valid JSON"),
+    (b"[1, 2]", b"", None, "must be a JSON object"),
+    (b'{"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}, '
+     b'"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}', bytes(4), None, "key 'a' twice"),
+    ({"__metadata__": {"format": 1}}, b"", None, "__metadata__: metadata must be a map of strings"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}, bytes(4), None, "needs 8"),
+    ({"a": {"dtype": "F32", "shape": [-1], "data_offsets": [0, 4]}}, bytes(4), None, "not an integer"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 0]}}, bytes(4), None, "0 <= begin <= end"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), None, "leaves a hole at 0"),
+    ({"a": {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]},
+      "b": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}, bytes(8), None, "overlaps the previous"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(6), None, "cover 4 bytes of a data"),
+    ({"a": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(2), None, "cover 4 bytes of a data"),
+    ({"a": "F32"}, b"", None, "must be an object"),
+    ({"": {"dtype": "F32", "shape": [1], "data_offsets": [0, 4]}}, bytes(4), None, "non-empty string"),
+])
+def test_malformed_safetensors_are_refused_with_the_reason(tmp_path, header, data, length, message):
+    path = forge(tmp_path / "bad.safetensors", header, data, length=length)
+    with pytest.raises(ConversionError, match="bad.safetensors") as info:
+        read_safetensors_header(path)
+    assert message in str(info.value)
+
+
+def test_unsupported_dtype_names_the_tensor_and_the_dtype(tmp_path):
+    path = forge(tmp_path / "q.safetensors", {"w": {"dtype": "Q4_K", "shape": [2], "data_offsets": [0, 1]}},
+                 bytes(1))
+    with pytest.raises(ConversionError, match=r"tensor 'w': dtype 'Q4_K' is not supported") as info:
+        convert(path, tmp_path / "q.szt")
+    assert info.value.tensor == "w" and info.value.path == str(path)
+    assert listing(tmp_path) == ["q.safetensors"]
+
+
+def test_source_streams_raw_bytes_in_data_order_and_keeps_metadata(model_file):
+    expected = model_tensors()
+    with SafetensorsSource(model_file) as source:
+        assert source.metadata == METADATA
+        seen = [(t, raw.clone()) for t, raw in source.tensors()]
+    assert sorted(t.name for t, _ in seen) == sorted(expected)
+    for tensor, raw in seen:
+        assert torch.equal(raw, expected[tensor.name].reshape(-1).view(torch.uint8)), tensor.name
+    begins = [t.begin for t, _ in seen]
+    assert begins == sorted(begins)
+
+
+def test_dtypes_torch_has_no_type_for_pass_through_byte_for_byte(tmp_path):
+    """U16, U32, U64 and F8_E8M0 bytes go through as raw bytes, without torch interpreting them."""
+    header = {"u16": {"dtype": "U16", "shape": [3], "data_offsets": [0, 6]},
+              "u32": {"dtype": "U32", "shape": [1], "data_offsets": [6, 10]},
+              "u64": {"dtype": "U64", "shape": [1], "data_offsets": [10, 18]},
+              "e8m0": {"dtype": "F8_E8M0", "shape": [2, 1], "data_offsets": [18, 20]}}
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    source = forge(tmp_path / "odd.safetensors", raw, bytes(range(20)))
+    report = convert(source, tmp_path / "odd.szt")
+    assert {r.encoding for r in report.records} == {"raw"}
+    decompress(tmp_path / "odd.szt", tmp_path / "back.safetensors")
+    assert (tmp_path / "back.safetensors").read_bytes() == source.read_bytes()
+
+
+# -- single files ------------------------------------------------------------------------------------------------
+
+
+def test_single_file_converts_bit_for_bit_with_metadata(model_file, tmp_path):
+    report = convert(model_file)
+    target = tmp_path / "model.szt"
+    assert report.output == target and listing(tmp_path) == ["model.safetensors", "model.szt"]
+    assert_same_tensors(szformat.load_file(target), model_tensors())
+    with SztFile(target) as szt:
+        assert szt.metadata == METADATA
+        encodings = {e.name: e.encoding for e in szt.entries.values()}
+    assert {k for k, v in encodings.items() if v == "splitzip"} == {
+        "embed.weight", "layers.0.attn.q.weight", "layers.0.attn.k.weight", "layers.0.mlp.up.weight",
+        "layers.0.norm.weight"}
+    assert report.files_written == 1 and len(report.records) == 10
+    assert [r.n_esc > 0 for r in report.records if r.name == "layers.0.attn.k.weight"] == [True]
+
+
+def test_report_counts_reasons_ratio_and_coverage(model_file, tmp_path):
+    report = convert(model_file, tmp_path / "m.szt")
+    assert len(report.encoded) == 5 and len(report.stored_raw) == 5
+    reasons = {reason: n for reason, n, _ in report.raw_reasons()}
+    assert reasons == {"dtype F32 is not encoded": 1, "dtype I64 is not encoded": 1, "empty": 1,
+                       "payload not smaller": 1, "coverage < 0.99": 1}
+    assert report.stored_bytes < report.raw_bytes
+    assert report.ratio == pytest.approx(report.stored_bytes / report.raw_bytes)
+    text = "\n".join(report.summary())
+    assert re.search(r"encoded +5 tensors", text) and re.search(r"raw +5 tensors", text)
+    assert "1 x coverage < 0.99" in text and "1 x dtype F32 is not encoded" in text
+    assert f"ratio {report.ratio:.4f}" in text
+    coverages = sorted(r.coverage for r in report.encoded)
+    assert coverages[0] < 0.999
+    assert f"min {coverages[0]:.4f}, median {coverages[2]:.4f}" in text
+    assert re.search(r"time +\d+\.\d s, \d+\.\d MB/s", text)
+
+
+def test_single_file_into_an_existing_folder_keeps_its_name(model_file, tmp_path):
+    (tmp_path / "out").mkdir()
+    assert convert(model_file, tmp_path / "out").output == tmp_path / "out" / "model.szt"
+    assert decompress(tmp_path / "out" / "model.szt", tmp_path / "out").output == tmp_path / "out" / "model.safetensors"
+    assert (tmp_path / "out" / "model.safetensors").read_bytes() == model_file.read_bytes()
+
+
+def test_conversion_is_deterministic(model_file, tmp_path):
+    convert(model_file, tmp_path / "a.szt")
+    convert(model_file, tmp_path / "b.szt")
+    assert (tmp_path / "a.szt").read_bytes() == (tmp_path / "b.szt").read_bytes()
+
+
+def test_existing_output_is_kept_unless_overwrite(model_file, tmp_path):
+    target = tmp_path / "model.szt"
+    target.write_bytes(b"precious")
+    with pytest.raises(FileExistsError):
+        convert(model_file, target)
+    assert target.read_bytes() == b"precious"
+    convert(model_file, target, overwrite=True)
+    assert_same_tensors(szformat.load_file(target), model_tensors())
+
+
+# -- decompression -----------------------------------------------------------------------------------------------
+
+
+def test_decompress_restores_the_safetensors_file_byte_for_byte(model_file, tmp_path):
+    convert(model_file, tmp_path / "model.szt")
+    report = decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
+    back = tmp_path / "back.safetensors"
+    assert back.read_bytes() == model_file.read_bytes()
+    assert_same_tensors(load_safetensors(back), model_tensors())
+    with safetensors_open(back, "pt") as f:
+        assert f.metadata() == METADATA
+    assert report.raw_bytes == sum(t.numel() * t.element_size() for t in model_tensors().values())
+    assert "Decompressed 10 tensors in 1 file(s)" in report.restored_summary()[0]
+
+
+def test_decompress_without_metadata_writes_none(tmp_path):
+    (tmp_path / "src").mkdir()
+    save_safetensors({"w": bf16_weights((10, 10), 3)}, tmp_path / "src" / "plain.safetensors")
+    convert(tmp_path / "src" / "plain.safetensors", tmp_path / "plain.szt")
+    decompress(tmp_path / "plain.szt")  # default output: beside it
+    assert (tmp_path / "plain.safetensors").read_bytes() == (tmp_path / "src" / "plain.safetensors").read_bytes()
+    with safetensors_open(tmp_path / "plain.safetensors", "pt") as f:
+        assert f.metadata() is None
+
+
+def test_decompress_of_a_corrupted_file_fails_and_leaves_nothing(model_file, tmp_path):
+    convert(model_file, tmp_path / "model.szt")
+    flip_payload_byte(tmp_path / "model.szt", "layers.0.mlp.up.weight")
+    with pytest.raises(ChecksumMismatchError, match="layers.0.mlp.up.weight"):
+        decompress(tmp_path / "model.szt", tmp_path / "out.safetensors")
+    assert listing(tmp_path) == ["model.safetensors", "model.szt"]
+
+
+def test_decompress_streams_large_tensors_in_slices(tmp_path, monkeypatch):
+    """Slices smaller than a tensor (and of an odd size) give the same bytes as one piece."""
+    monkeypatch.setattr(expand, "SLICE_BYTES", 1002)
+    tensors = {"w": bf16_weights((77, 131), 4), "r": torch.randn(700)}
+    save_safetensors(tensors, tmp_path / "m.safetensors")
+    convert(tmp_path / "m.safetensors")
+    with SztFile(tmp_path / "m.szt") as szt:
+        sizes = [chunk.numel() for chunk in expand.iter_raw_bytes(szt, szt.entry("w"))]
+    assert max(sizes) == 1002 and sum(sizes) == 77 * 131 * 2
+    decompress(tmp_path / "m.szt", tmp_path / "back.safetensors")
+    assert (tmp_path / "back.safetensors").read_bytes() == (tmp_path / "m.safetensors").read_bytes()
+
+
+# -- sharded checkpoints and folders -----------------------------------------------------------------------------
+
+
+def test_sharded_checkpoint_converts_to_a_folder_with_a_rewritten_index(tmp_path):
+    tensors = write_sharded(tmp_path / "src")
+    report = convert(tmp_path / "src" / "model.safetensors.index.json", tmp_path / "out")
+    assert listing(tmp_path / "out") == ["model-00001-of-00002.szt", "model-00002-of-00002.szt",
+                                         "model.szt.index.json"]
+    index = json.loads((tmp_path / "out" / "model.szt.index.json").read_text())
+    source_index = json.loads((tmp_path / "src" / "model.safetensors.index.json").read_text())
+    assert index["metadata"] == {"total_size": source_index["metadata"]["total_size"]}
+    assert index["weight_map"] == {k: v.replace(".safetensors", ".szt") for k, v in source_index["weight_map"].items()}
+    loaded = {}
+    for shard in ("model-00001-of-00002.szt", "model-00002-of-00002.szt"):
+        loaded.update(szformat.load_file(tmp_path / "out" / shard))
+    assert_same_tensors(loaded, tensors)
+    assert report.files_written == 2 and report.files_copied == 0
+
+    decompress(tmp_path / "out" / "model.szt.index.json", tmp_path / "back")
+    for shard in ("model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"):
+        assert (tmp_path / "back" / shard).read_bytes() == (tmp_path / "src" / shard).read_bytes()
+    assert json.loads((tmp_path / "back" / "model.safetensors.index.json").read_text()) == source_index
+
+
+def test_model_folder_converts_recursively_and_decompresses_to_the_same_files(tmp_path):
+    expected = write_pipeline(tmp_path / "pipe")
+    report = convert(tmp_path / "pipe", tmp_path / "pipe-szt")
+    out = tmp_path / "pipe-szt"
+    assert listing(out) == [
+        "model_index.json", "text_encoder", "text_encoder/model.szt", "tokenizer", "tokenizer/tokenizer.json",
+        "transformer", "transformer/config.json", "transformer/diffusion_pytorch_model-00001-of-00002.szt",
+        "transformer/diffusion_pytorch_model-00002-of-00002.szt",
+        "transformer/diffusion_pytorch_model.szt.index.json"]
+    assert (out / "model_index.json").read_bytes() == (tmp_path / "pipe" / "model_index.json").read_bytes()
+    assert_same_tensors(szformat.load_file(out / "text_encoder" / "model.szt"), expected["text_encoder"])
+    index = json.loads((out / "transformer" / "diffusion_pytorch_model.szt.index.json").read_text())
+    assert set(index["weight_map"].values()) == {"diffusion_pytorch_model-00001-of-00002.szt",
+                                                 "diffusion_pytorch_model-00002-of-00002.szt"}
+    assert report.files_written == 3 and report.files_copied == 3
+
+    decompress(out, tmp_path / "back")
+    original = {k: v for k, v in tree(tmp_path / "pipe").items() if not k.startswith(".")}
+    back = tree(tmp_path / "back")
+    assert back.keys() == original.keys()
+    for name, data in original.items():
+        if name.endswith(".index.json"):
+            assert json.loads(back[name]) == json.loads(data), name
+        else:
+            assert back[name] == data, name
+
+
+def test_folder_conversion_is_deterministic(tmp_path):
+    write_pipeline(tmp_path / "pipe")
+    convert(tmp_path / "pipe", tmp_path / "a")
+    convert(tmp_path / "pipe", tmp_path / "b")
+    assert tree(tmp_path / "a") == tree(tmp_path / "b")
+
+
+def test_existing_output_folder_is_replaced_only_with_overwrite(tmp_path):
+    write_sharded(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    (tmp_path / "out" / "old.txt").write_text("old")
+    with pytest.raises(FileExistsError):
+        convert(tmp_path / "src", tmp_path / "out")
+    assert listing(tmp_path / "out") == ["old.txt"]
+    convert(tmp_path / "src", tmp_path / "out", overwrite=True)
+    assert "old.txt" not in listing(tmp_path / "out") and "model.szt.index.json" in listing(tmp_path / "out")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+@pytest.mark.parametrize("break_index, message", [
+    (lambda index: index["weight_map"].update({"ghost": "model-00001-of-00002.safetensors"}),
+     "tensor 'ghost': the index maps this tensor to shard 'model-00001-of-00002.safetensors', which does not hold"),
+    (lambda index: index["weight_map"].update({"ghost": "model-00003-of-00002.safetensors"}),
+     "names shard 'model-00003-of-00002.safetensors', which is missing"),
+    (lambda index: index["weight_map"].update({"ghost": "../elsewhere.safetensors"}),
+     "not a file inside the index's folder"),
+    (lambda index: index.pop("weight_map"), "no 'weight_map' object"),
+])
+def test_inconsistent_index_is_refused_before_anything_is_written(tmp_path, break_index, message):
+    write_sharded(tmp_path / "src")
+    index_path = tmp_path / "src" / "model.safetensors.index.json"
+    index = json.loads(index_path.read_text())
+    break_index(index)
+    index_path.write_text(json.dumps(index))
+    for source in (index_path, tmp_path / "src"):
+        with pytest.raises(ConversionError) as info:
+            convert(source, tmp_path / "out")
+        assert message in str(info.value)
+        assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]
+
+
+def test_inputs_that_are_not_checkpoints_are_refused(tmp_path):
+    with pytest.raises(FileNotFoundError):
+        convert(tmp_path / "missing.safetensors", tmp_path / "x.szt")
+    (tmp_path / "weights.bin").write_bytes(b"pickle")
+    with pytest.raises(ConversionError, match="expected a .safetensors file"):
+        convert(tmp_path / "weights.bin", tmp_path / "x.szt")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(ConversionError, match="folder holds no .safetensors file"):
+        convert(tmp_path / "empty", tmp_path / "x")
+
+
+def test_output_overlapping_the_input_is_refused(tmp_path):
+    write_sharded(tmp_path / "src")
+    with pytest.raises(ConversionError, match="overlaps the input"):
+        convert(tmp_path / "src", tmp_path / "src" / "converted")
+    with pytest.raises(ConversionError, match="overlaps the input"):
+        convert(tmp_path / "src" / "model.safetensors.index.json", tmp_path, overwrite=True)
+    with pytest.raises(ConversionError, match="name the output folder"):
+        convert(tmp_path / "src")
+    assert listing(tmp_path / "src") == sorted(p.name for p in (tmp_path / "src").iterdir())
+    assert not [p for p in tmp_path.rglob("*.tmp")]
+
+
+# -- atomicity ---------------------------------------------------------------------------------------------------
+
+
+def fail_after(count: int, error: BaseException):
+    """A stand-in for write_tensor that writes ``count`` tensors, then raises ``error``."""
+    real = convert_module.write_tensor
+    calls = []
+
+    def write_tensor(*args, **kwargs):
+        calls.append(args[1])
+        if len(calls) > count:
+            raise error
+        return real(*args, **kwargs)
+
+    return write_tensor
+
+
+@pytest.mark.parametrize("error", [RuntimeError("injected"), KeyboardInterrupt()])
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_failure_mid_run_leaves_no_output_and_no_temporary(tmp_path, monkeypatch, error, layout):
+    if layout == "file":
+        save_safetensors(model_tensors(), tmp_path / "model.safetensors")
+        source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
+    else:
+        write_pipeline(tmp_path / "pipe")
+        source, target = tmp_path / "pipe", tmp_path / "out"
+    before = listing(tmp_path)
+    monkeypatch.setattr(convert_module, "write_tensor", fail_after(12 if layout == "folder" else 3, error))
+    with pytest.raises(type(error)):
+        convert(source, target)
+    assert listing(tmp_path) == before
+
+
+class DiskFull:
+    """A writable file that takes ``budget`` bytes, then fails like a full disk."""
+
+    def __init__(self, file, budget: int):
+        self._file, self._budget = file, budget
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._budget -= size
+        return self._file.write(data)
+
+    def __getattr__(self, name):
+        return getattr(self._file, name)
+
+
+def test_disk_full_during_conversion_leaves_nothing(tmp_path, monkeypatch):
+    write_pipeline(tmp_path / "pipe")
+    before = listing(tmp_path)
+    real_fdopen = os.fdopen
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: DiskFull(real_fdopen(fd, mode, *a, **k), 9000)
+                        if "w" in mode else real_fdopen(fd, mode, *a, **k))
+    with pytest.raises(WriteError, match="No space left on device") as info:
+        convert(tmp_path / "pipe", tmp_path / "out")
+    assert isinstance(info.value, OSError)
+    assert listing(tmp_path) == before
+
+
+def test_disk_full_during_decompression_leaves_nothing(model_file, tmp_path, monkeypatch):
+    convert(model_file, tmp_path / "model.szt")
+    before = listing(tmp_path)
+    monkeypatch.setattr(atomic_module, "open", lambda *a, **k: DiskFull(open(*a, **k), 5000), raising=False)
+    with pytest.raises(WriteError, match="No space left on device"):
+        decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
+    assert listing(tmp_path) == before
+
+
+# -- devices and backends ----------------------------------------------------------------------------------------
+
+
+class RecordingBackend:
+    """Stands in for the GPU codec: the CPU codec behind the same two-function interface, counting calls."""
+
+    def __init__(self, corrupt: bool = False):
+        self.encoded: list[int] = []
+        self.corrupt = corrupt
+
+    def encode(self, x):
+        self.encoded.append(x.numel())
+        return cpu.encode(x)
+
+    def decode(self, payload, layout, codebook):
+        out = cpu.decode(payload, layout, codebook)
+        if self.corrupt:
+            out.view(torch.int16)[-1] ^= 1
+        return out
+
+
+def test_injected_backend_gives_the_same_bytes_as_the_cpu(model_file, tmp_path):
+    backend = RecordingBackend()
+    convert(model_file, tmp_path / "cpu.szt")
+    convert(model_file, tmp_path / "backend.szt", backend=backend)
+    assert (tmp_path / "backend.szt").read_bytes() == (tmp_path / "cpu.szt").read_bytes()
+    bf16_nonempty = [t.numel() for t in model_tensors().values() if t.dtype == torch.bfloat16 and t.numel()]
+    assert sorted(backend.encoded) == sorted(bf16_nonempty)
+
+
+def test_round_trip_mismatch_aborts_the_conversion(model_file, tmp_path):
+    with pytest.raises(RoundTripError, match="does not decode bit for bit") as info:
+        convert(model_file, tmp_path / "bad.szt", backend=RecordingBackend(corrupt=True))
+    assert info.value.tensor is not None
+    assert listing(tmp_path) == ["model.safetensors"]
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")
+def test_cuda_without_a_gpu_is_a_clear_error(model_file, tmp_path):
+    with pytest.raises(DecodeRouteError, match="needs a CUDA GPU"):
+        convert(model_file, tmp_path / "gpu.szt", device="cuda")
+    with pytest.raises(DecodeRouteError, match="'cpu' or 'cuda'"):
+        codec_for("meta")
+    assert listing(tmp_path) == ["model.safetensors"]
+
+
+# -- verification ------------------------------------------------------------------------------------------------
+
+
+def flip_payload_byte(path: Path, tensor: str) -> None:
+    with SztFile(path) as szt:
+        entry = szt.entry(tensor)
+    with open(path, "r+b") as f:
+        f.seek(entry.offset + entry.length // 2)
+        byte = f.read(1)
+        f.seek(-1, os.SEEK_CUR)
+        f.write(bytes([byte[0] ^ 0x10]))
+
+
+def test_verify_passes_a_good_checkpoint(tmp_path):
+    write_pipeline(tmp_path / "pipe")
+    convert(tmp_path / "pipe", tmp_path / "out")
+    report = verify(tmp_path / "out")
+    assert report.ok and report.files == 3 and report.tensors == 20
+    assert report.summary()[0].startswith("OK: 20 tensors")
+
+
+def test_verify_names_every_bad_tensor_and_file(tmp_path):
+    write_pipeline(tmp_path / "pipe")
+    convert(tmp_path / "pipe", tmp_path / "out")
+    out = tmp_path / "out"
+    flip_payload_byte(out / "text_encoder" / "model.szt", "layers.0.mlp.up.weight")
+    flip_payload_byte(out / "text_encoder" / "model.szt", "layers.0.norm.bias")
+    shard = out / "transformer" / "diffusion_pytorch_model-00002-of-00002.szt"
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated: its header no longer parses
+    report = verify(out)
+    problems = {(p.file, p.tensor) for p in report.problems}
+    assert ("text_encoder/model.szt", "layers.0.mlp.up.weight") in problems
+    assert ("text_encoder/model.szt", "layers.0.norm.bias") in problems
+    assert ("transformer/diffusion_pytorch_model-00002-of-00002.szt", None) in problems
+    index = "transformer/diffusion_pytorch_model.szt.index.json"
+    assert {t for f, t in problems if f == index} == {"position_ids", "noise", "scale", "empty"}
+    assert not report.ok
+    text = "\n".join(report.summary())
+    assert text.startswith("FAILED: 7 problem(s)") and "CRC-32 of the stored bytes" in text
+
+
+def test_verify_of_a_single_file_and_of_an_index(tmp_path, model_file):
+    convert(model_file, tmp_path / "model.szt")
+    assert verify(tmp_path / "model.szt").ok
+    write_sharded(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out")
+    assert verify(tmp_path / "out" / "model.szt.index.json").tensors == 10
+
+
+# -- real weights ------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(not MINILM_DIR.is_dir(), reason="run tools/fetch_minilm.py to fetch the MiniLM checkpoint")
+def test_real_minilm_weights_convert_and_come_back_bit_for_bit(tmp_path):
+    report = convert(MINILM_DIR, tmp_path / "minilm-szt")
+    assert report.encoded and report.ratio < 0.9
+    assert verify(tmp_path / "minilm-szt").ok
+    decompress(tmp_path / "minilm-szt", tmp_path / "back")
+    for source in MINILM_DIR.rglob("*.safetensors"):
+        rel = source.relative_to(MINILM_DIR)
+        assert (tmp_path / "back" / rel).read_bytes() == source.read_bytes(), rel
+

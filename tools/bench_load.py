@@ -1,0 +1,284 @@
+"""Time loading checkpoints to a CUDA GPU: safetensors against every .szt path, with the PCIe ceiling, in one run.
+
+    PYTHONPATH=. python tools/bench_load.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
+        [--synthetic-gb 4.2] [--json results.json] [--markdown table.md]
+
+For each checkpoint (prepared by ``tools/gpu_load_check.py``'s ``prepare``, which converts on the GPU): the anchor
+``safetensors.torch.load_file(original, device="cuda")``, then ``szformat.load_file(szt, device="cuda")`` through
+each path, then the pinned host-to-device copy ceiling (a pinned buffer of the raw checkpoint's size) and the copy
+rate out of the registered page cache. Warm: page cache warm, one untimed call first (its time is the "first" column:
+kernel loading and pinned allocation included), then the median of ``--reps`` calls; the device's caching allocator
+is emptied between calls so every call allocates its tensors. Cold: the page cache is dropped before one call
+(``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)``), and the share of the file still
+resident (``mincore``) is reported.
+
+Rates are raw-equivalent: the checkpoint's raw tensor bytes over wall time from the call to its tensors being ready.
+Peak host RSS is the process's high-water mark during one extra call (reset through ``/proc/self/clear_refs``) minus
+its RSS before; it counts page-cache pages mapped into the process, so a sampled anonymous-memory peak is shown too.
+Peak GPU memory is the allocator's peak during that call minus what was allocated before (the tensors included).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import mmap
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import torch
+from safetensors.torch import load_file as st_load_file
+
+import szformat
+from szformat.loading import StagingConfig
+from szformat.loading.hostio import RegisteredMapping
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from gpu_load_check import Checkpoint, prepare  # noqa: E402
+
+DEVICE = torch.device("cuda")
+
+Loader = Callable[[Checkpoint], dict]
+METHODS: dict[str, Loader] = {
+    "safetensors load_file": lambda c: st_load_file(c.safetensors, device="cuda"),
+    "szt load_file (defaults)": lambda c: szformat.load_file(c.szt, device="cuda"),
+    "szt registered, verify off": lambda c: szformat.load_file(
+        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="registered")),
+    "szt staged 8 thr, verify off": lambda c: szformat.load_file(
+        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="staged", threads=8)),
+    "szt staged 8 thr, verify on": lambda c: szformat.load_file(
+        c.szt, device="cuda", staging=StagingConfig(transport="staged", threads=8)),
+    "szt host-decode route": lambda c: szformat.load_file(c.szt, device="cuda", route="cpu", verify=False),
+}
+COLD = ["safetensors load_file", "szt load_file (defaults)", "szt registered, verify off",
+        "szt staged 8 thr, verify off"]
+
+
+# -- measuring --------------------------------------------------------------------------------------------------
+
+
+def timed(load: Loader, ckpt: Checkpoint) -> float:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = load(ckpt)
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del result
+    return seconds
+
+
+def _status() -> dict[str, int]:
+    fields = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            key, _, value = line.partition(":")
+            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
+                fields[key] = int(value.split()[0]) * 1024
+    return fields
+
+
+def memory(load: Loader, ckpt: Checkpoint) -> dict[str, float]:
+    """Peak host RSS (high-water mark), sampled peak anonymous+shared RSS, and peak GPU memory, over one call."""
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # reset VmHWM to the current RSS
+        hwm_reset = True
+    except OSError:
+        hwm_reset = False
+    before = _status()
+    gpu_before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    peak_anon, running = [0], [True]
+
+    def sample() -> None:
+        while running[0]:
+            s = _status()
+            peak_anon[0] = max(peak_anon[0], s.get("RssAnon", 0) + s.get("RssShmem", 0))
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    result = load(ckpt)
+    torch.cuda.synchronize()
+    running[0] = False
+    sampler.join()
+    after = _status()
+    gpu_peak = torch.cuda.max_memory_allocated() - gpu_before
+    del result
+    anon_before = before.get("RssAnon", 0) + before.get("RssShmem", 0)
+    return {"rss_peak_gb": (after["VmHWM"] - before["VmRSS"]) / 1e9 if hwm_reset else float("nan"),
+            "anon_peak_gb": (peak_anon[0] - anon_before) / 1e9, "gpu_peak_gb": gpu_peak / 1e9}
+
+
+def _files(ckpt: Checkpoint) -> list[Path]:
+    szt = sorted(ckpt.szt.glob("*.szt")) if ckpt.szt.is_dir() else [ckpt.szt]
+    return szt + [ckpt.safetensors]
+
+
+def drop_caches(paths: list[Path]) -> str:
+    """Evict ``paths`` from the page cache; says how."""
+    os.sync()
+    try:
+        with open("/proc/sys/vm/drop_caches", "w") as f:
+            f.write("3")
+        how = "drop_caches"
+    except OSError:
+        how = "fadvise"
+    for path in paths:
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    return how
+
+
+def resident_share(paths: list[Path]) -> float:
+    """Share of the files' pages in the page cache (``mincore``), or NaN where it cannot be read."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    page = mmap.PAGESIZE
+    total = resident = 0
+    try:
+        for path in paths:
+            size = path.stat().st_size
+            with open(path, "rb") as f, mmap.mmap(f.fileno(), size, prot=mmap.PROT_READ) as mm:
+                pages = -(-size // page)
+                vec = (ctypes.c_ubyte * pages)()
+                view = np.frombuffer(mm, dtype=np.uint8)
+                status = libc.mincore(ctypes.c_void_p(view.ctypes.data), ctypes.c_size_t(size), vec)
+                del view  # the mapping closes only once no view of it is left
+                if status != 0:
+                    return float("nan")
+                resident += sum(b & 1 for b in bytes(vec))
+                total += pages
+    except (OSError, ValueError):
+        return float("nan")
+    return resident / total if total else float("nan")
+
+
+def pinned_ceiling(nbytes: int, reps: int) -> float:
+    """GB/s of one pinned host-to-device copy of ``nbytes`` (median of ``reps``, CUDA events)."""
+    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    host.random_(0, 256)
+    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
+    return nbytes / _median_copy(lambda: dev.copy_(host, non_blocking=True), reps) / 1e9
+
+
+def registered_ceiling(path: Path, reps: int) -> float:
+    """GB/s of copying a whole file out of its registered page-cache mapping (NaN where registration fails)."""
+    mapping = RegisteredMapping.open(path, DEVICE)
+    if mapping is None:
+        return float("nan")
+    try:
+        dev = torch.empty(mapping.view.numel(), dtype=torch.uint8, device=DEVICE)
+        return mapping.view.numel() / _median_copy(lambda: dev.copy_(mapping.view, non_blocking=True), reps) / 1e9
+    finally:
+        torch.cuda.synchronize()
+        mapping.close()
+
+
+def _median_copy(copy: Callable[[], None], reps: int) -> float:
+    copy()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        copy()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+# -- the run ----------------------------------------------------------------------------------------------------
+
+
+def bench(ckpt: Checkpoint, reps: int, cold: bool) -> list[dict]:
+    rows = []
+    anchor: dict[str, float] = {}
+    for label, load in METHODS.items():
+        first = timed(load, ckpt)
+        times = [timed(load, ckpt) for _ in range(reps if first < 1.0 else 2)]
+        seconds = statistics.median(times)
+        mem = memory(load, ckpt)
+        anchor.setdefault("warm", seconds)
+        rows.append({"checkpoint": ckpt.name, "method": label, "cache": "warm", "seconds": seconds, "first": first,
+                     "spread": (max(times) - min(times)) / seconds, **mem})
+        print(f"{ckpt.name:<26} {label:<30} warm {seconds * 1e3:9.2f} ms  "
+              f"{ckpt.raw_bytes / seconds / 1e9:6.1f} GB/s  x{anchor['warm'] / seconds:5.2f}", flush=True)
+        torch.cuda.empty_cache()
+    if cold and not ckpt.szt.is_dir():
+        for label in COLD:
+            how = drop_caches(_files(ckpt))
+            resident = resident_share(_files(ckpt))
+            seconds = timed(METHODS[label], ckpt)
+            anchor.setdefault("cold", seconds)
+            rows.append({"checkpoint": ckpt.name, "method": label, "cache": f"cold ({how}, {resident:.0%} resident)",
+                         "seconds": seconds})
+            print(f"{ckpt.name:<26} {label:<30} cold {seconds * 1e3:9.2f} ms  "
+                  f"{ckpt.raw_bytes / seconds / 1e9:6.1f} GB/s  x{anchor['cold'] / seconds:5.2f} "
+                  f"({how}, {resident:.0%} resident before)", flush=True)
+    rows.append({"checkpoint": ckpt.name, "method": "pinned H2D copy (ceiling)", "cache": "-",
+                 "gbps": pinned_ceiling(ckpt.raw_bytes, reps)})
+    if not ckpt.szt.is_dir():
+        rows.append({"checkpoint": ckpt.name, "method": "registered .szt H2D copy", "cache": "warm",
+                     "gbps": registered_ceiling(ckpt.szt, reps)})
+    for row in rows:
+        row["raw_bytes"], row["stored_bytes"] = ckpt.raw_bytes, ckpt.stored_bytes
+        if "seconds" in row:
+            row["gbps"] = ckpt.raw_bytes / row["seconds"] / 1e9
+            row["speedup"] = anchor["cold" if row["cache"].startswith("cold") else "warm"] / row["seconds"]
+    return rows
+
+
+def markdown(rows: list[dict]) -> str:
+    lines = ["| checkpoint | method | cache | time (ms) | raw-equiv. GB/s | vs safetensors | first call (ms) | "
+             "peak RSS (GB) | peak anon RSS (GB) | peak GPU (GB) |",
+             "|---|---|---|---:|---:|---:|---:|---:|---:|---:|"]
+    fmt = lambda row, key, scale=1.0, spec=".2f": (  # noqa: E731
+        format(row[key] * scale, spec) if isinstance(row.get(key), float) else "")
+    for r in rows:
+        lines.append(f"| {r['checkpoint']} | {r['method']} | {r['cache']} | {fmt(r, 'seconds', 1e3, '.1f')} | "
+                     f"{fmt(r, 'gbps', 1, '.1f')} | {fmt(r, 'speedup', 1, '.2f')} | {fmt(r, 'first', 1e3, '.0f')} | "
+                     f"{fmt(r, 'rss_peak_gb')} | {fmt(r, 'anon_peak_gb')} | {fmt(r, 'gpu_peak_gb')} |")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--minilm", type=Path, required=True, help="MiniLM-L6 BF16 model.safetensors")
+    parser.add_argument("--work", type=Path, default=Path("/tmp/szload"))
+    parser.add_argument("--synthetic-gb", type=float, default=4.2)
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
+    parser.add_argument("--json", type=Path)
+    parser.add_argument("--markdown", type=Path)
+    args = parser.parse_args()
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
+    rows = []
+    for ckpt in prepare(args.minilm, args.work, args.synthetic_gb):
+        rows += bench(ckpt, args.reps, cold=not args.no_cold)
+    table = markdown(rows)
+    print("\n" + table)
+    if args.json:
+        args.json.write_text(json.dumps(rows, indent=1))
+    if args.markdown:
+        args.markdown.write_text(table + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
