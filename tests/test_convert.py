@@ -22,7 +22,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.codec import cpu
+from szformat.codec import cpu, gate
 from szformat.convert import convert, decompress, verify
 from szformat.convert import atomic as atomic_module
 from szformat.convert import expand
@@ -527,6 +527,23 @@ def test_round_trip_mismatch_aborts_the_conversion(model_file, tmp_path):
         convert(model_file, tmp_path / "bad.szt", backend=RecordingBackend(corrupt=True))
     assert info.value.tensor is not None
     assert listing(tmp_path) == ["model.safetensors"]
+
+
+def test_cpu_round_trip_check_catches_a_bad_byte_in_a_late_slice(tmp_path, monkeypatch):
+    """The CPU check decodes slice by slice; a wrong byte near the end of a tensor must still stop the file."""
+    monkeypatch.setattr(gate, "ROUND_TRIP_SLICE", 1000)
+    real_encode = cpu.encode
+
+    def encode_with_a_flipped_sign(x, codebook=None):
+        payload, layout, codebook = real_encode(x, codebook)
+        payload[layout.off_sm + layout.n - 3] ^= 0x80
+        return payload, layout, codebook
+
+    monkeypatch.setattr(cpu, "encode", encode_with_a_flipped_sign)
+    save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
+    with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
+        convert(tmp_path / "m.safetensors")
+    assert listing(tmp_path) == ["m.safetensors"]
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error raised without CUDA")

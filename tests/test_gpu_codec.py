@@ -62,8 +62,16 @@ def few_exponents(g: torch.Generator) -> torch.Tensor:
     return from_bits(((exponent << 7) | (mantissa & 0x7F) | ((mantissa & 0x80) << 8)).to(torch.int16))
 
 
+def low_exponents(g: torch.Generator) -> torch.Tensor:
+    """Zeros, subnormals and exponents up to 12: the histogram's window then reaches exponent 0."""
+    exponent = torch.randint(0, 13, (3001,), generator=g)
+    mantissa = torch.randint(0, 256, (3001,), generator=g)
+    return from_bits(((exponent << 7) | (mantissa & 0x7F) | ((mantissa & 0x80) << 8)).to(torch.int16))
+
+
 CASES = {
     "all_patterns": all_patterns,
+    "low_exponents": low_exponents,
     "specials": specials,
     "escape_heavy": escape_heavy,
     "few_exponents": few_exponents,

@@ -13,6 +13,7 @@ import json
 import os
 import random
 from collections import deque
+from concurrent.futures import Future
 from types import SimpleNamespace
 
 import pytest
@@ -120,6 +121,23 @@ class NoWaitOps(FakeOps):
 
     def wait(self, stream, event) -> None:
         self.log.append(("wait", stream.index, event))
+
+
+class FakeMapping:
+    """A file "registered" span by span: records the spans, whose registration completes at once."""
+
+    def __init__(self, path):
+        self.view = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        self.spans: list[tuple[int, int]] = []
+
+    def register_async(self, start, stop, pool):
+        self.spans.append((start, stop))
+        future = Future()
+        future.set_result(True)
+        return future
+
+    def close(self):
+        pass
 
 
 class ReferenceCodec:
@@ -278,8 +296,7 @@ def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool):
     ring = StagingRing(ops, slots, slot_bytes, host=True, device=True)
     loop = TransferLoop(ops, ring)
     if mapped:
-        view = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
-        source = MappedSource(SimpleNamespace(view=view, close=lambda: None))
+        source = MappedSource(FakeMapping(path), pool)
     else:
         source = ReadSource(FileReader(path, pool, threads=3))
     flat = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, source)
@@ -569,3 +586,39 @@ def test_copy_and_expand_merges_final_entries_into_one_copy(checkpoint):
 
     ops.synchronize(copy_and_expand(pool._slot.host, Dest(), staged, ops.current_stream(), ops=ops))
     assert copies == [(0, staged[-1].offset + staged[-1].raw_length)]
+
+
+def test_registered_mapping_pins_whole_page_spans_once_and_releases_them(tmp_path):
+    import mmap as mmap_module
+    from concurrent.futures import ThreadPoolExecutor
+
+    from szformat.loading.hostio import RegisteredMapping
+
+    page = mmap_module.PAGESIZE
+    path = tmp_path / "f"
+    path.write_bytes(os.urandom(10 * page + 5))
+    fd = os.open(path, os.O_RDONLY)
+    mapping = mmap_module.mmap(fd, 0, prot=mmap_module.PROT_READ)
+    view = torch.frombuffer(mapping, dtype=torch.uint8)
+    base, calls = view.data_ptr(), []
+
+    def call(result, *what):
+        calls.append(what)
+        return result
+
+    cudart = SimpleNamespace(  # a driver that refuses spans longer than four pages
+        cudaSetDevice=lambda index: call(0, "device", index),
+        cudaHostRegister=lambda ptr, size, flags: call(int(size.value > 4 * page), "register", ptr.value - base,
+                                                       size.value, flags),
+        cudaHostUnregister=lambda ptr: call(0, "unregister", ptr.value - base),
+        cudaGetLastError=lambda: call(0, "clear"))
+    registered = RegisteredMapping(path, fd, mapping, view, cudart, 3)
+    del view
+    with ThreadPoolExecutor(2) as pool:
+        first = registered.register_async(100, page + 1, pool)
+        assert registered.register_async(0, 2 * page - 7, pool) is first and first.result() is True
+        assert registered.register_async(2 * page, 10 * page + 5, pool).result() is False  # refused: pageable copy
+    assert calls[:2] == [("device", 3), ("register", 0, 2 * page, 9)]  # read-only | portable
+    assert calls[2:] == [("device", 3), ("register", 2 * page, 8 * page + 5, 9), ("clear",)]
+    registered.close()
+    assert calls[-1] == ("unregister", 0) and sum(c[0] == "unregister" for c in calls) == 1

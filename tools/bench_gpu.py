@@ -121,7 +121,7 @@ def bench_single(n: int, copy_rate: float) -> None:
     size = f"{2 * n >> 20} MiB"
     report(f"decode roofline at the copy rate, {size}", f"{roofline:,.0f} GB/s",
            f"ratio {layout.comp_bytes / (2 * n):.3f}, {layout.n_esc} escapes")
-    for rows, warps in ((512, 8), (256, 8), (1024, 8), (512, 4), (2048, 8)):
+    for rows, warps in ((512, 4), (512, 8), (1024, 8), (256, 4)):
         with tuned(ROWS=rows, DECODE_WARPS=warps):
             ms = median_ms(lambda i: gpu.decode(*encoded[i % 2], out=outs[i % 2]))
         report(f"decode {size}, ROWS={rows} warps={warps}", gbps(2 * n, ms), f"{ms * 1e3:.0f} us")
@@ -133,8 +133,8 @@ def bench_single(n: int, copy_rate: float) -> None:
                    before=lambda i: slots[i % 2][: encoded[i % 2][1].comp_bytes].copy_(encoded[i % 2][0]))
     report(f"in-place slot decode {size} (stash + decode)", gbps(2 * n, ms), f"{ms * 1e3:.0f} us")
 
-    for settings in ({}, {"HISTOGRAM_SUB": 8}, {"HISTOGRAM_ROWS": 256}, {"HISTOGRAM_PROGRAMS_PER_SM": 8},
-                     {"PACK_ROWS": 256, "PACK_WARPS": 4}, {"PACK_ROWS": 1024}):
+    for settings in ({}, {"HISTOGRAM_WINDOW": 64}, {"HISTOGRAM_ROWS": 256}, {"HISTOGRAM_PROGRAMS_PER_SM": 4},
+                     {"PACK_ROWS": 512}, {"PACK_WARPS": 4}):
         with tuned(**settings):
             ms = median_ms(lambda i: gpu.encode(sets[i % 2]))
             hist_ms = median_ms(lambda i: histogram_only(sets[i % 2]))
@@ -152,7 +152,7 @@ def histogram_only(x: torch.Tensor) -> None:
     programs = min(_encode.program_slots(DEVICE, _encode.HISTOGRAM_PROGRAMS_PER_SM),
                    -(-bits.numel() // (_encode.HISTOGRAM_ROWS * 8)))
     _encode._histogram_kernel[(programs,)](bits, hist, bits.numel(), ROWS=_encode.HISTOGRAM_ROWS,
-                                           SUB=_encode.HISTOGRAM_SUB, num_warps=8)
+                                           WINDOW=_encode.HISTOGRAM_WINDOW, num_warps=8)
 
 
 def bench_batch(name: str, tensors: list[torch.Tensor], copies: int) -> None:

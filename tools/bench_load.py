@@ -52,8 +52,12 @@ METHODS: dict[str, Loader] = {
     "szt load_file (defaults)": lambda c: szformat.load_file(c.szt, device="cuda"),
     "szt registered, verify off": lambda c: szformat.load_file(
         c.szt, device="cuda", verify=False, staging=StagingConfig(transport="registered")),
+    "szt registered 4 slots, verify off": lambda c: szformat.load_file(
+        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="registered", slots=4)),
     "szt staged 8 thr, verify off": lambda c: szformat.load_file(
         c.szt, device="cuda", verify=False, staging=StagingConfig(transport="staged", threads=8)),
+    "szt staged 16 thr 4 slots, verify off": lambda c: szformat.load_file(
+        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="staged", threads=16, slots=4)),
     "szt staged 8 thr, verify on": lambda c: szformat.load_file(
         c.szt, device="cuda", staging=StagingConfig(transport="staged", threads=8)),
     "szt host-decode route": lambda c: szformat.load_file(c.szt, device="cuda", route="cpu", verify=False),
@@ -65,9 +69,10 @@ COLD = ["safetensors load_file", "szt load_file (defaults)", "szt registered, ve
 # -- measuring --------------------------------------------------------------------------------------------------
 
 
-def timed(load: Loader, ckpt: Checkpoint) -> float:
+def timed(load: Loader, ckpt: Checkpoint, *, empty_cache: bool = True) -> float:
     gc.collect()
-    torch.cuda.empty_cache()
+    if empty_cache:
+        torch.cuda.empty_cache()
     torch.cuda.synchronize()
     started = time.perf_counter()
     result = load(ckpt)
@@ -178,16 +183,104 @@ def pinned_ceiling(nbytes: int, reps: int) -> float:
 
 
 def registered_ceiling(path: Path, reps: int) -> float:
-    """GB/s of copying a whole file out of its registered page-cache mapping (NaN where registration fails)."""
+    """GB/s of copying a whole file out of its page-cache mapping once registered (NaN where registration fails)."""
+    from concurrent.futures import ThreadPoolExecutor
+
     mapping = RegisteredMapping.open(path, DEVICE)
     if mapping is None:
         return float("nan")
     try:
+        with ThreadPoolExecutor(1) as pool:
+            if not mapping.register_async(0, mapping.view.numel(), pool).result():
+                return float("nan")
         dev = torch.empty(mapping.view.numel(), dtype=torch.uint8, device=DEVICE)
         return mapping.view.numel() / _median_copy(lambda: dev.copy_(mapping.view, non_blocking=True), reps) / 1e9
     finally:
         torch.cuda.synchronize()
         mapping.close()
+
+
+def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
+    """Where a load's time goes: each step alone, over the whole checkpoint (``seconds`` per step)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    from szformat.codec import gpu
+    from szformat.format.reader import SztFile
+    from szformat.loading.hostio import FileReader
+
+    rows = []
+
+    def row(what: str, seconds: float) -> None:
+        rows.append({"checkpoint": ckpt.name, "method": f"step: {what}", "cache": "warm", "seconds": seconds})
+        print(f"{ckpt.name:<26} step: {what:<44} {seconds * 1e3:9.2f} ms", flush=True)
+
+    with SztFile(ckpt.szt) as f:
+        entries = list(f.entries.values())
+        size = f.file_length
+
+        def allocate() -> None:
+            return [torch.empty(max(e.raw_length, e.length), dtype=torch.uint8, device=DEVICE) for e in entries]
+
+        row("allocate destinations (empty allocator)", statistics.median(
+            _host_time(allocate, before=torch.cuda.empty_cache) for _ in range(reps)))
+        row("allocate destinations (warm allocator)", statistics.median(_host_time(allocate) for _ in range(reps)))
+        row("load_file defaults, warm allocator", statistics.median(
+            timed(METHODS["szt load_file (defaults)"], ckpt, empty_cache=False) for _ in range(reps)))
+
+        for threads in (8, 16):
+            with ThreadPoolExecutor(threads) as pool:
+                reader = FileReader(ckpt.szt, pool, threads)
+                pinned = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+
+                def read_all() -> None:
+                    pending = None
+                    for k, start in enumerate(range(0, size, 64 << 20)):
+                        staged = reader.read_into(start, pinned[k % 2][: min(64 << 20, size - start)])
+                        if pending is not None:
+                            pending.result()
+                        pending = staged
+                    pending.result()
+
+                row(f"host reads into 2 pinned 64 MiB slots, {threads} threads",
+                    statistics.median(_host_time(read_all) for _ in range(reps)))
+                reader.close()
+
+        def register(span: int) -> None:
+            mapping = RegisteredMapping.open(ckpt.szt, DEVICE)
+            with ThreadPoolExecutor(1) as pool:
+                for start in range(0, size, span):
+                    mapping.register_async(start, min(size, start + span), pool).result()
+                started = time.perf_counter()
+                mapping.close()
+            row(f"unregister + unmap, spans of {span >> 20} MiB", time.perf_counter() - started)
+
+        for span in (64 << 20, 1 << 40):
+            row(f"register + unregister + unmap, spans of {min(span, size) >> 20} MiB",
+                _host_time(lambda: register(span)))
+
+        payloads = [(f.payload(e.name).to(DEVICE), e) for e in entries if e.encoding == "splitzip"]
+        slots = [torch.empty(max(e.raw_length, e.length), dtype=torch.uint8, device=DEVICE) for _, e in payloads]
+        scratch = gpu.DecodeScratch()
+
+        def decode_all() -> None:
+            for (payload, e), slot in zip(payloads, slots):
+                slot[: e.length].copy_(payload)
+                gpu.decode_in_place(slot, e.layout, e.codebook, scratch=scratch)
+
+        row("GPU decode_in_place of every tensor (incl. D2D slot fill)", _median_copy(decode_all, reps))
+    return rows
+
+
+def _host_time(work: Callable[[], object], before: Callable[[], None] | None = None) -> float:
+    if before is not None:
+        before()
+    torch.cuda.synchronize()
+    started = time.perf_counter()
+    result = work()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - started
+    del result
+    return seconds
 
 
 def _median_copy(copy: Callable[[], None], reps: int) -> float:
@@ -231,6 +324,8 @@ def bench(ckpt: Checkpoint, reps: int, cold: bool) -> list[dict]:
             print(f"{ckpt.name:<26} {label:<30} cold {seconds * 1e3:9.2f} ms  "
                   f"{ckpt.raw_bytes / seconds / 1e9:6.1f} GB/s  x{anchor['cold'] / seconds:5.2f} "
                   f"({how}, {resident:.0%} resident before)", flush=True)
+    if not ckpt.szt.is_dir():
+        rows += breakdown(ckpt, reps)
     rows.append({"checkpoint": ckpt.name, "method": "pinned H2D copy (ceiling)", "cache": "-",
                  "gbps": pinned_ceiling(ckpt.raw_bytes, reps)})
     if not ckpt.szt.is_dir():

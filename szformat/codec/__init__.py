@@ -1,6 +1,6 @@
 """SplitZip: lossless BF16 compression by exponent coding.
 
-The CPU implementation (:mod:`.cpu`) is the reference; GPU kernels live in :mod:`.triton_kernels` and are imported
+The CPU implementation (:mod:`.cpu`) is the reference; GPU kernels live in :mod:`.gpu` and are imported
 only on demand, so this package imports without Triton or a GPU.
 """
 

@@ -15,7 +15,8 @@ choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
   (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``).
 - **Escapes aside.** The encoder gathers escape flags only for tensors that have escapes and scans them with
   ``nonzero`` over int64 words, 8 pairs per step; the decoder decodes every element as if it had no escape and then
-  patches the escaped ones.
+  patches the escaped ones. The escape streams are small, so they are read, checked and written with NumPy, whose
+  calls cost a fraction of PyTorch's on small arrays, through explicitly little-endian views.
 
 Odd elements at the ends of a range are done one at a time, so every range of every input decodes exactly. Byte
 views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
@@ -26,6 +27,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 
+import numpy as np
 import torch
 
 from .codebook import Codebook, codebook_from_histogram
@@ -55,7 +57,7 @@ def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 # ---------------------------------------------------------------------------------------------------------------
-# Slices, views and scratch buffers
+# Slices and views
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -66,27 +68,16 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().contiguous().reshape(-1).view(torch.int16)
 
 
-def _view_as(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """Flat contiguous ``t`` viewed as a wider integer dtype; copied first when its storage offset forbids the view."""
-    if t.storage_offset() % (dtype.itemsize // t.element_size()):
-        t = t.clone()
-    return t.view(dtype)
+def _slice_length(n_pairs: int) -> int:
+    """Pairs per slice for a range of ``n_pairs``: about equal slices of 2/3 to 3/2 :data:`SLICE_PAIRS`, a multiple
+    of 8. (A tensor a little over one slice is not cut into a full slice and a tiny one: each call costs.)"""
+    count = max(1, round(n_pairs / SLICE_PAIRS))
+    return max(8, -(-n_pairs // (8 * count)) * 8)
 
 
-def _pair_slices(n_pairs: int) -> Iterator[tuple[int, int]]:
-    """``(first, stop)`` pair ranges of at most :data:`SLICE_PAIRS` that cover ``0..n_pairs``."""
-    return ((a, min(a + SLICE_PAIRS, n_pairs)) for a in range(0, n_pairs, SLICE_PAIRS))
-
-
-class _SliceScratch:
-    """Temporaries for one slice, allocated once per call and reused by every slice."""
-
-    def __init__(self, n_pairs: int):
-        size = max(1, min(SLICE_PAIRS, n_pairs))
-        self.index = torch.empty(size, dtype=torch.int32)
-        self.words = torch.empty(size, dtype=torch.int32)
-        self.halves = torch.empty(2 * size, dtype=torch.int16)
-        self.bytes = torch.empty(2 * size, dtype=torch.uint8)
+def _pair_slices(n_pairs: int, length: int) -> Iterator[tuple[int, int]]:
+    """``(first, stop)`` pair ranges of ``length`` pairs (the last one shorter) that cover ``0..n_pairs``."""
+    return ((a, min(a + length, n_pairs)) for a in range(0, n_pairs, length))
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -94,21 +85,21 @@ class _SliceScratch:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _exponents(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
-    """The exponent byte of each BF16 element in ``bits`` (int16), as uint8 in scratch.
+def _exponents(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """The exponent byte of each BF16 element in ``bits`` (int16), written to ``out`` (uint8, at least as long).
 
     ``bits >> 7`` has the exponent in its low byte; writing it to uint8 keeps that byte.
     """
-    return torch.bitwise_right_shift(bits, 7, out=scratch.bytes[: bits.numel()])
+    return torch.bitwise_right_shift(bits, 7, out=out[: bits.numel()])
 
 
-def _exponent_pair_index(bits: torch.Tensor, scratch: _SliceScratch) -> torch.Tensor:
-    """``e0 | e1 << 8`` for each pair of BF16 elements in ``bits`` (int16, even length), as int32 in scratch.
+def _exponent_pair_index(bits: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+    """``e0 | e1 << 8`` for each pair of BF16 elements in ``bits`` (int16, even length), written to ``out`` (int32).
 
     The exponent bytes read in pairs are one int16 per pair; the mask makes it a non-negative int32 index.
     """
-    index = scratch.index[: bits.numel() // 2]
-    index.copy_(_exponents(bits, scratch).view(torch.int16))
+    index = out[: bits.numel() // 2]
+    index.copy_(_exponents(bits, exponents).view(torch.int16))
     return index.bitwise_and_(0xFFFF)
 
 
@@ -120,10 +111,11 @@ def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     bins once the larger histogram's zeroing and summing are paid.)
     """
     bits = _bf16_bits(x)
-    scratch = _SliceScratch((bits.numel() + 1) // 2)
+    step = 2 * _slice_length((bits.numel() + 1) // 2)
+    exponents = torch.empty(min(step, bits.numel()), dtype=torch.uint8)
     counts = torch.zeros(256, dtype=torch.int64)
-    for a in range(0, bits.numel(), 2 * SLICE_PAIRS):
-        counts += torch.bincount(_exponents(bits[a: a + 2 * SLICE_PAIRS], scratch), minlength=256)
+    for a in range(0, bits.numel(), step):
+        counts += torch.bincount(_exponents(bits[a: a + step], exponents), minlength=256)
     return counts
 
 
@@ -169,11 +161,11 @@ class _EscapeFinder:
     scan per slice would cost more than the gather: each PyTorch call has a fixed cost of a few microseconds.
     """
 
-    def __init__(self, n_pairs: int):
-        self.flags = torch.empty(min(4 * SLICE_PAIRS, -(-n_pairs // 8) * 8), dtype=torch.uint8)
+    def __init__(self, n_pairs: int, slice_length: int):
+        self.flags = torch.empty(min(4 * slice_length, -(-n_pairs // 8) * 8), dtype=torch.uint8)
         self.block_start = 0  # the pair the buffer starts at (a multiple of 8)
         self.filled = 0
-        self.found: list[tuple[torch.Tensor, torch.Tensor]] = []  # (index of an 8-pair group, its flags word)
+        self.found: list[tuple[np.ndarray, np.ndarray]] = []  # (index of an 8-pair group, its flags word)
 
     def add(self, flag_table: torch.Tensor, pair_index: torch.Tensor, first_pair: int) -> None:
         """Record the flags of pairs ``first_pair, first_pair + 1, ...`` from their exponent pair index."""
@@ -189,10 +181,10 @@ class _EscapeFinder:
         words = self.flags[:whole].view(torch.int64)
         group = torch.nonzero(words).reshape(-1)
         if group.numel():
-            self.found.append((group + self.block_start // 8, words[group]))
+            self.found.append((group.numpy() + self.block_start // 8, words[group].numpy()))
         self.filled = 0
 
-    def positions(self) -> torch.Tensor:
+    def positions(self) -> np.ndarray:
         """Ascending element positions (int64) of all escapes recorded.
 
         Pair ``j`` of a group has its flags in byte ``j`` of the word: bit ``8 j`` for its first element and bit
@@ -200,11 +192,11 @@ class _EscapeFinder:
         """
         self._scan()
         if not self.found:
-            return torch.zeros(0, dtype=torch.int64)
-        group = torch.cat([g for g, _ in self.found]).view(-1, 1)
-        word = torch.cat([w for _, w in self.found]).view(-1, 1)
-        element = torch.arange(16)  # element 2 j + e of the group's 16
-        escaped = ((word >> (8 * (element // 2) + element % 2)) & 1).bool()
+            return np.zeros(0, dtype=np.int64)
+        group = np.concatenate([g for g, _ in self.found])[:, None]
+        word = np.concatenate([w for _, w in self.found])[:, None]
+        element = np.arange(16)  # element 2 j + e of the group's 16
+        escaped = ((word >> (8 * (element // 2) + element % 2)) & 1).astype(bool)
         return (16 * group + element)[escaped]
 
 
@@ -239,38 +231,40 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
     pk_table, flag_table = _pair_code_tables(codebook.dec_lut, codebook.n_used)
     pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = payload[layout.off_sm: layout.off_sm + n]
-    scratch = _SliceScratch(n // 2)
-    escapes = _EscapeFinder(n // 2) if layout.n_esc else None
+    length = _slice_length(n // 2)
+    size = min(length, max(1, n // 2))
+    exponents = torch.empty(2 * size, dtype=torch.uint8)
+    index = torch.empty(size, dtype=torch.int32)
+    kept_buffer, sign_buffer = torch.empty(2 * size, dtype=torch.int16), torch.empty(2 * size, dtype=torch.int16)
+    escapes = _EscapeFinder(n // 2, length) if layout.n_esc else None
 
-    for a, b in _pair_slices(n // 2):
-        m = b - a
-        pair_index = _exponent_pair_index(bits[2 * a: 2 * b], scratch)
+    for a, b in _pair_slices(n // 2, length):
+        pair_index = _exponent_pair_index(bits[2 * a: 2 * b], exponents, index)
         torch.index_select(pk_table, 0, pair_index, out=pk[a:b])
         if escapes is not None:
             escapes.add(flag_table, pair_index, a)
         # sm byte = sign << 7 | mantissa: keep sign and mantissa; the arithmetic shift copies the sign into bit 7.
-        kept = torch.bitwise_and(bits[2 * a: 2 * b], _SIGN_AND_MANTISSA, out=scratch.halves[: 2 * m])
-        sign = torch.bitwise_right_shift(kept, 8, out=scratch.words.view(torch.int16)[: 2 * m])
+        kept = torch.bitwise_and(bits[2 * a: 2 * b], _SIGN_AND_MANTISSA, out=kept_buffer[: 2 * (b - a)])
+        sign = torch.bitwise_right_shift(kept, 8, out=sign_buffer[: 2 * (b - a)])
         torch.bitwise_or(kept, sign, out=sm[2 * a: 2 * b])  # writing uint8 keeps the low byte
 
-    position = escapes.positions() if escapes is not None else torch.zeros(0, dtype=torch.int64)
+    position = escapes.positions() if escapes is not None else np.zeros(0, dtype=np.int64)
     if n % 2:
         last = int(bits[-1]) & 0xFFFF
         exponent = (last >> 7) & 0xFF  # as the first element of a pair (the table's column)
         pk[-1] = int(pk_table[exponent]) & 0xF0  # the low nibble is padding
         sm[-1] = ((last >> 8) & 0x80) | (last & 0x7F)
         if int(flag_table[exponent]) & 1:
-            position = torch.cat((position, torch.tensor([n - 1])))
+            position = np.append(position, n - 1)
 
-    if position.numel() != layout.n_esc:
-        raise ValueError(f"the codebook leaves {position.numel()} escapes, the layout expects {layout.n_esc}")
+    if position.size != layout.n_esc:
+        raise ValueError(f"the codebook leaves {position.size} escapes, the layout expects {layout.n_esc}")
     _write_padding(payload, layout)
     if layout.n_esc:
-        chunk_id = (position // layout.chunk_size).to(torch.int32)
-        local_pos = (position % layout.chunk_size).to(torch.int16)  # < 65536: the same bytes as u16
-        payload[layout.off_cid: layout.off_lpos] = chunk_id.view(torch.uint8)
-        payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc] = local_pos.view(torch.uint8)
-        payload[layout.off_ev: layout.off_ev + layout.n_esc] = ((bits[position] >> 7) & 0xFF).to(torch.uint8)
+        chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
+        chunk_id[:] = position // layout.chunk_size
+        local_pos[:] = position % layout.chunk_size
+        esc_val[:] = ((bits.numpy()[position] >> 7) & 0xFF).astype(np.uint8)
 
 
 def encode(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
@@ -300,26 +294,43 @@ def _check_payload(payload: torch.Tensor, layout: PayloadLayout) -> None:
         raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {layout.comp_bytes}")
 
 
+def _escape_streams(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy views of the escape streams of a payload: chunk_id (<i4), local_pos (<u2), esc_val (u1).
+
+    Explicit little-endian dtypes, and NumPy reads unaligned views, so any payload offset on any host works.
+    """
+    n_esc = layout.n_esc
+    streams = payload[layout.off_cid: layout.comp_bytes].cpu().numpy()
+    chunk_id = streams[: 4 * n_esc].view("<i4")
+    local_pos = streams[layout.off_lpos - layout.off_cid:][: 2 * n_esc].view("<u2")
+    esc_val = streams[layout.off_ev - layout.off_cid:][:n_esc]
+    return chunk_id, local_pos, esc_val
+
+
+def _validated_escapes(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray]:
+    """Escape positions (int64, ascending) and raw exponents (uint8), after checking the streams."""
+    chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
+    if layout.n_esc == 0:
+        return np.zeros(0, dtype=np.int64), esc_val
+    if local_pos.max() >= layout.chunk_size:
+        raise ValueError(f"escape local position {local_pos.max()} is outside its chunk of {layout.chunk_size}")
+    if chunk_id.min() < 0 or chunk_id.max() >= layout.n_chunks:
+        raise ValueError(f"escape chunk id out of range 0..{layout.n_chunks - 1}")
+    position = chunk_id.astype(np.int64) * layout.chunk_size + local_pos
+    if position.max() >= layout.n:
+        raise ValueError(f"escape position {position.max()} is past the tensor's {layout.n} elements")
+    if not (position[1:] > position[:-1]).all():
+        raise ValueError("escape positions are not strictly ascending")
+    return position, esc_val
+
+
 def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tensor:
     """Global element index (int64) of each escape, validated: in range and strictly ascending.
 
     Raises:
         ValueError: the escape stream is inconsistent; callers wrap it with the file and tensor name.
     """
-    if layout.n_esc == 0:
-        return torch.zeros(0, dtype=torch.int64)
-    chunk_id = _view_as(payload[layout.off_cid: layout.off_lpos], torch.int32).long()
-    local_pos = _view_as(payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc], torch.int16).long() & 0xFFFF
-    if int(local_pos.max()) >= layout.chunk_size:
-        raise ValueError(f"escape local position {int(local_pos.max())} is outside its chunk of {layout.chunk_size}")
-    if int(chunk_id.min()) < 0 or int(chunk_id.max()) >= layout.n_chunks:
-        raise ValueError(f"escape chunk id out of range 0..{layout.n_chunks - 1}")
-    position = chunk_id * layout.chunk_size + local_pos
-    if int(position.max()) >= layout.n:
-        raise ValueError(f"escape position {int(position.max())} is past the tensor's {layout.n} elements")
-    if layout.n_esc > 1 and not bool((position[1:] > position[:-1]).all()):
-        raise ValueError("escape positions are not strictly ascending")
-    return position
+    return torch.from_numpy(_validated_escapes(payload, layout)[0])
 
 
 @functools.lru_cache(maxsize=64)
@@ -331,34 +342,31 @@ def _pair_exponent_table(dec_lut: tuple[int, ...]) -> torch.Tensor:
     return (first | second).reshape(-1)
 
 
-def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, out: torch.Tensor,
-                  scratch: _SliceScratch) -> None:
-    """Decode ``len(out)`` pairs from their ``pk`` bytes and ``sm`` bytes (as int8) into int32 words of two BF16s."""
-    m = out.numel()
-    index = scratch.index[:m]
-    index.copy_(pk)
-    torch.index_select(table, 0, index, out=out)  # both exponent fields
-    fields = scratch.halves[: 2 * m]
-    fields.copy_(sm)  # int8 -> int16 sign-extends: the sign lands in bit 15 (and bits 7..14)
-    fields.bitwise_and_(_SIGN_AND_MANTISSA)
-    out.bitwise_or_(fields.view(torch.int32))
-
-
 def _decode_pair_range(pk: torch.Tensor, sm: torch.Tensor, codebook: Codebook, first: int, stop: int,
                        bits: torch.Tensor) -> None:
-    """Decode the whole pairs of elements ``[first, stop)`` (both even) into ``bits`` (int16, ``stop - first``)."""
+    """Decode the whole pairs of elements ``[first, stop)`` (both even) into ``bits`` (int16, ``stop - first``).
+
+    Per slice: one gather of both exponent fields of each pair into its int32 word, then the sign and mantissa
+    fields OR-ed in from the ``sm`` bytes read as int8 and widened to int16, which copies each sign into bit 15
+    (and into the exponent bits, which the mask clears).
+    """
     table = _pair_exponent_table(codebook.dec_lut)
+    n_pairs = (stop - first) // 2
     pk = pk[first // 2: stop // 2]
     sm = sm[first:stop].view(torch.int8)
-    scratch = _SliceScratch(pk.numel())
+    length = _slice_length(n_pairs)
+    size = min(length, n_pairs)
+    index, fields = torch.empty(size, dtype=torch.int32), torch.empty(2 * size, dtype=torch.int16)
     aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
-    for a, b in _pair_slices(pk.numel()):
-        if aligned:
-            _decode_pairs(pk[a:b], sm[2 * a: 2 * b], table, bits[2 * a: 2 * b].view(torch.int32), scratch)
-        else:
-            words = scratch.words[: b - a]
-            _decode_pairs(pk[a:b], sm[2 * a: 2 * b], table, words, scratch)
-            bits[2 * a: 2 * b].copy_(words.view(torch.int16))
+    words = bits.view(torch.int32) if aligned else torch.empty(size, dtype=torch.int32)
+    for a, b in _pair_slices(n_pairs, length):
+        m = b - a
+        out = words[a:b] if aligned else words[:m]
+        torch.index_select(table, 0, index[:m].copy_(pk[a:b]), out=out)
+        sign_and_mantissa = fields[: 2 * m].copy_(sm[2 * a: 2 * b]).bitwise_and_(_SIGN_AND_MANTISSA)
+        out.bitwise_or_(sign_and_mantissa.view(torch.int32))
+        if not aligned:
+            bits[2 * a: 2 * b].copy_(out.view(torch.int16))
 
 
 def _decode_one(pk: torch.Tensor, sm: torch.Tensor, dec_lut: tuple[int, ...], i: int) -> int:
@@ -398,7 +406,7 @@ def decode(
         out = torch.empty(count, dtype=torch.bfloat16)
     elif out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
-    position = escape_positions(payload, layout)
+    position, esc_val = _validated_escapes(payload, layout)
     bits = out.view(torch.int16).reshape(-1)
     pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = payload[layout.off_sm: layout.off_sm + layout.n]
@@ -411,10 +419,14 @@ def decode(
     if first < last:
         _decode_pair_range(pk, sm, codebook, first, last, bits[first - start: last - start])
 
-    lo, hi = torch.searchsorted(position, torch.tensor([start, stop])).tolist()
-    if hi > lo:  # escaped elements: keep the decoded sign and mantissa, put in the raw exponent
-        target = position[lo:hi] - start
-        exponent = payload[layout.off_ev + lo: layout.off_ev + hi].to(torch.int32)
-        kept = bits[target].to(torch.int32) & 0x807F
-        bits[target] = (kept | (exponent << 7)).to(torch.int16)
+    _patch_escapes(position, esc_val, start, stop, bits)
     return out
+
+
+def _patch_escapes(position: np.ndarray, esc_val: np.ndarray, start: int, stop: int, bits: torch.Tensor) -> None:
+    """Give the escaped elements among ``[start, stop)`` their raw exponent; sign and mantissa are already right."""
+    lo, hi = np.searchsorted(position, (start, stop))
+    if hi > lo:
+        target = position[lo:hi] - start
+        values = bits.detach().numpy()
+        values[target] = (values[target] & np.int16(_SIGN_AND_MANTISSA)) | (esc_val[lo:hi].astype(np.int16) << 7)

@@ -76,9 +76,31 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
         return stored_raw(f"coverage {codebook.coverage:.4f} < {gate}")
     if layout.comp_bytes >= layout.raw_bytes:
         return stored_raw("payload not smaller")
-    decoded = backend.decode(payload, layout, codebook)
-    if not torch.equal(decoded.view(torch.int16), x.view(torch.int16)):
+    if not _decodes_to(backend, payload, layout, codebook, x):
         raise RoundTripMismatch("SplitZip payload does not decode bit for bit to the source tensor")
     payload = payload.cpu()
     return EncodedTensor(ENCODING_SPLITZIP, payload, raw.numel(), raw_crc, crc32(payload), layout=layout,
                          codebook=codebook)
+
+
+ROUND_TRIP_SLICE = 1 << 22
+"""Elements the CPU round-trip check decodes at a time (8 MB)."""
+
+
+def _decodes_to(backend: CodecBackend | ModuleType, payload: torch.Tensor, layout: PayloadLayout,
+                codebook: Codebook, x: torch.Tensor) -> bool:
+    """Whether ``payload`` decodes bit for bit to ``x``.
+
+    The CPU codec decodes slice by slice into one small buffer, so checking a tensor costs no second copy of it:
+    converting a checkpoint then needs about one tensor plus its payload in memory, not two tensors.
+    """
+    expected = x.reshape(-1).view(torch.int16)
+    if backend is not cpu:
+        return torch.equal(backend.decode(payload, layout, codebook).reshape(-1).view(torch.int16), expected)
+    out = torch.empty(min(layout.n, ROUND_TRIP_SLICE), dtype=torch.bfloat16)
+    for start in range(0, layout.n, ROUND_TRIP_SLICE):
+        stop = min(start + ROUND_TRIP_SLICE, layout.n)
+        decoded = cpu.decode(payload, layout, codebook, start=start, stop=stop, out=out[: stop - start])
+        if not torch.equal(decoded.view(torch.int16), expected[start:stop]):
+            return False
+    return True

@@ -16,7 +16,6 @@ Raw-passthrough tensors take the same slots and copies, without a decode.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Callable, Protocol, Sequence
 
@@ -68,15 +67,19 @@ class ReadSource:
 
 
 class MappedSource:
-    """The registered page-cache mapping itself: nothing to stage, the copy DMAs straight from it."""
+    """The registered page-cache mapping itself: each span is registered on ``pool`` just ahead of its copy, and
+    the copy DMAs straight from it."""
 
     host_writes = False
 
-    def __init__(self, mapping: RegisteredMapping):
+    def __init__(self, mapping: RegisteredMapping, pool: ThreadPoolExecutor):
         self.mapping = mapping
+        self.pool = pool
 
     def stage(self, transfer: Transfer, slot: Slot) -> Staged:
-        return Staged(self.mapping.view[transfer.start: transfer.start + transfer.nbytes])
+        stop = transfer.start + transfer.nbytes
+        return Staged(self.mapping.view[transfer.start: stop],
+                      [self.mapping.register_async(transfer.start, stop, self.pool)])
 
     def close(self) -> None:
         self.mapping.close()
@@ -143,20 +146,13 @@ def destination_bytes(entry: TensorEntry) -> int:
     return max(entry.raw_length, entry.length)
 
 
-@dataclass
-class _Packed:
-    """A packed transfer's destinations: one device allocation, a view per tensor, and its batch decode table."""
-
-    arena: torch.Tensor
-    table: Any
-
-
 class DeviceDecodeRoute:
     """Stored bytes cross to the device; the device expands them.
 
     The tensors of one packed transfer are decoded by one batched launch into one allocation, of which each tensor
     is a view (as ``safetensors`` does for a whole file on the CPU); a tensor too large for a slot gets an
-    allocation of its own.
+    allocation of its own. Destinations are allocated as their transfer lands, so the allocation of later tensors
+    overlaps the copies of earlier ones.
 
     Args:
         loop (`TransferLoop`): its ring needs device buffers.
@@ -176,51 +172,56 @@ class DeviceDecodeRoute:
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
         dests: list[torch.Tensor | None] = [None] * len(entries)
-        packed: dict[int, _Packed] = {}
-        for k, transfer in enumerate(transfers):  # host work and allocations, all before the first copy
+
+        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
+            transfer = transfers[k]
             if transfer.packed:
-                packed[k] = self._prepare_packed(transfer, entries, dests)
-            elif transfer.pieces[0].offset == 0:
-                item = transfer.pieces[0].item
-                dests[item] = ops.device_buffer(destination_bytes(entries[item]))
+                arena, offsets = self._allocate_packed(transfer, entries, dests)
+                return self._land_packed(transfer, arena, offsets, slot, host, entries, dests)
+            piece = transfer.pieces[0]
+            if piece.offset == 0:
+                dests[piece.item] = ops.device_buffer(destination_bytes(entries[piece.item]))
+                self._after_allocation()
+            return self._land_direct(transfer, host, entries, dests)
+
+        self.loop.run(transfers, source.stage, land, host_writes=source.host_writes)
         for i, dest in enumerate(dests):
             if dest is None:  # nothing stored: an empty tensor
                 dests[i] = ops.device_buffer(entries[i].raw_length)
-
-        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
-            if k in packed:
-                return self._land_packed(transfers[k], packed[k], slot, host, entries, dests)
-            return self._land_direct(transfers[k], host, entries, dests)
-
-        self.loop.run(transfers, source.stage, land, host_writes=source.host_writes)
         return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
 
-    def _prepare_packed(self, transfer: Transfer, entries: Sequence[TensorEntry], dests: list) -> _Packed:
+    def _after_allocation(self) -> None:
+        """New destinations come from the current stream's pool: the copy stream writes them only after the work
+        already queued there, which may have used that memory before it was freed."""
+        ops = self.loop.ops
+        ops.wait(self.loop.copy_stream, ops.record(ops.current_stream()))
+
+    def _allocate_packed(self, transfer: Transfer, entries: Sequence[TensorEntry],
+                         dests: list) -> tuple[torch.Tensor, list[int]]:
+        """One allocation for every tensor of a packed transfer; each destination is a view of it at an offset."""
         offsets, cursor = [], 0
         for piece in transfer.pieces:
             offsets.append(cursor)
             cursor += -(-entries[piece.item].raw_length // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
         arena = self.loop.ops.device_buffer(cursor)
-        batch = []
         for piece, offset in zip(transfer.pieces, offsets):
-            entry = entries[piece.item]
-            dests[piece.item] = arena[offset: offset + entry.raw_length]
-            if entry.encoding == ENCODING_SPLITZIP:
-                batch.append((entry.layout, entry.codebook, piece.slot_offset, offset // 2))
-        table = self.codec.batch_table(batch, arena.device) if batch else None
-        return _Packed(arena, table)
+            dests[piece.item] = arena[offset: offset + entries[piece.item].raw_length]
+        self._after_allocation()
+        return arena, offsets
 
-    def _land_packed(self, transfer: Transfer, prepared: _Packed, slot: Slot, host: torch.Tensor, entries,
-                     dests) -> Any:
+    def _land_packed(self, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
+                     host: torch.Tensor, entries, dests) -> Any:
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
+        batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
+                 for p, offset in zip(transfer.pieces, offsets) if entries[p.item].encoding == ENCODING_SPLITZIP]
 
         def expand() -> None:
             for piece in transfer.pieces:  # raw pieces are copied as they are
                 if entries[piece.item].encoding != ENCODING_SPLITZIP:
                     dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
-            if prepared.table is not None:
-                self.codec.decode_batch(staged, prepared.table, prepared.arena.view(torch.bfloat16))
+            if batch:  # the table's copy to the device is enqueued here too, on the decode stream
+                self.codec.decode_batch(staged, self.codec.batch_table(batch, arena.device), arena.view(torch.bfloat16))
 
         ops.enqueue(loop.copy_stream, lambda: staged.copy_(host, non_blocking=True), "copy")
         ops.wait(loop.decode_stream, ops.record(loop.copy_stream))

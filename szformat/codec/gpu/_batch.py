@@ -18,7 +18,7 @@ import torch
 from ..codebook import Codebook
 from ..layout import PayloadLayout
 from ._common import check_aligned, check_device, codebook_words, on_stream, tl, triton
-from ._decode import DECODE_WARPS, ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes
+from ._decode import ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes
 
 __all__ = ["BatchTable", "build_batch_table", "decode_batch"]
 
@@ -26,6 +26,9 @@ PAYLOAD_ALIGNMENT = 16
 """Payload offsets into the batch buffer are multiples of this (bytes): the kernels load whole 16-byte vectors."""
 OUTPUT_ALIGNMENT = 8
 """Output offsets are multiples of this many elements (16 bytes), for the same reason."""
+BATCH_WARPS = 8
+"""Warps per dense program of the batch launch: the batch kernel holds more registers than the single-tensor one,
+and with 4 warps it ran 13% slower on the H200 (``tools/bench_gpu.py``)."""
 
 # Columns of the descriptor table (int64, one row per tensor).
 _PAY, _N, _NESC, _OUT, _SM, _CID, _LUT01, _LUT23, _CHUNK, _TILE0, _ESC0 = (tl.constexpr(i) for i in range(11))
@@ -193,7 +196,7 @@ def decode_batch(
     with on_stream(stream, device):
         if table.tile_owner.numel():
             _decode_batch_kernel[(table.tile_owner.numel(),)](payloads, bits, table.descriptors, table.tile_owner,
-                                                              ROWS=ROWS, num_warps=DECODE_WARPS)
+                                                              ROWS=ROWS, num_warps=BATCH_WARPS)
         if table.escape_owner.numel():
             _escape_batch_kernel[(table.escape_owner.numel(),)](payloads, bits, table.descriptors,
                                                                 table.escape_owner, BLOCK=ESCAPE_BLOCK, num_warps=4)

@@ -25,9 +25,11 @@ from ._common import check_aligned, check_device, codebook_words, on_stream, tl,
 __all__ = ["DecodeScratch", "decode", "decode_in_place"]
 
 ROWS = 512
-"""Rows of four element pairs per dense program: 4096 elements, two rows per thread with 8 warps."""
+"""Rows of four element pairs per dense program: 4096 elements."""
 
-DECODE_WARPS = 8
+DECODE_WARPS = 4
+"""Warps per dense program of :func:`decode` (four rows each thread): the fastest shape measured on the H200 for one
+large tensor, within 1% of the others tried (``tools/bench_gpu.py``)."""
 ESCAPE_BLOCK = 1024
 """Escapes fixed per program of the escape pass."""
 

@@ -2,13 +2,13 @@
 
 Four steps, all on one stream:
 
-1. histogram: a persistent kernel counts the 256 exponent bytes (shared-memory histograms, spread over ``SUB``
-   copies so that equal exponents in one warp do not all hit one counter), then adds its counts to a global
-   int64 histogram;
+1. histogram: a persistent kernel counts the 256 exponent bytes, tile by tile in a narrow window below each tile's
+   largest exponent (all 256 values only where a tile spills out of it), then adds its counts to a global int64
+   histogram;
 2. calibration: one program picks the Top-16 with the reference's tie rule (most frequent first, then smaller
    exponent) by ranking ``count * 256 + (255 - exponent)``, and writes the encode table and ``n_esc``. The host
    reads these 19 numbers back: this is the one synchronisation, needed to size the payload;
-3. pack: one program per tile of 4096 elements writes ``pk`` and ``sm`` and the number of escapes of each
+3. pack: one program per tile of 2048 elements writes ``pk`` and ``sm`` and adds up the escapes of each
    1024-element chunk (program 0 also zeroes the alignment gaps, as the reference leaves them);
 4. escapes: after an exclusive prefix sum of the chunk counts, only chunks that hold escapes are read again, and
    each writes its escapes (chunk id, local position, exponent) at its offset, in ascending element order.
@@ -24,15 +24,14 @@ from ._common import check_device, interpreting, on_stream, program_slots, tl, t
 
 __all__ = ["encode", "encode_to_host"]
 
-PACK_ROWS = 512
-"""Rows of four element pairs per pack program: 4096 elements, four chunks (a multiple of 128 rows)."""
-PACK_WARPS = 8
+PACK_ROWS = 256
+"""Rows of four element pairs per pack program: 2048 elements, two chunks (a multiple of 128 rows)."""
+PACK_WARPS = 4
 HISTOGRAM_ROWS = 512
 """Rows of four element pairs per step of a histogram program."""
-HISTOGRAM_SUB = 1
-"""Copies of each histogram bin, lanes of a warp spread over them: fewer conflicts where ``tl.histogram`` uses
-shared-memory atomics, many more instructions where it counts with warp votes (Triton 3.6)."""
-HISTOGRAM_PROGRAMS_PER_SM = 4
+HISTOGRAM_WINDOW = 32
+"""Bins of the first count of each tile: the 30 exponents at and below its largest, zeros, and the rest."""
+HISTOGRAM_PROGRAMS_PER_SM = 8
 
 _ESCAPE = tl.constexpr(ESCAPE_CODE)
 
@@ -55,35 +54,62 @@ def _load_pairs(x_ptr, n, first, ROWS: tl.constexpr, MASKED: tl.constexpr):
 
 
 @triton.jit
-def _tile_histogram(words, ROWS: tl.constexpr, SUB: tl.constexpr):
-    """Counts of both exponents of every word, in ``256 * SUB`` bins (bin ``exponent * SUB + row % SUB``)."""
-    spread = tl.broadcast_to((tl.arange(0, ROWS) % SUB)[:, None], [ROWS, 4])
-    first = tl.reshape(((words >> 7) & 0xFF) * SUB + spread, [ROWS * 4])
-    second = tl.reshape(((words >> 23) & 0xFF) * SUB + spread, [ROWS * 4])
-    return tl.histogram(first, 256 * SUB) + tl.histogram(second, 256 * SUB)
+def _window_bin(exponent, top, WINDOW: tl.constexpr):
+    """Bin of ``exponent`` in a tile's window: ``top - exponent`` for the ``WINDOW - 2`` exponents at and below the
+    tile's largest, ``WINDOW - 2`` for exponent 0 (zeros and subnormals), ``WINDOW - 1`` for anything else."""
+    below = top - exponent
+    return tl.where(exponent == 0, WINDOW - 2, tl.where(below < WINDOW - 2, below, WINDOW - 1))
+
+
+@triton.jit
+def _tile_histogram(words, ROWS: tl.constexpr, WINDOW: tl.constexpr):
+    """Counts of the 256 exponent values over both elements of every word of a tile.
+
+    ``tl.histogram`` costs more the more bins it has (Triton 3.6 counts each bin with warp votes), and a tile of
+    weights spans a few dozen exponents, so the tile is counted in ``WINDOW`` bins below its largest exponent
+    first; only a tile with an exponent outside that window (rare) is counted again over all 256 bins.
+    """
+    TILE: tl.constexpr = ROWS * 4
+    first = tl.reshape((words >> 7) & 0xFF, [TILE])
+    second = tl.reshape((words >> 23) & 0xFF, [TILE])
+    top = tl.maximum(tl.max(first, axis=0), tl.max(second, axis=0))
+    window = tl.histogram(_window_bin(first, top, WINDOW), WINDOW) + \
+        tl.histogram(_window_bin(second, top, WINDOW), WINDOW)
+    exponent = tl.arange(0, 256)
+    below = top - exponent
+    kept = (below >= 0) & (below < WINDOW - 2)
+    counts = tl.where(kept, tl.gather(window, tl.where(kept, below, 0), 0), 0)
+    slot = tl.arange(0, WINDOW)
+    counts += tl.where(exponent == 0, tl.sum(tl.where(slot == WINDOW - 2, window, 0), axis=0), 0)
+    outside = tl.sum(tl.where(slot == WINDOW - 1, window, 0), axis=0)
+    if outside > 0:
+        out_first = _window_bin(first, top, WINDOW) == WINDOW - 1
+        out_second = _window_bin(second, top, WINDOW) == WINDOW - 1
+        counts += tl.histogram(tl.where(out_first, first, 0), 256) + tl.histogram(tl.where(out_second, second, 0), 256)
+        counts -= tl.where(exponent == 0, 2 * TILE - outside, 0)  # the elements counted already went to bin 0
+    return counts
 
 
 @triton.jit(do_not_specialize=["n"])
-def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, SUB: tl.constexpr):
+def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, WINDOW: tl.constexpr):
     PAIRS: tl.constexpr = ROWS * 4
     n = tl.cast(n, tl.int64)
     pid = tl.program_id(0)
     programs = tl.num_programs(0)
     full_tiles = (n // (2 * PAIRS)).to(tl.int32)
-    counts = tl.zeros([256 * SUB], dtype=tl.int32)
+    counts = tl.zeros([256], dtype=tl.int32)
     for tile in range(pid, full_tiles, programs):
         _, words = _load_pairs(x_ptr, n, tl.cast(tile, tl.int64) * PAIRS, ROWS, False)
-        counts += _tile_histogram(words, ROWS, SUB)
+        counts += _tile_histogram(words, ROWS, WINDOW)
     tail = full_tiles.to(tl.int64) * PAIRS  # first pair of the partial tile, if any
     owns_tail = (pid == programs - 1) & (2 * tail < n)
     if owns_tail:
         _, words = _load_pairs(x_ptr, n, tail, ROWS, True)
-        counts += _tile_histogram(words, ROWS, SUB)
-    histogram = tl.sum(tl.reshape(counts, [256, SUB]), axis=1).to(tl.int64)
+        counts += _tile_histogram(words, ROWS, WINDOW)
     exponent = tl.arange(0, 256)
     padding = 2 * (tail + PAIRS) - n  # elements past n in the partial tile: read as 0, counted as exponent 0
-    histogram -= tl.where((exponent == 0) & owns_tail, padding, 0)
-    tl.atomic_add(hist_ptr + exponent, histogram)
+    histogram = counts.to(tl.int64) - tl.where((exponent == 0) & owns_tail, padding, 0)
+    tl.atomic_add(hist_ptr + exponent, histogram, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n"])
@@ -126,7 +152,7 @@ def _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS: tl.conste
     code0 = tl.reshape(tl.gather(enc, tl.reshape((words >> 7) & 0xFF, [ROWS * 4]), 0), [ROWS, 4])
     code1 = tl.reshape(tl.gather(enc, tl.reshape((words >> 23) & 0xFF, [ROWS * 4]), 0), [ROWS, 4])
     packed = ((code0 & 15) << 4) | (code1 & 15)
-    sm = (words & 0x7F) | ((words >> 8) & 0x80) | ((words >> 8) & 0x7F00) | ((words >> 16) & 0x8000)
+    sm = (words & 0x7F) | ((words >> 8) & 0x7F80) | ((words >> 16) & 0x8000)  # sign0 mantissa1 in one shift
     escaped0 = code0 == _ESCAPE
     escaped1 = code1 == _ESCAPE
     sm16 = (pay_ptr + off_sm).to(tl.pointer_type(tl.int16))
@@ -142,10 +168,10 @@ def _pack_tile(x_ptr, pay_ptr, enc, counts_ptr, n, off_sm, tile, ROWS: tl.conste
     else:
         tl.store(pay_ptr + pair, packed.to(tl.uint8))
         tl.store(sm16 + pair, sm.to(tl.int16))
-    CHUNKS: tl.constexpr = ROWS // 128  # 1024 elements = 128 rows of 4 pairs
-    escapes = escaped0.to(tl.int32) + escaped1.to(tl.int32)
-    per_chunk = tl.sum(tl.reshape(escapes, [CHUNKS, 512]), axis=1)
-    tl.store(counts_ptr + tile * CHUNKS + tl.arange(0, CHUNKS), per_chunk)
+    # Escapes are rare: rows holding one add to their chunk's count (zeroed beforehand), the others do nothing.
+    per_row = tl.sum(escaped0.to(tl.int32) + escaped1.to(tl.int32), axis=1)
+    chunk = tile * (ROWS // 128) + tl.arange(0, ROWS) // 128  # 1024 elements = 128 rows of 4 pairs
+    tl.atomic_add(counts_ptr + chunk, per_row, mask=per_row > 0, sem="relaxed")
 
 
 @triton.jit(do_not_specialize=["n", "n_esc"])
@@ -239,7 +265,7 @@ def encode(
         hist = torch.zeros(256, dtype=torch.int64, device=device)
         if n:
             programs = min(program_slots(device, HISTOGRAM_PROGRAMS_PER_SM), triton.cdiv(n, HISTOGRAM_ROWS * 8))
-            _histogram_kernel[(programs,)](bits, hist, n, ROWS=HISTOGRAM_ROWS, SUB=HISTOGRAM_SUB, num_warps=8)
+            _histogram_kernel[(programs,)](bits, hist, n, ROWS=HISTOGRAM_ROWS, WINDOW=HISTOGRAM_WINDOW, num_warps=8)
         if codebook is None:
             codebook, n_esc, enc = _calibrated(hist, n, device)
         else:
@@ -248,7 +274,7 @@ def encode(
         payload = torch.empty(layout.comp_bytes, dtype=torch.uint8, device=device)
         if n:
             tiles = triton.cdiv(n, PACK_ROWS * 8)
-            counts = torch.empty(tiles * (PACK_ROWS // 128), dtype=torch.int32, device=device)
+            counts = torch.zeros(tiles * (PACK_ROWS // 128), dtype=torch.int32, device=device)
             _pack_kernel[(tiles,)](bits, payload, enc, counts, n, n_esc, layout.off_sm, ROWS=PACK_ROWS,
                                    num_warps=PACK_WARPS)
         if n_esc:
