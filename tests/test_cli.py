@@ -20,7 +20,8 @@ from szformat.cli.main import main
 from szformat.errors import ConversionError
 
 from hub_server import LoopbackHub
-from test_convert import METADATA, assert_same_tensors, flip_payload_byte, listing, model_tensors, write_sharded
+from test_convert import (METADATA, RecordingBackend, assert_same_tensors, convert_module, flip_payload_byte, listing,
+                          model_tensors, write_sharded)
 
 REPO_ROOT = Path(szformat.__file__).resolve().parent.parent
 OWNER_TOKEN = "hf_cli_owner_token"
@@ -145,9 +146,20 @@ def test_device_cuda_without_a_gpu(model_file, tmp_path, capsys):
     assert not (tmp_path / "gpu.szt").exists()
 
 
+def test_device_flag_reaches_the_codec(model_file, tmp_path, monkeypatch, capsys):
+    """``--device cuda`` with a stand-in GPU codec: the stand-in encodes, and the bytes equal the CPU conversion."""
+    backend = RecordingBackend()
+    requested = []
+    monkeypatch.setattr(convert_module, "codec_for", lambda device: requested.append(device) or (backend, "cpu"))
+    assert main([str(model_file), str(tmp_path / "gpu.szt"), "--device", "cuda", "-q"]) == 0
+    monkeypatch.undo()
+    assert main([str(model_file), str(tmp_path / "cpu.szt"), "-q"]) == 0
+    bf16_nonempty = [t for t in model_tensors().values() if t.dtype == torch.bfloat16 and t.numel()]
+    assert requested == ["cuda"] and len(backend.encoded) == len(bf16_nonempty)
+    assert (tmp_path / "gpu.szt").read_bytes() == (tmp_path / "cpu.szt").read_bytes()
+
+
 def test_interrupt_exits_130_and_leaves_nothing(model_file, tmp_path, monkeypatch, capsys):
-    import importlib
-    convert_module = importlib.import_module("szformat.convert.convert")
     calls = []
 
     def interrupted(*args, **kwargs):
@@ -276,13 +288,15 @@ def test_hub_repo_is_converted_and_pushed(hub, tmp_path, capsys):
     api.upload_folder(folder_path=tmp_path / "src", repo_id="alice/source")
 
     argv = ["hf://alice/source", str(tmp_path / "out"), "--push-to-hub", "alice/converted", "--private",
-            "--commit-message", "szt weights", "--token", OWNER_TOKEN]
+            "--revision", "szt", "--commit-message", "szt weights", "--token", OWNER_TOKEN]
     assert main(argv) == 0
     out = capsys.readouterr().out
     assert "Converted 10 tensors in 2 file(s), copied 1 other file(s)" in out and "Pushed to " in out
     assert listing(tmp_path / "out") == ["config.json", "model-00001-of-00002.szt", "model-00002-of-00002.szt",
                                          "model.szt.index.json"]
-    pushed = hub.files("alice/converted", "main")
+    repo = hub.state.repos["alice/converted"]
+    assert repo.private and repo.find_commit("szt").title == "szt weights"
+    pushed = hub.files("alice/converted", "szt")
     for name in listing(tmp_path / "out"):
         assert pushed[name] == (tmp_path / "out" / name).read_bytes(), name
     assert "README.md" in pushed

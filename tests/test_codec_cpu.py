@@ -16,6 +16,8 @@ import torch
 from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
 from szformat.codec.codebook import exponent_histogram
 
+pytestmark = pytest.mark.filterwarnings("error")  # e.g. PyTorch resizing an `out=` view: a slicing bug
+
 MINILM_BF16 = (Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser()
                / "minilm-bf16" / "model.safetensors")
 

@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import errno
 import importlib
+import importlib.util
 import json
 import os
 import re
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -24,7 +27,6 @@ from safetensors.torch import save_file as save_safetensors
 import szformat
 from szformat.codec import cpu, gate
 from szformat.convert import convert, decompress, verify
-from szformat.convert import atomic as atomic_module
 from szformat.convert import expand
 from szformat.convert.device import codec_for
 from szformat.convert.sources import SafetensorsSource, read_safetensors_header
@@ -471,12 +473,21 @@ class DiskFull:
         return getattr(self._file, name)
 
 
+def fill_disk_after(monkeypatch, budget: int) -> None:
+    """Every file opened for writing through ``os.fdopen`` (both writers do) takes ``budget`` bytes, then fails."""
+    real_fdopen = os.fdopen
+
+    def fdopen(fd, mode="r", *args, **kwargs):
+        file = real_fdopen(fd, mode, *args, **kwargs)
+        return DiskFull(file, budget) if "w" in mode else file
+
+    monkeypatch.setattr(os, "fdopen", fdopen)
+
+
 def test_disk_full_during_conversion_leaves_nothing(tmp_path, monkeypatch):
     write_pipeline(tmp_path / "pipe")
     before = listing(tmp_path)
-    real_fdopen = os.fdopen
-    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **k: DiskFull(real_fdopen(fd, mode, *a, **k), 9000)
-                        if "w" in mode else real_fdopen(fd, mode, *a, **k))
+    fill_disk_after(monkeypatch, 9000)
     with pytest.raises(WriteError, match="No space left on device") as info:
         convert(tmp_path / "pipe", tmp_path / "out")
     assert isinstance(info.value, OSError)
@@ -486,7 +497,7 @@ def test_disk_full_during_conversion_leaves_nothing(tmp_path, monkeypatch):
 def test_disk_full_during_decompression_leaves_nothing(model_file, tmp_path, monkeypatch):
     convert(model_file, tmp_path / "model.szt")
     before = listing(tmp_path)
-    monkeypatch.setattr(atomic_module, "open", lambda *a, **k: DiskFull(open(*a, **k), 5000), raising=False)
+    fill_disk_after(monkeypatch, 5000)
     with pytest.raises(WriteError, match="No space left on device"):
         decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
     assert listing(tmp_path) == before
@@ -555,6 +566,33 @@ def test_cuda_without_a_gpu_is_a_clear_error(model_file, tmp_path):
     assert listing(tmp_path) == ["model.safetensors"]
 
 
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None, reason="needs Triton")
+def test_triton_codec_under_the_interpreter_gives_the_cpu_bytes(model_file, tmp_path):
+    """The real GPU codec module as the backend, its kernels run by the Triton interpreter on CPU tensors (in a
+    fresh interpreter: TRITON_INTERPRET must be set before the kernels are first imported)."""
+    convert(model_file, tmp_path / "cpu.szt")
+    script = ("import sys, szformat.codec.gpu as gpu; from szformat.convert import convert; "
+              "convert(sys.argv[1], sys.argv[2], backend=gpu, device='cpu')")
+    env = {**os.environ, "TRITON_INTERPRET": "1",
+           "PYTHONPATH": os.pathsep.join([str(Path(szformat.__file__).resolve().parent.parent),
+                                          os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script, str(model_file), str(tmp_path / "triton.szt")], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert (tmp_path / "triton.szt").read_bytes() == (tmp_path / "cpu.szt").read_bytes()
+
+
+def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkeypatch):
+    import szformat.codec.gpu
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert codec_for("cuda:0") == (szformat.codec.gpu, torch.device("cuda:0"))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
+                        real_find_spec(name, *a))
+    with pytest.raises(DecodeRouteError, match=r"needs Triton: pip install 'szformat\[gpu\]'"):
+        codec_for("cuda")
+
+
 # -- verification ------------------------------------------------------------------------------------------------
 
 
@@ -583,17 +621,22 @@ def test_verify_names_every_bad_tensor_and_file(tmp_path):
     flip_payload_byte(out / "text_encoder" / "model.szt", "layers.0.mlp.up.weight")
     flip_payload_byte(out / "text_encoder" / "model.szt", "layers.0.norm.bias")
     shard = out / "transformer" / "diffusion_pytorch_model-00002-of-00002.szt"
-    shard.write_bytes(shard.read_bytes()[:-3])  # truncated: its header no longer parses
+    shard.write_bytes(shard.read_bytes()[:-3])  # truncated: it no longer opens
     report = verify(out)
-    problems = {(p.file, p.tensor) for p in report.problems}
-    assert ("text_encoder/model.szt", "layers.0.mlp.up.weight") in problems
-    assert ("text_encoder/model.szt", "layers.0.norm.bias") in problems
-    assert ("transformer/diffusion_pytorch_model-00002-of-00002.szt", None) in problems
-    index = "transformer/diffusion_pytorch_model.szt.index.json"
-    assert {t for f, t in problems if f == index} == {"position_ids", "noise", "scale", "empty"}
+    assert {(p.file, p.tensor) for p in report.problems} == {
+        ("text_encoder/model.szt", "layers.0.mlp.up.weight"), ("text_encoder/model.szt", "layers.0.norm.bias"),
+        ("transformer/diffusion_pytorch_model-00002-of-00002.szt", None)}
     assert not report.ok
     text = "\n".join(report.summary())
-    assert text.startswith("FAILED: 7 problem(s)") and "CRC-32 of the stored bytes" in text
+    assert text.startswith("FAILED: 3 problem(s) in 16 tensors") and "CRC-32 of the stored bytes" in text
+    assert "diffusion_pytorch_model-00002-of-00002.szt: file holds" in text and "the preamble announces" in text
+
+    shard.unlink()
+    problems = {(p.file, p.tensor): p.message for p in verify(out).problems}
+    index = "transformer/diffusion_pytorch_model.szt.index.json"
+    assert {t for f, t in problems if f == index} == {"position_ids", "noise", "scale", "empty"}
+    assert problems[(index, "noise")] == ("the index names shard 'diffusion_pytorch_model-00002-of-00002.szt', "
+                                          "which is missing")
 
 
 def test_verify_of_a_single_file_and_of_an_index(tmp_path, model_file):

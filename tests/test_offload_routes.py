@@ -136,6 +136,7 @@ def test_an_unknown_route_name_is_a_usage_error():
 @pytest.fixture
 def no_ddo_environment(monkeypatch):
     monkeypatch.delenv(routes.DDO_LIBRARY_ENV, raising=False)
+    monkeypatch.delitem(sys.modules, "ddo_vmm_allocator", raising=False)  # an earlier test may have imported it
     monkeypatch.delitem(sys.modules, "ddo_vmm_allocator.torch_allocator", raising=False)
 
 

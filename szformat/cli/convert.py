@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import argparse
 import os
-from pathlib import Path
 
 from ..convert import convert
 from ..errors import CLIError
@@ -12,6 +11,7 @@ from ._common import add_quiet, print_lines, show_progress
 
 NAME = "convert"
 HUB_REF_PREFIX = "hf://"
+"""What marks a Hub source; tested here so that local conversions do not import huggingface_hub (0.3 s)."""
 
 EXAMPLES = """\
 examples:
@@ -70,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
     if not args.quiet:
         print_lines([f"Wrote {report.output}"] + report.summary())
     if args.push_to_hub:
-        commit = hub.push_to_hub(Path(report.output), args.push_to_hub, private=args.private or None,
+        commit = hub.push_to_hub(report.output, args.push_to_hub, private=args.private or None,
                                  revision=args.revision, commit_message=args.commit_message, token=args.token,
                                  base_model=base_model)
         if not args.quiet:

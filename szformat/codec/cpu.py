@@ -25,7 +25,6 @@ views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
 
 import numpy as np
 import torch
@@ -39,6 +38,9 @@ and the fixed cost of a PyTorch call stays small next to its work."""
 
 _SIGN_AND_MANTISSA = -0x7F81
 """``0x807F`` as int16: the sign and mantissa bits of one BF16 element."""
+
+_LE_INT32, _LE_UINT16 = np.dtype("<i4"), np.dtype("<u2")
+"""The byte order of the escape streams, whatever the host's."""
 
 
 def split_bf16(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -75,9 +77,9 @@ def _slice_length(n_pairs: int) -> int:
     return max(8, -(-n_pairs // (8 * count)) * 8)
 
 
-def _pair_slices(n_pairs: int, length: int) -> Iterator[tuple[int, int]]:
-    """``(first, stop)`` pair ranges of ``length`` pairs (the last one shorter) that cover ``0..n_pairs``."""
-    return ((a, min(a + length, n_pairs)) for a in range(0, n_pairs, length))
+def _scratch(like: torch.Tensor, size: int) -> torch.Tensor:
+    """The first ``size`` entries of a scratch buffer: the buffer itself when it fits (one call fewer)."""
+    return like if like.numel() == size else like[:size]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -90,7 +92,7 @@ def _exponents(bits: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
 
     ``bits >> 7`` has the exponent in its low byte; writing it to uint8 keeps that byte.
     """
-    return torch.bitwise_right_shift(bits, 7, out=out[: bits.numel()])
+    return torch.bitwise_right_shift(bits, 7, out=_scratch(out, bits.numel()))
 
 
 def _exponent_pair_index(bits: torch.Tensor, exponents: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
@@ -98,7 +100,7 @@ def _exponent_pair_index(bits: torch.Tensor, exponents: torch.Tensor, out: torch
 
     The exponent bytes read in pairs are one int16 per pair; the mask makes it a non-negative int32 index.
     """
-    index = out[: bits.numel() // 2]
+    index = _scratch(out, bits.numel() // 2)
     index.copy_(_exponents(bits, exponents).view(torch.int16))
     return index.bitwise_and_(0xFFFF)
 
@@ -114,8 +116,8 @@ def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     step = 2 * _slice_length((bits.numel() + 1) // 2)
     exponents = torch.empty(min(step, bits.numel()), dtype=torch.uint8)
     counts = torch.zeros(256, dtype=torch.int64)
-    for a in range(0, bits.numel(), step):
-        counts += torch.bincount(_exponents(bits[a: a + step], exponents), minlength=256)
+    for bits_slice in bits.split(step):
+        counts += torch.bincount(_exponents(bits_slice, exponents), minlength=256)
     return counts
 
 
@@ -140,17 +142,17 @@ def payload_layout(histogram: torch.Tensor, codebook: Codebook) -> PayloadLayout
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=16)
 def _pair_code_tables(dec_lut: tuple[int, ...], n_used: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Two uint8 tables indexed by ``e0 | e1 << 8``: the pair's ``pk`` byte, and its escape flags (bit 0: e0, bit 1:
-    e1). An escaped exponent gets nibble ``ESCAPE_CODE & 0xF`` (0)."""
-    code = torch.full((256,), ESCAPE_CODE, dtype=torch.int32)
-    code[list(dec_lut[:n_used])] = torch.arange(n_used, dtype=torch.int32)
+    e1). An escaped exponent gets nibble ``ESCAPE_CODE & 0xF`` (0). Built with NumPy: a few microseconds."""
+    code = np.full(256, ESCAPE_CODE, dtype=np.uint8)
+    code[list(dec_lut[:n_used])] = np.arange(n_used, dtype=np.uint8)
     nibble = code & 0xF
-    escaped = (code == ESCAPE_CODE).to(torch.int32)
-    pk = (nibble.view(1, 256) << 4) | nibble.view(256, 1)  # rows e1, columns e0; e0 in the high nibble
-    flags = escaped.view(1, 256) | (escaped.view(256, 1) << 1)
-    return pk.reshape(-1).to(torch.uint8), flags.reshape(-1).to(torch.uint8)
+    escaped = (code == ESCAPE_CODE).astype(np.uint8)
+    pk = (nibble[None, :] << 4) | nibble[:, None]  # rows e1, columns e0; e0 in the high nibble
+    flags = escaped[None, :] | (escaped[:, None] << 1)
+    return torch.from_numpy(pk.reshape(-1)), torch.from_numpy(flags.reshape(-1))
 
 
 class _EscapeFinder:
@@ -231,22 +233,25 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
     pk_table, flag_table = _pair_code_tables(codebook.dec_lut, codebook.n_used)
     pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = payload[layout.off_sm: layout.off_sm + n]
-    length = _slice_length(n // 2)
-    size = min(length, max(1, n // 2))
+    whole_pairs = n // 2  # an odd last element is done on its own
+    length = _slice_length(whole_pairs)
+    size = min(length, max(1, whole_pairs))
     exponents = torch.empty(2 * size, dtype=torch.uint8)
     index = torch.empty(size, dtype=torch.int32)
     kept_buffer, sign_buffer = torch.empty(2 * size, dtype=torch.int16), torch.empty(2 * size, dtype=torch.int16)
-    escapes = _EscapeFinder(n // 2, length) if layout.n_esc else None
+    escapes = _EscapeFinder(whole_pairs, length) if layout.n_esc else None
 
-    for a, b in _pair_slices(n // 2, length):
-        pair_index = _exponent_pair_index(bits[2 * a: 2 * b], exponents, index)
-        torch.index_select(pk_table, 0, pair_index, out=pk[a:b])
+    slices = zip(bits[: 2 * whole_pairs].split(2 * length), pk[:whole_pairs].split(length),
+                 sm[: 2 * whole_pairs].split(2 * length))
+    for first_pair, (bits_slice, pk_slice, sm_slice) in zip(range(0, whole_pairs, length), slices):
+        pair_index = _exponent_pair_index(bits_slice, exponents, index)
+        torch.index_select(pk_table, 0, pair_index, out=pk_slice)
         if escapes is not None:
-            escapes.add(flag_table, pair_index, a)
+            escapes.add(flag_table, pair_index, first_pair)
         # sm byte = sign << 7 | mantissa: keep sign and mantissa; the arithmetic shift copies the sign into bit 7.
-        kept = torch.bitwise_and(bits[2 * a: 2 * b], _SIGN_AND_MANTISSA, out=kept_buffer[: 2 * (b - a)])
-        sign = torch.bitwise_right_shift(kept, 8, out=sign_buffer[: 2 * (b - a)])
-        torch.bitwise_or(kept, sign, out=sm[2 * a: 2 * b])  # writing uint8 keeps the low byte
+        kept = torch.bitwise_and(bits_slice, _SIGN_AND_MANTISSA, out=_scratch(kept_buffer, bits_slice.numel()))
+        sign = torch.bitwise_right_shift(kept, 8, out=_scratch(sign_buffer, bits_slice.numel()))
+        torch.bitwise_or(kept, sign, out=sm_slice)  # writing uint8 keeps the low byte
 
     position = escapes.positions() if escapes is not None else np.zeros(0, dtype=np.int64)
     if n % 2:
@@ -300,27 +305,31 @@ def _escape_streams(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.nd
     Explicit little-endian dtypes, and NumPy reads unaligned views, so any payload offset on any host works.
     """
     n_esc = layout.n_esc
-    streams = payload[layout.off_cid: layout.comp_bytes].cpu().numpy()
-    chunk_id = streams[: 4 * n_esc].view("<i4")
-    local_pos = streams[layout.off_lpos - layout.off_cid:][: 2 * n_esc].view("<u2")
-    esc_val = streams[layout.off_ev - layout.off_cid:][:n_esc]
+    data = payload.cpu().numpy()
+    chunk_id = data[layout.off_cid: layout.off_lpos].view(_LE_INT32)
+    local_pos = data[layout.off_lpos: layout.off_lpos + 2 * n_esc].view(_LE_UINT16)
+    esc_val = data[layout.off_ev: layout.off_ev + n_esc]
     return chunk_id, local_pos, esc_val
 
 
 def _validated_escapes(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Escape positions (int64, ascending) and raw exponents (uint8), after checking the streams."""
-    chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
+    """Escape positions (int64, ascending) and raw exponents (uint8), after checking the streams.
+
+    Once positions are known to ascend with every local position inside its chunk, the chunk ids ascend too, so
+    the first and last entries bound them all: few NumPy calls, whatever the escape count.
+    """
     if layout.n_esc == 0:
-        return np.zeros(0, dtype=np.int64), esc_val
+        return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
+    chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
     if local_pos.max() >= layout.chunk_size:
         raise ValueError(f"escape local position {local_pos.max()} is outside its chunk of {layout.chunk_size}")
-    if chunk_id.min() < 0 or chunk_id.max() >= layout.n_chunks:
-        raise ValueError(f"escape chunk id out of range 0..{layout.n_chunks - 1}")
     position = chunk_id.astype(np.int64) * layout.chunk_size + local_pos
-    if position.max() >= layout.n:
-        raise ValueError(f"escape position {position.max()} is past the tensor's {layout.n} elements")
     if not (position[1:] > position[:-1]).all():
         raise ValueError("escape positions are not strictly ascending")
+    if chunk_id[0] < 0 or chunk_id[-1] >= layout.n_chunks:
+        raise ValueError(f"escape chunk id out of range 0..{layout.n_chunks - 1}")
+    if position[-1] >= layout.n:
+        raise ValueError(f"escape position {position[-1]} is past the tensor's {layout.n} elements")
     return position, esc_val
 
 
@@ -333,47 +342,46 @@ def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tens
     return torch.from_numpy(_validated_escapes(payload, layout)[0])
 
 
-@functools.lru_cache(maxsize=64)
+@functools.lru_cache(maxsize=4096)
 def _pair_exponent_table(dec_lut: tuple[int, ...]) -> torch.Tensor:
-    """``table[pk byte]`` = both exponent fields of the pair, in place in its int32 word (int32, 256 entries)."""
-    exponent = torch.tensor(dec_lut, dtype=torch.int32)
-    first = (exponent << 7).view(16, 1)  # high nibble -> element 2i, the low half of the word
-    second = (exponent << 23).view(1, 16)  # low nibble -> element 2i+1, the high half
-    return (first | second).reshape(-1)
+    """``table[pk byte]`` = both exponent fields of the pair, in place in its int32 word (int32, 256 entries).
+
+    1 KiB each; the cache holds one per codebook of a large checkpoint (most tensors have their own codebook)."""
+    exponent = np.array(dec_lut, dtype=np.int32)
+    first = (exponent << 7)[:, None]  # high nibble -> element 2i, the low half of the word
+    second = (exponent << 23)[None, :]  # low nibble -> element 2i+1, the high half
+    return torch.from_numpy((first | second).reshape(-1))
 
 
-def _decode_pair_range(pk: torch.Tensor, sm: torch.Tensor, codebook: Codebook, first: int, stop: int,
-                       bits: torch.Tensor) -> None:
-    """Decode the whole pairs of elements ``[first, stop)`` (both even) into ``bits`` (int16, ``stop - first``).
+def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, bits: torch.Tensor) -> None:
+    """Decode whole pairs into ``bits`` (int16, ``2 * len(pk)``) from their ``pk`` bytes and ``sm`` bytes (int8).
 
     Per slice: one gather of both exponent fields of each pair into its int32 word, then the sign and mantissa
-    fields OR-ed in from the ``sm`` bytes read as int8 and widened to int16, which copies each sign into bit 15
-    (and into the exponent bits, which the mask clears).
+    fields OR-ed in from the ``sm`` bytes widened to int16, which copies each sign into bit 15 (and into the
+    exponent bits, which the mask clears).
     """
-    table = _pair_exponent_table(codebook.dec_lut)
-    n_pairs = (stop - first) // 2
-    pk = pk[first // 2: stop // 2]
-    sm = sm[first:stop].view(torch.int8)
+    n_pairs = pk.numel()
     length = _slice_length(n_pairs)
     size = min(length, n_pairs)
     index, fields = torch.empty(size, dtype=torch.int32), torch.empty(2 * size, dtype=torch.int16)
     aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
-    words = bits.view(torch.int32) if aligned else torch.empty(size, dtype=torch.int32)
-    for a, b in _pair_slices(n_pairs, length):
-        m = b - a
-        out = words[a:b] if aligned else words[:m]
-        torch.index_select(table, 0, index[:m].copy_(pk[a:b]), out=out)
-        sign_and_mantissa = fields[: 2 * m].copy_(sm[2 * a: 2 * b]).bitwise_and_(_SIGN_AND_MANTISSA)
-        out.bitwise_or_(sign_and_mantissa.view(torch.int32))
-        if not aligned:
-            bits[2 * a: 2 * b].copy_(out.view(torch.int16))
+    words = bits.view(torch.int32) if aligned else torch.empty(n_pairs, dtype=torch.int32)
+    slices = ((pk, sm, words),) if n_pairs <= length else zip(pk.split(length), sm.split(2 * length),
+                                                               words.split(length))
+    for pk_slice, sm_slice, words_slice in slices:
+        m = pk_slice.numel()
+        torch.index_select(table, 0, _scratch(index, m).copy_(pk_slice), out=words_slice)
+        sign_and_mantissa = _scratch(fields, 2 * m).copy_(sm_slice).bitwise_and_(_SIGN_AND_MANTISSA)
+        words_slice.bitwise_or_(sign_and_mantissa.view(torch.int32))
+    if not aligned:
+        bits.copy_(words.view(torch.int16))
 
 
-def _decode_one(pk: torch.Tensor, sm: torch.Tensor, dec_lut: tuple[int, ...], i: int) -> int:
+def _decode_one(payload: torch.Tensor, layout: PayloadLayout, dec_lut: tuple[int, ...], i: int) -> int:
     """Element ``i`` (escapes aside) as an int16 value: for the odd element at either end of a range."""
-    byte = int(pk[i // 2])
+    byte = int(payload[layout.off_pk + i // 2])
     exponent = dec_lut[byte & 0xF if i % 2 else byte >> 4]
-    s = int(sm[i])
+    s = int(payload[layout.off_sm + i])
     bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
     return bits - 0x10000 if bits & 0x8000 else bits
 
@@ -407,17 +415,18 @@ def decode(
     elif out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
         raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
     position, esc_val = _validated_escapes(payload, layout)
-    bits = out.view(torch.int16).reshape(-1)
-    pk = payload[layout.off_pk: layout.off_pk + layout.n_pairs]
-    sm = payload[layout.off_sm: layout.off_sm + layout.n]
+    bits = out.view(-1).view(torch.int16)
 
     first, last = start + start % 2, stop - stop % 2  # the whole pairs inside the range
     if start % 2 and start < stop:
-        bits[0] = _decode_one(pk, sm, codebook.dec_lut, start)
+        bits[0] = _decode_one(payload, layout, codebook.dec_lut, start)
     if stop % 2 and stop - 1 >= start:
-        bits[stop - 1 - start] = _decode_one(pk, sm, codebook.dec_lut, stop - 1)
+        bits[stop - 1 - start] = _decode_one(payload, layout, codebook.dec_lut, stop - 1)
     if first < last:
-        _decode_pair_range(pk, sm, codebook, first, last, bits[first - start: last - start])
+        _decode_pairs(payload[layout.off_pk + first // 2: layout.off_pk + last // 2],
+                      payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8),
+                      _pair_exponent_table(codebook.dec_lut),
+                      bits if (first, last) == (start, stop) else bits[first - start: last - start])
 
     _patch_escapes(position, esc_val, start, stop, bits)
     return out
@@ -425,8 +434,10 @@ def decode(
 
 def _patch_escapes(position: np.ndarray, esc_val: np.ndarray, start: int, stop: int, bits: torch.Tensor) -> None:
     """Give the escaped elements among ``[start, stop)`` their raw exponent; sign and mantissa are already right."""
-    lo, hi = np.searchsorted(position, (start, stop))
-    if hi > lo:
-        target = position[lo:hi] - start
-        values = bits.detach().numpy()
-        values[target] = (values[target] & np.int16(_SIGN_AND_MANTISSA)) | (esc_val[lo:hi].astype(np.int16) << 7)
+    if not position.size:
+        return
+    if start or stop <= position[-1]:
+        lo, hi = np.searchsorted(position, (start, stop))
+        position, esc_val = position[lo:hi] - start, esc_val[lo:hi]
+    values = bits.detach().numpy()
+    values[position] = (values[position] & np.int16(_SIGN_AND_MANTISSA)) | (esc_val.astype(np.int16) << 7)

@@ -13,9 +13,11 @@ import os
 import secrets
 import shutil
 from pathlib import Path
-from typing import Iterator
+from typing import Callable, Iterator, TypeVar
 
 from ..errors import WriteError
+
+T = TypeVar("T")
 
 
 def check_output(target: Path, *, overwrite: bool) -> None:
@@ -28,17 +30,17 @@ def _temporary_name(target: Path) -> Path:
     return target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
 
 
-def _create(target: Path, make) -> Path:
-    """Create a fresh temporary beside ``target`` with ``make(path)``; WriteError if that is impossible."""
+def _create(target: Path, make: Callable[[Path], T]) -> tuple[Path, T]:
+    """Create a fresh temporary beside ``target`` with ``make(path)`` (which fails if the path exists); returns the
+    path and what ``make`` returned. WriteError if that is impossible."""
     for _ in range(100):
         tmp = _temporary_name(target)
         try:
-            make(tmp)
+            return tmp, make(tmp)
         except FileExistsError:
             continue
         except OSError as e:
             raise WriteError(f"cannot create a temporary beside the output ({e.strerror or e})", path=target) from e
-        return tmp
     raise WriteError("cannot find a free temporary name beside the output", path=target)
 
 
@@ -50,14 +52,15 @@ def _remove(path: Path) -> None:
 
 
 def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
-    """Rename ``tmp`` to ``target``; an existing target (file or folder) is set aside first and removed after."""
+    """Rename ``tmp`` to ``target``. A file replaces a file in one step; where a folder is involved, the existing
+    target is set aside first (no single rename replaces a folder) and removed once ``tmp`` is in place."""
     check_output(target, overwrite=overwrite)
     old = None
-    if target.exists() or target.is_symlink():
+    if (target.exists() or target.is_symlink()) and (tmp.is_dir() or target.is_dir()):
         old = _temporary_name(target)
         os.rename(target, old)
     try:
-        os.rename(tmp, target)
+        os.replace(tmp, target)
     except BaseException:
         if old is not None:
             os.rename(old, target)
@@ -77,7 +80,7 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
     """
     target = Path(target)
     check_output(target, overwrite=overwrite)
-    tmp = _create(target, os.mkdir)
+    tmp, _ = _create(target, os.mkdir)
     try:
         yield tmp
     except BaseException:
@@ -104,8 +107,8 @@ class AtomicFile:
         self._overwrite = overwrite
         check_output(self.target, overwrite=overwrite)
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-        self.tmp = _create(self.target, lambda p: os.close(os.open(p, flags, 0o666)))
-        self._file = open(self.tmp, "wb")
+        self.tmp, fd = _create(self.target, lambda p: os.open(p, flags, 0o666))
+        self._file = os.fdopen(fd, "wb")
         self._done = False
 
     def __enter__(self) -> "AtomicFile":

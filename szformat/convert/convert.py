@@ -10,7 +10,6 @@ time- or machine-dependent is stored.
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 import torch
@@ -19,10 +18,9 @@ from ..api import write_tensor
 from ..codec.gate import CodecBackend
 from ..format import constants as C
 from ..format.writer import SztWriter
-from .checkpoint import open_checkpoint, output_path, write_checkpoint
 from .device import codec_for
-from .progress import progress_bar
-from .report import ConversionReport, TensorRecord
+from .driver import TensorDone, run_pass
+from .report import ConversionReport
 from .sources import SUFFIX, SafetensorsSource, read_safetensors_header
 
 
@@ -59,25 +57,15 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
         >>> convert("model.safetensors")  # writes model.szt  # doctest: +SKIP
         >>> convert("Llama-3.2-1B/", "Llama-3.2-1B-szt/", device="cuda")  # doctest: +SKIP
     """
-    started = time.perf_counter()
     codec, device = (backend, torch.device(device)) if backend is not None else codec_for(device)
-    checkpoint = open_checkpoint(source, SUFFIX, lambda path: read_safetensors_header(path).sizes)
-    target = output_path(checkpoint.files, target, SUFFIX, C.FILE_SUFFIX)
-    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
-    with progress_bar(checkpoint.raw_bytes, enabled=progress, description="converting") as bar:
-        def write_weights(src: Path, dst: Path) -> None:
-            name = src.relative_to(checkpoint.files.root).as_posix()
-            with SafetensorsSource(src) as reader, SztWriter(dst, metadata=reader.metadata,
-                                                             alignment=alignment) as writer:
-                for tensor, raw in reader.tensors():
-                    entry = write_tensor(writer, tensor.name, tensor.dtype, tensor.shape, raw, backend=codec,
-                                         device=device)
-                    report.records.append(TensorRecord.from_entry(name, entry))
-                    bar.update(tensor.nbytes)
-            report.files_written += 1
 
-        write_checkpoint(checkpoint, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
-                         write_weights=write_weights, overwrite=overwrite)
-    report.seconds = time.perf_counter() - started
-    return report
+    def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
+        with SafetensorsSource(src) as reader, SztWriter(dst, metadata=reader.metadata,
+                                                         alignment=alignment) as writer:
+            for tensor, raw in reader.tensors():
+                tensor_done(write_tensor(writer, tensor.name, tensor.dtype, tensor.shape, raw, backend=codec,
+                                         device=device))
 
+    return run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
+                    read_sizes=lambda path: read_safetensors_header(path).sizes, write_file=write_file,
+                    overwrite=overwrite, progress=progress, description="converting")

@@ -8,15 +8,13 @@ unchanged; folders get ``.safetensors`` shards and ``*.safetensors.index.json`` 
 from __future__ import annotations
 
 import os
-import time
 from pathlib import Path
 
 from ..format import constants as C
 from ..format.reader import SztFile
-from .checkpoint import open_checkpoint, output_path, write_checkpoint
+from .driver import TensorDone, run_pass
 from .expand import iter_raw_bytes
-from .progress import progress_bar
-from .report import ConversionReport, TensorRecord
+from .report import ConversionReport
 from .safetensors_writer import SafetensorsWriter
 from .sources import SUFFIX
 
@@ -43,28 +41,18 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
     Example:
         >>> decompress("model.szt")  # writes model.safetensors  # doctest: +SKIP
     """
-    started = time.perf_counter()
-    checkpoint = open_checkpoint(source, C.FILE_SUFFIX, _raw_sizes)
-    target = output_path(checkpoint.files, target, C.FILE_SUFFIX, SUFFIX)
-    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
-    with progress_bar(checkpoint.raw_bytes, enabled=progress, description="decompressing") as bar:
-        def write_weights(src: Path, dst: Path) -> None:
-            name = src.relative_to(checkpoint.files.root).as_posix()
-            with SztFile(src) as szt:
-                entries = list(szt.entries.values())
-                specs = [(e.name, e.dtype, e.shape) for e in entries]
-                with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
-                    for entry in entries:
-                        for chunk in iter_raw_bytes(szt, entry):
-                            writer.write(chunk)
-                            bar.update(chunk.numel())
-                        report.records.append(TensorRecord.from_entry(name, entry))
-            report.files_written += 1
+    def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
+        with SztFile(src) as szt:
+            entries = list(szt.entries.values())
+            specs = [(e.name, e.dtype, e.shape) for e in entries]
+            with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
+                for entry in entries:
+                    for chunk in iter_raw_bytes(szt, entry):
+                        writer.write(chunk)
+                    tensor_done(entry)
 
-        write_checkpoint(checkpoint, target, old_suffix=C.FILE_SUFFIX, new_suffix=SUFFIX,
-                         write_weights=write_weights, overwrite=overwrite)
-    report.seconds = time.perf_counter() - started
-    return report
+    return run_pass(source, target, old_suffix=C.FILE_SUFFIX, new_suffix=SUFFIX, read_sizes=_raw_sizes,
+                    write_file=write_file, overwrite=overwrite, progress=progress, description="decompressing")
 
 
 def _raw_sizes(path: Path) -> dict[str, int]:

@@ -7,6 +7,7 @@ the speed. The GPU module is imported only when asked for, so conversion on the 
 from __future__ import annotations
 
 import importlib
+import importlib.util
 from types import ModuleType
 
 import torch
@@ -38,10 +39,8 @@ def codec_for(device: str | torch.device) -> tuple[CodecBackend | ModuleType, to
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise DecodeRouteError(f"converting on {device} needs a CUDA GPU, and torch {torch.__version__} "
                                f"({build}) sees none; convert on the CPU instead (same bytes)")
-    try:
-        import triton  # noqa: F401
-    except ImportError:
-        raise DecodeRouteError(f"converting on {device} needs Triton: pip install 'szformat[gpu]'") from None
+    if importlib.util.find_spec("triton") is None:
+        raise DecodeRouteError(f"converting on {device} needs Triton: pip install 'szformat[gpu]'")
     for name in GPU_CODEC_MODULES:
         try:
             return importlib.import_module(name), device

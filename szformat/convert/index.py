@@ -70,17 +70,18 @@ def shard_path(index_name: str, shard: str) -> str:
     return posixpath.join(posixpath.dirname(index_name), shard)
 
 
-def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str]],
+def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str] | None],
                    index_name: str) -> Iterator[tuple[str, str]]:
     """``(tensor, problem)`` for each tensor of the weight map that is not in the shard it names.
 
-    ``shards`` maps the relative path of each shard present to the names of its tensors.
+    ``shards`` maps the relative path of each shard present to the names of its tensors, or to ``None`` for a shard
+    that could not be read (a problem reported on its own, so its tensors are not reported again).
     """
     for tensor, shard in index.weight_map.items():
-        held = shards.get(shard_path(index_name, shard))
-        if held is None:
+        path = shard_path(index_name, shard)
+        if path not in shards:
             yield tensor, f"the index names shard {shard!r}, which is missing"
-        elif tensor not in held:
+        elif shards[path] is not None and tensor not in shards[path]:
             yield tensor, f"the index maps this tensor to shard {shard!r}, which does not hold it"
 
 

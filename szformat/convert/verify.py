@@ -9,7 +9,6 @@ from __future__ import annotations
 import os
 import time
 from dataclasses import dataclass, field
-from pathlib import Path
 
 from ..errors import SzformatError
 from ..format import constants as C
@@ -69,12 +68,13 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     started = time.perf_counter()
     files = find_files(path, C.FILE_SUFFIX)
     report = VerifyReport()
-    names: dict[str, dict[str, int]] = {}
+    sizes: dict[str, dict[str, int] | None] = {}  # None: the file does not open
     for rel in files.weights:
         try:
             with SztFile(files.root / rel) as szt:
-                names[rel] = {e.name: e.raw_length for e in szt.entries.values()}
+                sizes[rel] = {e.name: e.raw_length for e in szt.entries.values()}
         except (SzformatError, OSError) as e:
+            sizes[rel] = None
             report.problems.append(Problem(rel, None, _reason(e)))
     for rel in files.indexes:
         try:
@@ -82,11 +82,12 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         except SzformatError as e:
             report.problems.append(Problem(rel, None, e.reason))
             continue
-        report.problems += [Problem(rel, tensor, problem) for tensor, problem in index_problems(index, names, rel)]
+        report.problems += [Problem(rel, tensor, problem) for tensor, problem in index_problems(index, sizes, rel)]
 
-    total = sum(sum(sizes.values()) for sizes in names.values())
+    readable = [rel for rel, tensors in sizes.items() if tensors is not None]
+    total = sum(sum(sizes[rel].values()) for rel in readable)
     with progress_bar(total, enabled=progress, description="verifying") as bar:
-        for rel in names:
+        for rel in readable:
             report.files += 1
             with SztFile(files.root / rel) as szt:
                 for entry in szt.entries.values():

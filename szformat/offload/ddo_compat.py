@@ -57,7 +57,7 @@ REFUSED_OPTIONS: dict[str, str] = {
 }
 """DDO options that would read module tensors or file bytes past szformat: refused, with the reason."""
 
-_STRUCTURE_LOCK = threading.Lock()
+_STRUCTURE_LOCK = threading.RLock()
 
 
 @dataclass(frozen=True)

@@ -158,12 +158,13 @@ def _place_resident(module: torch.nn.Module, binding: ModuleBinding, decoder: Ch
     placeholder's zeros), or into a new device tensor where DDO left it on the CPU."""
     pending = [tensor for tensor in binding if not streamed(module_tensor(module, tensor.names[0]))]
     values = decoder.load(tensor.entry for tensor in pending)
-    for tensor in pending:
-        current, value = module_tensor(module, tensor.names[0]), values[tensor.entry]
-        if current.device == decoder.device:
-            current.copy_(value.view(current.shape))
-        else:
-            assign_tensor(module, tensor.names, value)
+    with torch.no_grad():
+        for tensor in pending:
+            current, value = module_tensor(module, tensor.names[0]), values[tensor.entry]
+            if current.device == decoder.device:
+                current.copy_(value.view(current.shape))
+            else:
+                assign_tensor(module, tensor.names, value)
 
 
 def _staging_counters(hook: Any) -> dict[str, int]:

@@ -58,21 +58,23 @@ class SztNativeShardTransport(_NativeShardTransport):
                 yield _NativeReadWindow(-1, str(file_slice.path), file_offset, arena_offset, size)
 
     def upload_ticket(self, ticket: Any, arena: Any, stream: Any) -> Any:
-        """DMA the ticket's windows (DDO), then expand every SplitZip weight whose last window was among them."""
+        """DMA the ticket's windows (DDO), then expand every SplitZip weight whose last window was among them.
+
+        Returns an event on ``stream`` after the expansions, in place of DDO's native slot token: ``stream`` first
+        waits on that token (so the expansion follows the DMA wherever the driver ran it), and the event covers
+        every expansion enqueued before it, those of earlier sub-tickets of a batch included.
+        """
         if isinstance(ticket, _NativeCacheReadTicket):
             raise DecodeRouteError("DDO's native source cache is not supported with .szt checkpoints")
-        ready = super().upload_ticket(ticket, arena, stream)
-        ends = {window.arena_offset + window.size_bytes for window in ticket.windows}
-        complete = [binding for binding in ticket.bindings
-                    if binding.file_slice.entry.encoding == ENCODING_SPLITZIP
-                    and binding.offset + binding.file_slice.stored_bytes in ends]
-        if not complete:
-            return ready
         if self.decoder is None:
             raise DecodeRouteError("DDO uploaded a checkpoint slice before szformat attached its decoder")
-        for binding in complete:
-            slot = binding.stable.detach().reshape(-1).view(torch.uint8)
-            self.decoder.expand(slot, binding.file_slice.entry, stream)
+        ready = super().upload_ticket(ticket, arena, stream)
+        ready.ring.wait_slot_async(ready.slot_index, stream=stream)
+        ends = {window.arena_offset + window.size_bytes for window in ticket.windows}
+        for binding in ticket.bindings:
+            file_slice = binding.file_slice
+            if file_slice.entry.encoding == ENCODING_SPLITZIP and binding.offset + file_slice.stored_bytes in ends:
+                self.decoder.expand(binding.stable.detach().reshape(-1).view(torch.uint8), file_slice.entry, stream)
         return self.decoder.ops.record(stream)
 
 
