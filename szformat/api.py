@@ -22,6 +22,7 @@ from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
 from .format.writer import SztWriter
 from .loading import DeviceLoader, StagingConfig, load_to_device
+from .loading.loader import load_checkpoint
 
 __all__ = ["safe_open", "load_file", "save_file"]
 
@@ -48,6 +49,9 @@ class safe_open:
             and decodes on the GPU (needs Triton); ``"cpu"`` decodes on the host and copies raw bytes.
         staging (`StagingConfig`, *optional*): for a CUDA ``device``: pinned slot size and count, reader threads,
             host transport (see :class:`szformat.loading.StagingConfig`).
+        hub (*optional*): ``filename`` may be a Hub reference (``hf://user/repo/model.szt``), or a file of the repo
+            named by ``repo_id``; ``revision``, ``token``, ``local_files_only`` and ``cache_dir`` are passed to
+            ``huggingface_hub`` (see :func:`szformat.hub.resolve`).
 
     Example:
         >>> with safe_open("model.szt", framework="pt") as f:  # doctest: +SKIP
@@ -55,9 +59,15 @@ class safe_open:
     """
 
     def __init__(self, filename: str | os.PathLike, framework: str = "pt", device: str | torch.device = "cpu", *,
-                 verify: bool = True, route: str = "auto", staging: StagingConfig | None = None):
+                 verify: bool = True, route: str = "auto", staging: StagingConfig | None = None,
+                 repo_id: str | None = None, revision: str | None = None, token: str | bool | None = None,
+                 local_files_only: bool = False, cache_dir: str | os.PathLike | None = None):
         if framework not in ("pt", "torch", "pytorch"):
             raise ValueError(f"framework {framework!r} is not supported; use 'pt'")
+        filename = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
+                                local_files_only=local_files_only, cache_dir=cache_dir)
+        if Path(filename).is_dir() or Path(filename).name.endswith(C.INDEX_SUFFIX):
+            raise ValueError(f"{filename} is a sharded checkpoint; open one of its .szt files, or use load_file")
         self.device = torch.device(device)
         self.verify = verify
         self._device_loader = (DeviceLoader(self.device, route=route, staging=staging, verify=verify)
@@ -193,16 +203,46 @@ def _as_int(index: Any) -> int | None:
 
 
 def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *,
-              verify: bool = True, route: str = "auto", staging: StagingConfig | None = None) -> dict[str, torch.Tensor]:
-    """Load every tensor of a .szt file into a dict, like ``safetensors.torch.load_file``.
+              verify: bool = True, route: str = "auto", staging: StagingConfig | None = None,
+              repo_id: str | None = None, revision: str | None = None, token: str | bool | None = None,
+              local_files_only: bool = False, cache_dir: str | os.PathLike | None = None) -> dict[str, torch.Tensor]:
+    """Load every tensor of a checkpoint into a dict, like ``safetensors.torch.load_file``.
 
-    With a CUDA ``device``, ``filename`` may also be a sharded index or a folder, and the tensors stream through a
-    pinned staging ring and are decoded on the GPU (``route`` and ``staging`` as for :class:`safe_open`).
+    ``filename`` is a .szt file, a sharded index (``model.szt.index.json``), a converted model folder, or a Hub
+    reference to any of them (``hf://user/repo``; Hub keywords as for :class:`safe_open`). With a CUDA ``device``
+    the stored bytes stream through a pinned staging ring and are decoded on the GPU (``route`` and ``staging`` as
+    for :class:`safe_open`).
+
+    Example:
+        >>> weights = load_file("hf://user/model-szt", device="cuda")  # doctest: +SKIP
     """
+    path = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
+                        local_files_only=local_files_only, cache_dir=cache_dir)
     if torch.device(device).type != "cpu":
-        return load_to_device(filename, device, route=route, staging=staging, verify=verify)
-    with safe_open(filename, framework="pt", device=device, verify=verify) as f:
-        return {name: f.get_tensor(name) for name in f.keys()}
+        return load_to_device(path, device, route=route, staging=staging, verify=verify)
+
+    def load_shard(file: SztFile, names: list[str] | None) -> dict[str, torch.Tensor]:
+        with safe_open(file.path, framework="pt", device=device, verify=verify) as f:
+            return {name: f.get_tensor(name) for name in (f.keys() if names is None else names)}
+
+    return load_checkpoint(load_shard, path)
+
+
+def resolve_path(filename: str | os.PathLike, *, repo_id: str | None = None, **hub_kwargs: Any) -> Path:
+    """A local path, or the local copy of a Hub reference (``hf://...`` or ``repo_id`` + ``filename``).
+
+    The Hub module is imported only when a reference needs it.
+    """
+    if repo_id is None and not str(filename).startswith("hf://"):
+        if any(v not in (None, False) for v in hub_kwargs.values()):
+            raise ValueError(f"{', '.join(k for k, v in hub_kwargs.items() if v not in (None, False))} only apply "
+                             "to Hub references (hf://... or repo_id=)")
+        return Path(filename)
+    from .hub import resolve
+
+    if repo_id is not None:
+        return resolve(repo_id=repo_id, filename=os.fspath(filename), **hub_kwargs)
+    return resolve(os.fspath(filename), **hub_kwargs)
 
 
 def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None,

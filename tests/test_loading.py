@@ -406,12 +406,12 @@ def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):
     for target in (index, tmp_path):
         with DeviceLoader("cpu", staging=StagingConfig(slot_bytes=8192, transport="staged"), ops=FakeOps(),
                           codec=ReferenceCodec()) as loader:
-            _assert_same(load_checkpoint(loader, target), tensors)
+            _assert_same(load_checkpoint(loader.load_shard, target), tensors)
 
     index.write_text(json.dumps({"weight_map": {names[0]: "model-00002-of-00002.szt"}}))
     with DeviceLoader("cpu", ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with pytest.raises(FormatError, match="does not hold"):
-            load_checkpoint(loader, index)
+            load_checkpoint(loader.load_shard, index)
     index.write_text(json.dumps({"weight_map": {names[0]: "../elsewhere.szt"}}))
     with pytest.raises(FormatError, match="outside"):
         checkpoint_shards(index)
@@ -419,7 +419,7 @@ def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):
     (tmp_path / "dup.szt").write_bytes((tmp_path / "model-00001-of-00002.szt").read_bytes())
     with DeviceLoader("cpu", ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with pytest.raises(FormatError, match="more than one shard"):
-            load_checkpoint(loader, tmp_path)
+            load_checkpoint(loader.load_shard, tmp_path)
 
 
 def test_device_without_cuda_or_triton_says_what_to_do(monkeypatch):

@@ -12,7 +12,7 @@ import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Sequence
+from typing import Callable, Sequence
 
 import torch
 
@@ -133,6 +133,13 @@ class DeviceLoader:
         if source is not None:
             source.close()
 
+    def load_shard(self, file: SztFile, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
+        """``load`` then ``release``: one shard of a checkpoint read once (see :func:`load_checkpoint`)."""
+        try:
+            return self.load(file, names)
+        finally:
+            self.release(file)
+
     def close(self) -> None:
         """Release registrations, file handles, threads and staging memory."""
         if self._loop is not None:
@@ -240,11 +247,14 @@ def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route
                    staging: StagingConfig | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (file, sharded index or folder) on ``device``; see :class:`DeviceLoader`."""
     with DeviceLoader(device, route=route, staging=staging, verify=verify) as loader:
-        return load_checkpoint(loader, path)
+        return load_checkpoint(loader.load_shard, path)
 
 
-def load_checkpoint(loader: DeviceLoader, path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (file, sharded index or folder), through ``loader``, one shard at a time.
+def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, torch.Tensor]],
+                    path: str | os.PathLike) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint (file, sharded index or folder), one shard at a time.
+
+    ``load_shard(file, names)`` loads ``names`` (``None``: all) of one open shard, on whatever device it serves.
 
     Raises:
         FormatError: an index maps a tensor to a shard that does not hold it, or two shards hold one tensor.
@@ -256,8 +266,7 @@ def load_checkpoint(loader: DeviceLoader, path: str | os.PathLike) -> dict[str, 
             if missing:
                 raise FormatError(f"the sharded index maps {len(missing)} tensor(s) to this shard, which does not "
                                   "hold them", path=file_path, tensor=missing[0])
-            loaded = loader.load(file, names)
-            loader.release(file)
+            loaded = load_shard(file, names)
         for name, tensor in loaded.items():
             if name in tensors:
                 raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
