@@ -66,8 +66,8 @@ class safe_open:
             raise ValueError(f"framework {framework!r} is not supported; use 'pt'")
         filename = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
                                 local_files_only=local_files_only, cache_dir=cache_dir)
-        if Path(filename).is_dir() or Path(filename).name.endswith(C.INDEX_SUFFIX):
-            raise ValueError(f"{filename} is a sharded checkpoint; open one of its .szt files, or use load_file")
+        if Path(filename).name.endswith(C.INDEX_SUFFIX):
+            raise ValueError(f"{filename} is a sharded index; open one of its .szt files, or use load_file")
         self.device = torch.device(device)
         self.verify = verify
         self._device_loader = (DeviceLoader(self.device, route=route, staging=staging, verify=verify)

@@ -20,6 +20,7 @@ __all__ = [
     "UnknownEncodingError",
     "PayloadError",
     "ChecksumMismatchError",
+    "ShardIndexError",
     "ConversionError",
     "RoundTripError",
     "WriteError",
@@ -98,11 +99,17 @@ class ChecksumMismatchError(FormatError):
     """Raised when stored bytes or decoded bytes do not match the checksum recorded in the header."""
 
 
+class ShardIndexError(FormatError):
+    """Raised when a sharded-checkpoint index (``*.index.json``) is malformed, names a shard outside its folder or
+    one that is missing, or maps a tensor to a shard that does not hold it."""
+
+
 # CONVERSION AND WRITING ERRORS
 
 
 class ConversionError(SzformatError, ValueError):
-    """Raised when an input cannot be converted (unsupported dtype, missing shard, bad index)."""
+    """Raised when an input cannot be converted (malformed safetensors file, no weight file, unsupported dtype,
+    an output overlapping the input)."""
 
 
 class RoundTripError(ConversionError):

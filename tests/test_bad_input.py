@@ -283,7 +283,12 @@ def test_header_checksum_mismatch(forge, bad):
 
 
 def test_directory_is_not_a_file(tmp_path):
-    refused(tmp_path, FormatError, "not a regular file")
+    with pytest.raises(FormatError, match="not a regular file"):
+        safe_open(tmp_path, "pt")
+
+
+def test_folder_without_a_checkpoint_is_refused(tmp_path):
+    refused(tmp_path, FormatError, "no .szt file")
 
 
 @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs FIFOs")

@@ -30,7 +30,8 @@ from szformat.convert import convert, decompress, verify
 from szformat.convert import expand
 from szformat.convert.device import codec_for
 from szformat.convert.sources import SafetensorsSource, read_safetensors_header
-from szformat.errors import ChecksumMismatchError, ConversionError, DecodeRouteError, RoundTripError, WriteError
+from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRouteError, RoundTripError, ShardIndexError,
+                             WriteError)
 from szformat.format.reader import SztFile
 
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
@@ -394,7 +395,7 @@ def test_inconsistent_index_is_refused_before_anything_is_written(tmp_path, brea
     break_index(index)
     index_path.write_text(json.dumps(index))
     for source in (index_path, tmp_path / "src"):
-        with pytest.raises(ConversionError) as info:
+        with pytest.raises(ShardIndexError) as info:
             convert(source, tmp_path / "out")
         assert message in str(info.value)
         assert sorted(p.name for p in tmp_path.iterdir()) == ["src"]

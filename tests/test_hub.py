@@ -20,7 +20,7 @@ from huggingface_hub.utils import (EntryNotFoundError, LocalEntryNotFoundError, 
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.errors import ConversionError, FormatError, HubCheckpointNotFoundError, HubReferenceError, PushError
+from szformat.errors import FormatError, HubCheckpointNotFoundError, HubReferenceError, PushError, ShardIndexError
 from szformat.format.reader import SztFile
 from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_hub, resolve
 from szformat.hub.card import checkpoint_stats
@@ -336,6 +336,8 @@ def test_sharded_repo_resolves_by_its_index(hub, tmp_path):
         loaded.update(szformat.load_file(index.parent / shard))
     assert_same_tensors(loaded, tensors)
     assert resolve("hf://alice/sharded/model.szt.index.json") == index
+    # The cached shards are links to blobs outside the snapshot folder, and the index still loads whole.
+    assert_same_tensors(szformat.load_file("hf://alice/sharded"), tensors)
 
 
 def test_repo_reference_falls_back_to_model_szt(hub, tmp_path):
@@ -467,7 +469,7 @@ def test_malformed_index_on_the_hub_is_refused(hub):
     index = {"weight_map": {"w": "../../../outside.szt"}}
     api.upload_file(path_or_fileobj=json.dumps(index).encode(), path_in_repo="model.szt.index.json",
                     repo_id="alice/evil")
-    with pytest.raises(ConversionError, match="not a file inside the index's folder"):
+    with pytest.raises(ShardIndexError, match="not a file inside the index's folder"):
         resolve("hf://alice/evil")
 
 

@@ -8,7 +8,6 @@ wrong tensor. The same classes run end to end on a GPU in tools/offload_e2e.py.
 
 from __future__ import annotations
 
-from collections import deque
 from pathlib import Path
 
 import pytest

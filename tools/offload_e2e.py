@@ -18,7 +18,8 @@ down and every cache released:
 ``szt-accelerate``         ``route="accelerate"``: accelerate's CPU-offload hooks fed by szformat
 =========================  =================================================================================
 
-DDO's resident budget is set to about two execution groups (blocks), so every forward streams the weights again.
+DDO's resident budget is about two blocks, so forwards stream the blocks again (``vmm_runtime`` maps each block in
+32 MiB pages and counts the budget in bytes, so MiniLM's six small blocks all stay resident under it).
 Reported per configuration: setup time, warm forward time (median of 3 after one warm-up), host RSS over the
 baseline (imports and CUDA start excluded) and the part of it that maps checkpoint files, GPU memory in use at peak over
 the baseline (device-wide, sampled every 2 ms, so DDO's arena counts too), bytes the engine copied host to device
@@ -27,6 +28,11 @@ per forward (its own counter), and whether the output is bit-identical to ``gpu`
 Usage (on the GPU machine; see bench/RESULTS.md for the command that produced the figures)::
 
     python tools/offload_e2e.py --minilm .data/offload --out $OUT [--configs gpu,szt-staging,...]
+
+``--minilm`` names a folder made beforehand from the BF16 MiniLM (``tools/fetch_minilm.py``): ``minilm-bf16.szt``
+(``szconvert`` of its ``model.safetensors``), ``minilm-config.json`` and ``minilm-bf16.safetensors.sha256``. The
+safetensors file is rebuilt from the .szt on the GPU machine and checked against that hash, so only the smaller file
+travels.
 """
 
 from __future__ import annotations
@@ -223,7 +229,6 @@ def move_leftovers(module, device, streamed) -> None:
 def setup_config(config: str, model: str, module, work: Path, device):
     """Install ``config`` on ``module``; returns (transfer counter: () -> bytes so far, setup bytes, extra facts,
     teardown)."""
-    import torch
     from safetensors.torch import load_file
 
     st, szt = work / model / "model.safetensors", work / model / "model.szt"

@@ -238,7 +238,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
     size = min(length, max(1, whole_pairs))
     exponents = torch.empty(2 * size, dtype=torch.uint8)
     index = torch.empty(size, dtype=torch.int32)
-    kept_buffer, sign_buffer = torch.empty(2 * size, dtype=torch.int16), torch.empty(2 * size, dtype=torch.int16)
+    sign_buffer = torch.empty(2 * size, dtype=torch.int16)
     escapes = _EscapeFinder(whole_pairs, length) if layout.n_esc else None
 
     slices = zip(bits[: 2 * whole_pairs].split(2 * length), pk[:whole_pairs].split(length),
@@ -248,10 +248,12 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
         torch.index_select(pk_table, 0, pair_index, out=pk_slice)
         if escapes is not None:
             escapes.add(flag_table, pair_index, first_pair)
-        # sm byte = sign << 7 | mantissa: keep sign and mantissa; the arithmetic shift copies the sign into bit 7.
-        kept = torch.bitwise_and(bits_slice, _SIGN_AND_MANTISSA, out=_scratch(kept_buffer, bits_slice.numel()))
-        sign = torch.bitwise_right_shift(kept, 8, out=_scratch(sign_buffer, bits_slice.numel()))
-        torch.bitwise_or(kept, sign, out=sm_slice)  # writing uint8 keeps the low byte
+        # sm byte = sign << 7 | mantissa: keep sign and mantissa (in the index's memory, no longer needed); the
+        # arithmetic shift copies the sign into bit 7; narrowing to uint8 keeps the low byte. (Ops whose output
+        # dtype differs from their inputs' run slower than a separate narrowing copy.)
+        kept = torch.bitwise_and(bits_slice, _SIGN_AND_MANTISSA, out=pair_index.view(torch.int16))
+        kept.bitwise_or_(torch.bitwise_right_shift(kept, 8, out=_scratch(sign_buffer, bits_slice.numel())))
+        sm_slice.copy_(kept)
 
     position = escapes.positions() if escapes is not None else np.zeros(0, dtype=np.int64)
     if n % 2:

@@ -17,8 +17,8 @@ from pathlib import Path
 from typing import Callable
 
 from ..errors import ConversionError
+from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
 from .atomic import atomic_directory, check_output
-from .index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
 
 WriteWeights = Callable[[Path, Path], None]
 """Writes the converted twin of one weight file: ``(source, destination)``."""
@@ -67,6 +67,7 @@ def find_files(path: str | os.PathLike, suffix: str) -> CheckpointFiles:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ConversionError: ``path`` is not a weight file, an index or a folder holding weight files.
+        ShardIndexError: ``path`` is an index, and it is malformed.
     """
     path = Path(path)
     if path.is_dir():

@@ -49,6 +49,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
         FileNotFoundError: ``source`` does not exist.
         FileExistsError: the output exists and ``overwrite`` is false.
         ConversionError: an input is malformed or holds something .szt cannot store.
+        ShardIndexError: an index is malformed, or names a shard or tensor that is not there (nothing is written).
         RoundTripError: a tensor did not decode bit for bit (nothing is written).
         WriteError: the output cannot be written (nothing is left behind).
         DecodeRouteError: ``device`` cannot encode (no CUDA, no Triton).

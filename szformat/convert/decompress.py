@@ -36,7 +36,7 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
     Raises:
         FileNotFoundError, FileExistsError, WriteError: as in `convert`.
         FormatError (or a subclass): a .szt file is malformed or corrupted (nothing is written).
-        ConversionError: an index is malformed or names a missing shard or tensor.
+        ShardIndexError: an index is malformed or names a missing shard or tensor.
 
     Example:
         >>> decompress("model.szt")  # writes model.safetensors  # doctest: +SKIP

@@ -12,10 +12,10 @@ from dataclasses import dataclass, field
 
 from ..errors import SzformatError
 from ..format import constants as C
+from ..format.index import index_problems, read_index
 from ..format.reader import SztFile
 from .checkpoint import find_files
 from .expand import iter_raw_bytes
-from .index import index_problems, read_index
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -63,7 +63,8 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
-        ConversionError: ``path`` is no .szt checkpoint at all (or an index given as the path is unreadable).
+        ConversionError: ``path`` is no .szt checkpoint at all.
+        ShardIndexError: ``path`` is an index, and it is malformed.
     """
     started = time.perf_counter()
     files = find_files(path, C.FILE_SUFFIX)

@@ -14,9 +14,9 @@ from pathlib import Path
 
 from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
 
-from ..convert.index import read_index, shard_path
 from ..errors import PushError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
+from ..format.index import read_index, shard_path
 from .card import carried_metadata, checkpoint_stats, render_model_card
 from .client import library_info
 from .refs import HubRef
@@ -53,7 +53,7 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
 
     Raises:
         PushError: the path holds no .szt file, or an index names a shard that is not in the folder.
-        ConversionError: an index is malformed.
+        ShardIndexError: an index is malformed.
         FormatError (or a subclass): a .szt file is not valid.
         huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request (token, permissions).
 

@@ -17,9 +17,9 @@ from pathlib import Path
 from huggingface_hub import hf_hub_download, snapshot_download
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
-from ..convert.index import read_index, shard_path
 from ..errors import HubCheckpointNotFoundError, HubReferenceError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
+from ..format.index import read_index, shard_path
 from .client import library_info
 from .refs import HubRef, is_hub_ref, make_hub_ref, parse_hub_ref
 
@@ -67,7 +67,7 @@ def resolve(path_or_ref: str | os.PathLike | None = None, *, repo_id: str | None
         HubReferenceError: the reference is malformed, or the keywords contradict it.
         HubCheckpointNotFoundError: a repo reference, and the repo has neither ``model.szt.index.json`` nor
             ``model.szt``.
-        ConversionError: a downloaded index is malformed (not JSON, no weight map, a shard outside its folder).
+        ShardIndexError: a downloaded index is malformed (not JSON, no weight map, a shard outside its folder).
         huggingface_hub.utils.RepositoryNotFoundError, RevisionNotFoundError, EntryNotFoundError: the repo (or
             a private repo without the right token), the revision or the file does not exist.
         huggingface_hub.utils.LocalEntryNotFoundError: offline (or the Hub unreachable) and not in the cache.

@@ -9,7 +9,8 @@
   the copy's stream (native-transport runtimes).
 """
 
-from .loader import DeviceLoader, StagingConfig, checkpoint_shards, load_to_device
+from ..format.index import checkpoint_shards
+from .loader import DeviceLoader, StagingConfig, load_to_device
 from .slot_decoder import SlotDecoder
 from .staging_pool import StagedEntry, StagingPoolDecoder, copy_and_expand, stage_entry
 

@@ -7,7 +7,6 @@ in :meth:`DeviceLoader.close`. :func:`load_to_device` loads a whole checkpoint: 
 
 from __future__ import annotations
 
-import json
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -19,6 +18,7 @@ import torch
 from ..errors import DecodeRouteError, FormatError
 from ..format import constants as C
 from ..format.header import TensorEntry
+from ..format.index import check_shard, checkpoint_shards
 from ..format.reader import SztFile, check_crc
 from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
@@ -26,7 +26,7 @@ from .ops import DeviceOps, cuda_ops
 from .pipeline import DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource, TransferLoop
 from .ring import StagingRing
 
-__all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "load_checkpoint", "checkpoint_shards"]
+__all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "load_checkpoint"]
 
 ROUTES = ("auto", "gpu", "cpu")
 TRANSPORTS = ("staged", "registered")
@@ -202,47 +202,6 @@ def _torch_dtype(entry: TensorEntry, path: Path) -> torch.dtype:
     return dtype
 
 
-def checkpoint_shards(path: str | os.PathLike) -> list[tuple[Path, list[str] | None]]:
-    """The .szt files of a checkpoint and the tensors to take from each (``None``: all of them).
-
-    ``path`` is a .szt file, a sharded index (``*.szt.index.json``, shaped like ``model.safetensors.index.json``),
-    or a folder holding one index or else .szt files.
-
-    Raises:
-        FormatError: an index that is not valid, or names a shard outside its folder; a folder with no checkpoint.
-    """
-    path = Path(path)
-    if path.is_dir():
-        indexes = sorted(path.glob("*" + C.INDEX_SUFFIX))
-        if len(indexes) == 1:
-            return checkpoint_shards(indexes[0])
-        files = sorted(path.glob("*" + C.FILE_SUFFIX))
-        if len(indexes) > 1 or not files:
-            found = "several sharded indexes" if indexes else f"no {C.FILE_SUFFIX} file"
-            raise FormatError(f"folder holds {found}; pass the file or index to load", path=path)
-        return [(f, None) for f in files]
-    if not path.name.endswith(C.INDEX_SUFFIX):
-        return [(path, None)]
-    try:
-        weight_map = json.loads(path.read_text(encoding="utf-8")).get("weight_map")
-    except (UnicodeDecodeError, json.JSONDecodeError, AttributeError) as e:
-        raise FormatError(f"sharded index is not a JSON object ({e})", path=path) from None
-    if not isinstance(weight_map, dict) or not all(isinstance(v, str) for v in weight_map.values()):
-        raise FormatError("sharded index has no 'weight_map' object of tensor name -> shard file", path=path)
-    shards: dict[str, list[str]] = {}
-    for name, shard in weight_map.items():
-        shards.setdefault(shard, []).append(name)
-    folder = path.parent.resolve()
-    resolved = []
-    for shard, names in sorted(shards.items()):
-        file = (folder / shard).resolve()
-        if folder not in file.parents:
-            raise FormatError(f"weight_map names {shard!r}, outside the index's folder", path=path,
-                              tensor=names[0])
-        resolved.append((file, names))
-    return resolved
-
-
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",
                    staging: StagingConfig | None = None, verify: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of a checkpoint (file, sharded index or folder) on ``device``; see :class:`DeviceLoader`."""
@@ -257,15 +216,13 @@ def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, 
     ``load_shard(file, names)`` loads ``names`` (``None``: all) of one open shard, on whatever device it serves.
 
     Raises:
-        FormatError: an index maps a tensor to a shard that does not hold it, or two shards hold one tensor.
+        ShardIndexError: the index is malformed, or maps a tensor to a shard that does not hold it.
+        FormatError: a shard is not valid .szt, or two shards hold one tensor.
     """
     tensors: dict[str, torch.Tensor] = {}
     for file_path, names in checkpoint_shards(path):
         with SztFile(file_path) as file:
-            missing = [name for name in names or () if name not in file.entries]
-            if missing:
-                raise FormatError(f"the sharded index maps {len(missing)} tensor(s) to this shard, which does not "
-                                  "hold them", path=file_path, tensor=missing[0])
+            check_shard(file_path, names, file.entries)
             loaded = load_shard(file, names)
         for name, tensor in loaded.items():
             if name in tensors:

@@ -11,8 +11,8 @@ from pathlib import Path
 
 from ..errors import FormatError
 from ..format.header import TensorEntry
+from ..format.index import checkpoint_shards
 from ..format.reader import SztFile
-from ..loading.loader import checkpoint_shards
 
 __all__ = ["Checkpoint"]
 

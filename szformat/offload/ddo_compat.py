@@ -27,20 +27,19 @@ from ..format.header import TensorEntry
 from .routes import (DDO_ALLOCATOR_DISTRIBUTION, DDO_DISTRIBUTION, DDO_LIBRARY_ENV, NATIVE, SUPPORTED_DDO_VERSIONS,
                      OffloadEnvironment, parse_version)
 
-__all__ = ["SztFileSlice", "check_ddo", "ddo_config", "native_library", "substituted", "REFUSED_OPTIONS"]
+__all__ = ["REFUSED_OPTIONS", "SEAMS", "SztFileSlice", "check_ddo", "check_members", "ddo_config", "native_library",
+           "substituted"]
 
 SEAMS: dict[Any, tuple[str, ...]] = {
     vmm_weight_store.PinnedStagingPool: ("begin_upload", "stage", "stage_file_slice", "stage_file_slices",
                                          "stage_file_slices_async", "mark_upload", "has_active_upload",
                                          "packed_bytes", "_active_buffer", "_record_shard_read"),
     vmm_weight_store.SafetensorSliceRegistry: ("bind", "lookup"),
-    model_arena_adapter._NativeShardTransport: ("_window_ranges", "upload_ticket", "window_size_bytes"),
+    model_arena_adapter._NativeShardTransport: ("_window_ranges", "upload_ticket"),
     model_arena_adapter.ModelArenaWeightStore: ("temporary_source",),
 }
-"""Every DDO class szformat subclasses or calls into, and the members it relies on (class or instance level)."""
-
-INSTANCE_MEMBERS = {"window_size_bytes"}
-"""Members set in ``__init__``: probed on the constructed objects rather than on the class."""
+"""Every DDO class szformat subclasses or calls into, and the methods it relies on. Attributes DDO sets in
+``__init__`` are probed on the constructed objects (:func:`check_members`)."""
 
 REFUSED_OPTIONS: dict[str, str] = {
     "vmm_host_cache_gb": "registers the module's CPU tensors for direct DMA, but they hold no weights",
@@ -89,7 +88,7 @@ def check_ddo(env: OffloadEnvironment) -> None:
             raise DecodeRouteError(f"{distribution} {version} is not supported (szformat supports {supported}; "
                                    "pip install 'szformat[ddo]')")
     for cls, members in SEAMS.items():
-        missing = [m for m in members if m not in INSTANCE_MEMBERS and not hasattr(cls, m)]
+        missing = [m for m in members if not hasattr(cls, m)]
         if missing:
             raise DecodeRouteError(f"{DDO_DISTRIBUTION} {_installed(DDO_DISTRIBUTION)} lacks "
                                    f"{cls.__name__}.{', '.join(missing)}; szformat supports {supported}")

@@ -18,6 +18,7 @@ stay compressed in the file's pages) and file reads. The ``native`` route moves 
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,9 +81,10 @@ class SztStagingPool(PinnedStagingPool):
                 raise RuntimeError(f"Pinned staging buffer is too small: need {end / 1024**2:.1f} MiB, "
                                    f"have {self.size_bytes / 1024**2:.1f} MiB")
             file = context.files[str(file_slice.path)]
+            started = time.perf_counter()
             entry = stage_entry(file, file_slice.entry.name, buffer, self._offset,
                                 decode_on_host=context.decoder is None)
-            self._record_shard_read(file_slice.stored_bytes, 0.0)
+            self._record_shard_read(file_slice.stored_bytes, time.perf_counter() - started)
             staged.append(entry)
             staged_views.append(buffer[self._offset: end].view(source.dtype).view(source.shape))
             self._offset = end

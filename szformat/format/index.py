@@ -1,0 +1,179 @@
+"""Sharded-checkpoint indexes: read and check one, write one, list the shards of a .szt checkpoint.
+
+A checkpoint split over several files has an index beside them in the shape transformers and diffusers write
+(``model.safetensors.index.json``; ``model.szt.index.json`` for .szt shards): ``{"metadata": {..., "total_size":
+N}, "weight_map": {tensor: shard file}}``, shard names relative to the index's folder (``spec/szt-v1.md``,
+"Sharded checkpoints"). The same reader serves both suffixes, so the converter's safetensors inputs and the
+loaders' .szt checkpoints are held to the same rules.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import posixpath
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+
+from ..errors import FormatError, ShardIndexError, SzformatError, WriteError
+from . import constants as C
+from .writer import _create_temporary, _fsync_directory
+
+__all__ = ["INDEX_TAIL", "ShardIndex", "check_index", "check_shard", "checkpoint_shards", "index_problems",
+           "read_index", "shard_path", "write_index"]
+
+INDEX_TAIL = ".index.json"
+"""What follows the weight-file suffix in an index's name (``model.szt`` + ``.index.json``)."""
+
+
+@dataclass(frozen=True)
+class ShardIndex:
+    """A parsed index: its ``metadata`` object and its ``weight_map`` (tensor name -> shard name)."""
+
+    metadata: dict[str, Any]
+    weight_map: dict[str, str]
+
+    def shard_names(self) -> list[str]:
+        """The shards the weight map names, in first-mention order, without repeats."""
+        return list(dict.fromkeys(self.weight_map.values()))
+
+    def renamed(self, rename: Callable[[str], str], total_size: int) -> "ShardIndex":
+        """The same index with every shard renamed and ``total_size`` set."""
+        return ShardIndex({**self.metadata, "total_size": total_size},
+                          {name: rename(shard) for name, shard in self.weight_map.items()})
+
+
+def read_index(path: str | os.PathLike) -> ShardIndex:
+    """Parse and validate an index file.
+
+    Raises:
+        ShardIndexError: not a JSON object, a key repeated in one object, no ``weight_map`` object of strings, a
+            ``metadata`` that is not an object, or a shard name that is not a file inside the index's folder.
+    """
+    try:
+        with open(path, encoding="utf-8") as f:
+            obj = json.load(f, object_pairs_hook=_unique_keys)
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ShardIndexError(f"sharded index is not valid JSON ({e})", path=path) from None
+    except ShardIndexError as e:
+        raise e.with_context(path=path) from None
+    if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
+        raise ShardIndexError("sharded index has no 'weight_map' object", path=path)
+    metadata = obj.get("metadata", {})
+    if not isinstance(metadata, dict):
+        raise ShardIndexError("sharded index 'metadata' must be an object", path=path)
+    for tensor, shard in obj["weight_map"].items():
+        if not isinstance(shard, str) or not _is_relative_file(shard):
+            raise ShardIndexError(f"weight_map names {shard!r}, not a file inside the index's folder", path=path,
+                                  tensor=tensor)
+    return ShardIndex(metadata, obj["weight_map"])
+
+
+def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object as a dict, refusing a repeated key: ``json`` would keep the last one silently."""
+    obj: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in obj:
+            raise ShardIndexError(f"sharded index holds the key {key!r} twice")
+        obj[key] = value
+    return obj
+
+
+def _is_relative_file(name: str) -> bool:
+    """A ``/``-separated path below the index's folder: not absolute, no ``\\``, no empty, ``.`` or ``..`` part."""
+    return bool(name) and "\\" not in name and all(p not in ("", ".", "..") for p in name.split("/"))
+
+
+def write_index(path: str | os.PathLike, index: ShardIndex) -> Path:
+    """Write an index atomically, laid out as transformers writes it: keys sorted, two-space indent, a trailing
+    newline. Sorted keys make the bytes depend on the content alone, so converting twice gives equal files.
+
+    Raises:
+        WriteError: the file cannot be written; an existing ``path`` is left as it was, and no temporary remains.
+    """
+    path = Path(path)
+    text = json.dumps({"metadata": index.metadata, "weight_map": index.weight_map}, indent=2, sort_keys=True,
+                      ensure_ascii=False)
+    tmp, file = _create_temporary(path)
+    try:
+        with file:
+            file.write((text + "\n").encode("utf-8"))
+            file.flush()
+            os.fsync(file.fileno())
+        os.replace(tmp, path)
+    except BaseException as e:
+        tmp.unlink(missing_ok=True)
+        if isinstance(e, OSError) and not isinstance(e, SzformatError):
+            raise WriteError(f"cannot write the sharded index ({e.strerror or e})", path=path) from e
+        raise
+    _fsync_directory(path.parent)
+    return path
+
+
+def shard_path(index_name: str, shard: str) -> str:
+    """The relative path of ``shard`` named by the index at relative path ``index_name``."""
+    return posixpath.join(posixpath.dirname(index_name), shard)
+
+
+def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str] | None],
+                   index_name: str) -> Iterator[tuple[str, str]]:
+    """``(tensor, problem)`` for each tensor of the weight map that is not in the shard it names.
+
+    ``shards`` maps the relative path of each shard present to the names of its tensors, or to ``None`` for a shard
+    that could not be read (a problem reported on its own, so its tensors are not reported again).
+    """
+    for tensor, shard in index.weight_map.items():
+        path = shard_path(index_name, shard)
+        if path not in shards:
+            yield tensor, f"the index names shard {shard!r}, which is missing"
+        elif shards[path] is not None and tensor not in shards[path]:
+            yield tensor, f"the index maps this tensor to shard {shard!r}, which does not hold it"
+
+
+def check_index(index: ShardIndex, index_path: str | os.PathLike, shards: Mapping[str, Collection[str]],
+                index_name: str) -> None:
+    """Raise ShardIndexError for the first tensor of the weight map that is not in the shard it names."""
+    for tensor, problem in index_problems(index, shards, index_name):
+        raise ShardIndexError(problem, path=index_path, tensor=tensor)
+
+
+def checkpoint_shards(path: str | os.PathLike) -> list[tuple[Path, list[str] | None]]:
+    """The .szt files of a checkpoint and the tensors to take from each (``None``: all of them).
+
+    ``path`` is a .szt file, a sharded index (``*.szt.index.json``), or a folder holding one index or else .szt
+    files. Shards are checked by name only (see :func:`read_index`), not resolved: in the Hugging Face cache each
+    one is a link to a blob outside the index's folder.
+
+    Raises:
+        ShardIndexError: the index is not valid.
+        FormatError: a folder with several indexes or no .szt file.
+    """
+    path = Path(path)
+    if path.is_dir():
+        indexes = sorted(path.glob("*" + C.INDEX_SUFFIX))
+        if len(indexes) == 1:
+            return checkpoint_shards(indexes[0])
+        files = sorted(path.glob("*" + C.FILE_SUFFIX))
+        if len(indexes) > 1 or not files:
+            found = "several sharded indexes" if indexes else f"no {C.FILE_SUFFIX} file"
+            raise FormatError(f"folder holds {found}; pass the file or index to load", path=path)
+        return [(f, None) for f in files]
+    if not path.name.endswith(C.INDEX_SUFFIX):
+        return [(path, None)]
+    shards: dict[str, list[str]] = {}
+    for name, shard in read_index(path).weight_map.items():
+        shards.setdefault(shard, []).append(name)
+    return [(path.parent / shard, names) for shard, names in sorted(shards.items())]
+
+
+def check_shard(shard: str | os.PathLike, names: Sequence[str] | None, held: Collection[str]) -> None:
+    """Check that an opened shard holding ``held`` has the tensors :func:`checkpoint_shards` named for it.
+
+    Raises:
+        ShardIndexError: the index maps a tensor to this shard, and the shard does not hold it.
+    """
+    for name in names or ():
+        if name not in held:
+            raise ShardIndexError("the sharded index maps this tensor to a shard that does not hold it", path=shard,
+                                  tensor=name)
