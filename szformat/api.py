@@ -23,6 +23,7 @@ from .format.reader import PayloadDescriptor, SztFile, check_crc
 from .format.writer import SztWriter
 from .loading import DeviceLoader, StagingConfig, load_to_device
 from .loading.loader import load_checkpoint
+from .paths import resolve_path
 
 __all__ = ["safe_open", "load_file", "save_file"]
 
@@ -226,23 +227,6 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
             return {name: f.get_tensor(name) for name in (f.keys() if names is None else names)}
 
     return load_checkpoint(load_shard, path)
-
-
-def resolve_path(filename: str | os.PathLike, *, repo_id: str | None = None, **hub_kwargs: Any) -> Path:
-    """A local path, or the local copy of a Hub reference (``hf://...`` or ``repo_id`` + ``filename``).
-
-    The Hub module is imported only when a reference needs it.
-    """
-    if repo_id is None and not str(filename).startswith("hf://"):
-        if any(v not in (None, False) for v in hub_kwargs.values()):
-            raise ValueError(f"{', '.join(k for k, v in hub_kwargs.items() if v not in (None, False))} only apply "
-                             "to Hub references (hf://... or repo_id=)")
-        return Path(filename)
-    from .hub import resolve
-
-    if repo_id is not None:
-        return resolve(repo_id=repo_id, filename=os.fspath(filename), **hub_kwargs)
-    return resolve(os.fspath(filename), **hub_kwargs)
 
 
 def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None,

@@ -360,6 +360,20 @@ def test_revision_pinning_loads_the_first_push(hub, tmp_path):
     assert_same_tensors(szformat.load_file(resolve("hf://alice/tiny/model.szt")), second)
 
 
+def test_loaders_take_hub_references_and_keywords(hub, tmp_path):
+    first = write_szt(tmp_path / "model.szt", seed=12)
+    first_commit = push_to_hub(tmp_path / "model.szt", "alice/tiny", token=ALICE).oid
+    second = write_szt(tmp_path / "model.szt", seed=13)
+    push_to_hub(tmp_path / "model.szt", "alice/tiny", token=ALICE)
+
+    assert_same_tensors(szformat.load_file(f"hf://alice/tiny@{first_commit}/model.szt"), first)
+    assert_same_tensors(szformat.load_file("model.szt", repo_id="alice/tiny", revision=first_commit), first)
+    with szformat.safe_open("model.szt", "pt", repo_id="alice/tiny") as f:
+        assert_same_tensors({name: f.get_tensor(name) for name in f.keys()}, second)
+    with pytest.raises(ValueError, match="only apply to Hub references"):
+        szformat.load_file(tmp_path / "model.szt", revision=first_commit)
+
+
 def test_sharded_download_takes_every_shard_from_the_index_commit(hub, tmp_path):
     folder = tmp_path / "model-szt"
     write_sharded_folder(folder, seed=20)

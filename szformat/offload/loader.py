@@ -16,6 +16,7 @@ from typing import Any
 import torch
 
 from ..errors import DecodeRouteError
+from ..paths import resolve_path
 from .binding import ModuleBinding, bind_module
 from .checkpoint import Checkpoint
 from .handle import OffloadedModel
@@ -60,14 +61,18 @@ INSTALLERS: dict[str, Installer] = {
 
 def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, route: str = "auto",
                         device: str | torch.device = "cuda:0", strict: bool = True,
-                        environment: OffloadEnvironment | None = None, **engine_options: Any) -> OffloadedModel:
+                        environment: OffloadEnvironment | None = None, repo_id: str | None = None,
+                        revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
+                        cache_dir: str | os.PathLike | None = None, **engine_options: Any) -> OffloadedModel:
     """Feed the compressed payloads of a .szt checkpoint to an offloading runtime that then manages ``module``.
 
     Weights stay compressed in host memory (the file's pages) and are expanded on their way to the device by the
     route's decoder; the module's CPU tensors become placeholders that hold no weight bytes.
 
     Args:
-        path (`str` or `os.PathLike`): a .szt file, a sharded index (``*.szt.index.json``) or a converted folder.
+        path (`str` or `os.PathLike`): a .szt file, a sharded index (``*.szt.index.json``) or a converted folder,
+            or a Hub reference to one (``hf://user/repo``, or a file of the repo named by ``repo_id``; ``revision``,
+            ``token``, ``local_files_only`` and ``cache_dir`` go to ``huggingface_hub``).
         module (`torch.nn.Module`): the model, with the checkpoint's names, shapes and dtypes (on any device,
             ``meta`` included).
         route (`str`, *optional*, defaults to `"auto"`): ``"auto"``, ``"native"``, ``"staging"``,
@@ -96,6 +101,8 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
     device = torch.device(device)
     if device.type != "cuda":
         raise ValueError(f"offloading computes on a CUDA device; got device {str(device)!r}")
+    path = resolve_path(path, repo_id=repo_id, revision=revision, token=token, local_files_only=local_files_only,
+                        cache_dir=cache_dir)
     checkpoint = Checkpoint(path)
     try:
         binding = bind_module(module, checkpoint.entries, strict=strict, path=checkpoint.path)

@@ -1,0 +1,27 @@
+"""Turn what a user passed as a checkpoint into a local path: a path as given, or the local copy of a Hub reference.
+
+Kept apart from :mod:`szformat.hub` so that loading a local file never imports ``huggingface_hub``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+
+def resolve_path(filename: str | os.PathLike, *, repo_id: str | None = None, **hub_kwargs: Any) -> Path:
+    """A local path, or the local copy of a Hub reference (``hf://...`` or ``repo_id`` + ``filename``).
+
+    The Hub module is imported only when a reference needs it.
+    """
+    if repo_id is None and not str(filename).startswith("hf://"):
+        if any(v not in (None, False) for v in hub_kwargs.values()):
+            raise ValueError(f"{', '.join(k for k, v in hub_kwargs.items() if v not in (None, False))} only apply "
+                             "to Hub references (hf://... or repo_id=)")
+        return Path(filename)
+    from .hub import resolve
+
+    if repo_id is not None:
+        return resolve(repo_id=repo_id, filename=os.fspath(filename), **hub_kwargs)
+    return resolve(os.fspath(filename), **hub_kwargs)
