@@ -16,7 +16,7 @@ import torch
 
 from .codec import cpu as cpu_codec
 from .codec.gate import RoundTripMismatch, encode_tensor
-from .errors import ConversionError, DecodeRouteError, PayloadError, RoundTripError
+from .errors import ConversionError, PayloadError, RoundTripError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
@@ -26,14 +26,6 @@ from .loading.loader import load_checkpoint
 from .paths import resolve_path
 
 __all__ = ["safe_open", "load_file", "save_file"]
-
-
-def _torch_dtype(entry: TensorEntry, path: Path) -> torch.dtype:
-    dtype = C.DTYPES[entry.dtype][0]
-    if dtype is None:
-        raise DecodeRouteError(f"dtype {entry.dtype} has no torch equivalent in torch {torch.__version__}",
-                               path=path, tensor=entry.name)
-    return dtype
 
 
 class safe_open:
@@ -137,7 +129,7 @@ class safe_open:
 
     def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
-        dtype = _torch_dtype(entry, self.path)
+        dtype = entry.torch_dtype(self.path)
         row_shape = entry.shape[1:]
         row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel

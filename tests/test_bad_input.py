@@ -15,6 +15,7 @@ import tracemalloc
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
 import msgpack
 import pytest
@@ -129,6 +130,16 @@ def refused(path: Path, error: type[SzformatError], *reason: str, tensor: str | 
     return e
 
 
+def peak_memory(run: Callable[[], object]) -> int:
+    """Peak bytes Python allocated while ``run()`` ran: a refusal must not first allocate what the file claims."""
+    tracemalloc.start()
+    try:
+        run()
+        return tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
 def test_the_forge_rebuilds_the_valid_file_exactly(valid_file, forge, bad):
     assert forge.write(bad).read_bytes() == valid_file.read_bytes()
     decoded = read_everything(bad)
@@ -230,13 +241,8 @@ def test_reserved_bytes_set(forge, bad):
 
 
 def test_oversize_header_length_is_refused_before_reading(forge, bad):
-    tracemalloc.start()
-    try:
-        refused(forge.write(bad, header_length=1 << 40, file_length=len(forge.body) + (1 << 40)),
-                HeaderTooLargeError, "exceeds the limit")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    forged = forge.write(bad, header_length=1 << 40, file_length=len(forge.body) + (1 << 40))
+    peak = peak_memory(lambda: refused(forged, HeaderTooLargeError, "exceeds the limit"))
     assert peak < 1 << 20
 
 
@@ -327,12 +333,8 @@ def test_deeply_nested_header(forge, bad):
                                     b"\xc6\xff\xff\xff\xff"], ids=["array32", "map32", "str32", "bin32"])
 def test_length_prefix_claiming_billions_of_elements(forge, bad, prefix):
     header = b"\x81" + msgpack.packb("tensors") + prefix + b"\x00" * 16
-    tracemalloc.start()
-    try:
-        refused(forge.write(bad, header_bytes=header), HeaderError, "not valid msgpack")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    forged = forge.write(bad, header_bytes=header)
+    peak = peak_memory(lambda: refused(forged, HeaderError, "not valid msgpack"))
     assert peak < 1 << 20
 
 
@@ -340,12 +342,8 @@ def test_header_of_empty_containers_is_refused_as_a_bomb(forge, bad):
     n = 1_000_000  # a 1 MB header that would unpack into ~60 MB of empty lists
     header = b"\x82" + msgpack.packb("tensors") + b"\x90" + msgpack.packb("x") + b"\xdd" + struct.pack(">I", n) \
         + b"\x90" * n
-    tracemalloc.start()
-    try:
-        refused(forge.write(bad, header_bytes=header), HeaderError, "decompression bomb")
-        peak = tracemalloc.get_traced_memory()[1]
-    finally:
-        tracemalloc.stop()
+    forged = forge.write(bad, header_bytes=header)
+    peak = peak_memory(lambda: refused(forged, HeaderError, "decompression bomb"))
     assert peak < 24 << 20
 
 

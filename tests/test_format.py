@@ -16,7 +16,7 @@ import torch
 
 from szformat.api import tensor_bytes, write_tensor
 from szformat.codec.gate import EncodedTensor, encode_tensor
-from szformat.errors import ConversionError, SzformatError, WriteError
+from szformat.errors import ConversionError, DecodeRouteError, SzformatError, WriteError
 from szformat.format import constants as C
 from szformat.format.header import Header, parse_header
 from szformat.format.reader import SztFile
@@ -161,6 +161,17 @@ def test_header_key_order_is_what_the_spec_lists(tmp_path):
     assert list(header["tensors"][0]["encoding"]["configuration"]) == [
         "chunk_size", "n", "n_esc", "codebook", "n_codes_used", "coverage", "streams"]
     assert header["tensors"][2]["encoding"] == {"name": "raw", "configuration": {"reason": "dtype U8 is not encoded"}}
+
+
+def test_entry_torch_dtype_names_file_and_tensor_when_torch_lacks_it(tmp_path, monkeypatch):
+    path = write(tmp_path / "m.szt", TENSORS)
+    with SztFile(path) as f:
+        entry = f.entry("a")
+    assert entry.torch_dtype(path) is torch.bfloat16
+    monkeypatch.setitem(C.DTYPES, "BF16", (None, 2))
+    with pytest.raises(DecodeRouteError, match="dtype BF16 has no torch equivalent") as info:
+        entry.torch_dtype(path)
+    assert info.value.tensor == "a" and "m.szt" in str(info.value)
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -12,6 +12,8 @@ from __future__ import annotations
 import json
 import os
 import random
+import time
+import zlib
 from collections import deque
 from concurrent.futures import Future
 from types import SimpleNamespace
@@ -28,12 +30,13 @@ from szformat.errors import ChecksumMismatchError, DecodeRouteError, FormatError
 from szformat.format.reader import SztFile
 from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder, checkpoint_shards,
                               copy_and_expand)
-from szformat.loading import gpu_codec
+from szformat.loading import gpu_codec, timeline
 from szformat.loading.hostio import FileReader
 from szformat.loading.loader import load_checkpoint
 from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
-from szformat.loading.plan import Extent, plan_transfers, raw_extents
+from szformat.loading.plan import Extent, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
+from szformat.loading.verify import StoredCrcCheck, crc32_combine
 
 POISON = 0xA5
 
@@ -223,11 +226,20 @@ def _entries(path):
 def test_plan_packs_small_tensors_and_streams_large_ones():
     extents = [Extent(0, 64, 100), Extent(1, 256, 100), Extent(2, 512, 1000), Extent(3, 1600, 50), Extent(4, 1700, 0)]
     plan = plan_transfers(extents, 400)
-    assert [(t.start, t.nbytes, t.packed) for t in plan] == [(64, 292, True), (512, 400, False), (912, 400, False),
-                                                            (1312, 200, False), (1600, 50, True)]
+    assert [(t.start, t.nbytes, t.packed) for t in plan] == [(64, 292, True), (512, 334, False), (846, 334, False),
+                                                            (1180, 332, False), (1600, 50, True)]
     assert [(p.item, p.slot_offset) for p in plan[0].pieces] == [(0, 0), (1, 192)]
     assert [(p.offset, p.length, p.last) for t in plan[1:4] for p in t.pieces] == [
-        (0, 400, False), (400, 400, False), (800, 200, True)]
+        (0, 334, False), (334, 334, False), (668, 332, True)]
+
+
+def test_large_tensors_stream_in_equal_whole_page_pieces():
+    slot = 16 << 20
+    assert streamed_piece_bytes(slot + 4096, slot) == (slot // 2 + 4096)  # two halves, not a slot and a sliver
+    assert streamed_piece_bytes(3 * slot, slot) == slot
+    assert streamed_piece_bytes(10_000, 6_000) == 5_000  # pages would overflow the slot: plain halves
+    plan = plan_transfers([Extent(0, 4096, 67_600_000)], 64 << 20)
+    assert [t.nbytes for t in plan] == [33_800_192, 33_799_808]
 
 
 def test_plan_covers_every_byte_once():
@@ -284,6 +296,44 @@ def test_ring_reuses_slots_after_their_release_event():
     assert ring.host_waits == 1
     with pytest.raises(ValueError, match="at least 2"):
         StagingRing(ops, 1, 128, host=True, device=False)
+
+
+def test_ring_host_waits_for_the_copy_and_the_device_for_the_decode():
+    """The host refills a slot once its copy has run; the stream that writes its device buffer waits, on the device,
+    for the decode that read it."""
+    ops = FakeOps()
+    ring = StagingRing(ops, 2, 128, host=True, device=True)
+    copy_stream, decode_stream = ops.new_stream(), ops.new_stream()
+    slot = ring.acquire(host_writes=True, stream=copy_stream)
+    ring.acquire(host_writes=True, stream=copy_stream)
+    copied, decoded = ops.record(copy_stream), ops.record(decode_stream)
+    ring.release(slot, copied, decoded)
+    start = len(ops.log)
+    ring.acquire(host_writes=True, stream=copy_stream)
+    assert ops.log[start:] == [("sync", copied), ("wait", copy_stream.index, decoded)]
+    ring = StagingRing(ops, 2, 128, host=True, device=True)
+    for _ in range(2):
+        ring.release(ring.acquire(host_writes=True), copied, decoded)
+    with pytest.raises(ValueError, match="stream that writes"):
+        ring.acquire(host_writes=True)
+
+
+def test_ring_allocates_a_slot_when_first_used():
+    allocated = []
+
+    class CountingOps(FakeOps):
+        def host_buffer(self, nbytes):
+            allocated.append(("host", nbytes))
+            return super().host_buffer(nbytes)
+
+        def device_buffer(self, nbytes):
+            allocated.append(("device", nbytes))
+            return super().device_buffer(nbytes)
+
+    ring = StagingRing(CountingOps(), 4, 256, host=True, device=True)
+    assert allocated == []
+    slot = ring.acquire(host_writes=True)
+    assert allocated == [("host", 256), ("device", 256)] and slot.host.numel() == slot.device.numel() == 256
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -392,6 +442,120 @@ def test_loader_verifies_stored_bytes(checkpoint, tmp_path):
     with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with SztFile(bad) as f:
             assert not torch.equal(loader.load(f, ["a.weight"])["a.weight"], torch.zeros(48, 33, dtype=torch.bfloat16))
+
+
+def test_crc32_combine_matches_zlib_on_joined_bytes():
+    rng = random.Random()
+    for _ in range(200):
+        a, b = os.urandom(rng.choice([0, 1, 7, 4096, rng.randrange(70_000)])), os.urandom(rng.randrange(70_000))
+        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
+    for _ in range(20):  # lengths far past what can be materialised: joining must not depend on grouping
+        x, y, z = (rng.getrandbits(32) for _ in range(3))
+        ly, lz = rng.randrange(1 << 40), rng.randrange(1 << 40)
+        assert crc32_combine(crc32_combine(x, y, ly), z, lz) == crc32_combine(x, crc32_combine(y, z, lz), ly + lz)
+    with pytest.raises(ValueError, match="negative"):
+        crc32_combine(0, 0, -1)
+
+
+def _entry(name, offset, data):
+    return SimpleNamespace(name=name, offset=offset, length=len(data), crc32=zlib.crc32(data))
+
+
+def test_stored_crc_check_joins_pieces_in_any_order_and_skips_padding(tmp_path):
+    """Two tensors with padding between them, staged in one slot and read as uneven pieces finishing in random
+    order: each tensor's CRC comes out right; a flipped byte, or a piece never read, is reported."""
+    a, b = os.urandom(10_000), os.urandom(25_000)
+    line = a + bytes(240) + b
+    entries = [_entry("a", 0, a), _entry("b", 10_240, b)]
+    transfer = plan_transfers([Extent(0, 0, len(a)), Extent(1, 10_240, len(b))], 1 << 20)[0]
+    slot = torch.frombuffer(bytearray(line), dtype=torch.uint8)
+    cuts = sorted(random.sample(range(1, len(line)), 6))
+    pieces = list(zip([0] + cuts, cuts + [len(line)]))
+    random.shuffle(pieces)
+    check = StoredCrcCheck(entries, tmp_path / "f.szt")
+    for start, stop in pieces:
+        check.add(transfer, start, slot[start:stop])
+    check.check()
+
+    slot[10_240 + 99] ^= 1
+    check = StoredCrcCheck(entries, tmp_path / "f.szt")
+    for start, stop in pieces:
+        check.add(transfer, start, slot[start:stop])
+    with pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
+        check.check()
+    assert info.value.tensor == "b"
+    check = StoredCrcCheck(entries, tmp_path / "f.szt")
+    check.add(transfer, 0, slot[:5000])
+    with pytest.raises(RuntimeError, match="not all read"):
+        check.check()
+
+
+def test_verify_rides_along_with_the_reads(checkpoint, tmp_path):
+    """Staged reads check each piece on the thread that read it (no second pass: no verify pool), also for a
+    tensor streamed through several slots, whose pieces are joined across transfers."""
+    path, tensors = checkpoint
+    staging = StagingConfig(slot_bytes=4096, slots=3, threads=3, transport="staged")
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps((1,)), codec=ReferenceCodec()) as loader:
+        with SztFile(path) as f:
+            assert f.entries["big.weight"].length > 2 * 4096
+            _assert_same(loader.load(f), tensors)
+        assert loader._verify_pool is None
+    bad = tmp_path / "bad.szt"
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        big = f.entries["big.weight"]
+    data[big.offset + big.length - 3] ^= 0x01  # in the last slot of the streamed tensor
+    bad.write_bytes(bytes(data))
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps((1,)), codec=ReferenceCodec()) as loader:
+        with SztFile(bad) as f, pytest.raises(ChecksumMismatchError, match="big.weight"):
+            loader.load(f)
+
+
+def test_registered_source_refuses_a_read_hook(checkpoint):
+    path, _ = checkpoint
+    file, entries = _entries(path)
+    transfer = plan_transfers([Extent(0, entries[0].offset, entries[0].length)], 1 << 20)[0]
+    with pytest.raises(ValueError, match="not read on the host"):
+        MappedSource(FakeMapping(path), None).stage(transfer, None, then=lambda start, piece: None)
+    file.close()
+
+
+class TimingOps(FakeOps):
+    """Fake streams whose timing events stamp the host clock when the stream reaches them."""
+
+    def timing_event(self, stream):
+        event = SimpleNamespace(at=None)
+        self.enqueue(stream, lambda: setattr(event, "at", time.perf_counter()), "timing")
+        return event
+
+    def elapsed_seconds(self, begin, end):
+        return end.at - begin.at
+
+
+@pytest.mark.parametrize("verify", [False, True])
+def test_timeline_records_every_step_of_every_transfer(checkpoint, verify):
+    path, tensors = checkpoint
+    staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
+    with DeviceLoader("cpu", staging=staging, verify=verify, ops=TimingOps(), codec=ReferenceCodec()) as loader:
+        with SztFile(path) as f, timeline.recording() as record:
+            _assert_same(loader.load(f), tensors)
+        stored = sum(e.length for e in f.entries.values())
+    assert timeline.current() is None
+    spans = record.spans()
+    transfers = {s.k for s in spans if s.what == "stage"}
+    assert len(transfers) > 2 and all(k >= 0 for k in transfers)
+    for what in ("wait_slot", "stage", "wait_reads", "land", "read"):
+        assert {s.k for s in spans if s.what == what} == transfers, what
+    read = sum(s.nbytes for s in spans if s.what == "read")
+    assert read == stored  # every payload starts a page, so 4 KiB slots hold one each: no padding is read
+    copies = [s for s in spans if s.lane == "device:copy"]
+    assert {s.k for s in copies} == transfers and sum(s.nbytes for s in copies) == read
+    assert {s.k for s in spans if s.lane == "device:decode"} <= transfers
+    assert any(s.what == "crc" for s in spans) == verify
+    assert all(s.start <= s.end for s in spans)
+    summary = record.summary()
+    assert summary["read_thread_ms"] >= summary["read_busy_ms"] > 0
+    assert {"wall_ms", "wait_slot_ms", "wait_reads_ms", "land_ms", "allocate_ms", "copy_busy_ms"} <= summary.keys()
 
 
 def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):

@@ -19,7 +19,6 @@ from ddo_vmm_allocator import model_arena_adapter  # noqa: E402
 from diffusers_dynamic_offloader import vmm_weight_store  # noqa: E402
 
 import szformat  # noqa: E402
-from szformat.codec import cpu as cpu_codec  # noqa: E402
 from szformat.errors import DecodeRouteError  # noqa: E402
 from szformat.loading import SlotDecoder  # noqa: E402
 from szformat.offload import OffloadEnvironment, bind_module  # noqa: E402
@@ -28,6 +27,8 @@ from szformat.offload.ddo_compat import SztFileSlice, check_ddo, ddo_config, sub
 from szformat.offload.ddo_native import SztArenaWeightStore, SztNativeShardTransport, payload_windows  # noqa: E402
 from szformat.offload.ddo_staging import StagingContext, SztStagingPool, group_destinations  # noqa: E402
 from szformat.offload.placeholders import Placeholders  # noqa: E402
+
+from fakes import ReferenceCodec  # noqa: E402
 
 DDO = "diffusers-dynamic-offloader"
 
@@ -89,25 +90,6 @@ class FakeOps:
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 0x5A, dtype=torch.uint8)
-
-
-class ReferenceCodec:
-    """The device codec's contract, fulfilled by the CPU reference decoder."""
-
-    def batch_table(self, entries, device):
-        return list(entries)
-
-    def decode_batch(self, payloads, table, out):
-        for layout, codebook, payload_offset, output_offset in table:
-            cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
-                             out=out[output_offset: output_offset + layout.n])
-
-    def new_scratch(self):
-        return None
-
-    def decode_in_place(self, buffer, layout, codebook, scratch):
-        stash = buffer[: layout.comp_bytes].clone()
-        cpu_codec.decode(stash, layout, codebook, out=buffer[: layout.raw_bytes].view(torch.bfloat16))
 
 
 # -- checkpoint --------------------------------------------------------------------------------------------------

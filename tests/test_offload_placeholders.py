@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 import szformat
-from szformat.errors import FormatError
+from szformat.errors import ShardIndexError
 from szformat.format.constants import TORCH_TO_DTYPE
 from szformat.offload import bind_module
 from szformat.offload.binding import module_tensor, snapshot_tensors
@@ -119,7 +119,7 @@ def test_an_index_that_points_a_tensor_to_the_wrong_shard_is_refused(sharded):
     content = json.loads(index.read_text())
     content["weight_map"]["b.weight"] = "model-00001-of-00002.szt"
     index.write_text(json.dumps(content))
-    with pytest.raises(FormatError, match="maps this tensor to a shard that does not hold it") as caught:
+    with pytest.raises(ShardIndexError, match="maps this tensor to a shard that does not hold it") as caught:
         Checkpoint(index)
     assert "b.weight" in str(caught.value) and "model-00001-of-00002.szt" in str(caught.value)
 

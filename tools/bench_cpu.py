@@ -8,12 +8,14 @@ Rows, all on the same bytes, in the same run:
 - ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
   4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
 - ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload).
-- ``safetensors load``: ``safetensors.torch.load_file`` of the page-cached file, then a sum over every tensor's int16
-  view so every byte is read (``load_file`` may map pages lazily).
+- ``safetensors load``: ``safetensors.torch.load_file`` of the page-cached file, then a sum over every tensor's
+  bytes so every byte is read (``load_file`` maps the file; pages are read when touched).
 - ``zipnn decompress``: ZipNN (byte-grouped BF16 mode with its Huffman coder) decompressing each tensor.
 
 Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
-``--repeats`` runs. Every decoder's output is compared bit for bit with the source before anything is timed.
+``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
+source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
+threads" uses every core for both.
 
 Usage::
 
@@ -67,17 +69,6 @@ def cpu_model() -> str:
     return platform.processor() or "unknown CPU"
 
 
-def timed(fn: Callable[[], object], repeats: int) -> list[float]:
-    """Wall seconds of ``repeats`` calls, after one warm-up call."""
-    fn()
-    seconds = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        seconds.append(time.perf_counter() - start)
-    return seconds
-
-
 def gbps(raw_bytes: int, seconds: list[float]) -> tuple[float, float]:
     return raw_bytes / min(seconds) / 1e9, raw_bytes / statistics.median(seconds) / 1e9
 
@@ -107,21 +98,27 @@ def write_payload_file(path: Path, payloads: dict[str, torch.Tensor]) -> dict[st
     return where
 
 
+def touch(t: torch.Tensor) -> None:
+    """Read every byte of ``t``: a sum over its bytes as int64 words (as uint8 for a ragged tail).
+
+    (A sum over int16 would do too, but PyTorch sums int16 at under 1 GB/s: the anchor would measure the sum.)
+    """
+    data = t.reshape(-1).view(torch.uint8)
+    whole = data.numel() // 8 * 8
+    data[:whole].view(torch.int64).sum()
+    data[whole:].sum()
+
+
 def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[Row]:
-    all_threads = os.cpu_count() or 1
+    """Check every method's output against the source, then time all of them round-robin, so that a change in
+    the machine's load hits every method alike."""
     bf16 = {name: t for name, t in tensors.items() if t.dtype == torch.bfloat16}
     raw_bytes = sum(t.numel() * 2 for t in bf16.values())
-    rows: list[Row] = []
-
-    def add(method: str, threads: int, ratio: float | None, seconds: list[float]) -> None:
-        rows.append(Row(label, method, threads, ratio, *gbps(raw_bytes, seconds)))
-        print(f"  {method:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
-
     print(f"{label}: {len(bf16)} BF16 tensors, {raw_bytes / 1e6:.1f} MB", flush=True)
 
-    # SplitZip: convert, then decode from a memory-mapped payload file.
+    # SplitZip: payloads in a page-cached file, decoded from a read-only memory map.
     encoded = {name: cpu.encode(t) for name, t in bf16.items()}
-    ratio = sum(layout.comp_bytes for _, layout, _ in encoded.values()) / raw_bytes
+    splitzip_ratio = sum(layout.comp_bytes for _, layout, _ in encoded.values()) / raw_bytes
     payload_path = workdir / f"{label}.payloads"
     where = write_payload_file(payload_path, {name: payload for name, (payload, _, _) in encoded.items()})
     with open(payload_path, "rb") as f:
@@ -130,70 +127,78 @@ def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, r
         warnings.simplefilter("ignore")  # a read-only buffer: nothing writes through this tensor
         file_bytes = torch.frombuffer(mapped, dtype=torch.uint8)
     views = {name: file_bytes[offset: offset + length] for name, (offset, length) in where.items()}
-
-    def decode_all(outs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
-        result = {}
-        for name, (_, layout, codebook) in encoded.items():
-            out = outs[name] if outs is not None else None
-            result[name] = cpu.decode(views[name], layout, codebook, out=out)
-        return result
-
-    decoded = decode_all()
-    assert all(bits_equal(decoded[name], bf16[name]) for name in bf16), "SplitZip decode is not bit-exact"
     preallocated = {name: torch.empty(t.numel(), dtype=torch.bfloat16) for name, t in bf16.items()}
+
+    def splitzip_decode(outs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return {name: cpu.decode(views[name], layout, codebook, out=None if outs is None else outs[name])
+                for name, (_, layout, codebook) in encoded.items()}
+
+    decoded = splitzip_decode()
+    assert all(bits_equal(decoded[name], bf16[name]) for name in bf16), "SplitZip decode is not bit-exact"
     del decoded
 
-    for threads in (1, all_threads):
-        torch.set_num_threads(threads)
-        add("splitzip decode (mmap -> new tensors)", threads, ratio, timed(decode_all, repeats))
-        add("splitzip decode (mmap -> preallocated)", threads, ratio,
-            timed(lambda: decode_all(preallocated), repeats))
-        add("splitzip convert (calibrate + encode)", threads, ratio,
-            timed(lambda: [cpu.encode(t) for t in bf16.values()], repeats))
-    del preallocated, views, file_bytes
-    mapped.close()
-
-    # safetensors: load_file of the page-cached file, then read every byte.
+    # safetensors: the same tensors in a page-cached file.
     st_path = workdir / f"{label}.safetensors"
     save_file(tensors, st_path)
-    loaded = load_file(st_path)  # also brings the file into the page cache
+    loaded = load_file(st_path)
     assert all(bits_equal(loaded[name], bf16[name]) for name in bf16)
     del loaded
 
-    def load_and_touch() -> None:
+    def safetensors_load() -> None:
         for t in load_file(st_path).values():
-            t.view(torch.int16).sum() if t.dtype == torch.bfloat16 else t.sum()
+            touch(t)
 
+    methods = [
+        ("splitzip decode (mmap -> new tensors)", splitzip_ratio, splitzip_decode),
+        ("splitzip decode (mmap -> preallocated)", splitzip_ratio, lambda: splitzip_decode(preallocated)),
+        ("splitzip convert (calibrate + encode)", splitzip_ratio, lambda: [cpu.encode(t) for t in bf16.values()]),
+        ("safetensors load_file + touch", 1.0, safetensors_load),
+    ]
+    zipnn = zipnn_methods(bf16, raw_bytes)
+
+    rows = []
+    all_threads = os.cpu_count() or 1
     for threads in (1, all_threads):
         torch.set_num_threads(threads)
-        add("safetensors load_file + touch", threads, 1.0, timed(load_and_touch, repeats))
-
-    rows.extend(bench_zipnn(label, bf16, raw_bytes, repeats, all_threads))
+        timed_methods = methods + [(name, ratio, make(threads)) for name, ratio, make in zipnn]
+        seconds: dict[str, list[float]] = {name: [] for name, _, _ in timed_methods}
+        for name, _, fn in timed_methods:
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, _, fn in timed_methods:
+                start = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - start)
+        for name, ratio, _ in timed_methods:
+            rows.append(Row(label, name, threads, ratio, *gbps(raw_bytes, seconds[name])))
+            print(f"  {name:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
     torch.set_num_threads(all_threads)
+    del views, file_bytes
+    mapped.close()
     return rows
 
 
-def bench_zipnn(label: str, bf16: dict[str, torch.Tensor], raw_bytes: int, repeats: int,
-                all_threads: int) -> list[Row]:
+def zipnn_methods(bf16: dict[str, torch.Tensor], raw_bytes: int) -> list[tuple[str, float, Callable]]:
+    """ZipNN's decompression of every tensor (byte-grouped BF16 with Huffman, its mode for BF16 bytes), checked
+    bit for bit; ``make(threads)`` gives the timed function. Empty when zipnn is not installed."""
     try:
         from zipnn import ZipNN
     except ImportError as e:  # not a dependency of the project: installed by hand for this comparison
-        print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` to add it", flush=True)
+        print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` adds it", flush=True)
         return []
-    rows = []
-    for threads in (1, all_threads):
+    # ZipNN's compressor reorders the bits of its input in place: give it a copy.
+    compressor = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+    compressed = [compressor.compress(bytearray(t.view(torch.int16).numpy().tobytes())) for t in bf16.values()]
+    ratio = sum(len(c) for c in compressed) / raw_bytes
+    for data, t in zip(compressed, bf16.values()):
+        restored = torch.frombuffer(compressor.decompress(data), dtype=torch.int16)
+        assert torch.equal(restored, t.reshape(-1).view(torch.int16)), "ZipNN is not bit-exact"
+
+    def make(threads: int) -> Callable[[], None]:
         codec = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=threads)
-        # ZipNN's compressor reorders the bits of its input in place: give it a copy.
-        compressed = {name: codec.compress(bytearray(t.view(torch.int16).numpy().tobytes()))
-                      for name, t in bf16.items()}
-        ratio = sum(len(c) for c in compressed.values()) / raw_bytes
-        for name, data in compressed.items():
-            restored = torch.frombuffer(codec.decompress(data), dtype=torch.int16)
-            assert torch.equal(restored, bf16[name].reshape(-1).view(torch.int16)), f"ZipNN is not exact on {name}"
-        seconds = timed(lambda: [codec.decompress(data) for data in compressed.values()], repeats)
-        rows.append(Row(label, "zipnn decompress (byte-grouped BF16)", threads, ratio, *gbps(raw_bytes, seconds)))
-        print(f"  {rows[-1].method:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
-    return rows
+        return lambda: [codec.decompress(data) for data in compressed]
+
+    return [("zipnn decompress (byte-grouped BF16)", ratio, make)]
 
 
 def print_table(rows: list[Row]) -> None:

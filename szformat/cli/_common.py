@@ -4,7 +4,16 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TextIO
+from typing import Callable, TextIO
+
+
+def add_command(subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], *,
+                help: str, description: str, examples: str) -> argparse.ArgumentParser:
+    """Add subcommand ``name``, run by ``run(args)``, with its examples shown below the options as written."""
+    parser = subparsers.add_parser(name, help=help, description=description, epilog=examples,
+                                   formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.set_defaults(run=run)
+    return parser
 
 
 def add_quiet(parser: argparse.ArgumentParser) -> None:

@@ -7,7 +7,7 @@ import os
 
 from ..convert import convert
 from ..errors import CLIError
-from ._common import add_quiet, print_lines, show_progress
+from ._common import add_command, add_quiet, print_lines, show_progress
 
 NAME = "convert"
 HUB_REF_PREFIX = "hf://"
@@ -28,9 +28,8 @@ Every tensor is decoded again and compared bit for bit before it is written; out
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        NAME, help="convert safetensors to .szt (the default command)", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        subparsers, NAME, run, help="convert safetensors to .szt (the default command)", examples=EXAMPLES,
         description="Convert a .safetensors file, a sharded checkpoint (*.safetensors.index.json), a model folder "
                     "or an hf://user/repo safetensors repo to szformat.")
     parser.add_argument("input", help="a .safetensors file, a *.safetensors.index.json, a model folder or "
@@ -46,7 +45,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     hub.add_argument("--commit-message", help="message of the upload commit (with --push-to-hub)")
     hub.add_argument("--token", help="Hub token for download and upload (default: HF_TOKEN or the saved login)")
     add_quiet(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..convert import decompress
-from ._common import add_quiet, print_lines, show_progress
+from ._common import add_command, add_quiet, print_lines, show_progress
 
 NAME = "decompress"
 
@@ -21,9 +21,8 @@ safetensors package comes back byte for byte.
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        NAME, help="convert .szt back to safetensors", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        subparsers, NAME, run, help="convert .szt back to safetensors", examples=EXAMPLES,
         description="Convert a .szt file, a *.szt.index.json sharded checkpoint or a converted folder back to "
                     "safetensors.")
     parser.add_argument("input", help="a .szt file, a *.szt.index.json or a converted folder")
@@ -31,7 +30,6 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                   "single file (default for a single file: beside it)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
     add_quiet(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

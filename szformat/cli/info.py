@@ -12,7 +12,7 @@ from ..format import constants as C
 from ..format.reader import SztFile
 from ..convert.checkpoint import find_files
 from ..convert.report import TensorRecord, format_bytes, format_table
-from ._common import print_lines
+from ._common import add_command, print_lines
 
 NAME = "info"
 
@@ -29,14 +29,12 @@ METADATA_WIDTH = 116
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        NAME, help="show the header, sizes and tensors of .szt files", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        subparsers, NAME, run, help="show the header, sizes and tensors of .szt files", examples=EXAMPLES,
         description="Show the format version, alignment, metadata, sizes and compression ratio of a .szt file, "
                     "a *.szt.index.json sharded checkpoint or a converted folder, and a table of its tensors.")
     parser.add_argument("path", help="a .szt file, a *.szt.index.json or a converted folder")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

@@ -6,7 +6,7 @@ import argparse
 import sys
 
 from ..convert import verify
-from ._common import add_quiet, print_lines, show_progress
+from ._common import add_command, add_quiet, print_lines, show_progress
 
 NAME = "verify"
 
@@ -21,14 +21,12 @@ Exit status: 0 when everything checks, 1 when anything is wrong (each bad file a
 
 
 def register(subparsers: argparse._SubParsersAction) -> None:
-    parser = subparsers.add_parser(
-        NAME, help="check every checksum and decode every tensor", epilog=EXAMPLES,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+    parser = add_command(
+        subparsers, NAME, run, help="check every checksum and decode every tensor", examples=EXAMPLES,
         description="Verify a .szt file, a *.szt.index.json sharded checkpoint or a converted folder: headers, "
                     "stored checksums, and every tensor decoded against the checksum of its raw bytes.")
     parser.add_argument("path", help="a .szt file, a *.szt.index.json or a converted folder")
     add_quiet(parser)
-    parser.set_defaults(run=run)
 
 
 def run(args: argparse.Namespace) -> int:

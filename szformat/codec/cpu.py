@@ -10,7 +10,9 @@ choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
   65,536-entry table indexed by the pair's two exponent bytes.
 - **Few, cache-sized ops.** Every eager PyTorch call costs a few microseconds and streams its operands through
   memory, so the work runs in slices of :data:`SLICE_PAIRS` pairs whose temporaries stay in the L2 cache, with as
-  few calls per slice as the arithmetic allows (5 to decode, 7 to encode). Only input and output touch DRAM.
+  few calls per slice as the arithmetic allows (5 to decode, 8 to encode, 2 to count exponents). Only input and
+  output touch DRAM. Ops whose output dtype differs from their inputs' are avoided where a separate narrowing copy
+  is faster.
 - **int32 indices.** ``torch.index_select`` with an int32 index is the fastest gather PyTorch offers on the CPU
   (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``).
 - **Escapes aside.** The encoder gathers escape flags only for tensors that have escapes and scans them with

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConversionError
 from ..format import constants as C
-from .atomic import AtomicFile
+from .atomic import OutputFile
 from .sources import HEADER_LENGTH, METADATA_KEY
 
 TensorSpec = tuple[str, str, Sequence[int]]
@@ -56,7 +56,7 @@ class SafetensorsWriter:
             raise ConversionError(f"tensor names must be unique and not {METADATA_KEY!r}", path=path)
         header, self._data_size = safetensors_header(tensors, metadata)
         self._written = 0
-        self._file = AtomicFile(self.path, overwrite=overwrite)
+        self._file = OutputFile(self.path, overwrite=overwrite)
         self._file.write(HEADER_LENGTH.pack(len(header)) + header)
 
     def __enter__(self) -> "SafetensorsWriter":

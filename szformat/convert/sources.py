@@ -144,8 +144,6 @@ def _parse_tensor(name: str, info: Any, *, path) -> SourceTensor:
     if dtype not in C.DTYPES:
         raise ConversionError(f"dtype {dtype!r} is not supported (supported: {', '.join(C.DTYPES)})", path=path,
                               tensor=name)
-    if not isinstance(shape, list):
-        raise ConversionError(f"shape must be a list of sizes, got {shape!r}", path=path, tensor=name)
     try:
         numel = validate_shape(shape)
     except ValueError as e:

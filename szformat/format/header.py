@@ -12,13 +12,15 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 import msgpack
+import torch
 
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
-from ..errors import HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError, UnsupportedVersionError
+from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
+                      UnsupportedVersionError)
 from . import constants as C
 
 _U32 = (1 << 32) - 1
@@ -49,6 +51,19 @@ class TensorEntry:
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    def torch_dtype(self, path: str | os.PathLike) -> torch.dtype:
+        """The torch dtype to decode into.
+
+        Raises:
+            DecodeRouteError: this torch lacks the dtype (wide unsigned and float8 ones are recent), naming
+                ``path``, the file holding this entry, and the tensor.
+        """
+        dtype = C.DTYPES[self.dtype][0]
+        if dtype is None:
+            raise DecodeRouteError(f"dtype {self.dtype} has no torch equivalent in torch {torch.__version__}",
+                                   path=path, tensor=self.name)
+        return dtype
 
     def to_dict(self) -> dict[str, Any]:
         if self.encoding == C.ENCODING_SPLITZIP:
@@ -111,8 +126,11 @@ def validate_name(name: object) -> None:
         raise ValueError(f"{C.RESERVED_NAME!r} is reserved and cannot name a tensor")
 
 
-def validate_shape(shape: Sequence[object]) -> int:
-    """Check a shape (at most MAX_NDIM non-negative ints, each and their product at most MAX_ELEMENTS); its numel."""
+def validate_shape(shape: object) -> int:
+    """Check a shape (a list or tuple of at most MAX_NDIM non-negative ints, each and their product at most
+    MAX_ELEMENTS); its numel."""
+    if not isinstance(shape, (list, tuple)):
+        raise ValueError(f"shape must be a list of sizes, got {shape!r}")
     if len(shape) > C.MAX_NDIM:
         raise ValueError(f"shape has {len(shape)} dimensions, more than the limit of {C.MAX_NDIM}")
     for d in shape:
@@ -259,8 +277,6 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
     if not isinstance(dtype, str) or dtype not in C.DTYPES:
         raise HeaderError(f"unknown dtype {dtype!r}", path=path, tensor=name)
     shape = item.get("shape")
-    if not isinstance(shape, list):
-        raise HeaderError(f"shape must be a list, got {shape!r}", path=path, tensor=name)
     try:
         numel = validate_shape(shape)
     except ValueError as e:

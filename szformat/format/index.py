@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from ..errors import FormatError, ShardIndexError, SzformatError, WriteError
+from ..errors import FormatError, ShardIndexError
 from . import constants as C
-from .writer import _create_temporary, _fsync_directory
+from .atomic import AtomicFile
 
 __all__ = ["INDEX_TAIL", "ShardIndex", "check_index", "check_shard", "checkpoint_shards", "index_problems",
            "read_index", "shard_path", "write_index"]
@@ -95,19 +95,9 @@ def write_index(path: str | os.PathLike, index: ShardIndex) -> Path:
     path = Path(path)
     text = json.dumps({"metadata": index.metadata, "weight_map": index.weight_map}, indent=2, sort_keys=True,
                       ensure_ascii=False)
-    tmp, file = _create_temporary(path)
-    try:
-        with file:
-            file.write((text + "\n").encode("utf-8"))
-            file.flush()
-            os.fsync(file.fileno())
-        os.replace(tmp, path)
-    except BaseException as e:
-        tmp.unlink(missing_ok=True)
-        if isinstance(e, OSError) and not isinstance(e, SzformatError):
-            raise WriteError(f"cannot write the sharded index ({e.strerror or e})", path=path) from e
-        raise
-    _fsync_directory(path.parent)
+    with AtomicFile(path) as file:
+        file.write((text + "\n").encode("utf-8"))
+        file.commit()
     return path
 
 

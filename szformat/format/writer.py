@@ -10,7 +10,6 @@ from __future__ import annotations
 import enum
 import operator
 import os
-import secrets
 import zlib
 from pathlib import Path
 from typing import Sequence
@@ -18,8 +17,9 @@ from typing import Sequence
 import torch
 
 from ..codec.gate import EncodedTensor
-from ..errors import ConversionError, SzformatError, WriteError
+from ..errors import ConversionError, WriteError
 from . import constants as C
+from .atomic import AtomicFile
 from .header import Header, TensorEntry, validate_metadata, validate_name, validate_shape
 
 
@@ -56,7 +56,7 @@ class SztWriter:
         self.metadata = None if metadata is None else dict(metadata)
         self._entries: list[TensorEntry] = []
         self._names: set[str] = set()
-        self._tmp, self._file = _create_temporary(self.path)
+        self._file = AtomicFile(self.path)
         self._cursor = 0
         self.state = WriterState.OPEN
         self._write(bytes(C.PREAMBLE_SIZE))
@@ -141,17 +141,10 @@ class SztWriter:
             self._write(header)
             preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, C.VERSION_MINOR, 0, header_offset, len(header),
                                        zlib.crc32(header), self.alignment, self._cursor)
-            self._file.seek(0)
-            self._file.write(preamble)
-            self._file.flush()
-            os.fsync(self._file.fileno())
-            self._file.close()
-            os.replace(self._tmp, self.path)
-            _fsync_directory(self.path.parent)
-        except BaseException as e:
+            self._file.write(preamble, at=0)
+            self._file.commit()
+        except BaseException:
             self.abort()
-            if isinstance(e, OSError) and not isinstance(e, SzformatError):
-                raise WriteError(f"cannot finish the file ({e.strerror or e})", path=self.path) from e
             raise
         self.state = WriterState.FINISHED
         return self.path
@@ -161,10 +154,7 @@ class SztWriter:
         if self.state is not WriterState.OPEN:
             return
         self.state = WriterState.ABORTED
-        try:
-            self._file.close()
-        finally:
-            self._tmp.unlink(missing_ok=True)
+        self._file.abort()
 
     @property
     def entries(self) -> list[TensorEntry]:
@@ -177,41 +167,8 @@ class SztWriter:
     def _write(self, data) -> None:
         try:
             self._file.write(data)
-        except OSError as e:
+        except WriteError:
             self.abort()
-            raise WriteError(f"cannot write ({e.strerror or e}); nothing was left behind", path=self.path) from e
+            raise
         self._cursor += len(data) if not isinstance(data, memoryview) else data.nbytes
 
-
-def _create_temporary(target: Path):
-    """Create ``.<name>.<random>.tmp`` beside ``target`` for writing.
-
-    Created with mode 0o666 so the umask applies, as it would to any new file (``tempfile.mkstemp`` would make a
-    file only its owner can read, and the rename would carry that over to the output).
-    """
-    directory = target.parent if str(target.parent) else Path(".")
-    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
-    for _ in range(100):
-        tmp = directory / f".{target.name}.{secrets.token_hex(6)}.tmp"
-        try:
-            fd = os.open(tmp, flags, 0o666)
-        except FileExistsError:
-            continue
-        except OSError as e:
-            raise WriteError(f"cannot create a temporary file beside the output ({e.strerror})", path=target) from e
-        return tmp, os.fdopen(fd, "wb")
-    raise WriteError("cannot find a free temporary file name beside the output", path=target)
-
-
-def _fsync_directory(directory: Path) -> None:
-    """Make the rename durable where the platform allows opening a directory (not on Windows)."""
-    try:
-        fd = os.open(directory if str(directory) else ".", os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)

@@ -16,7 +16,6 @@ from typing import Callable, Sequence
 import torch
 
 from ..errors import DecodeRouteError, FormatError
-from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.index import check_shard, checkpoint_shards
 from ..format.reader import SztFile, check_crc
@@ -25,6 +24,7 @@ from .hostio import FileReader, RegisteredMapping, default_threads
 from .ops import DeviceOps, cuda_ops
 from .pipeline import DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource, TransferLoop
 from .ring import StagingRing
+from .verify import StoredCrcCheck
 
 __all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "load_checkpoint"]
 
@@ -75,8 +75,9 @@ class DeviceLoader:
         route (`str`, *optional*): ``"gpu"`` moves the stored (compressed) bytes and decodes on the device (needs
             Triton); ``"cpu"`` decodes on the host and moves raw bytes; ``"auto"`` (default) is ``"gpu"``.
         staging (`StagingConfig`, *optional*): slot size and count, reader threads, host transport.
-        verify (`bool`, *optional*): check the CRC-32 of each tensor's stored bytes, on host threads while the
-            transfer runs; a mismatch raises after the transfer and no tensor is returned.
+        verify (`bool`, *optional*): check the CRC-32 of each tensor's stored bytes while the transfer runs (with
+            staged reads, each reader thread checks the piece it has just read); a mismatch raises after the
+            transfer and no tensor is returned.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
 
     Raises:
@@ -108,14 +109,20 @@ class DeviceLoader:
     def load(self, file: SztFile, names: Sequence[str] | None = None) -> dict[str, torch.Tensor]:
         """Tensors ``names`` (all by default) of ``file``, on the device, ready to use on any stream."""
         entries = [file.entry(name) for name in (file.entries if names is None else names)]
-        dtypes = [_torch_dtype(entry, file.path) for entry in entries]
-        checks = self._start_verify(file, entries) if self.verify else []
+        dtypes = [entry.torch_dtype(file.path) for entry in entries]
+        checks: list[Future] = []
+        inline: StoredCrcCheck | None = None
         try:
             if self.route == "gpu":
                 source = self._source(file)
+                if self.verify and source.host_writes:  # the reader threads check what they have just read
+                    inline = StoredCrcCheck(entries, file.path)
+                elif self.verify:
+                    checks = self._start_verify(file, entries)
                 route = self._route_for(entries, host=source.host_writes)
-                flat = route.load(entries, source)
+                flat = route.load(entries, source, verify=inline)
             else:
+                checks = self._start_verify(file, entries) if self.verify else []
                 route = self._route_for(entries, host=True)
                 flat = route.load(file, entries)
             route.loop.finish()
@@ -125,6 +132,8 @@ class DeviceLoader:
             raise
         for check in checks:
             check.result()
+        if inline is not None:
+            inline.check()
         return {e.name: raw.view(dtype).reshape(e.shape) for raw, e, dtype in zip(flat, entries, dtypes)}
 
     def release(self, file: SztFile) -> None:
@@ -192,14 +201,6 @@ class DeviceLoader:
             self._verify_pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="szformat-verify")
         return [self._verify_pool.submit(check_crc, file.payload(e.name), e.crc32, what="stored bytes",
                                          path=file.path, tensor=e.name) for e in entries]
-
-
-def _torch_dtype(entry: TensorEntry, path: Path) -> torch.dtype:
-    dtype = C.DTYPES[entry.dtype][0]
-    if dtype is None:
-        raise DecodeRouteError(f"dtype {entry.dtype} has no torch equivalent in torch {torch.__version__}",
-                               path=path, tensor=entry.name)
-    return dtype
 
 
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",

@@ -49,7 +49,14 @@ class DeviceOps(Protocol):
 
 
 class CudaOps:
-    """:class:`DeviceOps` on a CUDA device through PyTorch streams and events."""
+    """:class:`DeviceOps` on a CUDA device through PyTorch streams and events.
+
+    Host waits sleep until the device signals (blocking-sync events) instead of spinning, because a spinning host
+    thread takes a core from the reader threads that fill the staging slots.
+    """
+
+    blocking_sync = True
+    """Events the host waits on put it to sleep (``cudaEventBlockingSync``) rather than spin."""
 
     def __init__(self, device: torch.device):
         if device.type != "cuda":
@@ -67,9 +74,19 @@ class CudaOps:
             work()
 
     def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event()
+        event = torch.cuda.Event(blocking=self.blocking_sync)
         event.record(stream)
         return event
+
+    def timing_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
+        """An event with timing, recorded on ``stream`` (for :mod:`.timeline`)."""
+        event = torch.cuda.Event(enable_timing=True)
+        event.record(stream)
+        return event
+
+    def elapsed_seconds(self, begin: torch.cuda.Event, end: torch.cuda.Event) -> float:
+        """Seconds between two completed timing events."""
+        return begin.elapsed_time(end) / 1e3
 
     def wait(self, stream: torch.cuda.Stream, event: torch.cuda.Event) -> None:
         stream.wait_event(event)

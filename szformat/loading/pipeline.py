@@ -1,8 +1,10 @@
 """The transfer pipeline: host staging -> staging slot -> copy stream -> decode stream, ordered by events.
 
 :class:`TransferLoop` walks a list of transfers through a :class:`StagingRing`. While the device copies and decodes
-transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background), and a slot
-is written again only after the event that ends its previous use. Two routes plug into the loop:
+transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background). The host
+refills a slot once its copy has run; the copy stream writes the slot's device buffer again only after the decode
+that read it (a device-side wait). Inside :func:`timeline.recording` the loop notes where its time goes. Two routes
+plug into the loop:
 
 * :class:`DeviceDecodeRoute` moves the stored bytes (compressed, so fewer of them cross PCIe) and expands them on
   the device: a packed slot of small tensors crosses in one copy and is expanded by one batched decode; a tensor
@@ -26,26 +28,33 @@ from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import PayloadError
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
+from . import timeline
 from .gpu_codec import DeviceCodec
 from .hostio import FileReader, RegisteredMapping, Staged
 from .ops import DeviceOps
 from .plan import Extent, Transfer, plan_transfers, raw_extents
 from .ring import Slot, StagingRing
+from .verify import StoredCrcCheck
 
 __all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDecodeRoute", "HostDecodeRoute",
            "destination_bytes"]
 
-Landing = Callable[[int, Slot, torch.Tensor], Any]
+Landing = Callable[[int, Slot, torch.Tensor], tuple[Any, Any]]
+Staging = Callable[[int, Transfer, Slot], Staged]
+ReadHook = Callable[[int, torch.Tensor], None]
 
 
 class HostSource(Protocol):
     """Where the stored bytes of one file come from on the host."""
 
     host_writes: bool
-    """Whether staging writes the slot's host buffer (then a slot is refilled only after a host wait)."""
+    """Whether staging reads the bytes into the slot's host buffer on host threads (then a slot is refilled only
+    after a host wait, and a check can ride along with the reads)."""
 
-    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
-        """Start making file bytes ``[transfer.start, transfer.start + transfer.nbytes)`` available to copy from."""
+    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
+        """Start making file bytes ``[transfer.start, transfer.start + transfer.nbytes)`` available to copy from.
+
+        ``then(start, piece)`` runs on a reader thread for each piece just read (sources with ``host_writes``)."""
 
     def close(self) -> None:
         """Release the file; every copy out of it must have completed."""
@@ -59,8 +68,8 @@ class ReadSource:
     def __init__(self, reader: FileReader):
         self.reader = reader
 
-    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
-        return self.reader.read_into(transfer.start, slot.host[: transfer.nbytes])
+    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
+        return self.reader.read_into(transfer.start, slot.host[: transfer.nbytes], then=then, k=k)
 
     def close(self) -> None:
         self.reader.close()
@@ -76,7 +85,9 @@ class MappedSource:
         self.mapping = mapping
         self.pool = pool
 
-    def stage(self, transfer: Transfer, slot: Slot) -> Staged:
+    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
+        if then is not None:
+            raise ValueError("the registered page cache is not read on the host: nothing can ride along")
         stop = transfer.start + transfer.nbytes
         return Staged(self.mapping.view[transfer.start: stop],
                       [self.mapping.register_async(transfer.start, stop, self.pool)])
@@ -98,23 +109,33 @@ class TransferLoop:
         self.ring = ring
         self.copy_stream = ops.new_stream()
         self.decode_stream = ops.new_stream()
+        self._timeline: timeline.Timeline | None = None
 
-    def run(self, transfers: Sequence[Transfer], stage: Callable[[Transfer, Slot], Staged], land: Landing, *,
-            host_writes: bool) -> None:
+    def run(self, transfers: Sequence[Transfer], stage: Staging, land: Landing, *, host_writes: bool) -> None:
         """Stage and land every transfer; returns once all device work is enqueued (see :meth:`finish`).
 
-        ``land(k, slot, host_bytes)`` enqueues the device side of ``transfers[k]`` and returns the event after
-        which its slot may be reused.
+        ``stage(k, transfer, slot)`` starts making the bytes of ``transfers[k]`` available on the host;
+        ``land(k, slot, host_bytes)`` enqueues its device side and returns two events: after the first the slot's
+        host buffer may be refilled, after the second the slot may be reused on the device.
         """
         ops = self.ops
+        self._timeline = record = timeline.current()
         start = ops.record(ops.current_stream())  # destinations may reuse memory the current stream just freed
         ops.wait(self.copy_stream, start)
         ops.wait(self.decode_stream, start)
+        if record is not None:
+            self._start_device_timing(record, start)
         pending: deque[tuple[int, Slot, Staged]] = deque()
         try:
             for k, transfer in enumerate(transfers):
+                began = record.now() if record is not None else 0.0
                 slot = self.ring.acquire(host_writes=host_writes, stream=self.copy_stream)
-                pending.append((k, slot, stage(transfer, slot)))
+                if record is not None:
+                    record.add("wait_slot", k, began, record.now())
+                    began = record.now()
+                pending.append((k, slot, stage(k, transfer, slot)))
+                if record is not None:
+                    record.add("stage", k, began, record.now(), transfer.nbytes)
                 while len(pending) >= self.ring.slots:
                     self._land(pending.popleft(), land)
             while pending:
@@ -127,8 +148,46 @@ class TransferLoop:
 
     def _land(self, item: tuple[int, Slot, Staged], land: Landing) -> None:
         k, slot, staged = item
+        record = self._timeline
+        if record is None:
+            self.ring.release(slot, *land(k, slot, staged.result()))
+            return
+        began = record.now()
         host = staged.result()
-        self.ring.release(slot, land(k, slot, host))
+        landed = record.now()
+        record.add("wait_reads", k, began, landed)
+        self.ring.release(slot, *land(k, slot, host))
+        record.add("land", k, landed, record.now(), host.numel())
+
+    def enqueue(self, stream: Any, work: Callable[[], None], label: str, k: int, nbytes: int = 0) -> None:
+        """``ops.enqueue``, between two timing events when a timeline is recorded and the device can time."""
+        record, ops = self._timeline, self.ops
+        timing = getattr(ops, "timing_event", None)
+        if record is None or timing is None:
+            ops.enqueue(stream, work, label)
+            return
+        begin = timing(stream)
+        ops.enqueue(stream, work, label)
+        record.add_device(label, k, begin, timing(stream), nbytes)
+
+    def allocate(self, nbytes: int, k: int) -> torch.Tensor:
+        """A device buffer for a destination (timed as ``allocate`` in a recorded timeline)."""
+        record = self._timeline
+        began = record.now() if record is not None else 0.0
+        buffer = self.ops.device_buffer(nbytes)
+        if record is not None:
+            record.add("allocate", k, began, record.now(), nbytes)
+        return buffer
+
+    def _start_device_timing(self, record: timeline.Timeline, start: Any) -> None:
+        """Anchor device times to host times: wait until the device is idle, then mark it."""
+        timing = getattr(self.ops, "timing_event", None)
+        if timing is None:
+            return
+        self.ops.synchronize(start)
+        origin = timing(self.copy_stream)
+        self.ops.synchronize(origin)
+        record.device_origin(origin, self.ops.elapsed_seconds)
 
     def finish(self) -> None:
         """Block until every copy and decode enqueued so far has completed."""
@@ -164,27 +223,36 @@ class DeviceDecodeRoute:
         self.codec = codec
         self._scratch = codec.new_scratch()  # used on the decode stream only, so reuse is ordered
 
-    def load(self, entries: Sequence[TensorEntry], source: HostSource) -> list[torch.Tensor]:
+    def load(self, entries: Sequence[TensorEntry], source: HostSource, *,
+             verify: StoredCrcCheck | None = None) -> list[torch.Tensor]:
         """Transfer ``entries`` (of one file) to the device; returns their raw bytes there, flat uint8, in the
-        order given. The device work is enqueued, not finished: call ``loop.finish()`` before reading them."""
+        order given. The device work is enqueued, not finished: call ``loop.finish()`` before reading them.
+
+        ``verify`` (a source with ``host_writes`` only) takes the CRC-32 of each piece on the thread that read it;
+        call its ``check()`` once this returns."""
         ops = self.loop.ops
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
         dests: list[torch.Tensor | None] = [None] * len(entries)
 
-        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
+        def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
+            then = None if verify is None else (lambda start, piece: verify.add(transfer, start, piece))
+            return source.stage(transfer, slot, then=then, k=k)
+
+        def land(k: int, slot: Slot, host: torch.Tensor) -> tuple[Any, Any]:
             transfer = transfers[k]
             if transfer.packed:
-                arena, offsets = self._allocate_packed(transfer, entries, dests)
-                return self._land_packed(transfer, arena, offsets, slot, host, entries, dests)
+                arena, offsets = self._allocate_packed(k, transfer, entries, dests)
+                return self._land_packed(k, transfer, arena, offsets, slot, host, entries, dests)
             piece = transfer.pieces[0]
             if piece.offset == 0:
-                dests[piece.item] = ops.device_buffer(destination_bytes(entries[piece.item]))
+                dests[piece.item] = self.loop.allocate(destination_bytes(entries[piece.item]), k)
                 self._after_allocation()
-            return self._land_direct(transfer, host, entries, dests)
+            copied = self._land_direct(k, transfer, host, entries, dests)
+            return copied, copied
 
-        self.loop.run(transfers, source.stage, land, host_writes=source.host_writes)
+        self.loop.run(transfers, stage, land, host_writes=source.host_writes)
         for i, dest in enumerate(dests):
             if dest is None:  # nothing stored: an empty tensor
                 dests[i] = ops.device_buffer(entries[i].raw_length)
@@ -196,21 +264,22 @@ class DeviceDecodeRoute:
         ops = self.loop.ops
         ops.wait(self.loop.copy_stream, ops.record(ops.current_stream()))
 
-    def _allocate_packed(self, transfer: Transfer, entries: Sequence[TensorEntry],
+    def _allocate_packed(self, k: int, transfer: Transfer, entries: Sequence[TensorEntry],
                          dests: list) -> tuple[torch.Tensor, list[int]]:
         """One allocation for every tensor of a packed transfer; each destination is a view of it at an offset."""
         offsets, cursor = [], 0
         for piece in transfer.pieces:
             offsets.append(cursor)
             cursor += -(-entries[piece.item].raw_length // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
-        arena = self.loop.ops.device_buffer(cursor)
+        arena = self.loop.allocate(cursor, k)
         for piece, offset in zip(transfer.pieces, offsets):
             dests[piece.item] = arena[offset: offset + entries[piece.item].raw_length]
         self._after_allocation()
         return arena, offsets
 
-    def _land_packed(self, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
-                     host: torch.Tensor, entries, dests) -> Any:
+    def _land_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
+                     host: torch.Tensor, entries, dests) -> tuple[Any, Any]:
+        """Returns the events after which the slot's host buffer, and its device buffer, are free again."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
         batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
@@ -223,22 +292,23 @@ class DeviceDecodeRoute:
             if batch:  # the table's copy to the device is enqueued here too, on the decode stream
                 self.codec.decode_batch(staged, self.codec.batch_table(batch, arena.device), arena.view(torch.bfloat16))
 
-        ops.enqueue(loop.copy_stream, lambda: staged.copy_(host, non_blocking=True), "copy")
-        ops.wait(loop.decode_stream, ops.record(loop.copy_stream))
-        ops.enqueue(loop.decode_stream, expand, "decode")
-        return ops.record(loop.decode_stream)
+        loop.enqueue(loop.copy_stream, lambda: staged.copy_(host, non_blocking=True), "copy", k, transfer.nbytes)
+        copied = ops.record(loop.copy_stream)
+        ops.wait(loop.decode_stream, copied)
+        loop.enqueue(loop.decode_stream, expand, "decode", k)
+        return copied, ops.record(loop.decode_stream)
 
-    def _land_direct(self, transfer: Transfer, host: torch.Tensor, entries, dests) -> Any:
+    def _land_direct(self, k: int, transfer: Transfer, host: torch.Tensor, entries, dests) -> Any:
         ops, loop = self.loop.ops, self.loop
         (piece,) = transfer.pieces
         entry = entries[piece.item]
         target = dests[piece.item][piece.offset: piece.offset + piece.length]
-        ops.enqueue(loop.copy_stream, lambda: target.copy_(host, non_blocking=True), "copy")
+        loop.enqueue(loop.copy_stream, lambda: target.copy_(host, non_blocking=True), "copy", k, piece.length)
         copied = ops.record(loop.copy_stream)
         if piece.last and entry.encoding == ENCODING_SPLITZIP:
             ops.wait(loop.decode_stream, copied)
-            ops.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
-                dests[piece.item], entry.layout, entry.codebook, self._scratch), "decode")
+            loop.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
+                dests[piece.item], entry.layout, entry.codebook, self._scratch), "decode", k)
         return copied
 
 
@@ -261,18 +331,19 @@ class HostDecodeRoute:
         transfers = plan_transfers(raw_extents([e.raw_length for e in entries]), self.loop.ring.slot_bytes)
         dests = [ops.device_buffer(e.raw_length) for e in entries]
 
-        def stage(transfer: Transfer, slot: Slot) -> Staged:
+        def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             host = slot.host[: transfer.nbytes]
             return Staged(host, [self.pool.submit(self._decode, file, entries, transfer, host)])
 
-        def land(k: int, slot: Slot, host: torch.Tensor) -> Any:
+        def land(k: int, slot: Slot, host: torch.Tensor) -> tuple[Any, Any]:
             def copy() -> None:
                 for piece in transfers[k].pieces:
                     dests[piece.item][piece.offset: piece.offset + piece.length].copy_(
                         host[piece.slot_offset: piece.slot_offset + piece.length], non_blocking=True)
 
-            ops.enqueue(self.loop.copy_stream, copy, "copy")
-            return ops.record(self.loop.copy_stream)
+            self.loop.enqueue(self.loop.copy_stream, copy, "copy", k, transfers[k].nbytes)
+            copied = ops.record(self.loop.copy_stream)
+            return copied, copied
 
         self.loop.run(transfers, stage, land, host_writes=True)
         return dests

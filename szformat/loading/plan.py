@@ -3,8 +3,8 @@
 Tensors are laid out along a line of bytes: for the device-decode route that line is the file itself (payloads in
 file order, alignment padding included), so a run of small payloads crosses as one contiguous read and one copy;
 for the host-decode route it is the tensors' raw bytes, each starting at an aligned cursor (staging advances by the
-raw size). Small tensors are packed, several to a slot; a tensor larger than a slot is cut into slot-sized pieces
-that go straight to its destination.
+raw size). Small tensors are packed, several to a slot; a tensor larger than a slot is cut into as few pieces of
+equal size as fit the slots, which go straight to its destination.
 """
 
 from __future__ import annotations
@@ -12,7 +12,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Extent", "Piece", "Transfer", "plan_transfers", "raw_extents"]
+__all__ = ["Extent", "Piece", "Transfer", "plan_transfers", "raw_extents", "streamed_piece_bytes"]
+
+PAGE = 4096
 
 
 @dataclass(frozen=True)
@@ -78,8 +80,9 @@ def plan_transfers(extents: Iterable[Extent], slot_bytes: int) -> list[Transfer]
             continue
         if extent.length > slot_bytes:
             flush()
-            for offset in range(0, extent.length, slot_bytes):
-                length = min(slot_bytes, extent.length - offset)
+            step = streamed_piece_bytes(extent.length, slot_bytes)
+            for offset in range(0, extent.length, step):
+                length = min(step, extent.length - offset)
                 piece = Piece(extent.item, 0, offset, length, last=offset + length == extent.length)
                 transfers.append(Transfer(extent.start + offset, length, (piece,), packed=False))
             continue
@@ -91,6 +94,15 @@ def plan_transfers(extents: Iterable[Extent], slot_bytes: int) -> list[Transfer]
         batch_end = extent.start + extent.length
     flush()
     return transfers
+
+
+def streamed_piece_bytes(length: int, slot_bytes: int) -> int:
+    """Bytes per piece of a tensor too large for a slot: as few pieces as fit, of (nearly) equal size, so no piece
+    is a sliver that takes a whole slot turn (whole pages, where that still fits a slot)."""
+    pieces = -(-length // slot_bytes)
+    step = -(-length // pieces)
+    paged = -(-step // PAGE) * PAGE
+    return paged if paged <= slot_bytes else step
 
 
 def raw_extents(lengths: Sequence[int], *, alignment: int = 64) -> list[Extent]:

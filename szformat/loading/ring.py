@@ -1,8 +1,10 @@
-"""A ring of staging slots, handed out in turn, each reused only after the event that released it.
+"""A ring of staging slots, handed out in turn, each reused only after the events that released it.
 
 A slot pairs a pinned host buffer (filled by the host) with an optional device buffer (filled by a copy, read by
-a decode). Whoever acquires a slot says how it will write it: the host writes need a host wait on the slot's last
-release event; device-only use needs just the copy stream to wait on it, so the host runs ahead.
+a decode). The two are free again at different times: the host buffer once its copy has run, the device buffer once
+its decode has too. So the host waits only for the copy before refilling a slot, and the stream that will write
+the slot's device buffer waits (on the device, not the host) for the decode. Buffers are allocated when a slot is
+first used, so a load of fewer transfers than slots pins and allocates no more than it uses.
 """
 
 from __future__ import annotations
@@ -20,10 +22,12 @@ __all__ = ["Slot", "StagingRing"]
 @dataclass
 class Slot:
     index: int
-    host: torch.Tensor | None
-    device: torch.Tensor | None
-    release: Any = None
-    """Event after which the slot's previous use is over (its copy, and its decode when it had one)."""
+    host: torch.Tensor | None = None
+    device: torch.Tensor | None = None
+    host_free: Any = None
+    """Event after which the host buffer may be written again (its copy has run)."""
+    device_free: Any = None
+    """Event after which the slot's previous use is entirely over (its copy, and its decode when it had one)."""
     in_use: bool = False
 
 
@@ -45,8 +49,9 @@ class StagingRing:
             raise ValueError(f"slot size must be positive, got {slot_bytes}")
         self.ops = ops
         self.slot_bytes = slot_bytes
-        self._slots = [Slot(i, ops.host_buffer(slot_bytes) if host else None,
-                            ops.device_buffer(slot_bytes) if device else None) for i in range(slots)]
+        self.has_host = host
+        self.has_device = device
+        self._slots = [Slot(i) for i in range(slots)]
         self._next = 0
         self.host_waits = 0
 
@@ -54,38 +59,38 @@ class StagingRing:
     def slots(self) -> int:
         return len(self._slots)
 
-    @property
-    def has_host(self) -> bool:
-        return self._slots[0].host is not None
-
     def acquire(self, *, host_writes: bool, stream: Any = None) -> Slot:
         """The next slot, once its previous use is over.
 
-        With ``host_writes`` the host blocks until the slot's release event; otherwise ``stream`` (the one that
-        will write the slot) is made to wait on it and the host goes on.
+        With ``host_writes`` the host blocks until the slot's host buffer is free; ``stream`` (the one that will
+        write the slot on the device) is made to wait for the rest of the previous use, and the host goes on.
         """
         slot = self._slots[self._next]
         if slot.in_use:
             raise RuntimeError(f"staging slot {slot.index} is acquired again before it was released")
         self._next = (self._next + 1) % len(self._slots)
-        if slot.release is not None:
-            if host_writes:
-                self.ops.synchronize(slot.release)
-                self.host_waits += 1
-            else:
-                if stream is None:
-                    raise ValueError("a device-only acquire needs the stream that writes the slot")
-                self.ops.wait(stream, slot.release)
+        pending = slot.device_free
+        if host_writes and slot.host_free is not None:
+            self.ops.synchronize(slot.host_free)
+            self.host_waits += 1
+            if pending is slot.host_free:
+                pending = None
+        if pending is not None:
+            if stream is None:
+                raise ValueError("the stream that writes the slot is needed to order it after the slot's last use")
+            self.ops.wait(stream, pending)
+        if self.has_host and slot.host is None:
+            slot.host = self.ops.host_buffer(self.slot_bytes)
+        if self.has_device and slot.device is None:
+            slot.device = self.ops.device_buffer(self.slot_bytes)
         slot.in_use = True
         return slot
 
-    def release(self, slot: Slot, event: Any) -> None:
-        """Hand ``slot`` back; it is reused only after ``event``."""
+    def release(self, slot: Slot, host_free: Any, device_free: Any = None) -> None:
+        """Hand ``slot`` back: its host buffer is reused only after ``host_free``, the slot as a whole only after
+        ``device_free`` (by default the same event)."""
         if not slot.in_use:
             raise RuntimeError(f"staging slot {slot.index} is released but was not acquired")
-        slot.release = event
+        slot.host_free = host_free
+        slot.device_free = host_free if device_free is None else device_free
         slot.in_use = False
-
-    def release_events(self) -> list[Any]:
-        """The release events of every slot used so far (to wait for all work before the buffers go)."""
-        return [slot.release for slot in self._slots if slot.release is not None]

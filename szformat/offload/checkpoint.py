@@ -11,7 +11,7 @@ from pathlib import Path
 
 from ..errors import FormatError
 from ..format.header import TensorEntry
-from ..format.index import checkpoint_shards
+from ..format.index import check_shard, checkpoint_shards
 from ..format.reader import SztFile
 
 __all__ = ["Checkpoint"]
@@ -24,8 +24,8 @@ class Checkpoint:
         path (`str` or `os.PathLike`): the file, index or folder.
 
     Raises:
-        FormatError: a file is not valid .szt, the index maps a tensor to a shard that lacks it, or a tensor is held
-            by two shards.
+        ShardIndexError: the index is not valid, or maps a tensor to a shard that lacks it.
+        FormatError: a file is not valid .szt, or a tensor is held by two shards.
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -37,10 +37,8 @@ class Checkpoint:
             for file_path, names in checkpoint_shards(path):
                 file = SztFile(file_path)
                 self.files.append(file)
+                check_shard(file_path, names, file.entries)
                 for name in file.entries if names is None else names:
-                    if name not in file.entries:
-                        raise FormatError("the sharded index maps this tensor to a shard that does not hold it",
-                                          path=file_path, tensor=name)
                     if name in self.entries:
                         raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
                     self.entries[name] = file.entries[name]

@@ -1,0 +1,26 @@
+"""Stand-ins shared by the loader and offloader tests, which run the device pipelines on the CPU."""
+
+from __future__ import annotations
+
+import torch
+
+from szformat.codec import cpu as cpu_codec
+
+
+class ReferenceCodec:
+    """The device codec's contract, fulfilled by the CPU reference decoder."""
+
+    def batch_table(self, entries, device):
+        return list(entries)
+
+    def decode_batch(self, payloads, table, out):
+        for layout, codebook, payload_offset, output_offset in table:
+            cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
+                             out=out[output_offset: output_offset + layout.n])
+
+    def new_scratch(self):
+        return None
+
+    def decode_in_place(self, buffer, layout, codebook, scratch):
+        stash = buffer[: layout.comp_bytes].clone()
+        cpu_codec.decode(stash, layout, codebook, out=buffer[: layout.raw_bytes].view(torch.bfloat16))
