@@ -330,10 +330,41 @@ def test_ring_allocates_a_slot_when_first_used():
             allocated.append(("device", nbytes))
             return super().device_buffer(nbytes)
 
-    ring = StagingRing(CountingOps(), 4, 256, host=True, device=True)
+    ops = CountingOps()
+    ring = StagingRing(ops, 4, 256, host=True, device=True)
     assert allocated == []
     slot = ring.acquire(host_writes=True)
     assert allocated == [("host", 256), ("device", 256)] and slot.host.numel() == slot.device.numel() == 256
+    for _ in range(3):  # runs of one transfer each start again from the first slot: nothing more is allocated
+        ring.release(slot, ops.record(ops.current_stream()))
+        ring.rewind()
+        slot = ring.acquire(host_writes=True)
+        assert slot.index == 0
+    assert len(allocated) == 2
+
+
+def test_a_failed_run_leaves_the_ring_usable(checkpoint):
+    path, tensors = checkpoint
+    from concurrent.futures import ThreadPoolExecutor
+
+    class FailingSource(ReadSource):
+        def stage(self, transfer, slot, **kwargs):
+            if transfer.start > 3 * 4096:
+                raise OSError("the disk went away")
+            return super().stage(transfer, slot, **kwargs)
+
+    file, entries = _entries(path)
+    ops = FakeOps()
+    loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
+    route = DeviceDecodeRoute(loop, ReferenceCodec())
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(OSError, match="went away"):
+            route.load(entries, FailingSource(FileReader(path, pool, threads=2)))
+        flat = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
+        loop.finish()
+    file.close()
+    _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
+                  for raw, e in zip(flat, entries)}, tensors)
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -520,16 +551,30 @@ def test_registered_source_refuses_a_read_hook(checkpoint):
     file.close()
 
 
+def test_a_transfer_lands_as_soon_as_its_bytes_are_staged(checkpoint):
+    """With bytes ready at once (a registered mapping), each transfer's copy is enqueued before the next transfer is
+    staged, instead of waiting until every slot is taken: copies queue up on the device while the host runs ahead."""
+    path, tensors = checkpoint
+    with timeline.recording() as record:
+        loaded, _ = _run_device_route(FakeOps(), path, slot_bytes=4096, slots=3, mapped=True, pool=None)
+    _assert_same(loaded, tensors)
+    steps = [(s.what, s.k) for s in record.spans() if s.what in ("stage", "land")]
+    count = len(steps) // 2
+    assert count > 3 and steps == [(what, k) for k in range(count) for what in ("stage", "land")]
+
+
 class TimingOps(FakeOps):
     """Fake streams whose timing events stamp the host clock when the stream reaches them."""
 
     def timing_event(self, stream):
-        event = SimpleNamespace(at=None)
-        self.enqueue(stream, lambda: setattr(event, "at", time.perf_counter()), "timing")
+        stamp = {}
+        self.enqueue(stream, lambda: stamp.setdefault("at", time.perf_counter()), "timing")
+        event = self.record(stream)
+        event.stamp = stamp
         return event
 
     def elapsed_seconds(self, begin, end):
-        return end.at - begin.at
+        return end.stamp["at"] - begin.stamp["at"]
 
 
 @pytest.mark.parametrize("verify", [False, True])

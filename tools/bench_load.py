@@ -1,7 +1,8 @@
 """Time loading checkpoints to a CUDA GPU: safetensors against every .szt path, with the PCIe ceiling, in one run.
 
     PYTHONPATH=. python tools/bench_load.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
-        [--synthetic-gb 4.2] [--json results.json] [--markdown table.md]
+        [--synthetic-gb 4.2] [--json results.json] [--markdown table.md] [--timeline timeline.json] \
+        [--only REGEX] [--no-cold]
 
 For each checkpoint (prepared by ``tools/gpu_load_check.py``'s ``prepare``, which converts on the GPU): the anchor
 ``safetensors.torch.load_file(original, device="cuda")``, then ``szformat.load_file(szt, device="cuda")`` through
@@ -16,6 +17,10 @@ Rates are raw-equivalent: the checkpoint's raw tensor bytes over wall time from 
 Peak host RSS is the process's high-water mark during one extra call (reset through ``/proc/self/clear_refs``) minus
 its RSS before; it counts page-cache pages mapped into the process, so a sampled anonymous-memory peak is shown too.
 Peak GPU memory is the allocator's peak during that call minus what was allocated before (the tensors included).
+
+With ``--timeline``, one more warm call of each path in ``TIMELINE`` on the largest checkpoint runs inside
+``szformat.loading.timeline.recording()``: the summary (host waits, reader busy time and rate, copy-stream busy time
+and rate, decode) is printed and every span is written to the JSON file, to show where a load's time goes.
 """
 
 from __future__ import annotations
@@ -26,10 +31,12 @@ import gc
 import json
 import mmap
 import os
+import re
 import statistics
 import sys
 import threading
 import time
+import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -38,8 +45,9 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
-from szformat.loading import StagingConfig
+from szformat.loading import StagingConfig, timeline
 from szformat.loading.hostio import RegisteredMapping
+from szformat.loading.ops import CudaOps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_load_check import Checkpoint, prepare  # noqa: E402
@@ -47,23 +55,49 @@ from gpu_load_check import Checkpoint, prepare  # noqa: E402
 DEVICE = torch.device("cuda")
 
 Loader = Callable[[Checkpoint], dict]
+
+
+def staged(slot_mib: int, slots: int, *, verify: bool = False, threads: int | None = None) -> Loader:
+    config = StagingConfig(slot_bytes=slot_mib << 20, slots=slots, threads=threads, transport="staged")
+    return lambda c: szformat.load_file(c.szt, device="cuda", verify=verify, staging=config)
+
+
+def spinning_waits(load: Loader) -> Loader:
+    """``load`` with host waits that spin on the event instead of sleeping (CUDA's default)."""
+
+    def run(c: Checkpoint) -> dict:
+        CudaOps.blocking_sync = False
+        try:
+            return load(c)
+        finally:
+            CudaOps.blocking_sync = True
+
+    return run
+
+
+DEFAULTS = StagingConfig()
 METHODS: dict[str, Loader] = {
     "safetensors load_file": lambda c: st_load_file(c.safetensors, device="cuda"),
-    "szt load_file (defaults)": lambda c: szformat.load_file(c.szt, device="cuda"),
-    "szt registered, verify off": lambda c: szformat.load_file(
-        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="registered")),
+    "szt load_file (defaults, verify on)": lambda c: szformat.load_file(c.szt, device="cuda"),
+    "szt defaults, verify off": lambda c: szformat.load_file(c.szt, device="cuda", verify=False),
+    "szt defaults, verify off, spinning waits": spinning_waits(
+        lambda c: szformat.load_file(c.szt, device="cuda", verify=False)),
+    "szt staged 64 MiB x 4, verify off": staged(64, 4),
+    "szt staged 64 MiB x 4, verify on": staged(64, 4, verify=True),
+    "szt staged 32 MiB x 6, verify off": staged(32, 6),
+    "szt staged 16 MiB x 8, verify off": staged(16, 8),
+    "szt staged 16 MiB x 8, 12 threads, verify off": staged(16, 8, threads=12),
+    "szt staged 8 MiB x 12, verify off": staged(8, 12),
+    "szt staged 4 MiB x 24, verify off": staged(4, 24),
     "szt registered 4 slots, verify off": lambda c: szformat.load_file(
         c.szt, device="cuda", verify=False, staging=StagingConfig(transport="registered", slots=4)),
-    "szt staged 8 thr, verify off": lambda c: szformat.load_file(
-        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="staged", threads=8)),
-    "szt staged 16 thr 4 slots, verify off": lambda c: szformat.load_file(
-        c.szt, device="cuda", verify=False, staging=StagingConfig(transport="staged", threads=16, slots=4)),
-    "szt staged 8 thr, verify on": lambda c: szformat.load_file(
-        c.szt, device="cuda", staging=StagingConfig(transport="staged", threads=8)),
     "szt host-decode route": lambda c: szformat.load_file(c.szt, device="cuda", route="cpu", verify=False),
 }
-COLD = ["safetensors load_file", "szt load_file (defaults)", "szt registered, verify off",
-        "szt staged 8 thr, verify off"]
+COLD = ["safetensors load_file", "szt load_file (defaults, verify on)", "szt defaults, verify off"]
+SMALL_ONLY = ["szt host-decode route"]
+"""Paths timed on checkpoints under 1 GB only (seconds per call on the synthetic one)."""
+TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)", "szt staged 64 MiB x 4, verify off",
+            "szt staged 8 MiB x 12, verify off"]
 
 
 # -- measuring --------------------------------------------------------------------------------------------------
@@ -206,7 +240,7 @@ def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
 
     from szformat.codec import gpu
     from szformat.format.reader import SztFile
-    from szformat.loading.hostio import FileReader
+    from szformat.loading.hostio import FileReader, default_threads
 
     rows = []
 
@@ -224,26 +258,39 @@ def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
         row("allocate destinations (empty allocator)", statistics.median(
             _host_time(allocate, before=torch.cuda.empty_cache) for _ in range(reps)))
         row("allocate destinations (warm allocator)", statistics.median(_host_time(allocate) for _ in range(reps)))
-        row("load_file defaults, warm allocator", statistics.median(
-            timed(METHODS["szt load_file (defaults)"], ckpt, empty_cache=False) for _ in range(reps)))
+        row("load_file defaults (verify off), warm allocator", statistics.median(
+            timed(METHODS["szt defaults, verify off"], ckpt, empty_cache=False) for _ in range(reps)))
 
-        for threads in (8, 16):
-            with ThreadPoolExecutor(threads) as pool:
-                reader = FileReader(ckpt.szt, pool, threads)
-                pinned = [torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True) for _ in range(2)]
+        threads = default_threads()
+        with ThreadPoolExecutor(threads) as pool:
+            reader = FileReader(ckpt.szt, pool, threads)
+            for slot_mib, slots, check in ((64, 2, False), (64, 4, False), (16, 8, False), (8, 12, False),
+                                           (16, 8, True)):
+                slot = slot_mib << 20
+                pinned = [torch.empty(slot, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+                then = (lambda start, piece: zlib.crc32(piece.numpy())) if check else None
 
-                def read_all() -> None:
-                    pending = None
-                    for k, start in enumerate(range(0, size, 64 << 20)):
-                        staged = reader.read_into(start, pinned[k % 2][: min(64 << 20, size - start)])
-                        if pending is not None:
-                            pending.result()
-                        pending = staged
-                    pending.result()
+                def read_all(slot: int = slot, slots: int = slots, pinned: list = pinned, then=then) -> None:
+                    pending = []
+                    for k, start in enumerate(range(0, size, slot)):
+                        if len(pending) == slots:
+                            pending.pop(0).result()
+                        pending.append(reader.read_into(start, pinned[k % slots][: min(slot, size - start)],
+                                                        then=then))
+                    for staged in pending:
+                        staged.result()
 
-                row(f"host reads into 2 pinned 64 MiB slots, {threads} threads",
+                what = " + CRC-32 of each piece" if check else ""
+                row(f"host reads{what}, {slots} pinned {slot_mib} MiB slots, {threads} threads",
                     statistics.median(_host_time(read_all) for _ in range(reps)))
-                reader.close()
+            reader.close()
+
+            chunks = [f.payload(e.name)[a: a + (4 << 20)] for e in entries for a in range(0, e.length, 4 << 20)]
+            row(f"CRC-32 of every payload in the page cache, 4 MiB pieces, {threads} threads", statistics.median(
+                _host_time(lambda: list(pool.map(lambda t: zlib.crc32(t.numpy()), chunks))) for _ in range(reps)))
+        one = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True).random_(0, 256)
+        row(f"CRC-32 of 64 MiB, one thread (zlib {zlib.ZLIB_RUNTIME_VERSION})",
+            statistics.median(_host_time(lambda: zlib.crc32(one.numpy())) for _ in range(reps)))
 
         def register(span: int) -> None:
             mapping = RegisteredMapping.open(ckpt.szt, DEVICE)
@@ -299,10 +346,12 @@ def _median_copy(copy: Callable[[], None], reps: int) -> float:
 # -- the run ----------------------------------------------------------------------------------------------------
 
 
-def bench(ckpt: Checkpoint, reps: int, cold: bool) -> list[dict]:
+def bench(ckpt: Checkpoint, methods: dict[str, Loader], reps: int, cold: bool) -> list[dict]:
     rows = []
     anchor: dict[str, float] = {}
-    for label, load in METHODS.items():
+    for label, load in methods.items():
+        if label in SMALL_ONLY and ckpt.raw_bytes > 1e9:
+            continue
         first = timed(load, ckpt)
         times = [timed(load, ckpt) for _ in range(reps if first < 1.0 else 2)]
         seconds = statistics.median(times)
@@ -310,18 +359,18 @@ def bench(ckpt: Checkpoint, reps: int, cold: bool) -> list[dict]:
         anchor.setdefault("warm", seconds)
         rows.append({"checkpoint": ckpt.name, "method": label, "cache": "warm", "seconds": seconds, "first": first,
                      "spread": (max(times) - min(times)) / seconds, **mem})
-        print(f"{ckpt.name:<26} {label:<30} warm {seconds * 1e3:9.2f} ms  "
+        print(f"{ckpt.name:<26} {label:<44} warm {seconds * 1e3:9.2f} ms  "
               f"{ckpt.raw_bytes / seconds / 1e9:6.1f} GB/s  x{anchor['warm'] / seconds:5.2f}", flush=True)
         torch.cuda.empty_cache()
     if cold and not ckpt.szt.is_dir():
-        for label in COLD:
+        for label in (label for label in COLD if label in methods):
             how = drop_caches(_files(ckpt))
             resident = resident_share(_files(ckpt))
             seconds = timed(METHODS[label], ckpt)
             anchor.setdefault("cold", seconds)
             rows.append({"checkpoint": ckpt.name, "method": label, "cache": f"cold ({how}, {resident:.0%} resident)",
                          "seconds": seconds})
-            print(f"{ckpt.name:<26} {label:<30} cold {seconds * 1e3:9.2f} ms  "
+            print(f"{ckpt.name:<26} {label:<44} cold {seconds * 1e3:9.2f} ms  "
                   f"{ckpt.raw_bytes / seconds / 1e9:6.1f} GB/s  x{anchor['cold'] / seconds:5.2f} "
                   f"({how}, {resident:.0%} resident before)", flush=True)
     if not ckpt.szt.is_dir():
@@ -337,6 +386,29 @@ def bench(ckpt: Checkpoint, reps: int, cold: bool) -> list[dict]:
             row["gbps"] = ckpt.raw_bytes / row["seconds"] / 1e9
             row["speedup"] = anchor["cold" if row["cache"].startswith("cold") else "warm"] / row["seconds"]
     return rows
+
+
+def timelines(ckpt: Checkpoint, labels: list[str]) -> list[dict]:
+    """One warm call of each path, recorded: its summary printed, its spans returned."""
+    out = []
+    for label in labels:
+        timed(METHODS[label], ckpt)  # warm: pinned slots allocated, kernels loaded
+        gc.collect()
+        torch.cuda.empty_cache()
+        torch.cuda.synchronize()
+        with timeline.recording() as record:
+            started = time.perf_counter()
+            result = METHODS[label](ckpt)
+            torch.cuda.synchronize()
+            seconds = time.perf_counter() - started
+        del result
+        summary = {"call_ms": seconds * 1e3, **record.summary()}
+        print(f"timeline {ckpt.name} / {label}:\n  " + "\n  ".join(
+            f"{key:<22} {value:10.2f}" for key, value in summary.items()), flush=True)
+        out.append({"checkpoint": ckpt.name, "method": label, "summary": summary,
+                    "spans": [[s.what, s.k, round(s.start * 1e6), round(s.end * 1e6), s.lane, s.nbytes]
+                              for s in record.spans()]})
+    return out
 
 
 def markdown(rows: list[dict]) -> str:
@@ -359,13 +431,24 @@ def main() -> int:
     parser.add_argument("--synthetic-gb", type=float, default=4.2)
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--no-cold", action="store_true", help="skip the cold-cache runs")
+    parser.add_argument("--only", help="time only the paths whose label matches this regular expression "
+                                           "(the safetensors anchor always runs)")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
+    parser.add_argument("--timeline", type=Path, help="record the TIMELINE paths on the largest checkpoint; "
+                                                      "spans go to this JSON file")
     args = parser.parse_args()
-    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores", flush=True)
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores, "
+          f"zlib {zlib.ZLIB_RUNTIME_VERSION}; defaults {DEFAULTS}", flush=True)
+    methods = {label: load for label, load in METHODS.items()
+               if args.only is None or label == "safetensors load_file" or re.search(args.only, label)}
+    checkpoints = prepare(args.minilm, args.work, args.synthetic_gb)
+    if args.timeline:  # first, so that a run cut short still says where the time goes
+        largest = max((c for c in checkpoints if not c.szt.is_dir()), key=lambda c: c.raw_bytes)
+        args.timeline.write_text(json.dumps(timelines(largest, TIMELINE)))
     rows = []
-    for ckpt in prepare(args.minilm, args.work, args.synthetic_gb):
-        rows += bench(ckpt, args.reps, cold=not args.no_cold)
+    for ckpt in checkpoints:
+        rows += bench(ckpt, methods, args.reps, cold=not args.no_cold)
     table = markdown(rows)
     print("\n" + table)
     if args.json:

@@ -29,6 +29,7 @@ from safetensors.torch import save_file as st_save_file
 
 import szformat
 from szformat.convert import convert
+from szformat.errors import ChecksumMismatchError
 from szformat.format.reader import SztFile
 from szformat.loading import DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder
 
@@ -221,8 +222,10 @@ def via_slot_decoder(szt: Path) -> dict[str, torch.Tensor]:
 
 PATHS: dict[str, Callable[[Path], dict[str, torch.Tensor]]] = {
     "load_file (defaults)": via_load_file(),
+    "load_file, verify off": via_load_file(verify=False),
     "registered page cache": via_loader(StagingConfig(transport="registered")),
     "staged reads, 8 threads": via_loader(StagingConfig(transport="staged", threads=8)),
+    "staged, 64 MiB x 4 slots": via_loader(StagingConfig(slot_bytes=64 << 20, slots=4, transport="staged")),
     "small slots (1 MiB x 3)": via_loader(StagingConfig(slot_bytes=1 << 20, slots=3, transport="staged")),
     "host-decode route": via_load_file(route="cpu"),
     "safe_open.get_tensor": via_safe_open,
@@ -243,6 +246,33 @@ def compare(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> list
                 a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)):
             bad.append(name)
     return bad
+
+
+def corrupted_copy_is_refused(ckpt: Checkpoint, work: Path) -> dict:
+    """A copy of the checkpoint with one bit flipped inside its largest payload: the default load must raise
+    ChecksumMismatchError naming that tensor (the check rides along with the reads), and a load with
+    ``verify=False`` must still run."""
+    with SztFile(ckpt.szt) as f:
+        entry = max(f.entries.values(), key=lambda e: e.length)
+    data = bytearray(ckpt.szt.read_bytes())
+    data[entry.offset + entry.length - 5] ^= 0x10
+    bad = work / "corrupted.szt"
+    bad.write_bytes(bytes(data))
+    problems = []
+    try:
+        szformat.load_file(bad, device="cuda")
+        problems.append("no error")
+    except ChecksumMismatchError as e:
+        if e.tensor != entry.name:
+            problems.append(f"error names {e.tensor}")
+    try:
+        szformat.load_file(bad, device="cuda", verify=False)
+    except Exception as e:  # a flipped bit in the payload must not stop an unverified load
+        problems.append(f"verify=False raised {type(e).__name__}: {e}")
+    bad.unlink()
+    print(f"{ckpt.name:<28} {'corrupted copy refused':<28} {'ok' if not problems else problems}", flush=True)
+    return {"checkpoint": ckpt.name, "path": "corrupted copy refused", "tensors": 1, "mismatches": len(problems),
+            "first": problems[0] if problems else "", "error": "", "seconds": 0.0}
 
 
 def check(checkpoints: list[Checkpoint], skip_slow_on_large: bool = True) -> list[dict]:
@@ -279,7 +309,8 @@ def main() -> int:
     parser.add_argument("--json", type=Path, help="write the rows here")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
-    rows = check(prepare(args.minilm, args.work, args.synthetic_gb))
+    checkpoints = prepare(args.minilm, args.work, args.synthetic_gb)
+    rows = check(checkpoints) + [corrupted_copy_is_refused(checkpoints[0], args.work)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))
     failed = [r for r in rows if r["mismatches"]]

@@ -48,6 +48,10 @@ class Staged:
         self._value = value
         self._futures = list(futures)
 
+    def done(self) -> bool:
+        """Whether every read behind them has finished (without waiting)."""
+        return all(future.done() for future in self._futures)
+
     def result(self) -> torch.Tensor:
         """Wait for the reads (re-raising the first failure) and return the staged bytes."""
         for future in self._futures:

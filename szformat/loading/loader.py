@@ -37,10 +37,12 @@ SLOT_GRANULE = 4096
 class StagingConfig:
     """How a device load moves bytes.
 
-    The defaults are the fastest setting measured on an H200 host (``bench/RESULTS.md``).
+    The defaults are the fastest slot setting measured with the default reader threads on an H200 host, with and
+    without verification (``bench/RESULTS.md``).
 
     Args:
-        slot_bytes (`int`): size of each pinned staging slot (64 MiB: large copies, little pinned memory).
+        slot_bytes (`int`): size of each pinned staging slot (64 MiB: few transfers, so little host work per
+            byte; smaller slots measured slower, see ``bench/RESULTS.md``).
         slots (`int`): slots in the ring, at least 2, so staging one overlaps copying and decoding another; 4
             (default) lets the reads run three slots ahead.
         threads (`int`, *optional*): host reader threads; ``min(16, cores)`` by default.

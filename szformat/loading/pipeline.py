@@ -1,7 +1,8 @@
 """The transfer pipeline: host staging -> staging slot -> copy stream -> decode stream, ordered by events.
 
 :class:`TransferLoop` walks a list of transfers through a :class:`StagingRing`. While the device copies and decodes
-transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background). The host
+transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background), and each
+transfer's copy is enqueued as soon as its reads are done, so copies queue up when reads run ahead. The host
 refills a slot once its copy has run; the copy stream writes the slot's device buffer again only after the decode
 that read it (a device-side wait). Inside :func:`timeline.recording` the loop notes where its time goes. Two routes
 plug into the loop:
@@ -126,6 +127,7 @@ class TransferLoop:
         if record is not None:
             self._start_device_timing(record, start)
         pending: deque[tuple[int, Slot, Staged]] = deque()
+        self.ring.rewind()
         try:
             for k, transfer in enumerate(transfers):
                 began = record.now() if record is not None else 0.0
@@ -136,7 +138,9 @@ class TransferLoop:
                 pending.append((k, slot, stage(k, transfer, slot)))
                 if record is not None:
                     record.add("stage", k, began, record.now(), transfer.nbytes)
-                while len(pending) >= self.ring.slots:
+                # Land in order: what is read already (so copies queue up on the device), and the oldest transfer
+                # once every slot is taken (the next acquire needs its slot landed).
+                while pending and (len(pending) >= self.ring.slots or pending[0][2].done()):
                     self._land(pending.popleft(), land)
             while pending:
                 self._land(pending.popleft(), land)
@@ -144,6 +148,7 @@ class TransferLoop:
             for _, _, staged in pending:
                 staged.settle()
             self.finish()
+            self.ring.clear()  # nothing is in flight any more: the next run may use every slot
             raise
 
     def _land(self, item: tuple[int, Slot, Staged], land: Landing) -> None:
@@ -182,9 +187,10 @@ class TransferLoop:
     def _start_device_timing(self, record: timeline.Timeline, start: Any) -> None:
         """Anchor device times to host times: wait until the device is idle, then mark it."""
         timing = getattr(self.ops, "timing_event", None)
-        if timing is None:
+        if timing is None or record.has_device_origin:
             return
         self.ops.synchronize(start)
+        self.finish()
         origin = timing(self.copy_stream)
         self.ops.synchronize(origin)
         record.device_origin(origin, self.ops.elapsed_seconds)

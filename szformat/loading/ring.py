@@ -4,7 +4,8 @@ A slot pairs a pinned host buffer (filled by the host) with an optional device b
 a decode). The two are free again at different times: the host buffer once its copy has run, the device buffer once
 its decode has too. So the host waits only for the copy before refilling a slot, and the stream that will write
 the slot's device buffer waits (on the device, not the host) for the decode. Buffers are allocated when a slot is
-first used, so a load of fewer transfers than slots pins and allocates no more than it uses.
+first used and each run starts again from the first slot, so loads of fewer transfers than slots pin and allocate
+no more than they use.
 """
 
 from __future__ import annotations
@@ -85,6 +86,18 @@ class StagingRing:
             slot.device = self.ops.device_buffer(self.slot_bytes)
         slot.in_use = True
         return slot
+
+    def rewind(self) -> None:
+        """Hand out the first slot next, so that a run of few transfers reuses the same few slots (and only those
+        are ever allocated); each slot still waits for its own release events."""
+        self._next = 0
+
+    def clear(self) -> None:
+        """Forget every slot's use (for after a failed run, once the device and the readers are idle)."""
+        for slot in self._slots:
+            slot.host_free = slot.device_free = None
+            slot.in_use = False
+        self._next = 0
 
     def release(self, slot: Slot, host_free: Any, device_free: Any = None) -> None:
         """Hand ``slot`` back: its host buffer is reused only after ``host_free``, the slot as a whole only after

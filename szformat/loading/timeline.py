@@ -57,16 +57,13 @@ class Timeline:
         with self._lock:
             self._spans.append(span)
 
-    @contextmanager
-    def span(self, what: str, k: int, nbytes: int = 0) -> Iterator[None]:
-        start = self.now()
-        try:
-            yield
-        finally:
-            self.add(what, k, start, self.now(), nbytes)
+    @property
+    def has_device_origin(self) -> bool:
+        return self._device_origin is not None
 
     def device_origin(self, event: Any, elapsed: Callable[[Any, Any], float]) -> None:
-        """``event`` ran on an idle device just now; ``elapsed(a, b)`` gives seconds between two timing events."""
+        """``event`` ran on an idle device just now; ``elapsed(a, b)`` gives seconds between two timing events.
+        Device spans are placed on the host's clock through it."""
         self._device_origin = (event, self.now())
         self._elapsed = elapsed
 
@@ -91,7 +88,8 @@ class Timeline:
         enqueueing its copy and decode; ``allocate``: the allocation part) the time spent in it; per kind of work
         (``read`` and ``crc`` on the reader threads, ``copy`` and ``decode`` on the device) the time any of it ran
         (``*_busy_ms``), its sum over threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it
-        first started and last ended."""
+        first started and last ended; and how long a transfer's bytes waited between its last read and the start
+        of its copy (``read_to_copy_mean_ms``/``_max_ms``)."""
         spans = self.spans()
         if not spans:
             return {}
@@ -113,6 +111,14 @@ class Timeline:
                 out[f"{key}_gbps"] = moved / busy / 1e9
             out[f"first_{key}_ms"] = 1e3 * min(s.start for s in group)
             out[f"last_{key}_end_ms"] = 1e3 * max(s.end for s in group)
+        read_done: dict[int, float] = {}
+        for s in by_what.get("read", []):
+            read_done[s.k] = max(read_done.get(s.k, s.end), s.end)
+        copy_start = {s.k: s.start for s in by_what.get("device:copy", [])}
+        lags = [copy_start[k] - done for k, done in read_done.items() if k in copy_start]
+        if lags:  # bytes staged but not yet crossing: the copy stream is behind (or its enqueueing is late)
+            out["read_to_copy_mean_ms"] = 1e3 * sum(lags) / len(lags)
+            out["read_to_copy_max_ms"] = 1e3 * max(lags)
         return out
 
 
