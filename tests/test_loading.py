@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import threading
 import time
 import zlib
 from collections import deque
@@ -71,6 +72,9 @@ class FakeOps:
         self._eager = set(eager)
         self.streams = [FakeStream(0, 0 in self._eager)]
         self.log: list[tuple] = []
+        self.lock = threading.RLock()  # the loop calls in from two threads, as it may on a real device
+        self.callers: list[str] = []
+        """The thread that made each step of ``log``."""
 
     def new_stream(self) -> FakeStream:
         stream = FakeStream(len(self.streams), len(self.streams) in self._eager)
@@ -86,22 +90,30 @@ class FakeOps:
         if stream.eager:
             self._run(stream, stream.enqueued)
 
+    def _note(self, step: tuple) -> None:
+        self.log.append(step)
+        self.callers.append(threading.current_thread().name)
+
     def enqueue(self, stream, work, label) -> None:
-        self.log.append((label, stream.index))
-        self._push(stream, ("work", work))
+        with self.lock:
+            self._note((label, stream.index))
+            self._push(stream, ("work", work))
 
     def record(self, stream) -> FakeEvent:
-        event = FakeEvent(stream, stream.enqueued)
-        self.log.append(("record", stream.index, event))
-        return event
+        with self.lock:
+            event = FakeEvent(stream, stream.enqueued)
+            self._note(("record", stream.index, event))
+            return event
 
     def wait(self, stream, event) -> None:
-        self.log.append(("wait", stream.index, event))
-        self._push(stream, ("wait", event))
+        with self.lock:
+            self._note(("wait", stream.index, event))
+            self._push(stream, ("wait", event))
 
     def synchronize(self, event) -> None:
-        self.log.append(("sync", event))
-        self._run(event.stream, event.position)
+        with self.lock:
+            self._note(("sync", event))
+            self._run(event.stream, event.position)
 
     def _run(self, stream: FakeStream, position: int) -> None:
         while stream.executed < position:
@@ -123,7 +135,8 @@ class NoWaitOps(FakeOps):
     """A broken device whose streams ignore waits: the control that shows the fake catches missing fences."""
 
     def wait(self, stream, event) -> None:
-        self.log.append(("wait", stream.index, event))
+        with self.lock:
+            self._note(("wait", stream.index, event))
 
 
 class FakeMapping:
@@ -314,8 +327,14 @@ def test_ring_host_waits_for_the_copy_and_the_device_for_the_decode():
     ring = StagingRing(ops, 2, 128, host=True, device=True)
     for _ in range(2):
         ring.release(ring.acquire(host_writes=True), copied, decoded)
-    with pytest.raises(ValueError, match="stream that writes"):
-        ring.acquire(host_writes=True)
+    start = len(ops.log)
+    slot = ring.acquire(host_writes=True)  # the device-side wait is left to whoever enqueues the copy
+    assert ops.log[start:] == [("sync", copied)]
+    with pytest.raises(RuntimeError, match="never ordered"):
+        ring.release(slot, copied, decoded)
+    ring.order_device_write(slot, copy_stream)
+    assert ops.log[-1] == ("wait", copy_stream.index, decoded)
+    ring.release(slot, copied, decoded)
 
 
 def test_ring_allocates_a_slot_when_first_used():
@@ -551,16 +570,68 @@ def test_registered_source_refuses_a_read_hook(checkpoint):
     file.close()
 
 
-def test_a_transfer_lands_as_soon_as_its_bytes_are_staged(checkpoint):
-    """With bytes ready at once (a registered mapping), each transfer's copy is enqueued before the next transfer is
-    staged, instead of waiting until every slot is taken: copies queue up on the device while the host runs ahead."""
+def test_landing_goes_on_while_staging_waits_for_a_slot(checkpoint):
+    """The staging thread waits on the host for a slot's copy while the calling thread lands the next transfer (so
+    its copy is queued behind the one being waited for, instead of after the wait and the next reads). Here the
+    first wait for a slot lasts until the second transfer has landed: a single thread doing both would stall; and
+    every device call (enqueue, record, wait) is made on the calling thread."""
     path, tensors = checkpoint
-    with timeline.recording() as record:
-        loaded, _ = _run_device_route(FakeOps(), path, slot_bytes=4096, slots=3, mapped=True, pool=None)
-    _assert_same(loaded, tensors)
-    steps = [(s.what, s.k) for s in record.spans() if s.what in ("stage", "land")]
-    count = len(steps) // 2
-    assert count > 3 and steps == [(what, k) for k in range(count) for what in ("stage", "land")]
+    second_landed, held = threading.Event(), []
+
+    class SlowSlotOps(FakeOps):
+        def synchronize(self, event):
+            if not held:  # the first host wait: for the first slot's copy, before the third transfer is read
+                held.append(second_landed.wait(2))
+            super().synchronize(event)
+
+    class WatchedLoop(TransferLoop):
+        def _land(self, item, land):
+            super()._land(item, land)
+            if item[0] == 1:
+                second_landed.set()
+
+    from concurrent.futures import ThreadPoolExecutor
+    ops = SlowSlotOps()
+    file, entries = _entries(path)
+    loop = WatchedLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
+    with ThreadPoolExecutor(2) as pool:
+        flat = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, ReadSource(FileReader(path, pool, 2)))
+        loop.finish()
+    _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
+                  for raw, e in zip(flat, entries)}, tensors)
+    file.close()
+    assert held == [True]
+    main = threading.current_thread().name
+    assert {caller for step, caller in zip(ops.log, ops.callers) if step[0] != "sync"} == {main}
+    assert "szformat-stage" in {caller for step, caller in zip(ops.log, ops.callers) if step[0] == "sync"}
+
+
+def test_a_failed_landing_stops_the_staging_thread_and_leaves_the_ring_usable(checkpoint):
+    path, tensors = checkpoint
+    from concurrent.futures import ThreadPoolExecutor
+
+    class FailingOnceCodec(ReferenceCodec):
+        failed = False
+
+        def decode_batch(self, *args):
+            if not self.failed:
+                self.failed = True
+                raise RuntimeError("the device went away")
+            return super().decode_batch(*args)
+
+    file, entries = _entries(path)
+    ops = FakeOps(eager=(1, 2))  # the decode runs (and fails) as it is enqueued, on the landing thread
+    loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
+    route = DeviceDecodeRoute(loop, FailingOnceCodec())
+    with ThreadPoolExecutor(2) as pool:
+        with pytest.raises(RuntimeError, match="went away"):
+            route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
+        assert not any(t.name == "szformat-stage" for t in threading.enumerate())
+        flat = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
+        loop.finish()
+    file.close()
+    _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
+                  for raw, e in zip(flat, entries)}, tensors)
 
 
 class TimingOps(FakeOps):

@@ -45,7 +45,7 @@ class StagingConfig:
             byte; smaller slots measured slower, see ``bench/RESULTS.md``).
         slots (`int`): slots in the ring, at least 2, so staging one overlaps copying and decoding another; 4
             (default) lets the reads run three slots ahead.
-        threads (`int`, *optional*): host reader threads; ``min(16, cores)`` by default.
+        threads (`int`, *optional*): host reader threads; ``min(12, cores)`` by default.
         transport (`str`): ``"staged"`` (default) reads through the pinned slots; ``"registered"`` registers the
             file's read-only page-cache mapping with the driver, span by span, and copies straight out of it.
             Pinning and unpinning pages cost more than the reads they save for a one-time load (measured on the

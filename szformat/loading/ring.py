@@ -3,7 +3,9 @@
 A slot pairs a pinned host buffer (filled by the host) with an optional device buffer (filled by a copy, read by
 a decode). The two are free again at different times: the host buffer once its copy has run, the device buffer once
 its decode has too. So the host waits only for the copy before refilling a slot, and the stream that will write
-the slot's device buffer waits (on the device, not the host) for the decode. Buffers are allocated when a slot is
+the slot's device buffer waits (on the device, not the host) for the decode: at once when :meth:`StagingRing.acquire`
+is given that stream, or later through :meth:`StagingRing.order_device_write` (when the thread that acquires slots
+is not the one that enqueues their copies). Buffers are allocated when a slot is
 first used and each run starts again from the first slot, so loads of fewer transfers than slots pin and allocate
 no more than they use.
 """
@@ -29,6 +31,8 @@ class Slot:
     """Event after which the host buffer may be written again (its copy has run)."""
     device_free: Any = None
     """Event after which the slot's previous use is entirely over (its copy, and its decode when it had one)."""
+    device_wait: Any = None
+    """Event the next device write to the slot must still be ordered after (see ``order_device_write``)."""
     in_use: bool = False
 
 
@@ -65,6 +69,7 @@ class StagingRing:
 
         With ``host_writes`` the host blocks until the slot's host buffer is free; ``stream`` (the one that will
         write the slot on the device) is made to wait for the rest of the previous use, and the host goes on.
+        Without ``stream``, call :meth:`order_device_write` before the device writes the slot.
         """
         slot = self._slots[self._next]
         if slot.in_use:
@@ -76,16 +81,21 @@ class StagingRing:
             self.host_waits += 1
             if pending is slot.host_free:
                 pending = None
-        if pending is not None:
-            if stream is None:
-                raise ValueError("the stream that writes the slot is needed to order it after the slot's last use")
-            self.ops.wait(stream, pending)
+        slot.device_wait = pending
+        if stream is not None:
+            self.order_device_write(slot, stream)
         if self.has_host and slot.host is None:
             slot.host = self.ops.host_buffer(self.slot_bytes)
         if self.has_device and slot.device is None:
             slot.device = self.ops.device_buffer(self.slot_bytes)
         slot.in_use = True
         return slot
+
+    def order_device_write(self, slot: Slot, stream: Any) -> None:
+        """Make ``stream`` (which will write ``slot`` on the device) wait for the rest of the slot's previous use."""
+        if slot.device_wait is not None:
+            self.ops.wait(stream, slot.device_wait)
+            slot.device_wait = None
 
     def rewind(self) -> None:
         """Hand out the first slot next, so that a run of few transfers reuses the same few slots (and only those
@@ -95,7 +105,7 @@ class StagingRing:
     def clear(self) -> None:
         """Forget every slot's use (for after a failed run, once the device and the readers are idle)."""
         for slot in self._slots:
-            slot.host_free = slot.device_free = None
+            slot.host_free = slot.device_free = slot.device_wait = None
             slot.in_use = False
         self._next = 0
 
@@ -104,6 +114,9 @@ class StagingRing:
         ``device_free`` (by default the same event)."""
         if not slot.in_use:
             raise RuntimeError(f"staging slot {slot.index} is released but was not acquired")
+        if slot.device_wait is not None:
+            raise RuntimeError(f"staging slot {slot.index} is released, but its device writes were never ordered "
+                               "after its previous use")
         slot.host_free = host_free
         slot.device_free = host_free if device_free is None else device_free
         slot.in_use = False

@@ -83,9 +83,10 @@ class Timeline:
         return sorted(out, key=lambda s: (s.start, s.end))
 
     def summary(self) -> dict[str, float]:
-        """Totals, in milliseconds and GB/s: ``wall``; per step of the loop's thread (``wait_slot``: for a free
-        slot; ``stage``: submitting reads; ``wait_reads``: for a transfer's reads; ``land``: allocating and
-        enqueueing its copy and decode; ``allocate``: the allocation part) the time spent in it; per kind of work
+        """Totals, in milliseconds and GB/s: ``wall``; per step of the loop (on its staging thread ``wait_slot``: for a
+        free slot, and ``stage``: submitting reads; on its landing thread ``wait_reads``: for a transfer's reads,
+        and ``land``: enqueueing its copy and decode; ``allocate``: every destination, before the loop starts) the
+        time spent in it; per kind of work
         (``read`` and ``crc`` on the reader threads, ``copy`` and ``decode`` on the device) the time any of it ran
         (``*_busy_ms``), its sum over threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it
         first started and last ended; and how long a transfer's bytes waited between its last read and the start
