@@ -75,6 +75,25 @@ def spinning_waits(load: Loader) -> Loader:
     return run
 
 
+def polling_waits(load: Loader) -> Loader:
+    """``load`` with host waits that poll ``event.query()`` between short sleeps, so that no thread sits inside
+    ``cudaEventSynchronize`` while another enqueues work."""
+
+    def poll(self, event) -> None:
+        while not event.query():
+            time.sleep(20e-6)
+
+    def run(c: Checkpoint) -> dict:
+        blocking = CudaOps.synchronize
+        CudaOps.synchronize = poll
+        try:
+            return load(c)
+        finally:
+            CudaOps.synchronize = blocking
+
+    return run
+
+
 DEFAULTS = StagingConfig()
 METHODS: dict[str, Loader] = {
     "safetensors load_file": lambda c: st_load_file(c.safetensors, device="cuda"),
@@ -82,6 +101,9 @@ METHODS: dict[str, Loader] = {
     "szt defaults, verify off": lambda c: szformat.load_file(c.szt, device="cuda", verify=False),
     "szt defaults, verify off, spinning waits": spinning_waits(
         lambda c: szformat.load_file(c.szt, device="cuda", verify=False)),
+    "szt defaults, verify off, polling waits": polling_waits(
+        lambda c: szformat.load_file(c.szt, device="cuda", verify=False)),
+    "szt defaults, verify on, polling waits": polling_waits(lambda c: szformat.load_file(c.szt, device="cuda")),
     "szt staged 64 MiB x 4, verify off": staged(64, 4),
     "szt staged 64 MiB x 4, verify on": staged(64, 4, verify=True),
     "szt staged 64 MiB x 4, 16 threads, verify off": staged(64, 4, threads=16),
@@ -97,7 +119,7 @@ METHODS: dict[str, Loader] = {
 COLD = ["safetensors load_file", "szt load_file (defaults, verify on)", "szt defaults, verify off"]
 SMALL_ONLY = ["szt host-decode route"]
 """Paths timed on checkpoints under 1 GB only (seconds per call on the synthetic one)."""
-TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)"]
+TIMELINE = ["szt defaults, verify off", "szt defaults, verify off, polling waits"]
 
 
 # -- measuring --------------------------------------------------------------------------------------------------
