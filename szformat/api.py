@@ -16,7 +16,7 @@ import torch
 
 from .codec import cpu as cpu_codec
 from .codec.gate import RoundTripMismatch, encode_tensor
-from .errors import ConversionError, PayloadError, RoundTripError
+from .errors import ConversionError, FormatError, PayloadError, RoundTripError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
@@ -60,7 +60,7 @@ class safe_open:
         filename = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
                                 local_files_only=local_files_only, cache_dir=cache_dir)
         if Path(filename).name.endswith(C.INDEX_SUFFIX):
-            raise ValueError(f"{filename} is a sharded index; open one of its .szt files, or use load_file")
+            raise FormatError("this is a sharded index; open one of its .szt files, or use load_file", path=filename)
         self.device = torch.device(device)
         self.verify = verify
         self._device_loader = (DeviceLoader(self.device, route=route, staging=staging, verify=verify)
@@ -75,6 +75,7 @@ class safe_open:
 
     @property
     def path(self) -> Path:
+        """The local .szt file (for a Hub reference, its copy in the Hugging Face cache)."""
         return self._file.path
 
     def __enter__(self) -> "safe_open":
@@ -84,6 +85,7 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
+        """Release the mapping and, for a CUDA ``device``, the staging memory and reader threads."""
         if self._device_loader is not None:
             self._device_loader.close()
         self._file.close()
@@ -97,6 +99,7 @@ class safe_open:
         return self._file.metadata
 
     def entry(self, name: str) -> TensorEntry:
+        """The header entry of ``name``: dtype, shape, encoding, where its bytes are and their checksums."""
         return self._file.entry(name)
 
     def descriptor(self, name: str) -> PayloadDescriptor:
@@ -111,12 +114,19 @@ class safe_open:
         return self._file.payload(name)
 
     def get_tensor(self, name: str) -> torch.Tensor:
+        """Tensor ``name``, decoded, on this file's ``device``.
+
+        Raises:
+            KeyError: the file holds no tensor ``name``.
+            ChecksumMismatchError, PayloadError: its stored bytes are corrupt.
+        """
         if self._device_loader is not None:
             return self._device_loader.load(self._file, [name])[name]
         entry = self._file.entry(name)
         return self._read(entry, 0, entry.shape[0] if entry.shape else 1).to(self.device)
 
     def get_slice(self, name: str) -> "TensorSlice":
+        """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers."""
         return TensorSlice(self, self._file.entry(name))
 
     def _stored_bytes(self, entry: TensorEntry) -> torch.Tensor:
@@ -160,9 +170,11 @@ class TensorSlice:
         self._entry = entry
 
     def get_shape(self) -> list[int]:
+        """The tensor's shape, read from the header (nothing is decoded)."""
         return list(self._entry.shape)
 
     def get_dtype(self) -> str:
+        """The tensor's safetensors dtype name (``"BF16"``, ``"F32"``...)."""
         return self._entry.dtype
 
     def __getitem__(self, index: Any) -> torch.Tensor:
@@ -258,7 +270,8 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
 
 
-def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor, **encode_kw):
+def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor,
+                 **encode_kw: Any) -> TensorEntry:
     """Encode (with the round-trip check) and append one tensor; a mismatch aborts the whole file."""
     try:
         encoded = encode_tensor(raw, dtype, **encode_kw)

@@ -9,16 +9,22 @@ import os
 from pathlib import Path
 from typing import Any
 
+from .errors import HubReferenceError
+
 
 def resolve_path(filename: str | os.PathLike, *, repo_id: str | None = None, **hub_kwargs: Any) -> Path:
     """A local path, or the local copy of a Hub reference (``hf://...`` or ``repo_id`` + ``filename``).
 
     The Hub module is imported only when a reference needs it.
+
+    Raises:
+        HubReferenceError: Hub keywords (``revision=``, ``token=``...) given with a local path.
     """
     if repo_id is None and not str(filename).startswith("hf://"):
-        if any(v not in (None, False) for v in hub_kwargs.values()):
-            raise ValueError(f"{', '.join(k for k, v in hub_kwargs.items() if v not in (None, False))} only apply "
-                             "to Hub references (hf://... or repo_id=)")
+        hub_only = [k for k, v in hub_kwargs.items() if v not in (None, False)]
+        if hub_only:
+            raise HubReferenceError(f"{', '.join(hub_only)} only apply to Hub references (hf://... or repo_id=)",
+                                    path=filename)
         return Path(filename)
     from .hub import resolve
 

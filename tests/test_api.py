@@ -12,7 +12,7 @@ import torch
 import szformat.api as api
 from szformat import SzformatError, load_file, safe_open, save_file
 from szformat.api import tensor_bytes
-from szformat.errors import ChecksumMismatchError, ConversionError, PayloadError, RoundTripError
+from szformat.errors import ChecksumMismatchError, ConversionError, FormatError, PayloadError, RoundTripError
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
 
@@ -162,6 +162,14 @@ def test_save_file_replaces_an_existing_file(tmp_path):
 # ---------------------------------------------------------------------------------------------------------------
 # safe_open
 # ---------------------------------------------------------------------------------------------------------------
+
+
+def test_safe_open_refuses_a_sharded_index_naming_it(tmp_path):
+    index = tmp_path / "model.szt.index.json"
+    index.write_text('{"weight_map": {}}')
+    with pytest.raises(FormatError, match="is a sharded index; open one of its .szt files, or use load_file") as e:
+        safe_open(index, framework="pt")
+    assert e.value.path == str(index) and isinstance(e.value, ValueError)
 
 
 def test_keys_are_in_file_order_and_entries_describe_the_tensors(model_file):

@@ -35,6 +35,8 @@ from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRoute
 from szformat.format.reader import SztFile
 
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
+checkpoint_module = importlib.import_module("szformat.convert.checkpoint")
+sources_module = importlib.import_module("szformat.convert.sources")
 MINILM_DIR = Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser() / "minilm-bf16"
 """Where tools/fetch_minilm.py puts the BF16 model folder."""
 
@@ -187,6 +189,30 @@ def test_source_streams_raw_bytes_in_data_order_and_keeps_metadata(model_file):
         assert torch.equal(raw, expected[tensor.name].reshape(-1).view(torch.uint8)), tensor.name
     begins = [t.begin for t, _ in seen]
     assert begins == sorted(begins)
+
+
+@pytest.mark.parametrize("when", ["emptied before mapping", "before mapping", "while streaming"])
+def test_a_source_that_shrinks_is_a_conversion_error_not_a_crash(model_file, tmp_path, monkeypatch, when):
+    path = tmp_path / "shrinks.safetensors"
+    path.write_bytes(model_file.read_bytes())
+    header = read_safetensors_header(path)
+    second = header.tensors[1]  # in data order: it loses its bytes
+    cut = 0 if when == "emptied before mapping" else header.data_start + second.begin
+    if when.endswith("before mapping"):  # the file shrinks between the header read and the mapping
+        real = sources_module.read_safetensors_header
+
+        def read_then_shrink(p):
+            checked = real(p)
+            os.truncate(p, cut)
+            return checked
+
+        monkeypatch.setattr(sources_module, "read_safetensors_header", read_then_shrink)
+    with pytest.raises(ConversionError, match="shrank") as info:
+        with SafetensorsSource(path) as source:
+            for _ in source.tensors():
+                if when == "while streaming":
+                    os.truncate(path, cut)
+    assert info.value.tensor == (None if cut == 0 else second.name) and "shrinks.safetensors" in str(info.value)
 
 
 def test_dtypes_torch_has_no_type_for_pass_through_byte_for_byte(tmp_path):
@@ -501,6 +527,20 @@ def test_disk_full_during_decompression_leaves_nothing(model_file, tmp_path, mon
     fill_disk_after(monkeypatch, 5000)
     with pytest.raises(WriteError, match="No space left on device"):
         decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
+    assert listing(tmp_path) == before
+
+
+def test_disk_full_while_copying_the_other_files_is_a_write_error(tmp_path, monkeypatch):
+    write_pipeline(tmp_path / "pipe")
+    before = listing(tmp_path)
+
+    def copyfile(src, dst, **kwargs):
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(checkpoint_module.shutil, "copyfile", copyfile)
+    with pytest.raises(WriteError, match="No space left on device") as info:
+        convert(tmp_path / "pipe", tmp_path / "out")
+    assert isinstance(info.value, OSError) and "model_index.json" in str(info.value)
     assert listing(tmp_path) == before
 
 

@@ -3,6 +3,8 @@ spec's tables against the constants."""
 
 from __future__ import annotations
 
+import errno
+import io
 import math
 import os
 import re
@@ -292,6 +294,45 @@ def test_a_failing_rename_leaves_nothing_and_keeps_the_target(tmp_path, monkeypa
     with pytest.raises(WriteError, match="cannot finish the file") as info:
         write(path, TENSORS)
     assert isinstance(info.value, OSError) and isinstance(info.value, SzformatError)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["m.szt"] and path.read_bytes() == b"old"
+
+
+class _DiskFullRaw(io.RawIOBase):
+    """A raw file that takes ``budget`` bytes, then fails every write like a full disk (flushes on close too)."""
+
+    def __init__(self, fd: int, budget: int):
+        self._fd, self._budget = fd, budget
+
+    def writable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def seek(self, offset: int, whence: int = 0) -> int:
+        return os.lseek(self._fd, offset, whence)
+
+    def write(self, data) -> int:
+        size = memoryview(data).nbytes
+        if size > self._budget:
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self._budget -= size
+        return os.write(self._fd, data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self._fd)
+        super().close()
+
+
+@pytest.mark.parametrize("budget", [0, 100, 200])
+def test_a_full_disk_is_a_write_error_even_when_buffered_bytes_cannot_be_flushed(tmp_path, monkeypatch, budget):
+    path = tmp_path / "m.szt"
+    path.write_bytes(b"old")
+    monkeypatch.setattr(os, "fdopen", lambda fd, mode="r", *a, **kw: io.BufferedWriter(_DiskFullRaw(fd, budget)))
+    with pytest.raises(WriteError, match="No space left on device") as info:
+        write(path, TENSORS)
+    assert isinstance(info.value, OSError)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m.szt"] and path.read_bytes() == b"old"
 
 

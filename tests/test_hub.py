@@ -374,6 +374,16 @@ def test_loaders_take_hub_references_and_keywords(hub, tmp_path):
         szformat.load_file(tmp_path / "model.szt", revision=first_commit)
 
 
+def test_hub_keywords_with_a_local_path_are_a_hub_reference_error(hub, tmp_path):
+    path = tmp_path / "model.szt"
+    write_szt(path, seed=14)
+    for open_it in (szformat.load_file, lambda p, **kw: szformat.safe_open(p, "pt", **kw)):
+        with pytest.raises(HubReferenceError, match="revision only apply to Hub references") as info:
+            open_it(path, revision="main")
+        assert info.value.path == str(path)
+    assert hub.requests == []
+
+
 def test_sharded_download_takes_every_shard_from_the_index_commit(hub, tmp_path):
     folder = tmp_path / "model-szt"
     write_sharded_folder(folder, seed=20)

@@ -45,6 +45,7 @@ def test_the_example_of_the_spec_parses(tmp_path):
 @pytest.mark.parametrize("content, message, tensor", [
     (b"\xff\xfe{}", "not valid JSON", None),
     ('{"weight_map": {', "not valid JSON", None),
+    ("[" * 100_000 + "]" * 100_000, "not valid JSON", None),
     ("[]", "no 'weight_map' object", None),
     ('{"metadata": {}}', "no 'weight_map' object", None),
     ('{"weight_map": ["w"]}', "no 'weight_map' object", None),

@@ -26,18 +26,20 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 import szformat
-from szformat.codec import cpu as cpu_codec
 from szformat.errors import ChecksumMismatchError, DecodeRouteError, FormatError, ShardIndexError, TruncatedFileError
 from szformat.format.reader import SztFile
 from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder, checkpoint_shards,
                               copy_and_expand)
 from szformat.loading import gpu_codec, timeline
-from szformat.loading.hostio import FileReader
+from szformat.loading import pipeline
+from szformat.loading.hostio import FileReader, Staged
 from szformat.loading.loader import load_checkpoint
 from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
 from szformat.loading.plan import Extent, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
 from szformat.loading.verify import StoredCrcCheck, crc32_combine
+
+from fakes import ReferenceCodec
 
 POISON = 0xA5
 
@@ -154,25 +156,6 @@ class FakeMapping:
 
     def close(self):
         pass
-
-
-class ReferenceCodec:
-    """The device codec's contract, fulfilled by the CPU reference decoder."""
-
-    def batch_table(self, entries, device):
-        return list(entries)
-
-    def decode_batch(self, payloads, table, out):
-        for layout, codebook, payload_offset, output_offset in table:
-            cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
-                             out=out[output_offset: output_offset + layout.n])
-
-    def new_scratch(self):
-        return None
-
-    def decode_in_place(self, buffer, layout, codebook, scratch):
-        stash = buffer[: layout.comp_bytes].clone()
-        cpu_codec.decode(stash, layout, codebook, out=buffer[: layout.raw_bytes].view(torch.bfloat16))
 
 
 POLICIES = [(), (1,), (2,), (1, 2), (0, 1, 2)]
@@ -632,6 +615,38 @@ def test_a_failed_landing_stops_the_staging_thread_and_leaves_the_ring_usable(ch
     file.close()
     _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
                   for raw, e in zip(flat, entries)}, tensors)
+
+
+def test_an_interrupted_run_waits_for_the_reads_already_staged(monkeypatch):
+    """Reads in flight write into the ring's host slots: a run that stops must wait for them before the ring is
+    handed back, even when it stops while waiting for the next staged transfer."""
+    import queue
+
+    class InterruptedQueue(queue.SimpleQueue):
+        interrupted = False
+
+        def get(self, *args, **kwargs):
+            if self.interrupted:
+                return super().get(*args, **kwargs)
+            while self.empty():  # interrupted once a transfer is staged, with its read still running
+                time.sleep(0.001)
+            self.interrupted = True
+            raise KeyboardInterrupt
+
+    reads: list[Future] = []
+
+    def stage(k, transfer, slot):
+        read = Future()
+        threading.Timer(0.2, read.set_result, (None,)).start()
+        reads.append(read)
+        return Staged(slot.host[: transfer.nbytes], [read])
+
+    monkeypatch.setattr(pipeline.queue, "SimpleQueue", InterruptedQueue)
+    ops = FakeOps()
+    loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
+    with pytest.raises(KeyboardInterrupt):
+        loop.run([SimpleNamespace(nbytes=4096)] * 2, stage, lambda k, slot, host: None, host_writes=True)
+    assert reads and all(read.done() for read in reads)
 
 
 class TimingOps(FakeOps):

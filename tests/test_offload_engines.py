@@ -195,3 +195,17 @@ def test_load_into_offloader_routes_to_the_installer_and_returns_its_handle(stor
     assert installation.route.name == "accelerate" and installation.route.decoder == "cpu"
     assert installation.device == torch.device("cuda:0") and installation.options == {}
     assert {name for b in installation.binding for name in b.names} == set(installation.checkpoint.entries)
+
+
+def test_cpu_decoding_names_file_and_tensor_when_torch_lacks_the_dtype(tmp_path, monkeypatch):
+    from szformat.errors import DecodeRouteError
+    from szformat.format import constants as C
+    from szformat.format.reader import SztFile
+    from szformat.offload.decoding import decode_on_cpu
+
+    path = tmp_path / "m.szt"
+    szformat.save_file({"w": torch.randn(64, 64).to(torch.bfloat16)}, path)
+    monkeypatch.setitem(C.DTYPES, "BF16", (None, 2))
+    with SztFile(path) as f, pytest.raises(DecodeRouteError, match="dtype BF16 has no torch equivalent") as info:
+        decode_on_cpu(f, f.entry("w"))
+    assert info.value.tensor == "w" and "m.szt" in str(info.value)

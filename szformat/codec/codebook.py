@@ -41,10 +41,6 @@ class Codebook:
             enc[exponent] = code
         return enc
 
-    def decode_lut(self) -> torch.Tensor:
-        """``dec[code] -> exponent`` as a uint8 tensor of 16 entries."""
-        return torch.tensor(self.dec_lut, dtype=torch.uint8)
-
 
 def exponent_histogram(exponents: torch.Tensor) -> torch.Tensor:
     """Counts of each exponent byte (int64, 256 entries)."""

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
-from ..errors import ConversionError
+from ..errors import ConversionError, WriteError
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
 from .atomic import atomic_directory, check_output
 
@@ -166,7 +166,10 @@ def write_checkpoint(checkpoint: Checkpoint, target: str | os.PathLike, *, old_s
         for rel in files.others:
             destination = tmp / rel
             destination.parent.mkdir(parents=True, exist_ok=True)
-            shutil.copyfile(files.root / rel, destination)
+            try:
+                shutil.copyfile(files.root / rel, destination)
+            except OSError as e:
+                raise WriteError(f"cannot copy {rel} into the output ({e.strerror or e})", path=target) from e
 
 
 def _refuse_overlap(source: Path, target: Path) -> None:

@@ -78,6 +78,7 @@ class SafetensorsWriter:
         self._written += data.numel()
 
     def finish(self) -> Path:
+        """Check that every declared byte was written, then move the file into place; returns its path."""
         if self._written != self._data_size:
             self._file.abort()
             raise ConversionError(f"{self._written} tensor bytes written, the header declares {self._data_size}",

@@ -175,7 +175,10 @@ class SafetensorsSource:
         self._mmap: mmap.mmap | None = None
         if self.header.tensors and self.header.tensors[-1].end:
             with open(self.path, "rb") as f:
-                self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                try:
+                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                except ValueError:  # the file is empty now
+                    raise ConversionError("file shrank while it was opened", path=self.path) from None
 
     @property
     def metadata(self) -> dict[str, str] | None:
@@ -197,6 +200,9 @@ class SafetensorsSource:
 
         A view is valid until the next step: its pages are released from this process then, so memory stays
         bounded by the largest tensor however large the file is.
+
+        Raises:
+            ConversionError: the file shrank since its header was read.
         """
         for tensor in self.header.tensors:
             offset = self.header.data_start + tensor.begin
@@ -204,6 +210,9 @@ class SafetensorsSource:
                 yield tensor, torch.empty(0, dtype=torch.uint8)
                 continue
             assert self._mmap is not None, "file is closed"
+            if self._mmap.size() < offset + tensor.nbytes:  # reading a page past the new end would raise SIGBUS
+                raise ConversionError(f"file shrank to {self._mmap.size()} bytes while it was converted",
+                                      path=self.path, tensor=tensor.name)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable
                 raw = torch.frombuffer(self._mmap, dtype=torch.uint8, count=tensor.nbytes, offset=offset)

@@ -129,6 +129,8 @@ class AtomicFile:
         self._done = True
         try:
             self._file.close()
+        except OSError:
+            pass  # flushing bytes that are about to be removed failed again (a full disk); the file is closed anyway
         finally:
             self.tmp.unlink(missing_ok=True)
 

@@ -314,8 +314,8 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=length, path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, **common)
     raise UnknownEncodingError(
-        f"encoding {encoding['name']!r} is not known to this reader (known: {C.ENCODING_SPLITZIP!r}, "
-        f"{C.ENCODING_RAW!r}); the file needs a newer szformat", path=path, tensor=name)
+        f"encoding {encoding['name']!r} is not known to this reader (known: {', '.join(map(repr, C.ENCODINGS))}); "
+        "the file needs a newer szformat", path=path, tensor=name)
 
 
 def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, tensor: str):

@@ -54,7 +54,7 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ShardIndexError(f"sharded index is not valid JSON ({e})", path=path) from None
     except ShardIndexError as e:
         raise e.with_context(path=path) from None

@@ -158,15 +158,18 @@ class SztFile:
 
     @property
     def metadata(self) -> dict[str, str] | None:
+        """The source's ``__metadata__`` (``None`` when it had none)."""
         return self.header.metadata
 
     def entry(self, name: str) -> TensorEntry:
+        """The header entry of tensor ``name``; KeyError naming the file if there is none."""
         try:
             return self.entries[name]
         except KeyError:
             raise KeyError(f"tensor {name!r} is not in {self.path}") from None
 
     def descriptor(self, name: str) -> PayloadDescriptor:
+        """Where the stored bytes of tensor ``name`` are and how to expand them."""
         e = self.entry(name)
         return PayloadDescriptor(path=self.path, name=e.name, dtype=e.dtype, shape=e.shape, encoding=e.encoding,
                                  offset=e.offset, length=e.length, raw_length=e.raw_length, layout=e.layout,
@@ -212,7 +215,7 @@ class SztFile:
             return torch.frombuffer(memoryview(mm)[offset: offset + length], dtype=torch.uint8)
 
 
-def check_crc(data: torch.Tensor, expected: int, *, what: str, path, tensor: str) -> None:
+def check_crc(data: torch.Tensor, expected: int, *, what: str, path: str | os.PathLike, tensor: str) -> None:
     """Raise ChecksumMismatchError unless the CRC-32 of a flat uint8 CPU tensor is ``expected``."""
     actual = zlib.crc32(memoryview(data.numpy())) if data.numel() else 0
     if actual != expected:

@@ -24,6 +24,8 @@ from .header import Header, TensorEntry, validate_metadata, validate_name, valid
 
 
 class WriterState(enum.Enum):
+    """Where a :class:`SztWriter` is: each method checks it before touching the file."""
+
     OPEN = "open"          # temp file created, preamble placeholder written, payloads may follow
     FINISHED = "finished"  # header written, file renamed into place
     ABORTED = "aborted"    # temp file removed
@@ -158,6 +160,7 @@ class SztWriter:
 
     @property
     def entries(self) -> list[TensorEntry]:
+        """Header entries of the tensors added so far, in file order."""
         return list(self._entries)
 
     def _expect_open(self) -> None:

@@ -152,10 +152,12 @@ class TransferLoop:
             stop.set()
             free.release()  # wake the staging thread if it waits for a slot: it sees ``stop`` and ends
             stager.join()
-            while item is not None:
-                if not isinstance(item, BaseException):
+            while True:  # the transfer being landed, if any, then every one still staged: wait for their reads
+                if item is not None and not isinstance(item, BaseException):
                     item[2].settle()
-                item = None if staged.empty() else staged.get()
+                if staged.empty():
+                    break
+                item = staged.get()
             self.finish()
             self.ring.clear()  # nothing is in flight any more: the next run may use every slot
             raise

@@ -27,7 +27,8 @@ __all__ = ["Span", "Timeline", "recording", "current"]
 @dataclass(frozen=True)
 class Span:
     """``what`` happened for transfer ``k`` from ``start`` to ``end`` (seconds since the timeline began) on ``lane``:
-    a host thread's name, or ``"device:copy"`` / ``"device:decode"``. ``nbytes`` is what it moved, where it moved any."""
+    a host thread's name, or ``"device:copy"`` / ``"device:decode"``. ``nbytes`` is what it moved, where it moved
+    any."""
 
     what: str
     k: int

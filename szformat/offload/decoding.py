@@ -16,7 +16,6 @@ import torch
 from ..codec import cpu as cpu_codec
 from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import PayloadError
-from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from ..loading.loader import DeviceLoader, StagingConfig
@@ -73,7 +72,7 @@ class CheckpointDecoder:
 
 def decode_on_cpu(file: SztFile, entry: TensorEntry) -> torch.Tensor:
     """Entry ``entry`` of ``file`` as a new CPU tensor, by the reference decoder, straight from the mapping."""
-    out = torch.empty(entry.shape, dtype=C.DTYPES[entry.dtype][0])
+    out = torch.empty(entry.shape, dtype=entry.torch_dtype(file.path))
     payload = file.payload(entry.name)
     if entry.encoding != ENCODING_SPLITZIP:
         out.view(-1).view(torch.uint8).copy_(payload)

@@ -64,4 +64,5 @@ class OffloadedModel:
         self.close()
 
     def __repr__(self) -> str:
-        return f"OffloadedModel(route={self.route.name!r}, decoder={self.route.decoder!r}, path={self._checkpoint.path})"
+        return (f"OffloadedModel(route={self.route.name!r}, decoder={self.route.decoder!r}, "
+                f"path={self._checkpoint.path})")

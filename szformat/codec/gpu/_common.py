@@ -70,4 +70,5 @@ def program_slots(device: torch.device, per_multiprocessor: int) -> int:
     """How many programs a persistent kernel launches: enough to fill every multiprocessor of ``device``."""
     if device.type != "cuda":
         return 2  # the interpreter runs programs one after another; two still exercise the striding
-    return _multiprocessors(device.index if device.index is not None else torch.cuda.current_device()) * per_multiprocessor
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    return _multiprocessors(index) * per_multiprocessor
