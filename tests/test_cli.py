@@ -230,6 +230,64 @@ def test_info_json_of_a_folder(tmp_path, capsys):
     assert tensor["stored_bytes"] < tensor["raw_bytes"] == 32 * 48 * 2
 
 
+@pytest.fixture
+def converted_shards(tmp_path: Path) -> Path:
+    """A converted two-shard checkpoint: ``model-0000{1,2}-of-00002.szt`` and ``model.szt.index.json``."""
+    write_sharded(tmp_path / "src")
+    main([str(tmp_path / "src"), str(tmp_path / "out"), "-q"])
+    return tmp_path / "out"
+
+
+@pytest.mark.parametrize("given", ["index", "folder"])
+def test_info_refuses_an_index_whose_shards_are_missing(converted_shards, capsys, given):
+    (converted_shards / "model-00002-of-00002.szt").unlink()
+    path = converted_shards / "model.szt.index.json" if given == "index" else converted_shards
+    assert main(["info", str(path), "--json"]) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert error_line(captured.err) == (f"szconvert: error: file '{converted_shards}/model.szt.index.json': the "
+                                        f"index names 1 missing shard(s): 'model-00002-of-00002.szt'; name a .szt "
+                                        f"file to see it alone")
+    assert main(["info", str(converted_shards / "model-00001-of-00002.szt")]) == 0  # the shard present, alone
+    assert capsys.readouterr().out.startswith("model-00001-of-00002.szt: szt 1.0")
+
+
+def test_info_names_every_missing_shard(converted_shards, capsys):
+    for shard in ("model-00001-of-00002.szt", "model-00002-of-00002.szt"):
+        (converted_shards / shard).unlink()
+    (converted_shards / "other.szt").write_bytes(b"")  # no shard of the index: not read before the refusal
+    assert main(["info", str(converted_shards)]) == 1
+    assert error_line(capsys.readouterr().err).endswith(
+        "the index names 2 missing shard(s): 'model-00001-of-00002.szt', 'model-00002-of-00002.szt'; name a .szt "
+        "file to see it alone")
+
+
+def test_info_refuses_an_index_mapping_a_tensor_to_the_wrong_shard(converted_shards, capsys):
+    index_path = converted_shards / "model.szt.index.json"
+    index = json.loads(index_path.read_text())
+    tensor, shard = next((t, s) for t, s in index["weight_map"].items() if s == "model-00001-of-00002.szt")
+    index["weight_map"][tensor] = "model-00002-of-00002.szt"
+    index_path.write_text(json.dumps(index))
+    assert main(["info", str(converted_shards)]) == 1
+    assert error_line(capsys.readouterr().err) == (
+        f"szconvert: error: file '{index_path}', tensor '{tensor}': the index maps this tensor to shard "
+        f"'model-00002-of-00002.szt', which does not hold it")
+
+
+def test_verify_fails_naming_a_missing_shard(converted_shards, capsys):
+    (converted_shards / "model-00002-of-00002.szt").unlink()
+    index = json.loads((converted_shards / "model.szt.index.json").read_text())
+    lost = sorted(t for t, s in index["weight_map"].items() if s == "model-00002-of-00002.szt")
+    for path in (converted_shards / "model.szt.index.json", converted_shards):
+        assert main(["verify", str(path)]) == 1
+        captured = capsys.readouterr()
+        assert captured.out == ""
+        lines = captured.err.splitlines()
+        assert lines[0].startswith(f"FAILED: {len(lost)} problem(s) in ")
+        assert sorted(lines[1:]) == sorted(f"  model.szt.index.json: tensor {t!r}: the index names shard "
+                                           f"'model-00002-of-00002.szt', which is missing" for t in lost)
+
+
 def test_verify_exit_codes_and_bad_tensor_names(model_file, tmp_path, capsys):
     main([str(model_file), str(tmp_path / "m.szt"), "-q"])
     assert main(["verify", str(tmp_path / "m.szt")]) == 0

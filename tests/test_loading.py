@@ -753,6 +753,21 @@ def test_file_reader_reads_in_parallel_pieces_and_refuses_short_files(tmp_path, 
         reader.close()
 
 
+def test_file_reader_closes_its_descriptor_when_the_mapping_fails(tmp_path, monkeypatch):
+    """Without ``os.preadv`` the reader maps the file, and an empty file cannot be mapped: the descriptor opened
+    first must not outlive the failed constructor."""
+    (tmp_path / "empty").write_bytes(b"")
+    opened, closed = [], []
+    real_open, real_close = os.open, os.close
+    with monkeypatch.context() as patch:
+        patch.delattr(os, "preadv", raising=False)
+        patch.setattr(os, "open", lambda *args, **kwargs: opened.append(real_open(*args, **kwargs)) or opened[-1])
+        patch.setattr(os, "close", lambda fd: closed.append(fd) or real_close(fd))
+        with pytest.raises(ValueError, match="empty file"):
+            FileReader(tmp_path / "empty", None, threads=1)
+    assert len(opened) == 1 and closed == opened
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The staging-pool decoder and the slot decoder
 # ---------------------------------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@ import json
 from pathlib import Path
 from typing import Any
 
+from ..errors import ShardIndexError
 from ..format import constants as C
+from ..format.index import ShardIndex, check_index, read_index, shard_path
 from ..format.reader import SztFile
-from ..convert.checkpoint import find_files
+from ..convert.checkpoint import CheckpointFiles, find_files
 from ..convert.report import TensorRecord, format_bytes, format_table
 from ._common import add_command, print_lines
 
@@ -21,6 +23,8 @@ examples:
   szconvert info model.szt
   szconvert info ./model-szt                        every .szt file of a converted folder, and the total
   szconvert info model.szt --json                   the same as JSON, for scripts
+
+Exit status: 1 when an index names a shard that is missing, or a tensor its shard does not hold.
 """
 
 TABLE_HEADERS = ["name", "dtype", "shape", "encoding", "stored", "raw", "ratio", "coverage", "n_esc", "note"]
@@ -39,7 +43,12 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     files = find_files(args.path, C.FILE_SUFFIX)
+    indexes = {rel: read_index(files.root / rel) for rel in files.indexes}
+    _refuse_missing_shards(files, indexes)
     described = [describe_file(files.root / rel, rel) for rel in files.weights]
+    held = {file["file"]: {t["name"] for t in file["tensors"]} for file in described}
+    for rel, index in indexes.items():
+        check_index(index, files.root / rel, held, rel)
     total = _totals(described)
     if args.json:
         print(json.dumps({"files": described, "total": total}, indent=2, ensure_ascii=False))
@@ -49,6 +58,22 @@ def run(args: argparse.Namespace) -> int:
     if len(described) > 1:
         print_lines([f"total: {len(described)} files, " + _summary_text(total)])
     return 0
+
+
+def _refuse_missing_shards(files: CheckpointFiles, indexes: dict[str, ShardIndex]) -> None:
+    """A checkpoint whose index names absent shards is incomplete: showing the shards present would pass a part
+    for the whole. Naming one .szt file still shows that file alone.
+
+    Raises:
+        ShardIndexError: naming the index and every shard of it that is missing.
+    """
+    present = set(files.weights)
+    for rel, index in indexes.items():
+        missing = [shard for shard in index.shard_names() if shard_path(rel, shard) not in present]
+        if missing:
+            raise ShardIndexError(f"the index names {len(missing)} missing shard(s): "
+                                  f"{', '.join(map(repr, missing))}; name a {C.FILE_SUFFIX} file to see it alone",
+                                  path=files.root / rel)
 
 
 def describe_file(path: Path, name: str) -> dict[str, Any]:

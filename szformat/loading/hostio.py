@@ -74,8 +74,12 @@ class FileReader:
         self._pool = pool
         self._threads = max(1, threads)
         self._fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_BINARY", 0))
-        self._size = os.fstat(self._fd).st_size
-        self._mmap = None if hasattr(os, "preadv") else mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        try:
+            self._size = os.fstat(self._fd).st_size
+            self._mmap = None if hasattr(os, "preadv") else mmap.mmap(self._fd, 0, access=mmap.ACCESS_READ)
+        except BaseException:  # no reader is returned, so nobody else could close the descriptor
+            os.close(self._fd)
+            raise
 
     def read_into(self, offset: int, out: torch.Tensor, *, then: Callable[[int, torch.Tensor], None] | None = None,
                   k: int = -1) -> Staged:
