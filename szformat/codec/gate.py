@@ -6,11 +6,14 @@ than the raw bytes. Every other tensor (other dtypes, FP8 above all: it would ex
 
 from __future__ import annotations
 
+import os
 import zlib
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from . import cpu
@@ -63,24 +66,65 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
     Raises:
         RoundTripMismatch: the payload does not decode to the source (a codec bug; nothing must be written).
     """
-    raw_crc = crc32(raw)
-    stored_raw = lambda reason: EncodedTensor(ENCODING_RAW, raw, raw.numel(), raw_crc, raw_crc, raw_reason=reason)
     if dtype != "BF16":
-        return stored_raw("FP8 would expand" if dtype.startswith("F8") else f"dtype {dtype} is not encoded")
+        reason = "FP8 would expand" if dtype.startswith("F8") else f"dtype {dtype} is not encoded"
+        return _stored_raw(raw, crc32(raw), reason)
     if raw.numel() == 0:
-        return stored_raw("empty")
+        return _stored_raw(raw, crc32(raw), "empty")
 
-    x = raw.view(torch.bfloat16).to(device)
-    payload, layout, codebook = backend.encode(x)
-    if codebook.coverage < gate:
-        return stored_raw(f"coverage {codebook.coverage:.4f} < {gate}")
-    if layout.comp_bytes >= layout.raw_bytes:
-        return stored_raw("payload not smaller")
-    if not _decodes_to(backend, payload, layout, codebook, x):
-        raise RoundTripMismatch("SplitZip payload does not decode bit for bit to the source tensor")
-    payload = payload.cpu()
-    return EncodedTensor(ENCODING_SPLITZIP, payload, raw.numel(), raw_crc, crc32(payload), layout=layout,
-                         codebook=codebook)
+    with _BesideTheCodec(raw) as raw_crc:
+        x = raw.view(torch.bfloat16).to(device)
+        payload, layout, codebook = backend.encode(x)
+        if codebook.coverage < gate:
+            return _stored_raw(raw, raw_crc.result(), f"coverage {codebook.coverage:.4f} < {gate}")
+        if layout.comp_bytes >= layout.raw_bytes:
+            return _stored_raw(raw, raw_crc.result(), "payload not smaller")
+        payload = payload.cpu()
+        with _BesideTheCodec(payload) as payload_crc:
+            if not _decodes_to(backend, payload, layout, codebook, x):
+                raise RoundTripMismatch("SplitZip payload does not decode bit for bit to the source tensor")
+            return EncodedTensor(ENCODING_SPLITZIP, payload, raw.numel(), raw_crc.result(), payload_crc.result(),
+                                 layout=layout, codebook=codebook)
+
+
+def _stored_raw(raw: torch.Tensor, raw_crc: int, reason: str) -> EncodedTensor:
+    return EncodedTensor(ENCODING_RAW, raw, raw.numel(), raw_crc, raw_crc, raw_reason=reason)
+
+
+CRC_THREAD_MIN_BYTES = 1 << 20
+"""Smaller buffers get their CRC-32 computed at once: handing them to the thread would cost more than it saves."""
+
+
+def _start_crc_thread() -> None:
+    """(Re)create the thread that computes CRC-32s beside the codec; a forked child gets a fresh one (it inherits
+    the executor but not its thread)."""
+    global _crc_thread
+    _crc_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="szformat-crc32")
+
+
+_start_crc_thread()
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_start_crc_thread)
+
+
+class _BesideTheCodec:
+    """``with _BesideTheCodec(data) as crc:`` starts the CRC-32 of ``data`` on a thread of its own; ``crc.result()``
+    waits for it. ``zlib.crc32`` releases the GIL, so on a second core its time (about a third of the codec's)
+    leaves the conversion's. Leaving the block waits too, whatever happens in it, so ``data`` (often a view of a
+    mapping the caller will close) is never read after the block."""
+
+    def __init__(self, data: torch.Tensor):
+        if data.numel() >= CRC_THREAD_MIN_BYTES:
+            self._future = _crc_thread.submit(crc32, data)
+        else:
+            self._future = Future()
+            self._future.set_result(crc32(data))
+
+    def __enter__(self) -> Future:
+        return self._future
+
+    def __exit__(self, *exc_info) -> None:
+        wait([self._future])
 
 
 ROUND_TRIP_SLICE = 1 << 22
@@ -92,15 +136,17 @@ def _decodes_to(backend: CodecBackend | ModuleType, payload: torch.Tensor, layou
     """Whether ``payload`` decodes bit for bit to ``x``.
 
     The CPU codec decodes slice by slice into one small buffer, so checking a tensor costs no second copy of it:
-    converting a checkpoint then needs about one tensor plus its payload in memory, not two tensors.
+    converting a checkpoint then needs about one tensor plus its payload in memory, not two tensors. The slices
+    are compared with NumPy (``array_equal`` over int16 runs 2.5x faster than ``torch.equal`` on one thread).
     """
     expected = x.reshape(-1).view(torch.int16)
     if backend is not cpu:
         return torch.equal(backend.decode(payload, layout, codebook).reshape(-1).view(torch.int16), expected)
     out = torch.empty(min(layout.n, ROUND_TRIP_SLICE), dtype=torch.bfloat16)
+    source = expected.numpy()
     for start in range(0, layout.n, ROUND_TRIP_SLICE):
         stop = min(start + ROUND_TRIP_SLICE, layout.n)
         decoded = cpu.decode(payload, layout, codebook, start=start, stop=stop, out=out[: stop - start])
-        if not torch.equal(decoded.view(torch.int16), expected[start:stop]):
+        if not np.array_equal(decoded.view(torch.int16).numpy(), source[start:stop]):
             return False
     return True

@@ -10,7 +10,9 @@ time- or machine-dependent is stored.
 from __future__ import annotations
 
 import os
+from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -67,6 +69,23 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
                 tensor_done(write_tensor(writer, tensor.name, tensor.dtype, tensor.shape, raw, backend=codec,
                                          device=device))
 
-    return run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
-                    read_sizes=lambda path: read_safetensors_header(path).sizes, write_file=write_file,
-                    overwrite=overwrite, progress=progress, description="converting")
+    with _one_intra_op_thread():
+        return run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
+                        read_sizes=lambda path: read_safetensors_header(path).sizes, write_file=write_file,
+                        overwrite=overwrite, progress=progress, description="converting")
+
+
+@contextmanager
+def _one_intra_op_thread() -> Iterator[None]:
+    """Run PyTorch's CPU ops on one thread while converting, and restore the setting after.
+
+    The codec's costly ops (``bincount``, ``index_select``) run on one thread anyway, and the CRC-32s run on a
+    thread of their own beside it (``codec/gate.py``): sharing the cores with PyTorch's intra-op threads too made
+    every elementwise op wait for a descheduled thread (``tools/bench_convert.py``: 2 cores, 11-13 s against 9 s).
+    """
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
