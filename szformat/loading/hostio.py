@@ -175,8 +175,9 @@ class RegisteredMapping:
             if size == 0:
                 os.close(fd)
                 return None
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)  # start reading a cold file before pinning it
-            mapping = mmap.mmap(fd, 0, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+            if hasattr(os, "posix_fadvise"):  # start reading a cold file before pinning it (POSIX only)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_WILLNEED)
+            mapping = mmap.mmap(fd, 0, access=mmap.ACCESS_READ)  # MAP_SHARED + PROT_READ on POSIX
         except BaseException:
             os.close(fd)
             raise
