@@ -107,6 +107,9 @@ METHODS: dict[str, Loader] = {
     "szt staged 64 MiB x 4, verify off": staged(64, 4),
     "szt staged 64 MiB x 4, verify on": staged(64, 4, verify=True),
     "szt staged 64 MiB x 4, 16 threads, verify off": staged(64, 4, threads=16),
+    "szt staged 64 MiB x 6, verify off": staged(64, 6),
+    "szt staged 128 MiB x 4, verify off": staged(128, 4),
+    "szt staged 64 MiB x 4, 8 threads, verify off": staged(64, 4, threads=8),
     "szt staged 32 MiB x 6, verify off": staged(32, 6),
     "szt staged 32 MiB x 6, verify on": staged(32, 6, verify=True),
     "szt staged 16 MiB x 8, verify off": staged(16, 8),
@@ -119,7 +122,7 @@ METHODS: dict[str, Loader] = {
 COLD = ["safetensors load_file", "szt load_file (defaults, verify on)", "szt defaults, verify off"]
 SMALL_ONLY = ["szt host-decode route"]
 """Paths timed on checkpoints under 1 GB only (seconds per call on the synthetic one)."""
-TIMELINE = ["szt defaults, verify off", "szt defaults, verify off, polling waits"]
+TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)"]
 
 
 # -- measuring --------------------------------------------------------------------------------------------------

@@ -60,8 +60,8 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
     """Choose the encoding of one tensor given its raw bytes (flat uint8, CPU) and safetensors dtype name.
 
     ``backend`` encodes and decodes on ``device`` (the CPU module, or the Triton module with a CUDA device); the
-    stored bytes are the same either way. SplitZip payloads are decoded again on that device and compared with
-    the source bit for bit before they are returned.
+    stored bytes are the same either way. SplitZip payloads are decoded again on that device, from the host copy
+    that will be stored, and compared with the source bit for bit before they are returned.
 
     Raises:
         RoundTripMismatch: the payload does not decode to the source (a codec bug; nothing must be written).
@@ -140,8 +140,9 @@ def _decodes_to(backend: CodecBackend | ModuleType, payload: torch.Tensor, layou
     are compared with NumPy (``array_equal`` over int16 runs 2.5x faster than ``torch.equal`` on one thread).
     """
     expected = x.reshape(-1).view(torch.int16)
-    if backend is not cpu:
-        return torch.equal(backend.decode(payload, layout, codebook).reshape(-1).view(torch.int16), expected)
+    if backend is not cpu:  # the bytes to be stored go back to the device and are decoded there
+        decoded = backend.decode(payload.to(x.device), layout, codebook)
+        return torch.equal(decoded.reshape(-1).view(torch.int16), expected)
     out = torch.empty(min(layout.n, ROUND_TRIP_SLICE), dtype=torch.bfloat16)
     source = expected.numpy()
     for start in range(0, layout.n, ROUND_TRIP_SLICE):

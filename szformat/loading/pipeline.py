@@ -1,11 +1,13 @@
 """The transfer pipeline: host staging -> staging slot -> copy stream -> decode stream, ordered by events.
 
 :class:`TransferLoop` walks a list of transfers through a :class:`StagingRing`. While the device copies and decodes
-transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background): a staging
-thread submits the reads into each slot as soon as it is free, while the calling thread enqueues each transfer's
-copy and decode as soon as its reads are done, so reads never wait for that host work. The host refills a slot
-once its copy has run; the copy stream writes the slot's device buffer again only after the decode
-that read it (a device-side wait). Inside :func:`timeline.recording` the loop notes where its time goes. Two routes
+transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background). Three host
+threads keep the steps from waiting on each other's host work: a staging thread submits the reads into each slot
+as soon as it is free, a copying thread enqueues each transfer's copy as soon as its reads are done, and the calling
+thread enqueues the decodes (a Triton launch costs the host 0.3-0.6 ms on the H200 host, a copy 0.01-0.05 ms), so
+neither the readers nor the copy engine wait behind a decode launch. The host refills a slot once its copy has run;
+the copy stream writes the slot's device buffer again only after the decode that read it (a device-side wait).
+Inside :func:`timeline.recording` the loop notes where its time goes. Two routes
 plug into the loop:
 
 * :class:`DeviceDecodeRoute` moves the stored bytes (compressed, so fewer of them cross PCIe) and expands them on
@@ -42,9 +44,12 @@ from .verify import StoredCrcCheck
 __all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDecodeRoute", "HostDecodeRoute",
            "destination_bytes"]
 
-Landing = Callable[[int, Slot, torch.Tensor], tuple[Any, Any]]
 Staging = Callable[[int, Transfer, Slot], Staged]
+Copying = Callable[[int, Slot, torch.Tensor], Any]
+Expanding = Callable[[int, Slot, Any], Any]
 ReadHook = Callable[[int, torch.Tensor], None]
+_END = object()
+"""Put on the staged queue after a failure, so that the copying thread stops waiting for transfers."""
 
 
 class HostSource(Protocol):
@@ -114,16 +119,20 @@ class TransferLoop:
         self.decode_stream = ops.new_stream()
         self._timeline: timeline.Timeline | None = None
 
-    def run(self, transfers: Sequence[Transfer], stage: Staging, land: Landing, *, host_writes: bool) -> None:
-        """Stage and land every transfer; returns once all device work is enqueued (see :meth:`finish`).
+    def run(self, transfers: Sequence[Transfer], stage: Staging, copy: Copying, expand: Expanding, *,
+            host_writes: bool) -> None:
+        """Stage, copy and expand every transfer; returns once all device work is enqueued (see :meth:`finish`).
 
         ``stage(k, transfer, slot)`` starts making the bytes of ``transfers[k]`` available on the host;
-        ``land(k, slot, host_bytes)`` enqueues its device side and returns two events: after the first the slot's
-        host buffer may be refilled, after the second the slot may be reused on the device.
+        ``copy(k, slot, host_bytes)`` enqueues their copy and returns the event after which the slot's host buffer
+        may be refilled; ``expand(k, slot, copied)`` enqueues what follows the copy (its decode, if any) and returns
+        the event after which the slot may be reused on the device.
 
-        Two threads share the work, so that reads never wait for landing: a staging thread takes each slot as soon
-        as it is free again (a host wait for its copy) and submits the reads into it; this thread lands the
-        transfers in order as their reads finish and hands their slots back. Every device call is made here.
+        Three threads share the work, so that no step waits for another one's host work: a staging thread takes
+        each slot as soon as it is free again (a host wait for its copy) and submits the reads into it; a copying
+        thread enqueues each transfer's copy as soon as its reads are done; this thread enqueues each decode (whose
+        launch costs the host far more than a copy's) and hands the slot back. So the copy engine never idles
+        behind a decode launch, nor the readers behind either.
         """
         ops = self.ops
         self._timeline = record = timeline.current()
@@ -134,39 +143,42 @@ class TransferLoop:
             self._start_device_timing(record, start)
         self.ring.rewind()
         staged: queue.SimpleQueue = queue.SimpleQueue()
-        free = threading.Semaphore(self.ring.slots)  # slots landed and handed back, or never used
+        copied: queue.SimpleQueue = queue.SimpleQueue()
+        free = threading.Semaphore(self.ring.slots)  # slots handed back, or never used
         stop = threading.Event()
-        stager = threading.Thread(target=self._stage_all, args=(transfers, stage, host_writes, staged, free, stop),
-                                  name="szformat-stage", daemon=True)
-        stager.start()
-        item = None
+        workers = [threading.Thread(target=self._stage_all, args=(transfers, stage, host_writes, staged, free, stop),
+                                    name="szformat-stage", daemon=True),
+                   threading.Thread(target=self._copy_all, args=(len(transfers), copy, staged, copied, stop),
+                                    name="szformat-copy", daemon=True)]
+        for worker in workers:
+            worker.start()
         try:
             for _ in transfers:
-                item = staged.get()
+                item = copied.get()
                 if isinstance(item, BaseException):
                     raise item
-                self._land(item, land)
-                item = None
+                self._expand(item, expand)
                 free.release()
         except BaseException:
             stop.set()
             free.release()  # wake the staging thread if it waits for a slot: it sees ``stop`` and ends
-            stager.join()
-            while True:  # the transfer being landed, if any, then every one still staged: wait for their reads
-                if item is not None and not isinstance(item, BaseException):
-                    item[2].settle()
-                if staged.empty():
-                    break
+            workers[0].join()
+            staged.put(_END)  # wake the copying thread if it waits for a staged transfer
+            workers[1].join()
+            while not staged.empty():  # transfers staged but never copied: wait for their reads
                 item = staged.get()
+                if isinstance(item, tuple):
+                    item[2].settle()
             self.finish()
             self.ring.clear()  # nothing is in flight any more: the next run may use every slot
             raise
-        stager.join()
+        for worker in workers:
+            worker.join()
 
     def _stage_all(self, transfers: Sequence[Transfer], stage: Staging, host_writes: bool, staged: queue.SimpleQueue,
                    free: threading.Semaphore, stop: threading.Event) -> None:
-        """The staging thread: for each transfer in order, a free slot, then its reads; hands each on to landing
-        (or the exception that stopped it)."""
+        """The staging thread: for each transfer in order, a free slot, then its reads; hands each on to the copying
+        thread (or the exception that stopped it)."""
         record = self._timeline
         try:
             for k, transfer in enumerate(transfers):
@@ -174,7 +186,7 @@ class TransferLoop:
                 free.acquire()
                 if stop.is_set():
                     return
-                slot = self.ring.acquire(host_writes=host_writes)  # the copy stream's wait is left to landing
+                slot = self.ring.acquire(host_writes=host_writes)  # the copy stream's wait is left to the copy
                 if record is not None:
                     record.add("wait_slot", k, began, record.now())
                     began = record.now()
@@ -182,21 +194,49 @@ class TransferLoop:
                 if record is not None:
                     record.add("stage", k, began, record.now(), transfer.nbytes)
                 staged.put(item)
-        except BaseException as e:  # landing re-raises it on its own thread
+        except BaseException as e:  # the calling thread re-raises it
             staged.put(e)
 
-    def _land(self, item: tuple[int, Slot, Staged], land: Landing) -> None:
-        k, slot, staged = item
+    def _copy_all(self, count: int, copy: Copying, staged: queue.SimpleQueue, copied: queue.SimpleQueue,
+                  stop: threading.Event) -> None:
+        """The copying thread: for each staged transfer in order, a wait for its reads, then its copy; hands each on
+        to the calling thread (or the exception that stopped it). Once ``stop`` is set it only waits for reads."""
+        record = self._timeline
+        try:
+            for _ in range(count):
+                item = staged.get()
+                if item is _END or isinstance(item, BaseException):
+                    if item is not _END:
+                        copied.put(item)
+                    return
+                k, slot, host = item
+                if stop.is_set():
+                    host.settle()
+                    return
+                began = record.now() if record is not None else 0.0
+                try:
+                    host_bytes = host.result()
+                except BaseException:
+                    host.settle()  # the other reads into this slot may still be running
+                    raise
+                if record is not None:
+                    landed = record.now()
+                    record.add("wait_reads", k, began, landed)
+                self.ring.order_device_write(slot, self.copy_stream)
+                host_free = copy(k, slot, host_bytes)
+                if record is not None:
+                    record.add("land", k, landed, record.now(), host_bytes.numel())
+                copied.put((k, slot, host_free))
+        except BaseException as e:
+            copied.put(e)
+
+    def _expand(self, item: tuple[int, Slot, Any], expand: Expanding) -> None:
+        k, slot, host_free = item
         record = self._timeline
         began = record.now() if record is not None else 0.0
-        host = staged.result()
+        self.ring.release(slot, host_free, expand(k, slot, host_free))
         if record is not None:
-            landed = record.now()
-            record.add("wait_reads", k, began, landed)
-        self.ring.order_device_write(slot, self.copy_stream)
-        self.ring.release(slot, *land(k, slot, host))
-        if record is not None:
-            record.add("land", k, landed, record.now(), host.numel())
+            record.add("expand", k, began, record.now())
 
     def enqueue(self, stream: Any, work: Callable[[], None], label: str, k: int, nbytes: int = 0) -> None:
         """``ops.enqueue``, between two timing events when a timeline is recorded and the device can time."""
@@ -206,7 +246,9 @@ class TransferLoop:
             ops.enqueue(stream, work, label)
             return
         begin = timing(stream)
+        called = record.now()
         ops.enqueue(stream, work, label)
+        record.add(f"{label}_call", k, called, record.now())
         record.add_device(label, k, begin, timing(stream), nbytes)
 
     def _start_device_timing(self, record: timeline.Timeline, start: Any) -> None:
@@ -270,14 +312,25 @@ class DeviceDecodeRoute:
             then = None if verify is None else (lambda start, piece: verify.add(transfer, start, piece))
             return source.stage(transfer, slot, then=then, k=k)
 
-        def land(k: int, slot: Slot, host: torch.Tensor) -> tuple[Any, Any]:
+        def copy(k: int, slot: Slot, host: torch.Tensor) -> Any:
+            transfer = transfers[k]
+            if transfer.packed:  # into the slot's device buffer, to be decoded out of it
+                target = slot.device[: transfer.nbytes]
+            else:  # straight into the leading bytes of the tensor's own destination
+                (piece,) = transfer.pieces
+                target = dests[piece.item][piece.offset: piece.offset + piece.length]
+            self.loop.enqueue(self.loop.copy_stream, lambda: target.copy_(host, non_blocking=True), "copy", k,
+                              transfer.nbytes)
+            return self.loop.ops.record(self.loop.copy_stream)
+
+        def expand(k: int, slot: Slot, copied: Any) -> Any:
             transfer = transfers[k]
             if transfer.packed:
-                return self._land_packed(k, transfer, *arenas[k], slot, host, entries, dests)
-            copied = self._land_direct(k, transfer, host, entries, dests)
-            return copied, copied
+                return self._expand_packed(k, transfer, *arenas[k], slot, copied, entries, dests)
+            self._expand_streamed(k, transfer, copied, entries, dests)
+            return copied  # the slot's device buffer took no part
 
-        self.loop.run(transfers, stage, land, host_writes=source.host_writes)
+        self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
         return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
@@ -310,9 +363,9 @@ class DeviceDecodeRoute:
             record.add("allocate", -1, began, record.now(), sum(d.numel() for d in dests))
         return dests, arenas
 
-    def _land_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
-                     host: torch.Tensor, entries, dests) -> tuple[Any, Any]:
-        """Returns the events after which the slot's host buffer, and its device buffer, are free again."""
+    def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
+                       copied: Any, entries, dests) -> Any:
+        """Decode a packed transfer out of its slot once copied; returns the event after which the slot is free."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
         batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
@@ -325,24 +378,19 @@ class DeviceDecodeRoute:
             if batch:  # the table's copy to the device is enqueued here too, on the decode stream
                 self.codec.decode_batch(staged, self.codec.batch_table(batch, arena.device), arena.view(torch.bfloat16))
 
-        loop.enqueue(loop.copy_stream, lambda: staged.copy_(host, non_blocking=True), "copy", k, transfer.nbytes)
-        copied = ops.record(loop.copy_stream)
         ops.wait(loop.decode_stream, copied)
         loop.enqueue(loop.decode_stream, expand, "decode", k)
-        return copied, ops.record(loop.decode_stream)
+        return ops.record(loop.decode_stream)
 
-    def _land_direct(self, k: int, transfer: Transfer, host: torch.Tensor, entries, dests) -> Any:
-        ops, loop = self.loop.ops, self.loop
+    def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests) -> None:
+        """Once the last piece of a streamed tensor is copied, expand the tensor over its destination."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
-        target = dests[piece.item][piece.offset: piece.offset + piece.length]
-        loop.enqueue(loop.copy_stream, lambda: target.copy_(host, non_blocking=True), "copy", k, piece.length)
-        copied = ops.record(loop.copy_stream)
         if piece.last and entry.encoding == ENCODING_SPLITZIP:
+            ops, loop = self.loop.ops, self.loop
             ops.wait(loop.decode_stream, copied)
             loop.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
                 dests[piece.item], entry.layout, entry.codebook, self._scratch), "decode", k)
-        return copied
 
 
 class HostDecodeRoute:
@@ -368,17 +416,16 @@ class HostDecodeRoute:
             host = slot.host[: transfer.nbytes]
             return Staged(host, [self.pool.submit(self._decode, file, entries, transfer, host)])
 
-        def land(k: int, slot: Slot, host: torch.Tensor) -> tuple[Any, Any]:
-            def copy() -> None:
+        def copy(k: int, slot: Slot, host: torch.Tensor) -> Any:
+            def copy_pieces() -> None:
                 for piece in transfers[k].pieces:
                     dests[piece.item][piece.offset: piece.offset + piece.length].copy_(
                         host[piece.slot_offset: piece.slot_offset + piece.length], non_blocking=True)
 
-            self.loop.enqueue(self.loop.copy_stream, copy, "copy", k, transfers[k].nbytes)
-            copied = ops.record(self.loop.copy_stream)
-            return copied, copied
+            self.loop.enqueue(self.loop.copy_stream, copy_pieces, "copy", k, transfers[k].nbytes)
+            return ops.record(self.loop.copy_stream)
 
-        self.loop.run(transfers, stage, land, host_writes=True)
+        self.loop.run(transfers, stage, copy, lambda k, slot, copied: copied, host_writes=True)
         return dests
 
     @staticmethod

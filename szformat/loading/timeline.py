@@ -3,8 +3,8 @@
 Loading overlaps host reads, host waits, copies and decodes; a wall time alone cannot say which of them limits it.
 Inside ``with recording() as timeline:`` every transfer loop notes, per transfer: the host's wait for a free slot,
 the submission of its reads, each read piece on its reader thread (and the CRC-32 of it, when verifying), the host's
-wait for those reads, the enqueueing of its copy, and, on CUDA, when the copy and the decode ran on the device (timing
-events). :meth:`Timeline.summary` folds that into totals; :meth:`Timeline.spans` gives the raw spans. Outside
+wait for those reads, the enqueueing of its copy and of its decode, and, on CUDA, when the copy and the decode ran
+on the device (timing events). :meth:`Timeline.summary` folds that into totals; :meth:`Timeline.spans` gives the raw spans. Outside
 ``recording()`` nothing is recorded and the loop pays one ``None`` check per step.
 
     from szformat.loading import timeline
@@ -84,14 +84,15 @@ class Timeline:
         return sorted(out, key=lambda s: (s.start, s.end))
 
     def summary(self) -> dict[str, float]:
-        """Totals, in milliseconds and GB/s: ``wall``; per step of the loop (on its staging thread ``wait_slot``: for a
-        free slot, and ``stage``: submitting reads; on its landing thread ``wait_reads``: for a transfer's reads,
-        and ``land``: enqueueing its copy and decode; ``allocate``: every destination, before the loop starts) the
-        time spent in it; per kind of work
-        (``read`` and ``crc`` on the reader threads, ``copy`` and ``decode`` on the device) the time any of it ran
-        (``*_busy_ms``), its sum over threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it
-        first started and last ended; and how long a transfer's bytes waited between its last read and the start
-        of its copy (``read_to_copy_mean_ms``/``_max_ms``)."""
+        """Totals, in milliseconds and GB/s: ``wall``; per step of the loop the time spent in it: on its staging
+        thread ``wait_slot`` (for a free slot) and ``stage`` (submitting reads), on its copying thread
+        ``wait_reads`` (for a transfer's reads) and ``land`` (enqueueing its copy), on the calling thread ``expand``
+        (enqueueing its decode), and on CUDA ``copy_call`` and ``decode_call`` (the calls that enqueue them), plus
+        ``allocate`` (every destination, before the loop starts); per kind of work (``read`` and ``crc`` on the
+        reader threads, ``copy`` and ``decode`` on the device) the time any of it ran (``*_busy_ms``), its sum over
+        threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it first started and last ended; and
+        how long a transfer's bytes waited between its last read and the start of its copy
+        (``read_to_copy_mean_ms``/``_max_ms``)."""
         spans = self.spans()
         if not spans:
             return {}
@@ -99,7 +100,7 @@ class Timeline:
         by_what: dict[str, list[Span]] = {}
         for s in spans:
             by_what.setdefault(s.what if not s.lane.startswith("device:") else s.lane, []).append(s)
-        for what in ("wait_slot", "stage", "wait_reads", "land", "allocate"):
+        for what in ("wait_slot", "stage", "wait_reads", "land", "expand", "copy_call", "decode_call", "allocate"):
             out[f"{what}_ms"] = 1e3 * sum(s.end - s.start for s in by_what.get(what, []))
         for what, key in (("read", "read"), ("crc", "crc"), ("device:copy", "copy"), ("device:decode", "decode")):
             group = by_what.get(what, [])

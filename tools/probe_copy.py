@@ -1,0 +1,156 @@
+"""How long the host spends *enqueueing* the device work of one staged transfer, alone and under load (CUDA only).
+
+The loader's landing thread enqueues, per transfer, one host-to-device copy from a pinned slot and (for the last
+piece of a tensor) one in-place Triton decode. This probe times each of those calls on the host (the time until the
+call returns, not until the device is done), with the device idle, with copies queued behind each other, and while
+reader threads fill other pinned buffers from the page cache, as they do during a load. A call that returns only
+when its copy is done shows up as a call time close to the copy time.
+
+    python3 tools/probe_copy.py [--mib 64] [--reps 10] [--threads 12] [--json probe.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from szformat.codec import cpu as cpu_codec
+from szformat.codec import gpu as gpu_codec
+
+
+def _median_ms(values: list[float]) -> float:
+    return 1e3 * statistics.median(values)
+
+
+def copy_times(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream, reps: int, queued: int
+               ) -> tuple[float, float]:
+    """Median host time of one ``copy_(non_blocking=True)`` call and of the copy itself, ``queued`` copies at once."""
+    calls, done = [], []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        with torch.cuda.stream(stream):
+            for _ in range(queued):
+                t = time.perf_counter()
+                dst.copy_(src, non_blocking=True)
+                calls.append(time.perf_counter() - t)
+        stream.synchronize()
+        done.append((time.perf_counter() - began) / queued)
+    return _median_ms(calls), _median_ms(done)
+
+
+def with_readers(threads: int, nbytes: int, work: Callable[[], tuple[float, float]]) -> tuple[float, float]:
+    """Run ``work`` while ``threads`` threads keep reading a page-cached file into pinned buffers."""
+    stop = threading.Event()
+    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp")) as f:
+        f.write(os.urandom(1 << 20) * (nbytes >> 20))
+        f.flush()
+        fd = os.open(f.name, os.O_RDONLY)
+        buffers = [torch.empty(nbytes // threads, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+
+        def read(i: int) -> None:
+            view = memoryview(buffers[i].numpy()).cast("B")
+            while not stop.is_set():
+                os.preadv(fd, [view], i * len(view))
+
+        workers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(threads)]
+        for w in workers:
+            w.start()
+        time.sleep(0.05)
+        try:
+            return work()
+        finally:
+            stop.set()
+            for w in workers:
+                w.join()
+            os.close(fd)
+
+
+def decode_call_ms(nbytes: int, reps: int) -> tuple[float, float]:
+    """Median host time of one ``decode_in_place`` call for a tensor of ``nbytes`` raw bytes, and of its decode."""
+    n = nbytes // 2
+    x = (torch.randn(n) * 0.02).to(torch.bfloat16)
+    payload, layout, codebook = cpu_codec.encode(x)
+    buffer = torch.empty(max(layout.raw_bytes, layout.comp_bytes), dtype=torch.uint8, device="cuda")
+    scratch = gpu_codec.DecodeScratch()
+    stream = torch.cuda.Stream()
+    calls, done = [], []
+    for _ in range(reps + 1):
+        buffer[: layout.comp_bytes].copy_(payload.cuda())
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        with torch.cuda.stream(stream):
+            gpu_codec.decode_in_place(buffer, layout, codebook, scratch=scratch)
+        calls.append(time.perf_counter() - t)
+        stream.synchronize()
+        done.append(time.perf_counter() - t)
+    if not torch.equal(buffer[: layout.raw_bytes].view(torch.bfloat16).cpu(), x):
+        raise SystemExit("decode_in_place gave a wrong tensor")
+    return _median_ms(calls[1:]), _median_ms(done[1:])
+
+
+def event_call_us(reps: int) -> float:
+    """Median host time of creating, recording and waiting (device side) on one blocking-sync event."""
+    a, b = torch.cuda.Stream(), torch.cuda.Stream()
+    times = []
+    for _ in range(reps * 10):
+        t = time.perf_counter()
+        event = torch.cuda.Event(blocking=True)
+        event.record(a)
+        b.wait_event(event)
+        times.append(time.perf_counter() - t)
+    return 1e6 * statistics.median(times)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--mib", type=int, default=64)
+    parser.add_argument("--reps", type=int, default=10)
+    parser.add_argument("--threads", type=int, default=12)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    nbytes = args.mib << 20
+    src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    src.random_(0, 256)
+    dst = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
+    stream = torch.cuda.Stream()
+    copy_times(src, dst, stream, 2, 1)  # first-use costs
+    rows = []
+
+    def row(what: str, call: float, device: float) -> None:
+        rows.append({"what": what, "call_ms": call, "done_ms": device})
+        print(f"| {what} | {call:.3f} | {device:.3f} |", flush=True)
+
+    print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {args.mib} MiB pinned source\n")
+    print("| enqueued | host call (ms) | until done (ms) |\n|---|---:|---:|")
+    row("copy, device idle", *copy_times(src, dst, stream, args.reps, 1))
+    row("copy, 4 queued back to back", *copy_times(src, dst, stream, args.reps, 4))
+    pageable = torch.empty(nbytes, dtype=torch.uint8)
+    row("copy from pageable memory (for contrast)", *copy_times(pageable, dst, stream, args.reps, 1))
+    row(f"copy, {args.threads} reader threads busy",
+        *with_readers(args.threads, 1 << 30, lambda: copy_times(src, dst, stream, args.reps, 1)))
+    row(f"copy, 4 queued, {args.threads} reader threads busy",
+        *with_readers(args.threads, 1 << 30, lambda: copy_times(src, dst, stream, args.reps, 4)))
+    row("decode_in_place, device idle", *decode_call_ms(nbytes, args.reps))
+    row(f"decode_in_place, {args.threads} reader threads busy",
+        *with_readers(args.threads, 1 << 30, lambda: decode_call_ms(nbytes, args.reps)))
+    event_us = event_call_us(args.reps)
+    rows.append({"what": "event create + record + wait", "call_us": event_us})
+    print(f"| event create + record + stream wait | {event_us / 1e3:.3f} | |")
+    if args.json:
+        args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                                         "mib": args.mib, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
