@@ -45,7 +45,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
-from szformat.loading import StagingConfig, timeline
+from szformat.loading import StagingConfig, hostio, timeline
 from szformat.loading.hostio import RegisteredMapping
 from szformat.loading.ops import CudaOps
 
@@ -71,6 +71,20 @@ def spinning_waits(load: Loader) -> Loader:
             return load(c)
         finally:
             CudaOps.blocking_sync = True
+
+    return run
+
+
+def read_pieces(mib: int, load: Loader) -> Loader:
+    """``load`` with reads cut into pieces of at least ``mib`` MiB (fewer hand-offs between threads)."""
+
+    def run(c: Checkpoint) -> dict:
+        default = hostio.MIN_READ_PIECE
+        hostio.MIN_READ_PIECE = mib << 20
+        try:
+            return load(c)
+        finally:
+            hostio.MIN_READ_PIECE = default
 
     return run
 
@@ -110,6 +124,9 @@ METHODS: dict[str, Loader] = {
     "szt staged 64 MiB x 6, verify off": staged(64, 6),
     "szt staged 128 MiB x 4, verify off": staged(128, 4),
     "szt staged 64 MiB x 4, 8 threads, verify off": staged(64, 4, threads=8),
+    "szt staged 64 MiB x 6, 8 threads, verify off": staged(64, 6, threads=8),
+    "szt defaults, 16 MiB read pieces, verify off": read_pieces(
+        16, lambda c: szformat.load_file(c.szt, device="cuda", verify=False)),
     "szt staged 32 MiB x 6, verify off": staged(32, 6),
     "szt staged 32 MiB x 6, verify on": staged(32, 6, verify=True),
     "szt staged 16 MiB x 8, verify off": staged(16, 8),
@@ -122,7 +139,8 @@ METHODS: dict[str, Loader] = {
 COLD = ["safetensors load_file", "szt load_file (defaults, verify on)", "szt defaults, verify off"]
 SMALL_ONLY = ["szt host-decode route"]
 """Paths timed on checkpoints under 1 GB only (seconds per call on the synthetic one)."""
-TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)"]
+TIMELINE = ["szt defaults, verify off", "szt staged 64 MiB x 4, 8 threads, verify off",
+            "szt load_file (defaults, verify on)"]
 
 
 # -- measuring --------------------------------------------------------------------------------------------------

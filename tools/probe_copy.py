@@ -98,6 +98,25 @@ def decode_call_ms(nbytes: int, reps: int) -> tuple[float, float]:
     return _median_ms(calls[1:]), _median_ms(done[1:])
 
 
+def launch_call_ms(nbytes: int, reps: int) -> tuple[float, float]:
+    """Median host time of the two Triton launches alone (dense and escape passes, out of place), and until done."""
+    from szformat.codec.gpu import _decode
+
+    x = (torch.randn(nbytes // 2) * 0.02).to(torch.bfloat16)
+    payload, layout, codebook = cpu_codec.encode(x)
+    payload = payload.cuda()
+    out = torch.empty(layout.n, dtype=torch.int16, device="cuda")
+    calls, done = [], []
+    for _ in range(reps + 1):
+        torch.cuda.synchronize()
+        t = time.perf_counter()
+        _decode._launch(payload, layout, codebook, out)
+        calls.append(time.perf_counter() - t)
+        torch.cuda.synchronize()
+        done.append(time.perf_counter() - t)
+    return _median_ms(calls[1:]), _median_ms(done[1:])
+
+
 def event_call_us(reps: int) -> float:
     """Median host time of creating, recording and waiting (device side) on one blocking-sync event."""
     a, b = torch.cuda.Stream(), torch.cuda.Stream()
@@ -141,6 +160,7 @@ def main() -> int:
     row(f"copy, 4 queued, {args.threads} reader threads busy",
         *with_readers(args.threads, 1 << 30, lambda: copy_times(src, dst, stream, args.reps, 4)))
     row("decode_in_place, device idle", *decode_call_ms(nbytes, args.reps))
+    row("Triton launches alone (dense + escape pass), device idle", *launch_call_ms(nbytes, args.reps))
     row(f"decode_in_place, {args.threads} reader threads busy",
         *with_readers(args.threads, 1 << 30, lambda: decode_call_ms(nbytes, args.reps)))
     event_us = event_call_us(args.reps)

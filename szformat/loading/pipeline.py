@@ -4,9 +4,9 @@
 transfer k, the host already stages transfers k+1 .. k+slots-1 (threaded reads run in the background). Three host
 threads keep the steps from waiting on each other's host work: a staging thread submits the reads into each slot
 as soon as it is free, a copying thread enqueues each transfer's copy as soon as its reads are done, and the calling
-thread enqueues the decodes (a Triton launch costs the host 0.3-0.6 ms on the H200 host, a copy 0.01-0.05 ms), so
-neither the readers nor the copy engine wait behind a decode launch. The host refills a slot once its copy has run;
-the copy stream writes the slot's device buffer again only after the decode that read it (a device-side wait).
+thread enqueues the decodes (an in-place decode costs the host 0.4-1.7 ms on the H200 host, a copy 0.01-0.2 ms),
+so neither the readers nor the copy engine wait behind a decode launch. The host refills a slot once its copy has
+run; the copy stream writes the slot's device buffer again only after the decode that read it (a device-side wait).
 Inside :func:`timeline.recording` the loop notes where its time goes. Two routes
 plug into the loop:
 
@@ -46,7 +46,7 @@ __all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDe
 
 Staging = Callable[[int, Transfer, Slot], Staged]
 Copying = Callable[[int, Slot, torch.Tensor], Any]
-Expanding = Callable[[int, Slot, Any], Any]
+Expanding = Callable[[int, Slot, Any], None]
 ReadHook = Callable[[int, torch.Tensor], None]
 _END = object()
 """Put on the staged queue after a failure, so that the copying thread stops waiting for transfers."""
@@ -125,14 +125,15 @@ class TransferLoop:
 
         ``stage(k, transfer, slot)`` starts making the bytes of ``transfers[k]`` available on the host;
         ``copy(k, slot, host_bytes)`` enqueues their copy and returns the event after which the slot's host buffer
-        may be refilled; ``expand(k, slot, copied)`` enqueues what follows the copy (its decode, if any) and returns
-        the event after which the slot may be reused on the device.
+        may be refilled; ``expand(k, slot, copied)`` enqueues what follows the copy (its decode, if any). A route
+        that copies into the slot's device buffer claims it in ``copy`` and releases it in ``expand``
+        (:meth:`StagingRing.claim_device`).
 
         Three threads share the work, so that no step waits for another one's host work: a staging thread takes
-        each slot as soon as it is free again (a host wait for its copy) and submits the reads into it; a copying
-        thread enqueues each transfer's copy as soon as its reads are done; this thread enqueues each decode (whose
-        launch costs the host far more than a copy's) and hands the slot back. So the copy engine never idles
-        behind a decode launch, nor the readers behind either.
+        each slot as soon as its copy has run and submits the reads into it; a copying thread enqueues each
+        transfer's copy as soon as its reads are done, and hands the slot back; this thread enqueues each decode
+        (whose launch costs the host far more than a copy's). So neither the readers nor the copy engine wait
+        behind decode launches.
         """
         ops = self.ops
         self._timeline = record = timeline.current()
@@ -144,11 +145,11 @@ class TransferLoop:
         self.ring.rewind()
         staged: queue.SimpleQueue = queue.SimpleQueue()
         copied: queue.SimpleQueue = queue.SimpleQueue()
-        free = threading.Semaphore(self.ring.slots)  # slots handed back, or never used
+        free = threading.Semaphore(self.ring.slots)  # slots whose copy is enqueued, or never used
         stop = threading.Event()
         workers = [threading.Thread(target=self._stage_all, args=(transfers, stage, host_writes, staged, free, stop),
                                     name="szformat-stage", daemon=True),
-                   threading.Thread(target=self._copy_all, args=(len(transfers), copy, staged, copied, stop),
+                   threading.Thread(target=self._copy_all, args=(len(transfers), copy, staged, copied, free, stop),
                                     name="szformat-copy", daemon=True)]
         for worker in workers:
             worker.start()
@@ -158,10 +159,10 @@ class TransferLoop:
                 if isinstance(item, BaseException):
                     raise item
                 self._expand(item, expand)
-                free.release()
         except BaseException:
             stop.set()
             free.release()  # wake the staging thread if it waits for a slot: it sees ``stop`` and ends
+            self.ring.cancel()  # wake the copying thread if it waits for a decode this thread will not enqueue
             workers[0].join()
             staged.put(_END)  # wake the copying thread if it waits for a staged transfer
             workers[1].join()
@@ -198,9 +199,10 @@ class TransferLoop:
             staged.put(e)
 
     def _copy_all(self, count: int, copy: Copying, staged: queue.SimpleQueue, copied: queue.SimpleQueue,
-                  stop: threading.Event) -> None:
-        """The copying thread: for each staged transfer in order, a wait for its reads, then its copy; hands each on
-        to the calling thread (or the exception that stopped it). Once ``stop`` is set it only waits for reads."""
+                  free: threading.Semaphore, stop: threading.Event) -> None:
+        """The copying thread: for each staged transfer in order, a wait for its reads, then its copy; hands the slot
+        back to the staging thread and the transfer on to the calling thread (or the exception that stopped it).
+        Once ``stop`` is set it only waits for reads."""
         record = self._timeline
         try:
             for _ in range(count):
@@ -222,8 +224,9 @@ class TransferLoop:
                 if record is not None:
                     landed = record.now()
                     record.add("wait_reads", k, began, landed)
-                self.ring.order_device_write(slot, self.copy_stream)
                 host_free = copy(k, slot, host_bytes)
+                self.ring.release(slot, host_free)
+                free.release()
                 if record is not None:
                     record.add("land", k, landed, record.now(), host_bytes.numel())
                 copied.put((k, slot, host_free))
@@ -234,7 +237,7 @@ class TransferLoop:
         k, slot, host_free = item
         record = self._timeline
         began = record.now() if record is not None else 0.0
-        self.ring.release(slot, host_free, expand(k, slot, host_free))
+        expand(k, slot, host_free)
         if record is not None:
             record.add("expand", k, began, record.now())
 
@@ -315,6 +318,7 @@ class DeviceDecodeRoute:
         def copy(k: int, slot: Slot, host: torch.Tensor) -> Any:
             transfer = transfers[k]
             if transfer.packed:  # into the slot's device buffer, to be decoded out of it
+                self.loop.ring.claim_device(slot, self.loop.copy_stream)
                 target = slot.device[: transfer.nbytes]
             else:  # straight into the leading bytes of the tensor's own destination
                 (piece,) = transfer.pieces
@@ -323,12 +327,12 @@ class DeviceDecodeRoute:
                               transfer.nbytes)
             return self.loop.ops.record(self.loop.copy_stream)
 
-        def expand(k: int, slot: Slot, copied: Any) -> Any:
+        def expand(k: int, slot: Slot, copied: Any) -> None:
             transfer = transfers[k]
             if transfer.packed:
-                return self._expand_packed(k, transfer, *arenas[k], slot, copied, entries, dests)
-            self._expand_streamed(k, transfer, copied, entries, dests)
-            return copied  # the slot's device buffer took no part
+                self._expand_packed(k, transfer, *arenas[k], slot, copied, entries, dests)
+            else:
+                self._expand_streamed(k, transfer, copied, entries, dests)
 
         self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
         return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
@@ -364,8 +368,8 @@ class DeviceDecodeRoute:
         return dests, arenas
 
     def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
-                       copied: Any, entries, dests) -> Any:
-        """Decode a packed transfer out of its slot once copied; returns the event after which the slot is free."""
+                       copied: Any, entries, dests) -> None:
+        """Decode a packed transfer out of its slot once copied, then release the slot's device buffer."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
         batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
@@ -379,8 +383,10 @@ class DeviceDecodeRoute:
                 self.codec.decode_batch(staged, self.codec.batch_table(batch, arena.device), arena.view(torch.bfloat16))
 
         ops.wait(loop.decode_stream, copied)
-        loop.enqueue(loop.decode_stream, expand, "decode", k)
-        return ops.record(loop.decode_stream)
+        try:
+            loop.enqueue(loop.decode_stream, expand, "decode", k)
+        finally:  # a failed launch still ends the claim (the run is failing, and waits for the device)
+            loop.ring.release_device(slot, ops.record(loop.decode_stream))
 
     def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests) -> None:
         """Once the last piece of a streamed tensor is copied, expand the tensor over its destination."""
@@ -425,7 +431,7 @@ class HostDecodeRoute:
             self.loop.enqueue(self.loop.copy_stream, copy_pieces, "copy", k, transfers[k].nbytes)
             return ops.record(self.loop.copy_stream)
 
-        self.loop.run(transfers, stage, copy, lambda k, slot, copied: copied, host_writes=True)
+        self.loop.run(transfers, stage, copy, lambda k, slot, copied: None, host_writes=True)
         return dests
 
     @staticmethod

@@ -1,18 +1,19 @@
 """A ring of staging slots, handed out in turn, each reused only after the events that released it.
 
 A slot pairs a pinned host buffer (filled by the host) with an optional device buffer (filled by a copy, read by
-a decode). The two are free again at different times: the host buffer once its copy has run, the device buffer once
-its decode has too. So the host waits only for the copy before refilling a slot, and the stream that will write
-the slot's device buffer waits (on the device, not the host) for the decode: at once when :meth:`StagingRing.acquire`
-is given that stream, or later through :meth:`StagingRing.order_device_write` (when the thread that acquires slots
-is not the one that enqueues their copies). Buffers are allocated when a slot is
-first used and each run starts again from the first slot, so loads of fewer transfers than slots pin and allocate
-no more than they use.
+a decode). The two are free again at different times, and are handed back by different threads: the host buffer
+once its copy has been enqueued (:meth:`StagingRing.release`; the host waits for that copy to run before refilling
+it), the device buffer once the decode that reads it has been enqueued too (:meth:`StagingRing.release_device`).
+So reads into a slot never wait for a decode's launch: only a copy into the slot's device buffer does (on the host,
+until the previous decode is enqueued; then on the device, until it has run), through
+:meth:`StagingRing.claim_device`. Buffers are allocated when a slot is first used and each run starts again from
+the first slot, so loads of fewer transfers than slots pin and allocate no more than they use.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import threading
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,10 +31,13 @@ class Slot:
     host_free: Any = None
     """Event after which the host buffer may be written again (its copy has run)."""
     device_free: Any = None
-    """Event after which the slot's previous use is entirely over (its copy, and its decode when it had one)."""
-    device_wait: Any = None
-    """Event the next device write to the slot must still be ordered after (see ``order_device_write``)."""
+    """Event after which the device buffer may be written again (the decode that read it has run)."""
+    device_released: threading.Event = field(default_factory=threading.Event)
+    """Set while no decode of the device buffer is still to be enqueued (then ``device_free`` is final)."""
     in_use: bool = False
+
+    def __post_init__(self) -> None:
+        self.device_released.set()
 
 
 class StagingRing:
@@ -64,26 +68,16 @@ class StagingRing:
     def slots(self) -> int:
         return len(self._slots)
 
-    def acquire(self, *, host_writes: bool, stream: Any = None) -> Slot:
-        """The next slot, once its previous use is over.
-
-        With ``host_writes`` the host blocks until the slot's host buffer is free; ``stream`` (the one that will
-        write the slot on the device) is made to wait for the rest of the previous use, and the host goes on.
-        Without ``stream``, call :meth:`order_device_write` before the device writes the slot.
-        """
+    def acquire(self, *, host_writes: bool) -> Slot:
+        """The next slot; with ``host_writes`` the host first blocks until the slot's host buffer is free (its
+        copy has run). Its device buffer is not waited for here: see :meth:`claim_device`."""
         slot = self._slots[self._next]
         if slot.in_use:
             raise RuntimeError(f"staging slot {slot.index} is acquired again before it was released")
         self._next = (self._next + 1) % len(self._slots)
-        pending = slot.device_free
         if host_writes and slot.host_free is not None:
             self.ops.synchronize(slot.host_free)
             self.host_waits += 1
-            if pending is slot.host_free:
-                pending = None
-        slot.device_wait = pending
-        if stream is not None:
-            self.order_device_write(slot, stream)
         if self.has_host and slot.host is None:
             slot.host = self.ops.host_buffer(self.slot_bytes)
         if self.has_device and slot.device is None:
@@ -91,11 +85,34 @@ class StagingRing:
         slot.in_use = True
         return slot
 
-    def order_device_write(self, slot: Slot, stream: Any) -> None:
-        """Make ``stream`` (which will write ``slot`` on the device) wait for the rest of the slot's previous use."""
-        if slot.device_wait is not None:
-            self.ops.wait(stream, slot.device_wait)
-            slot.device_wait = None
+    def release(self, slot: Slot, host_free: Any) -> None:
+        """Hand ``slot`` back to :meth:`acquire`: its host buffer is reused only after ``host_free``."""
+        if not slot.in_use:
+            raise RuntimeError(f"staging slot {slot.index} is released but was not acquired")
+        slot.host_free = host_free
+        slot.in_use = False
+
+    def claim_device(self, slot: Slot, stream: Any) -> None:
+        """Before ``stream`` writes the slot's device buffer: wait (on the host) until the decode of its previous
+        contents is enqueued, and make ``stream`` wait (on the device) until that decode has run. The claim holds
+        until :meth:`release_device`."""
+        slot.device_released.wait()
+        if slot.device_free is not None:
+            self.ops.wait(stream, slot.device_free)
+            slot.device_free = None
+        slot.device_released.clear()
+
+    def release_device(self, slot: Slot, device_free: Any) -> None:
+        """The last reader of the slot's device buffer is enqueued; the buffer is free after ``device_free``."""
+        if slot.device_released.is_set():
+            raise RuntimeError(f"staging slot {slot.index}'s device buffer is released but was not claimed")
+        slot.device_free = device_free
+        slot.device_released.set()
+
+    def cancel(self) -> None:
+        """Wake every thread waiting in :meth:`claim_device` for a release that a failed run will not make."""
+        for slot in self._slots:
+            slot.device_released.set()
 
     def rewind(self) -> None:
         """Hand out the first slot next, so that a run of few transfers reuses the same few slots (and only those
@@ -105,18 +122,7 @@ class StagingRing:
     def clear(self) -> None:
         """Forget every slot's use (for after a failed run, once the device and the readers are idle)."""
         for slot in self._slots:
-            slot.host_free = slot.device_free = slot.device_wait = None
+            slot.host_free = slot.device_free = None
+            slot.device_released.set()
             slot.in_use = False
         self._next = 0
-
-    def release(self, slot: Slot, host_free: Any, device_free: Any = None) -> None:
-        """Hand ``slot`` back: its host buffer is reused only after ``host_free``, the slot as a whole only after
-        ``device_free`` (by default the same event)."""
-        if not slot.in_use:
-            raise RuntimeError(f"staging slot {slot.index} is released but was not acquired")
-        if slot.device_wait is not None:
-            raise RuntimeError(f"staging slot {slot.index} is released, but its device writes were never ordered "
-                               "after its previous use")
-        slot.host_free = host_free
-        slot.device_free = host_free if device_free is None else device_free
-        slot.in_use = False
