@@ -7,11 +7,16 @@ reader threads fill other pinned buffers from the page cache, as they do during 
 when its copy is done shows up as a call time close to the copy time.
 
     python3 tools/probe_copy.py [--mib 64] [--reps 10] [--threads 12] [--json probe.json]
+
+With ``--load model.szt``, it then loads that file to the device a few times with the calls a decode and a copy
+are made of wrapped in timers, and prints, per thread, where the host time of those calls goes inside a real load.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import functools
 import json
 import os
 import statistics
@@ -23,8 +28,10 @@ from typing import Callable
 
 import torch
 
+import szformat
 from szformat.codec import cpu as cpu_codec
 from szformat.codec import gpu as gpu_codec
+from szformat.loading import ops as loading_ops
 
 
 def _median_ms(values: list[float]) -> float:
@@ -130,12 +137,60 @@ def event_call_us(reps: int) -> float:
     return 1e6 * statistics.median(times)
 
 
+def timed_calls(path: Path, reps: int) -> list[dict]:
+    """Load ``path`` ``reps`` times with the calls under test timed per thread; their host time per call."""
+    from szformat.codec.gpu import _decode
+
+    totals: dict[tuple[str, str], list[float]] = collections.defaultdict(list)
+
+    def wrap(owner: object, name: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def timed(*args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                totals[(threading.current_thread().name, name)].append(time.perf_counter() - began)
+
+        setattr(owner, name, timed)
+
+    wrap(_decode, "_launch")
+    wrap(gpu_codec.DecodeScratch, "reserve")
+    wrap(torch.Tensor, "record_stream")
+    wrap(torch.Tensor, "copy_")
+    wrap(gpu_codec, "decode_in_place")
+    wrap(loading_ops.CudaOps, "record")
+    wrap(loading_ops.CudaOps, "wait")
+    wrap(loading_ops.CudaOps, "synchronize")
+    szformat.load_file(path, device="cuda", verify=False)  # warm
+    totals.clear()
+    seconds = []
+    for _ in range(reps):
+        torch.cuda.synchronize()
+        began = time.perf_counter()
+        szformat.load_file(path, device="cuda", verify=False)
+        torch.cuda.synchronize()
+        seconds.append(time.perf_counter() - began)
+    print(f"\nload_file({path.name}, verify=False) x {reps}: median {_median_ms(seconds):.1f} ms (timers on)\n")
+    print("| thread | call | calls per load | ms per load | us per call (median) |\n|---|---|---:|---:|---:|")
+    rows = []
+    for (thread, name), times in sorted(totals.items(), key=lambda kv: -sum(kv[1])):
+        row = {"thread": thread, "call": name, "calls": len(times) / reps, "ms": 1e3 * sum(times) / reps,
+               "median_us": 1e6 * statistics.median(times)}
+        rows.append(row)
+        print(f"| {thread} | {name} | {row['calls']:.0f} | {row['ms']:.2f} | {row['median_us']:.1f} |")
+    return rows
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--mib", type=int, default=64)
     parser.add_argument("--reps", type=int, default=10)
     parser.add_argument("--threads", type=int, default=12)
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--load", type=Path, help="a .szt file to load with the calls timed")
     args = parser.parse_args()
     nbytes = args.mib << 20
     src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
@@ -166,9 +221,10 @@ def main() -> int:
     event_us = event_call_us(args.reps)
     rows.append({"what": "event create + record + wait", "call_us": event_us})
     print(f"| event create + record + stream wait | {event_us / 1e3:.3f} | |")
+    in_load = timed_calls(args.load, 3) if args.load else []
     if args.json:
         args.json.write_text(json.dumps({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-                                         "mib": args.mib, "rows": rows}, indent=1))
+                                         "mib": args.mib, "rows": rows, "in_load": in_load}, indent=1))
     return 0
 
 
