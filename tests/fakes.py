@@ -10,8 +10,8 @@ from szformat.codec import cpu as cpu_codec
 class ReferenceCodec:
     """The device codec's contract, fulfilled by the CPU reference decoder."""
 
-    def batch_table(self, entries, device):
-        return list(entries)
+    def batch_tables(self, batches, device):
+        return [list(entries) for entries in batches]
 
     def decode_batch(self, payloads, table, out):
         for layout, codebook, payload_offset, output_offset in table:

@@ -390,7 +390,7 @@ def test_a_failed_run_leaves_the_ring_usable(checkpoint):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool):
+def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool, codec=None):
     file, entries = _entries(path)
     ring = StagingRing(ops, slots, slot_bytes, host=True, device=True)
     loop = TransferLoop(ops, ring)
@@ -398,7 +398,7 @@ def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool):
         source = MappedSource(FakeMapping(path), pool)
     else:
         source = ReadSource(FileReader(path, pool, threads=3))
-    flat = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, source)
+    flat = DeviceDecodeRoute(loop, codec or ReferenceCodec()).load(entries, source)
     loop.finish()
     source.close()
     loaded = {e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
@@ -616,6 +616,26 @@ def test_copies_go_on_while_a_decode_is_launched(checkpoint):
     main = threading.current_thread().name
     assert callers["copy"] == {"szformat-copy"} and callers["decode"] == {main}
     assert "szformat-stage" in callers["sync"]
+
+
+def test_batch_tables_are_built_once_before_the_first_transfer_lands(checkpoint):
+    """Every packed transfer's table is described in one call, before the loop (and its one copy to the device is
+    enqueued on the decode stream ahead of every decode), not as each transfer lands."""
+    path, tensors = checkpoint
+    calls: list[tuple[int, int]] = []
+
+    class CountingCodec(ReferenceCodec):
+        def batch_tables(self, batches, device):
+            calls.append((len(batches), sum(1 for step in ops.log if step[0] == "copy")))
+            return super().batch_tables(batches, device)
+
+    ops = FakeOps(eager=(2,))
+    loaded, _ = _run_device_route(ops, path, slot_bytes=4096, slots=2, mapped=True, pool=None,
+                                  codec=CountingCodec())
+    _assert_same(loaded, tensors)
+    assert len(calls) == 1 and calls[0][0] > 1 and calls[0][1] == 0
+    decodes = [i for i, step in enumerate(ops.log) if step[0] == "decode"]
+    assert ops.log.index(("tables", 2)) < decodes[0]
 
 
 def test_slots_come_back_once_copied_not_once_decoded():

@@ -18,17 +18,21 @@ from ..errors import DecodeRouteError
 
 __all__ = ["BatchEntry", "DeviceCodec", "TritonCodec", "triton_codec"]
 
+_TABLE_ALIGNMENT = 16
+"""Bytes each array of an uploaded batch table starts on (the widest element is 8 bytes)."""
+
 BatchEntry = tuple[PayloadLayout, Codebook, int, int]
 """One tensor of a batch: layout, codebook, payload offset (bytes, multiple of 16) into the batch's payload buffer,
 output offset (elements, multiple of 8) into its bfloat16 output buffer."""
 
 
 class DeviceCodec(Protocol):
-    """Decoding on the device. ``batch_table`` is host work done ahead of time; the other calls enqueue on the
+    """Decoding on the device. ``batch_tables`` is host work done ahead of time; the other calls enqueue on the
     current stream and never wait on the host."""
 
-    def batch_table(self, entries: Sequence[BatchEntry], device: torch.device) -> Any:
-        """Describe a batch once, on the host (it may copy a small table to the device on the current stream)."""
+    def batch_tables(self, batches: Sequence[Sequence[BatchEntry]], device: torch.device) -> list[Any]:
+        """Describe each batch once, on the host; their tables may cross to the device together, in one copy
+        enqueued on the current stream."""
 
     def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
         """Decode every tensor of ``table`` from ``payloads`` (uint8) into ``out`` (bfloat16) in a few launches."""
@@ -46,14 +50,25 @@ class TritonCodec:
     def __init__(self, kernels: Any):
         self._kernels = kernels
 
-    def batch_table(self, entries: Sequence[BatchEntry], device: torch.device) -> Any:
-        table = self._kernels.build_batch_table(entries, device="cpu")
-        if device.type != "cuda":
-            return table  # the Triton interpreter decodes CPU tensors
-        # A pageable copy would make the host wait for the current stream; a pinned one is only enqueued on it.
-        to_device = lambda t: t.pin_memory().to(device, non_blocking=True)  # noqa: E731
-        return dataclasses.replace(table, descriptors=to_device(table.descriptors),
-                                   tile_owner=to_device(table.tile_owner), escape_owner=to_device(table.escape_owner))
+    def batch_tables(self, batches: Sequence[Sequence[BatchEntry]], device: torch.device) -> list[Any]:
+        tables = [self._kernels.build_batch_table(batch, device="cpu") for batch in batches]
+        if device.type != "cuda" or not tables:
+            return tables  # the Triton interpreter decodes CPU tensors
+        # Every array of every table in one pinned buffer, so that one copy (only enqueued: a pageable one would
+        # make the host wait for the stream) takes them all, and the device arrays are views of its result.
+        arrays = [a for t in tables for a in (t.descriptors, t.tile_owner, t.escape_owner)]
+        offsets, end = [], 0
+        for array in arrays:
+            offsets.append(end)
+            end += -(-array.numel() * array.element_size() // _TABLE_ALIGNMENT) * _TABLE_ALIGNMENT
+        host = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
+        for array, offset in zip(arrays, offsets):
+            host[offset: offset + array.numel() * array.element_size()] = array.reshape(-1).view(torch.uint8)
+        uploaded = host.to(device, non_blocking=True)
+        views = [uploaded[offset: offset + a.numel() * a.element_size()].view(a.dtype).reshape(a.shape)
+                 for a, offset in zip(arrays, offsets)]
+        return [dataclasses.replace(t, descriptors=views[3 * i], tile_owner=views[3 * i + 1],
+                                    escape_owner=views[3 * i + 2]) for i, t in enumerate(tables)]
 
     def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
         self._kernels.decode_batch(payloads, table, out=out)

@@ -310,6 +310,7 @@ class DeviceDecodeRoute:
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
         dests, arenas = self._allocate(transfers, entries)
+        tables = self._batch_tables(transfers, entries, arenas)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             then = None if verify is None else (lambda start, piece: verify.add(transfer, start, piece))
@@ -330,7 +331,7 @@ class DeviceDecodeRoute:
         def expand(k: int, slot: Slot, copied: Any) -> None:
             transfer = transfers[k]
             if transfer.packed:
-                self._expand_packed(k, transfer, *arenas[k], slot, copied, entries, dests)
+                self._expand_packed(k, transfer, arenas[k][0], tables, slot, copied, entries, dests)
             else:
                 self._expand_streamed(k, transfer, copied, entries, dests)
 
@@ -367,20 +368,37 @@ class DeviceDecodeRoute:
             record.add("allocate", -1, began, record.now(), sum(d.numel() for d in dests))
         return dests, arenas
 
-    def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, offsets: list[int], slot: Slot,
+    def _batch_tables(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
+                      arenas: dict[int, tuple[torch.Tensor, list[int]]]) -> dict[int, Any]:
+        """The batch table of every packed transfer holding SplitZip tensors, built before the first transfer lands
+        and copied to the device in one copy on the decode stream (built one by one as transfers land, with a
+        pinned allocation and copies each, they cost the landing 1-10 ms apiece on the H200 host)."""
+        batches = {}
+        for k, (_, offsets) in arenas.items():
+            batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
+                     for p, offset in zip(transfers[k].pieces, offsets)
+                     if entries[p.item].encoding == ENCODING_SPLITZIP]
+            if batch:
+                batches[k] = batch
+        tables: dict[int, Any] = {}
+        if batches:
+            upload = lambda: tables.update(zip(batches, self.codec.batch_tables(  # noqa: E731
+                list(batches.values()), self.loop.ops.device)))
+            self.loop.ops.enqueue(self.loop.decode_stream, upload, "tables")
+        return tables
+
+    def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any], slot: Slot,
                        copied: Any, entries, dests) -> None:
         """Decode a packed transfer out of its slot once copied, then release the slot's device buffer."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
-        batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
-                 for p, offset in zip(transfer.pieces, offsets) if entries[p.item].encoding == ENCODING_SPLITZIP]
 
         def expand() -> None:
             for piece in transfer.pieces:  # raw pieces are copied as they are
                 if entries[piece.item].encoding != ENCODING_SPLITZIP:
                     dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
-            if batch:  # the table's copy to the device is enqueued here too, on the decode stream
-                self.codec.decode_batch(staged, self.codec.batch_table(batch, arena.device), arena.view(torch.bfloat16))
+            if k in tables:
+                self.codec.decode_batch(staged, tables[k], arena.view(torch.bfloat16))
 
         ops.wait(loop.decode_stream, copied)
         try:

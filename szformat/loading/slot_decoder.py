@@ -110,7 +110,7 @@ class SlotDecoder:
             region = buffer[: min(-(-used // PACKED_ALIGNMENT) * PACKED_ALIGNMENT, buffer.numel() // 2 * 2)]
 
             def expand() -> None:
-                table = self.codec.batch_table(batch, buffer.device)
+                (table,) = self.codec.batch_tables([batch], buffer.device)
                 stash = self._stash_on(stream, region.numel())
                 stash.copy_(region)
                 self.codec.decode_batch(stash, table, region.view(torch.bfloat16))

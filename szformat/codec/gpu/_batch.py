@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable
 
+import numpy as np
 import torch
 
 from ..codebook import Codebook
@@ -89,8 +90,9 @@ def build_batch_table(
         ValueError: an offset is misaligned or negative, or two outputs overlap.
     """
     rows: list[list[int]] = []
-    tile_owner: list[int] = []
-    escape_owner: list[int] = []
+    tiles: list[int] = []
+    escape_blocks: list[int] = []
+    first_tile = first_escape_block = 0
     payload_end = output_end = 0
     for index, (layout, codebook, pay_off, out_off) in enumerate(entries):
         if pay_off < 0 or pay_off % PAYLOAD_ALIGNMENT:
@@ -99,13 +101,13 @@ def build_batch_table(
         if out_off < 0 or out_off % OUTPUT_ALIGNMENT:
             raise ValueError(f"entry {index}: output offset {out_off} is not a non-negative multiple of "
                              f"{OUTPUT_ALIGNMENT} elements")
-        tiles = triton.cdiv(layout.n_pairs, ROWS * 4)
-        escape_blocks = triton.cdiv(layout.n_esc, ESCAPE_BLOCK)
+        tiles.append(triton.cdiv(layout.n_pairs, ROWS * 4))
+        escape_blocks.append(triton.cdiv(layout.n_esc, ESCAPE_BLOCK))
         lut01, lut23 = _packed_codebook(codebook)
         rows.append([pay_off, layout.n, layout.n_esc, out_off, layout.off_sm, layout.off_cid, lut01, lut23,
-                     layout.chunk_size, len(tile_owner), len(escape_owner), 0])
-        tile_owner += [index] * tiles
-        escape_owner += [index] * escape_blocks
+                     layout.chunk_size, first_tile, first_escape_block, 0])
+        first_tile += tiles[-1]
+        first_escape_block += escape_blocks[-1]
         payload_end = max(payload_end, pay_off + layout.comp_bytes)
         output_end = max(output_end, out_off + layout.n)
     spans = sorted((row[_OUT.value], row[_OUT.value] + row[_N.value]) for row in rows if row[_N.value])
@@ -115,11 +117,17 @@ def build_batch_table(
     device = torch.device(device)
     return BatchTable(
         descriptors=_to_device(torch.tensor(rows, dtype=torch.int64).reshape(-1, _WIDTH.value), device),
-        tile_owner=_to_device(torch.tensor(tile_owner, dtype=torch.int32), device),
-        escape_owner=_to_device(torch.tensor(escape_owner, dtype=torch.int32), device),
+        tile_owner=_to_device(_owners(tiles), device),
+        escape_owner=_to_device(_owners(escape_blocks), device),
         payload_bytes=payload_end,
         output_elements=output_end,
     )
+
+
+def _owners(programs: list[int]) -> torch.Tensor:
+    """Row ``i`` repeated ``programs[i]`` times (int32): a large tensor owns thousands of programs, which NumPy
+    lists in microseconds where a Python list takes milliseconds."""
+    return torch.from_numpy(np.repeat(np.arange(len(programs), dtype=np.int32), programs))
 
 
 def _to_device(table: torch.Tensor, device: torch.device) -> torch.Tensor:
