@@ -19,6 +19,7 @@ from collections import deque
 from concurrent.futures import Future
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -1011,3 +1012,21 @@ def test_registered_mapping_pins_whole_page_spans_once_and_releases_them(tmp_pat
     assert calls[2:] == [("device", 3), ("register", 2 * page, 8 * page + 5, 9), ("clear",)]
     registered.close()
     assert calls[-1] == ("unregister", 0) and sum(c[0] == "unregister" for c in calls) == 1
+
+
+def test_batch_table_arrays_cross_in_one_packed_buffer():
+    """The arrays of every batch table (empty owner lists included, as a batch without escapes has) go to the device
+    in one buffer and come back as views equal to the originals, each on a 16-byte boundary."""
+    from szformat.loading.gpu_codec import pack_arrays, unpack_arrays
+
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    arrays = [torch.randint(-2**62, 2**62, (3, 12), generator=gen, dtype=torch.int64),
+              torch.from_numpy(np.repeat(np.arange(3, dtype=np.int32), [5, 0, 2])),
+              torch.from_numpy(np.repeat(np.arange(0, dtype=np.int32), [])),
+              torch.zeros(0, 12, dtype=torch.int64),
+              torch.arange(7, dtype=torch.int32)]
+    packed, offsets = pack_arrays(arrays)
+    assert packed.dtype == torch.uint8 and all(offset % 16 == 0 for offset in offsets)
+    views = unpack_arrays(packed.clone(), arrays, offsets)
+    for view, array in zip(views, arrays):
+        assert view.dtype == array.dtype and view.shape == array.shape and torch.equal(view, array)

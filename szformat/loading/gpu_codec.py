@@ -16,7 +16,7 @@ from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
 
-__all__ = ["BatchEntry", "DeviceCodec", "TritonCodec", "triton_codec"]
+__all__ = ["BatchEntry", "DeviceCodec", "TritonCodec", "triton_codec", "pack_arrays", "unpack_arrays"]
 
 _TABLE_ALIGNMENT = 16
 """Bytes each array of an uploaded batch table starts on (the widest element is 8 bytes)."""
@@ -57,16 +57,8 @@ class TritonCodec:
         # Every array of every table in one pinned buffer, so that one copy (only enqueued: a pageable one would
         # make the host wait for the stream) takes them all, and the device arrays are views of its result.
         arrays = [a for t in tables for a in (t.descriptors, t.tile_owner, t.escape_owner)]
-        offsets, end = [], 0
-        for array in arrays:
-            offsets.append(end)
-            end += -(-array.numel() * array.element_size() // _TABLE_ALIGNMENT) * _TABLE_ALIGNMENT
-        host = torch.empty(max(end, 1), dtype=torch.uint8, pin_memory=True)
-        for array, offset in zip(arrays, offsets):
-            host[offset: offset + array.numel() * array.element_size()] = array.reshape(-1).view(torch.uint8)
-        uploaded = host.to(device, non_blocking=True)
-        views = [uploaded[offset: offset + a.numel() * a.element_size()].view(a.dtype).reshape(a.shape)
-                 for a, offset in zip(arrays, offsets)]
+        host, offsets = pack_arrays(arrays, pin=True)
+        views = unpack_arrays(host.to(device, non_blocking=True), arrays, offsets)
         return [dataclasses.replace(t, descriptors=views[3 * i], tile_owner=views[3 * i + 1],
                                     escape_owner=views[3 * i + 2]) for i, t in enumerate(tables)]
 
@@ -78,6 +70,27 @@ class TritonCodec:
 
     def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
         self._kernels.decode_in_place(buffer, layout, codebook, scratch=scratch)
+
+
+def pack_arrays(arrays: Sequence[torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list[int]]:
+    """The bytes of ``arrays`` (CPU tensors, any shape, empty ones too) in one flat uint8 buffer, each starting on a
+    multiple of 16 bytes; returns the buffer (pinned if ``pin``) and each array's offset in it."""
+    offsets, end = [], 0
+    for array in arrays:
+        offsets.append(end)
+        end += -(-array.numel() * array.element_size() // _TABLE_ALIGNMENT) * _TABLE_ALIGNMENT
+    packed = torch.empty(max(end, _TABLE_ALIGNMENT), dtype=torch.uint8, pin_memory=pin)
+    for array, offset in zip(arrays, offsets):
+        if array.numel():
+            packed[offset: offset + array.numel() * array.element_size()] = (
+                array.contiguous().reshape(-1).view(torch.uint8))
+    return packed, offsets
+
+
+def unpack_arrays(packed: torch.Tensor, like: Sequence[torch.Tensor], offsets: Sequence[int]) -> list[torch.Tensor]:
+    """Views of ``packed`` (from :func:`pack_arrays`, wherever it was copied) shaped and typed as ``like``."""
+    return [packed[offset: offset + a.numel() * a.element_size()].view(a.dtype).reshape(a.shape)
+            for a, offset in zip(like, offsets)]
 
 
 def triton_codec() -> TritonCodec:
