@@ -124,6 +124,8 @@ METHODS: dict[str, Loader] = {
     "szt staged 64 MiB x 6, verify off": staged(64, 6),
     "szt staged 128 MiB x 4, verify off": staged(128, 4),
     "szt staged 128 MiB x 4, 8 threads, verify off": staged(128, 4, threads=8),
+    "szt staged 128 MiB x 6, verify off": staged(128, 6),
+    "szt staged 256 MiB x 3, verify off": staged(256, 3),
     "szt staged 128 MiB x 4, verify on": staged(128, 4, verify=True),
     "szt staged 64 MiB x 4, 8 threads, verify off": staged(64, 4, threads=8),
     "szt staged 64 MiB x 6, 8 threads, verify off": staged(64, 6, threads=8),
@@ -141,7 +143,7 @@ METHODS: dict[str, Loader] = {
 COLD = ["safetensors load_file", "szt load_file (defaults, verify on)", "szt defaults, verify off"]
 SMALL_ONLY = ["szt host-decode route"]
 """Paths timed on checkpoints under 1 GB only (seconds per call on the synthetic one)."""
-TIMELINE = ["szt defaults, verify off", "szt staged 128 MiB x 4, verify off", "szt load_file (defaults, verify on)"]
+TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)"]
 
 
 # -- measuring --------------------------------------------------------------------------------------------------

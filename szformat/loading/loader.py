@@ -41,8 +41,10 @@ class StagingConfig:
     without verification (``bench/RESULTS.md``).
 
     Args:
-        slot_bytes (`int`): size of each pinned staging slot (64 MiB: few transfers, so little host work per
-            byte; smaller slots measured slower, see ``bench/RESULTS.md``).
+        slot_bytes (`int`): size of each pinned staging slot (128 MiB: few transfers, so little host work per
+            byte, and a 7B model's largest matrices fit one slot whole, so they are decoded out of it by a batched
+            launch instead of being expanded in place; 64 MiB measured 15-30% slower, see ``bench/RESULTS.md``).
+            A small checkpoint gets smaller slots, as large as it needs.
         slots (`int`): slots in the ring, at least 2, so staging one overlaps copying and decoding another; 4
             (default) lets the reads run three slots ahead.
         threads (`int`, *optional*): host reader threads; ``min(12, cores)`` by default.
@@ -53,7 +55,7 @@ class StagingConfig:
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
     """
 
-    slot_bytes: int = 64 << 20
+    slot_bytes: int = 128 << 20
     slots: int = 4
     threads: int | None = None
     transport: str = "staged"
