@@ -38,7 +38,7 @@ from szformat.loading.loader import load_checkpoint
 from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
 from szformat.loading.plan import Extent, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
-from szformat.loading.verify import StoredCrcCheck, crc32_combine
+from szformat.loading.verify import StoredCrcCheck
 
 from fakes import ReferenceCodec
 
@@ -499,19 +499,6 @@ def test_loader_verifies_stored_bytes(checkpoint, tmp_path):
     with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with SztFile(bad) as f:
             assert not torch.equal(loader.load(f, ["a.weight"])["a.weight"], torch.zeros(48, 33, dtype=torch.bfloat16))
-
-
-def test_crc32_combine_matches_zlib_on_joined_bytes():
-    rng = random.Random()
-    for _ in range(200):
-        a, b = os.urandom(rng.choice([0, 1, 7, 4096, rng.randrange(70_000)])), os.urandom(rng.randrange(70_000))
-        assert crc32_combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b)
-    for _ in range(20):  # lengths far past what can be materialised: joining must not depend on grouping
-        x, y, z = (rng.getrandbits(32) for _ in range(3))
-        ly, lz = rng.randrange(1 << 40), rng.randrange(1 << 40)
-        assert crc32_combine(crc32_combine(x, y, ly), z, lz) == crc32_combine(x, crc32_combine(y, z, lz), ly + lz)
-    with pytest.raises(ValueError, match="negative"):
-        crc32_combine(0, 0, -1)
 
 
 def _entry(name, offset, data):

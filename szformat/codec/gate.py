@@ -7,7 +7,6 @@ than the raw bytes. Every other tensor (other dtypes, FP8 above all: it would ex
 from __future__ import annotations
 
 import os
-import zlib
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass
 from types import ModuleType
@@ -16,6 +15,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
+from ..checksum import tensor_crc32
 from . import cpu
 from .codebook import COVERAGE_GATE, Codebook
 from .layout import PayloadLayout
@@ -50,11 +50,6 @@ class EncodedTensor:
     raw_reason: str | None = None
 
 
-def crc32(data: torch.Tensor) -> int:
-    """CRC-32 (IEEE, as zlib computes it) of a flat uint8 CPU tensor."""
-    return zlib.crc32(memoryview(data.numpy())) if data.numel() else 0
-
-
 def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | ModuleType = cpu,
                   device: str | torch.device = "cpu", gate: float = COVERAGE_GATE) -> EncodedTensor:
     """Choose the encoding of one tensor given its raw bytes (flat uint8, CPU) and safetensors dtype name.
@@ -68,9 +63,9 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
     """
     if dtype != "BF16":
         reason = "FP8 would expand" if dtype.startswith("F8") else f"dtype {dtype} is not encoded"
-        return _stored_raw(raw, crc32(raw), reason)
+        return _stored_raw(raw, tensor_crc32(raw), reason)
     if raw.numel() == 0:
-        return _stored_raw(raw, crc32(raw), "empty")
+        return _stored_raw(raw, tensor_crc32(raw), "empty")
 
     with _BesideTheCodec(raw) as raw_crc:
         x = raw.view(torch.bfloat16).to(device)
@@ -109,16 +104,15 @@ if hasattr(os, "register_at_fork"):
 
 class _BesideTheCodec:
     """``with _BesideTheCodec(data) as crc:`` starts the CRC-32 of ``data`` on a thread of its own; ``crc.result()``
-    waits for it. ``zlib.crc32`` releases the GIL, so on a second core its time (about a third of the codec's)
-    leaves the conversion's. Leaving the block waits too, whatever happens in it, so ``data`` (often a view of a
+    waits for it. The CRC releases the GIL, so on a second core its time leaves the conversion's. Leaving the block waits too, whatever happens in it, so ``data`` (often a view of a
     mapping the caller will close) is never read after the block."""
 
     def __init__(self, data: torch.Tensor):
         if data.numel() >= CRC_THREAD_MIN_BYTES:
-            self._future = _crc_thread.submit(crc32, data)
+            self._future = _crc_thread.submit(tensor_crc32, data)
         else:
             self._future = Future()
-            self._future.set_result(crc32(data))
+            self._future.set_result(tensor_crc32(data))
 
     def __enter__(self) -> Future:
         return self._future

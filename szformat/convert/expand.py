@@ -7,11 +7,11 @@ are released after each tensor, so memory stays flat however large the tensors a
 
 from __future__ import annotations
 
-import zlib
 from typing import Iterator
 
 import torch
 
+from ..checksum import crc32
 from ..codec import cpu
 from ..errors import ChecksumMismatchError, PayloadError
 from ..format import constants as C
@@ -62,7 +62,7 @@ def _decoded_slices(file: SztFile, entry: TensorEntry, payload: torch.Tensor,
         except ValueError as e:
             raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
         chunk = out.view(torch.uint8)
-        crc = zlib.crc32(memoryview(chunk.numpy()), crc)
+        crc = crc32(memoryview(chunk.numpy()), crc)
         yield chunk
     if crc != entry.raw_crc32:
         raise ChecksumMismatchError(f"CRC-32 of the decoded bytes is {crc:#010x}, the header records "

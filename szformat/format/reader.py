@@ -18,12 +18,12 @@ import mmap
 import os
 import stat
 import warnings
-import zlib
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
+from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import (ChecksumMismatchError, FormatError, HeaderError, HeaderTooLargeError, InvalidOffsetError,
@@ -83,7 +83,7 @@ class SztFile:
             raw_header = f.read(header_length)
             if len(raw_header) != header_length:
                 raise TruncatedFileError("file shrank while its header was read", path=path)
-            crc = zlib.crc32(raw_header)
+            crc = crc32(raw_header)
             if crc != header_crc:
                 raise ChecksumMismatchError(
                     f"header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})", path=path)
@@ -217,7 +217,7 @@ class SztFile:
 
 def check_crc(data: torch.Tensor, expected: int, *, what: str, path: str | os.PathLike, tensor: str) -> None:
     """Raise ChecksumMismatchError unless the CRC-32 of a flat uint8 CPU tensor is ``expected``."""
-    actual = zlib.crc32(memoryview(data.numpy())) if data.numel() else 0
+    actual = tensor_crc32(data)
     if actual != expected:
         raise ChecksumMismatchError(f"CRC-32 of the {what} is {actual:#010x}, the header records {expected:#010x}",
                                     path=path, tensor=tensor)

@@ -10,12 +10,12 @@ from __future__ import annotations
 import enum
 import operator
 import os
-import zlib
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
+from ..checksum import crc32
 from ..codec.gate import EncodedTensor
 from ..errors import ConversionError, WriteError
 from . import constants as C
@@ -142,7 +142,7 @@ class SztWriter:
             header_offset = self._cursor
             self._write(header)
             preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, C.VERSION_MINOR, 0, header_offset, len(header),
-                                       zlib.crc32(header), self.alignment, self._cursor)
+                                       crc32(header), self.alignment, self._cursor)
             self._file.write(preamble, at=0)
             self._file.commit()
         except BaseException:
