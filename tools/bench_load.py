@@ -36,7 +36,6 @@ import statistics
 import sys
 import threading
 import time
-import zlib
 from pathlib import Path
 from typing import Callable
 
@@ -45,6 +44,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
+from szformat.checksum import crc32
 from szformat.loading import StagingConfig, hostio, timeline
 from szformat.loading.hostio import RegisteredMapping
 from szformat.loading.ops import CudaOps
@@ -314,7 +314,7 @@ def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
                                            (16, 8, True)):
                 slot = slot_mib << 20
                 pinned = [torch.empty(slot, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
-                then = (lambda start, piece: zlib.crc32(piece.numpy())) if check else None
+                then = (lambda start, piece: crc32(piece.numpy())) if check else None
 
                 def read_all(slot: int = slot, slots: int = slots, pinned: list = pinned, then=then) -> None:
                     pending = []
@@ -333,10 +333,10 @@ def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
 
             chunks = [f.payload(e.name)[a: a + (4 << 20)] for e in entries for a in range(0, e.length, 4 << 20)]
             row(f"CRC-32 of every payload in the page cache, 4 MiB pieces, {threads} threads", statistics.median(
-                _host_time(lambda: list(pool.map(lambda t: zlib.crc32(t.numpy()), chunks))) for _ in range(reps)))
+                _host_time(lambda: list(pool.map(lambda t: crc32(t.numpy()), chunks))) for _ in range(reps)))
         one = torch.empty(64 << 20, dtype=torch.uint8, pin_memory=True).random_(0, 256)
-        row(f"CRC-32 of 64 MiB, one thread (zlib {zlib.ZLIB_RUNTIME_VERSION})",
-            statistics.median(_host_time(lambda: zlib.crc32(one.numpy())) for _ in range(reps)))
+        row("CRC-32 of 64 MiB, one thread (zlib-ng)",
+            statistics.median(_host_time(lambda: crc32(one.numpy())) for _ in range(reps)))
 
         def register(span: int) -> None:
             mapping = RegisteredMapping.open(ckpt.szt, DEVICE)
@@ -486,7 +486,7 @@ def main() -> int:
                                                       "spans go to this JSON file")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores, "
-          f"zlib {zlib.ZLIB_RUNTIME_VERSION}; defaults {DEFAULTS}", flush=True)
+          f"defaults {DEFAULTS}", flush=True)
     methods = {label: load for label, load in METHODS.items()
                if args.only is None or label == "safetensors load_file" or re.search(args.only, label)}
     checkpoints = [c for c in prepare(args.minilm, args.work, args.synthetic_gb)
