@@ -552,3 +552,25 @@ def test_download_safetensors_repo_without_safetensors_is_refused(hub, tmp_path)
     api.upload_file(path_or_fileobj=b"pickle", path_in_repo="pytorch_model.bin", repo_id="alice/pickles")
     with pytest.raises(HubCheckpointNotFoundError, match="no .safetensors file"):
         download_safetensors_repo("hf://alice/pickles")
+
+
+def test_pushing_a_differently_sharded_folder_deletes_the_old_shards_only(hub, tmp_path):
+    """A re-conversion into one file replaces a sharded push: the old shards and index go in the same commit (the
+    index would otherwise still be what ``hf://alice/model`` resolves), files that are not .szt stay."""
+    sharded = tmp_path / "sharded"
+    write_sharded_folder(sharded)
+    push_to_hub(sharded, "alice/model", token=ALICE)
+    HfApi(endpoint=hub.endpoint, token=ALICE).upload_file(path_or_fileobj=b"kept", path_in_repo="notes/NOTES.txt",
+                                                          repo_id="alice/model")
+    single = tmp_path / "single"
+    single.mkdir()
+    tensors = write_szt(single / "model.szt", seed=11)
+    commits = hub.commit_count("alice/model")
+
+    push_to_hub(single, "alice/model", token=ALICE)
+    assert hub.commit_count("alice/model") == commits + 1
+    assert set(hub.files("alice/model")) == {".gitattributes", "README.md", "notes/NOTES.txt", "config.json",
+                                             "tokenizer.json", "model.szt"}
+    assert_same_tensors(szformat.load_file("hf://alice/model"), tensors)
+    push_to_hub(single, "alice/model", token=ALICE)  # nothing stale any more: no commit
+    assert hub.commit_count("alice/model") == commits + 1

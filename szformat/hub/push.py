@@ -2,9 +2,10 @@
 
 Everything that can be checked locally is checked before the first request: the path holds .szt files, each opens
 as a valid .szt file, and every shard a sharded index names is present. Then the repo (and branch) is created if
-needed and all files plus a generated model card go up in a single commit. huggingface_hub compares each file
-with the one already on the branch (sha256 for LFS files, git oid otherwise), uploads only what changed, and makes
-no commit at all when nothing did, so pushing the same folder again is a no-op.
+needed and all files plus a generated model card go up in a single commit, which also deletes the .szt files of an
+earlier push that the folder no longer holds. huggingface_hub compares each file with the one already on the branch
+(sha256 for LFS files, git oid otherwise), uploads only what changed, and makes no commit at all when nothing did,
+so pushing the same folder again is a no-op.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, HfApi
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
 
 from ..errors import PushError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
@@ -32,8 +33,11 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
     """Upload a .szt file or a converted folder to a model repo, with a generated model card, in one commit.
 
     For a folder, every file goes up under its relative path (.szt shards, ``model.szt.index.json``, the copied
-    config and tokenizer files), except hidden files and folders. A ``README.md`` in the folder (typically the
-    source model's card) is replaced by the generated card, which keeps its license fields.
+    config and tokenizer files), except hidden files and folders, and the branch's .szt files and indexes become
+    those of the folder: any other ones (left by an earlier push of a differently sharded conversion) are deleted in
+    the same commit; other files on the branch are left as they are. A single .szt file is only added. A
+    ``README.md`` in the folder (typically the source model's card) is replaced by the generated card, which keeps
+    its license fields.
 
     Args:
         path (`str` or `os.PathLike`): a .szt file, or a folder holding at least one.
@@ -76,8 +80,18 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
     api.create_repo(repo_id, private=private, exist_ok=True)
     if revision is not None and not api.revision_exists(repo_id, revision):
         api.create_branch(repo_id, branch=revision)
+    if path.is_dir():
+        operations += [CommitOperationDelete(path_in_repo=name)
+                       for name in _stale_checkpoint_files(api.list_repo_files(repo_id, revision=revision), files)]
     return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
                              revision=revision)
+
+
+def _stale_checkpoint_files(on_branch: list[str], pushed: dict[str, Path]) -> list[str]:
+    """The .szt files and .szt indexes on the branch that the pushed folder does not hold: shards of an earlier
+    conversion (sharded differently, or not at all) that would otherwise stay beside the new ones, and an index that
+    would still shadow a new single ``model.szt``. Other files are never touched."""
+    return sorted(name for name in on_branch if name.endswith((FILE_SUFFIX, INDEX_SUFFIX)) and name not in pushed)
 
 
 def _files_to_push(path: Path, *, keep_readme: bool) -> dict[str, Path]:
