@@ -340,7 +340,7 @@ class DeviceDecodeRoute:
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
-        """Every destination, before the first transfer lands, so that landing only enqueues device work: one
+        """Every destination, before the first transfer is copied, so that the loop only enqueues device work: one
         allocation per streamed tensor, one per packed transfer (its tensors are views of it at ``ARENA_ALIGNMENT``
         offsets, decoded by one batched launch), one per tensor with nothing stored. Returns the destinations in
         the order of ``entries`` and, per packed transfer, its allocation and the offsets in it."""
@@ -370,9 +370,9 @@ class DeviceDecodeRoute:
 
     def _batch_tables(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
                       arenas: dict[int, tuple[torch.Tensor, list[int]]]) -> dict[int, Any]:
-        """The batch table of every packed transfer holding SplitZip tensors, built before the first transfer lands
-        and copied to the device in one copy on the decode stream (built one by one as transfers land, with a
-        pinned allocation and copies each, they cost the landing 1-10 ms apiece on the H200 host)."""
+        """The batch table of every packed transfer holding SplitZip tensors, built before the first transfer is
+        copied and sent to the device in one copy on the decode stream (built one by one as decodes are enqueued,
+        with a pinned allocation and copies each, they cost the decoding thread 1-10 ms apiece on the H200 host)."""
         batches = {}
         for k, (_, offsets) in arenas.items():
             batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
