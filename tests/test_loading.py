@@ -362,23 +362,42 @@ def test_ring_allocates_a_slot_when_first_used():
     assert len(allocated) == 2
 
 
-def test_a_failed_run_leaves_the_ring_usable(checkpoint):
+@pytest.mark.parametrize("failing", ["stage", "read", "copy", "decode"])
+def test_a_failure_on_any_thread_stops_the_run_and_leaves_the_ring_usable(checkpoint, failing):
+    """Submitting reads fails on the staging thread, a read on a reader thread (seen by the copying thread), a copy
+    on the copying thread, a decode on the calling thread: each time the run raises it, its threads end, and the
+    next run on the same ring loads every tensor."""
     path, tensors = checkpoint
     from concurrent.futures import ThreadPoolExecutor
+    failed: list[str] = []
 
-    class FailingSource(ReadSource):
+    class FailingOnceSource(ReadSource):
         def stage(self, transfer, slot, **kwargs):
-            if transfer.start > 3 * 4096:
-                raise OSError("the disk went away")
+            if failing in ("stage", "read") and transfer.start > 3 * 4096 and not failed:
+                failed.append(failing)
+                if failing == "stage":
+                    raise OSError("the disk went away")
+                read = Future()
+                read.set_exception(OSError("the disk went away"))
+                return Staged(slot.host[: transfer.nbytes], [read])
             return super().stage(transfer, slot, **kwargs)
 
+    class FailingOnceOps(FakeOps):
+        def enqueue(self, stream, work, label):
+            if label == failing and not failed:
+                failed.append(label)
+                raise RuntimeError("the device went away")
+            super().enqueue(stream, work, label)
+
     file, entries = _entries(path)
-    ops = FakeOps()
+    ops = FailingOnceOps()
     loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
     route = DeviceDecodeRoute(loop, ReferenceCodec())
     with ThreadPoolExecutor(2) as pool:
-        with pytest.raises(OSError, match="went away"):
-            route.load(entries, FailingSource(FileReader(path, pool, threads=2)))
+        with pytest.raises((OSError, RuntimeError), match="went away"):
+            route.load(entries, FailingOnceSource(FileReader(path, pool, threads=2)))
+        assert failed == [failing]
+        assert not any(t.name in ("szformat-stage", "szformat-copy") for t in threading.enumerate())
         flat = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
         loop.finish()
     file.close()
@@ -629,38 +648,6 @@ def test_slots_come_back_once_copied_not_once_decoded():
     loop.run([SimpleNamespace(nbytes=4096)] * 5, lambda k, t, slot: Staged(slot.host), copy, expand,
              host_writes=True)
     assert waited == [True] and copies == [0, 1, 2, 3, 4]
-
-
-@pytest.mark.parametrize("failing", ["copy", "decode"])
-def test_a_failed_enqueue_stops_every_thread_and_leaves_the_ring_usable(checkpoint, failing):
-    """A copy fails on the copying thread, a decode on the calling thread: either way the run raises it, its threads
-    end, and the next run on the same ring loads every tensor."""
-    path, tensors = checkpoint
-    from concurrent.futures import ThreadPoolExecutor
-
-    class FailingOnceOps(FakeOps):
-        failed = False
-
-        def enqueue(self, stream, work, label):
-            if label == failing and not self.failed:
-                self.failed = True
-                raise RuntimeError("the device went away")
-            super().enqueue(stream, work, label)
-
-    file, entries = _entries(path)
-    ops = FailingOnceOps()
-    loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
-    route = DeviceDecodeRoute(loop, ReferenceCodec())
-    with ThreadPoolExecutor(2) as pool:
-        with pytest.raises(RuntimeError, match="went away"):
-            route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
-        assert ops.failed
-        assert not any(t.name in ("szformat-stage", "szformat-copy") for t in threading.enumerate())
-        flat = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
-        loop.finish()
-    file.close()
-    _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
-                  for raw, e in zip(flat, entries)}, tensors)
 
 
 def test_an_interrupted_run_waits_for_the_reads_already_staged(monkeypatch):

@@ -24,7 +24,6 @@ import tempfile
 import threading
 import time
 from pathlib import Path
-from typing import Callable
 
 import torch
 
@@ -55,31 +54,40 @@ def copy_times(src: torch.Tensor, dst: torch.Tensor, stream: torch.cuda.Stream, 
     return _median_ms(calls), _median_ms(done)
 
 
-def with_readers(threads: int, nbytes: int, work: Callable[[], tuple[float, float]]) -> tuple[float, float]:
-    """Run ``work`` while ``threads`` threads keep reading a page-cached file into pinned buffers."""
-    stop = threading.Event()
-    with tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp")) as f:
-        f.write(os.urandom(1 << 20) * (nbytes >> 20))
-        f.flush()
-        fd = os.open(f.name, os.O_RDONLY)
-        buffers = [torch.empty(nbytes // threads, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+class BusyReaders:
+    """``threads`` threads that read a page-cached file (written once, ``nbytes``) into pinned buffers over and
+    over while a ``with`` block runs, as the loader's reader threads do during a load."""
 
-        def read(i: int) -> None:
-            view = memoryview(buffers[i].numpy()).cast("B")
-            while not stop.is_set():
-                os.preadv(fd, [view], i * len(view))
+    def __init__(self, threads: int, nbytes: int):
+        self._file = tempfile.NamedTemporaryFile(dir=os.environ.get("TMPDIR", "/tmp"))
+        self._file.write(os.urandom(1 << 20) * (nbytes >> 20))
+        self._file.flush()
+        self._buffers = [torch.empty(nbytes // threads, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+        self._stop = threading.Event()
+        self._workers: list[threading.Thread] = []
 
-        workers = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(threads)]
-        for w in workers:
-            w.start()
+    def _read(self, fd: int, buffer: torch.Tensor, offset: int) -> None:
+        view = memoryview(buffer.numpy()).cast("B")
+        while not self._stop.is_set():
+            os.preadv(fd, [view], offset)
+
+    def __enter__(self) -> "BusyReaders":
+        self._stop.clear()
+        fd = self._file.fileno()
+        self._workers = [threading.Thread(target=self._read, args=(fd, buffer, i * buffer.numel()), daemon=True)
+                         for i, buffer in enumerate(self._buffers)]
+        for worker in self._workers:
+            worker.start()
         time.sleep(0.05)
-        try:
-            return work()
-        finally:
-            stop.set()
-            for w in workers:
-                w.join()
-            os.close(fd)
+        return self
+
+    def __exit__(self, *exc_info) -> None:
+        self._stop.set()
+        for worker in self._workers:
+            worker.join()
+
+    def close(self) -> None:
+        self._file.close()
 
 
 def decode_call_ms(nbytes: int, reps: int) -> tuple[float, float]:
@@ -210,14 +218,16 @@ def main() -> int:
     row("copy, 4 queued back to back", *copy_times(src, dst, stream, args.reps, 4))
     pageable = torch.empty(nbytes, dtype=torch.uint8)
     row("copy from pageable memory (for contrast)", *copy_times(pageable, dst, stream, args.reps, 1))
-    row(f"copy, {args.threads} reader threads busy",
-        *with_readers(args.threads, 1 << 30, lambda: copy_times(src, dst, stream, args.reps, 1)))
-    row(f"copy, 4 queued, {args.threads} reader threads busy",
-        *with_readers(args.threads, 1 << 30, lambda: copy_times(src, dst, stream, args.reps, 4)))
+    readers = BusyReaders(args.threads, 1 << 30)
+    with readers:
+        row(f"copy, {args.threads} reader threads busy", *copy_times(src, dst, stream, args.reps, 1))
+    with readers:
+        row(f"copy, 4 queued, {args.threads} reader threads busy", *copy_times(src, dst, stream, args.reps, 4))
     row("decode_in_place, device idle", *decode_call_ms(nbytes, args.reps))
     row("Triton launches alone (dense + escape pass), device idle", *launch_call_ms(nbytes, args.reps))
-    row(f"decode_in_place, {args.threads} reader threads busy",
-        *with_readers(args.threads, 1 << 30, lambda: decode_call_ms(nbytes, args.reps)))
+    with readers:
+        row(f"decode_in_place, {args.threads} reader threads busy", *decode_call_ms(nbytes, args.reps))
+    readers.close()
     event_us = event_call_us(args.reps)
     rows.append({"what": "event create + record + wait", "call_us": event_us})
     print(f"| event create + record + stream wait | {event_us / 1e3:.3f} | |")
