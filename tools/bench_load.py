@@ -51,6 +51,7 @@ from szformat.loading.ops import CudaOps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from gpu_load_check import Checkpoint, prepare  # noqa: E402
+from procstatus import memory_status  # noqa: E402
 
 DEVICE = torch.device("cuda")
 
@@ -162,16 +163,6 @@ def timed(load: Loader, ckpt: Checkpoint, *, empty_cache: bool = True) -> float:
     return seconds
 
 
-def _status() -> dict[str, int]:
-    fields = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "VmHWM", "RssAnon", "RssFile", "RssShmem"):
-                fields[key] = int(value.split()[0]) * 1024
-    return fields
-
-
 def memory(load: Loader, ckpt: Checkpoint) -> dict[str, float]:
     """Peak host RSS (high-water mark), sampled peak anonymous+shared RSS, and peak GPU memory, over one call."""
     gc.collect()
@@ -183,14 +174,14 @@ def memory(load: Loader, ckpt: Checkpoint) -> dict[str, float]:
         hwm_reset = True
     except OSError:
         hwm_reset = False
-    before = _status()
+    before = memory_status()
     gpu_before = torch.cuda.memory_allocated()
     torch.cuda.reset_peak_memory_stats()
     peak_anon, running = [0], [True]
 
     def sample() -> None:
         while running[0]:
-            s = _status()
+            s = memory_status()
             peak_anon[0] = max(peak_anon[0], s.get("RssAnon", 0) + s.get("RssShmem", 0))
             time.sleep(0.001)
 
@@ -200,7 +191,7 @@ def memory(load: Loader, ckpt: Checkpoint) -> dict[str, float]:
     torch.cuda.synchronize()
     running[0] = False
     sampler.join()
-    after = _status()
+    after = memory_status()
     gpu_peak = torch.cuda.max_memory_allocated() - gpu_before
     del result
     anon_before = before.get("RssAnon", 0) + before.get("RssShmem", 0)

@@ -56,6 +56,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
+from procstatus import memory_status  # noqa: E402
+
 CONFIGS = ("gpu", "szt-staging", "szt-staging-cpu", "ddo-staging-st", "szt-group", "szt-accelerate", "szt-native",
            "ddo-native-st")
 MODELS = ("minilm", "dit")
@@ -148,16 +150,6 @@ def prepare(minilm_dir: Path, work: Path) -> dict[str, dict]:
 
 
 # -- measuring -------------------------------------------------------------------------------------------------------
-
-
-def memory_status() -> dict[str, int]:
-    found = {}
-    with open("/proc/self/status") as f:
-        for line in f:
-            key, _, value = line.partition(":")
-            if key in ("VmRSS", "RssAnon", "RssFile", "RssShmem"):
-                found[key] = int(value.split()[0]) * 1024
-    return found
 
 
 def checkpoint_mapping_rss() -> int:
