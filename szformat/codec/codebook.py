@@ -42,11 +42,6 @@ class Codebook:
         return enc
 
 
-def exponent_histogram(exponents: torch.Tensor) -> torch.Tensor:
-    """Counts of each exponent byte (int64, 256 entries)."""
-    return torch.bincount(exponents.reshape(-1), minlength=256)
-
-
 def codebook_from_histogram(histogram: Sequence[int] | torch.Tensor) -> Codebook:
     """The 16 most frequent exponents, most frequent first, ties broken by the smaller exponent.
 

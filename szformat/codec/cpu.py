@@ -128,8 +128,8 @@ def _exponent_pair_index(bits: torch.Tensor, exponents: torch.Tensor, out: torch
 def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     """How many elements of a BF16 tensor have each exponent byte (int64, 256 entries).
 
-    The same counts as ``exponent_histogram(split_bf16(x)[0])``, computed slice by slice so the exponent bytes never
-    leave the cache. (``bincount`` is serial; over uint8 into 256 bins it beats counting exponent pairs into 65,536
+    The same counts as ``torch.bincount(split_bf16(x)[0], minlength=256)``, computed slice by slice so the exponent
+    bytes never leave the cache. (``bincount`` is serial; over uint8 into 256 bins it beats counting exponent pairs into 65,536
     bins once the larger histogram's zeroing and summing are paid.)
     """
     bits = _bf16_bits(x)
