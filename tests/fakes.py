@@ -18,6 +18,11 @@ class ReferenceCodec:
             cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
                              out=out[output_offset: output_offset + layout.n])
 
+    def decode_batch_at(self, payloads, table, base):
+        storage = base.untyped_storage()
+        span = storage.nbytes() // 2 - base.storage_offset()  # outputs lie anywhere in base's storage after it
+        self.decode_batch(payloads, table, base.as_strided((span,), (1,), base.storage_offset()))
+
     def new_scratch(self):
         return None
 

@@ -183,6 +183,31 @@ def test_decode_batch_of_mixed_tensors():
         assert bool((bits(out)[~written] == poison).all()), "wrote outside the outputs"
 
 
+def test_decode_batch_at_writes_separate_tensors_counted_from_the_lowest():
+    """Outputs as separate tensor objects of one range (an arena's weights), listed out of address order."""
+    g, seed = fresh_generator()
+    tensors = [weights(4097, g), specials(g), escape_heavy(g), weights(7, g)]
+    encoded = [cpu.encode(x) for x in tensors]
+    arena = from_bits(torch.full((1 << 15,), POISONS[0], dtype=torch.int16)).to(DEVICE)
+    starts = [20000, 8, 6016, 14000]  # elements, multiples of 8, not in order
+    outputs = [arena[start: start + x.numel()] for start, x in zip(starts, tensors)]
+    base = outputs[1]
+    entries, pay_off = [], 0
+    payloads = torch.zeros(1 << 16, dtype=torch.uint8)
+    for (payload, layout, codebook), out in zip(encoded, outputs):
+        payloads[pay_off: pay_off + layout.comp_bytes] = payload
+        entries.append((layout, codebook, pay_off, (out.data_ptr() - base.data_ptr()) // 2))
+        pay_off += -(-layout.comp_bytes // 16) * 16
+    gpu.decode_batch_at(payloads.to(DEVICE), gpu.build_batch_table(entries, device=DEVICE), base)
+    written = torch.zeros(arena.numel(), dtype=torch.bool)
+    for x, out, start in zip(tensors, outputs, starts):
+        assert torch.equal(bits(out), bits(x)), f"n={x.numel()}, seed {seed}"
+        written[start: start + x.numel()] = True
+    assert bool((bits(arena)[~written] == POISONS[0]).all()), "wrote outside the outputs"
+    with pytest.raises(ValueError, match="base must be a bfloat16 tensor"):
+        gpu.decode_batch_at(payloads.to(DEVICE), gpu.build_batch_table(entries, device=DEVICE), base.view(torch.int16))
+
+
 def test_batch_table_refuses_misaligned_or_overlapping_entries():
     layout = PayloadLayout(n=100, n_esc=0)
     codebook = Codebook(dec_lut=(127,) + (0,) * 15, n_used=1, coverage=1.0)

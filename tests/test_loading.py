@@ -38,6 +38,7 @@ from szformat.loading.loader import load_checkpoint
 from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
 from szformat.loading.plan import Extent, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
+from szformat.loading.slot_decoder import Placement
 from szformat.loading.verify import StoredCrcCheck
 
 from fakes import ReferenceCodec
@@ -885,6 +886,64 @@ def test_slot_decoder_expands_in_place_and_refuses_small_slots(checkpoint):
             decoder.expand_packed(ops.device_buffer(1 << 16), [(8, d)], stream)
 
 
+def _scatter_group(f, ops, names):
+    """Every entry of ``names`` stored back to back (16-byte aligned) in host bytes, with destinations scattered over
+    one device range in reverse order with gaps (and one not on 16 bytes), as an offloading arena places them."""
+    host, placements, offset = [], [], 0
+    arena = ops.device_buffer(1 << 17)
+    arena.fill_(0x5A)
+    at = 1 << 16
+    for name in names:
+        d = f.descriptor(name)
+        at = (at - d.raw_length - 256) // 256 * 256 + (4 if name == "a.weight" else 0)
+        placements.append(Placement(offset, arena[at: at + d.raw_length], d))
+        host.append((offset, f.payload(name).clone()))
+        offset = -(-(offset + d.length) // 16) * 16
+    return arena, host, placements, offset
+
+
+def test_slot_decoder_scatters_a_group_out_of_staging(checkpoint):
+    path, tensors = checkpoint
+    ops = FakeOps()
+    decoder = SlotDecoder(ops=ops, codec=ReferenceCodec())
+    stream = ops.new_stream()
+    names = ["big.weight", "a.weight", "ids", "c.weight"]
+    with SztFile(path) as f:
+        arena, host, placements, nbytes = _scatter_group(f, ops, names)
+        plan = decoder.scatter_plan(placements)
+        assert [p.payload.name for p in plan.in_place] == ["a.weight"]  # its range starts 4 bytes past 16
+        assert [p.payload.name for p in plan.copies] == ["ids"]  # stored raw
+        assert plan.base.data_ptr() == min(p.destination.data_ptr() for p in placements if p not in plan.in_place
+                                           and p not in plan.copies)
+        for attempt in range(2):  # the plan is reused; the staging buffer too
+            arena.fill_(0x5A + attempt)
+            decoder.copy_to_staging(host, nbytes, stream)
+            ops.synchronize(decoder.expand_scattered(plan, stream))
+            written = torch.zeros(arena.numel(), dtype=torch.bool)
+            for p in placements:
+                assert torch.equal(p.destination, tensors[p.payload.name].reshape(-1).view(torch.uint8)), p
+                start = p.destination.data_ptr() - arena.data_ptr()
+                written[start: start + p.payload.raw_length] = True
+            assert bool((arena[~written] == 0x5A + attempt).all()), "wrote outside the destinations"
+
+
+def test_slot_decoder_refuses_a_scatter_plan_it_cannot_run(checkpoint):
+    path, _ = checkpoint
+    ops = FakeOps()
+    decoder = SlotDecoder(ops=ops, codec=ReferenceCodec())
+    with SztFile(path) as f:
+        d = f.descriptor("big.weight")
+        arena = ops.device_buffer(4 * d.raw_length)
+        with pytest.raises(DecodeRouteError, match="staging offset 8 is not a multiple of 16") as info:
+            decoder.scatter_plan([Placement(8, arena[: d.raw_length], d)])
+        assert info.value.tensor == "big.weight" and info.value.path == str(path)
+        with pytest.raises(DecodeRouteError, match=f"tensor of {d.raw_length} bytes"):
+            decoder.scatter_plan([Placement(0, arena[: d.raw_length - 2], d)])
+        with pytest.raises(DecodeRouteError, match="destinations of big.weight and big.weight overlap"):
+            decoder.scatter_plan([Placement(0, arena[: d.raw_length], d),
+                                  Placement(0, arena[256: 256 + d.raw_length], d)])
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Triton kernels, under the interpreter where there is no GPU
 # ---------------------------------------------------------------------------------------------------------------
@@ -914,6 +973,13 @@ def test_triton_kernels_through_every_component(checkpoint):
         slot[: d.length] = f.payload("a.weight")
         ops.synchronize(SlotDecoder(ops=ops, codec=codec).expand(slot, d, stream))
         assert torch.equal(slot, tensors["a.weight"].reshape(-1).view(torch.uint8))
+
+        arena, host, placements, nbytes = _scatter_group(f, ops, ["big.weight", "a.weight", "ids", "c.weight"])
+        decoder = SlotDecoder(ops=ops, codec=codec)
+        decoder.copy_to_staging(host, nbytes, stream)
+        ops.synchronize(decoder.expand_scattered(decoder.scatter_plan(placements), stream))
+        for p in placements:
+            assert torch.equal(p.destination, tensors[p.payload.name].reshape(-1).view(torch.uint8)), p.payload.name
 
 
 def test_copy_and_expand_merges_final_entries_into_one_copy(checkpoint):

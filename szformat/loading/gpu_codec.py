@@ -37,6 +37,10 @@ class DeviceCodec(Protocol):
     def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
         """Decode every tensor of ``table`` from ``payloads`` (uint8) into ``out`` (bfloat16) in a few launches."""
 
+    def decode_batch_at(self, payloads: torch.Tensor, table: Any, base: torch.Tensor) -> None:
+        """The same, with output offsets counted from ``base`` (bfloat16, the lowest output) and allowed past its
+        end: outputs are separate tensors of one address range the caller owns."""
+
     def new_scratch(self) -> Any:
         """Reusable scratch for :meth:`decode_in_place`; keep one per stream."""
 
@@ -64,6 +68,9 @@ class TritonCodec:
 
     def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
         self._kernels.decode_batch(payloads, table, out=out)
+
+    def decode_batch_at(self, payloads: torch.Tensor, table: Any, base: torch.Tensor) -> None:
+        self._kernels.decode_batch_at(payloads, table, base)
 
     def new_scratch(self) -> Any:
         return self._kernels.DecodeScratch()

@@ -172,16 +172,17 @@ def _staging_counters(hook: Any) -> dict[str, int]:
     arena = hook._vmm_arena
     if arena is None:
         return {"h2d_bytes": 0}
-    stats = arena.stats
-    return {"h2d_bytes": stats.copied_bytes, "file_slice_bytes": stats.file_slice_bytes,
-            "stored_bytes_read": hook._vmm_staging_pool.transport_stats.shard_read_bytes}
+    stats, pool = arena.stats, hook._vmm_staging_pool
+    return {"h2d_bytes": pool.copied_bytes, "raw_bytes_uploaded": stats.copied_bytes,
+            "stored_bytes_read": pool.transport_stats.shard_read_bytes}
 
 
 def _native_counters(hook: Any) -> dict[str, int]:
-    stats = hook._vmm_fast_store.runtime_stats()
-    names = {"h2d_bytes": "native_transport_read_bytes", "raw_bytes_uploaded": "upload_bytes", "uploads": "uploads",
-             "temporary_bytes": "temporary_bytes"}
-    return {key: int(stats.get(source, 0)) for key, source in names.items()}
+    store = hook._vmm_fast_store
+    stats = store.runtime_stats()
+    names = {"raw_bytes_uploaded": "upload_bytes", "uploads": "uploads", "temporary_bytes": "temporary_bytes"}
+    return {"h2d_bytes": store._native_shard_transport.copied_bytes,
+            **{key: int(stats.get(source, 0)) for key, source in names.items()}}
 
 
 def _remove(module: torch.nn.Module) -> None:

@@ -1,19 +1,24 @@
-"""The ``staging`` route: DDO's ``vmm_runtime`` with a staging pool that fills entries from .szt payloads.
+"""The ``staging`` route: DDO's ``vmm_runtime`` with a staging pool that fills its slots from .szt payloads.
 
-DDO's ``vmm_runtime`` uploads one execution group (a transformer block's linear weights, packed back to back) at a
-time: it takes a pinned slot from its ``PinnedStagingPool``, asks the pool to stage each weight's checkpoint slice
-(``stage_file_slices``), copies the slot's packed bytes into the group's device range on its upload stream, records
-an event and hands it to ``pool.mark_upload``; the compute stream later waits on an event recorded after that.
+DDO's ``vmm_runtime`` uploads one execution group (a transformer block's linear weights, packed back to back by raw
+size in one device range) at a time: it takes a pinned slot from its ``PinnedStagingPool``, asks the pool to stage
+each weight's checkpoint slice (``stage_file_slices``), copies the pool's ``packed_bytes`` into the group's device
+range on its upload stream, records an event and hands it to ``pool.mark_upload``; the compute stream later waits on
+an event recorded after that.
 
-:class:`SztStagingPool` is DDO's pool with two changes. Its entries still advance by the RAW size of each weight (so
-the slot, the device range and DDO's byte accounting line up), but only an entry's leading stored bytes are filled
-from the .szt file. And ``mark_upload`` first enqueues, on DDO's upload stream and after the copy, the expansion of
-every SplitZip entry inside the device range, then records DDO's event again: every consumer of that event and of
-later events on the stream (the slot's reuse, DDO's compute fence) sees decoded weights. Without Triton the pool
-decodes each entry on the CPU into the slot instead, and nothing is left to expand.
+:class:`SztStagingPool` is DDO's pool with the GPU doing the expansion and only stored bytes crossing PCIe:
 
-DDO copies the whole packed range, so this route moves raw bytes over PCIe; what it saves is host memory (weights
-stay compressed in the file's pages) and file reads. The ``native`` route moves only the stored bytes.
+* ``stage_file_slices`` copies each weight's *stored* payload into the slot, back to back (16-byte aligned), and
+  returns DDO the raw-sized views where each weight will be on the device;
+* ``packed_bytes`` is the group's device range itself, so DDO's copy of it onto itself is no copy at all
+  (``Tensor.copy_`` returns at once when source and destination are the same view);
+* ``mark_upload`` enqueues, on DDO's upload stream after DDO's event, one copy of the slot's stored bytes into a
+  device staging buffer and one batched decode from there into every weight of the group
+  (:meth:`SlotDecoder.expand_scattered`), then records DDO's event again: every consumer of that event and of later
+  events on the stream (the slot's reuse, DDO's compute fence) sees decoded weights.
+
+Without Triton the pool decodes each weight on the CPU into the slot at its raw offset instead, DDO copies the
+raw bytes as it does for safetensors, and nothing is left to expand.
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import DecodeRouteError
 from ..format.reader import SztFile
 from ..loading import SlotDecoder, StagedEntry, stage_entry
-from ..loading.slot_decoder import PACKED_ALIGNMENT
+from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
 from .ddo_compat import SztFileSlice
 from .placeholders import Placeholders
 
@@ -53,22 +58,41 @@ class StagingContext:
     decoder: SlotDecoder | None
     stream: Any = None
     destinations: dict[GroupKey, torch.Tensor] = field(default_factory=dict)
+    plans: dict[GroupKey, ScatterPlan] = field(default_factory=dict)
+    """Each group's expansion, described at its first upload."""
+
+
+@dataclass
+class _Staged:
+    """The group in the active slot: its key, its destination, and each entry (offset: in the slot)."""
+
+    key: GroupKey
+    destination: torch.Tensor
+    entries: list[StagedEntry]
+    stored_bytes: int
 
 
 class SztStagingPool(PinnedStagingPool):
-    """DDO's pinned staging pool, filled from .szt payloads and expanding them on the device after each upload."""
+    """DDO's pinned staging pool, filled with .szt payloads that the GPU expands after one copy per group."""
 
     context: StagingContext | None = None
-    _pending: tuple[GroupKey, list[StagedEntry]] | None = None
+    _pending: _Staged | None = None
+    copied_bytes: int = 0
+    """Bytes this pool's uploads moved host to device: stored bytes with the GPU decoder, raw bytes without."""
 
     def attach(self, context: StagingContext) -> None:
         self.context = context
 
     def stage_file_slices(self, entries: list[tuple[torch.Tensor, Any]]) -> list[torch.Tensor]:
-        """Stage a group's slices at consecutive raw-sized entries; returns the typed entry views, as DDO's does."""
+        """Stage a group's slices; returns each weight's raw-sized view, as DDO's does (on the device when the GPU
+        expands them: that is where they will be once uploaded)."""
         context = self._attached()
         buffer = self._active_buffer()
-        staged_views, staged = [], []
+        key = tuple(source.data_ptr() for source, _ in entries)
+        destination = context.destinations.get(key) if context.decoder is not None else None
+        if context.decoder is not None and destination is None:
+            raise DecodeRouteError(f"DDO uploaded a group szformat has no device range for ({len(entries)} weights)")
+        views, staged, raw_offset = [], [], 0  # DDO stages one group per slot, from its start
         for source, file_slice in entries:
             nbytes = source.numel() * source.element_size()
             if source.device.type != "cpu" or not source.is_contiguous():
@@ -76,20 +100,25 @@ class SztStagingPool(PinnedStagingPool):
             if not isinstance(file_slice, SztFileSlice) or nbytes != file_slice.size_bytes:
                 raise DecodeRouteError(f"DDO staged {tuple(source.shape)} {source.dtype} from a slice szformat did "
                                        f"not make ({file_slice!r})")
-            end = self._offset + nbytes
-            if end > self.size_bytes:
-                raise RuntimeError(f"Pinned staging buffer is too small: need {end / 1024**2:.1f} MiB, "
-                                   f"have {self.size_bytes / 1024**2:.1f} MiB")
-            file = context.files[str(file_slice.path)]
+            if raw_offset + nbytes > self.size_bytes:  # DDO sizes slots for a group's raw bytes; so does its check
+                raise RuntimeError(f"Pinned staging buffer is too small: need {(raw_offset + nbytes) / 1024**2:.1f} "
+                                   f"MiB, have {self.size_bytes / 1024**2:.1f} MiB")
+            at = raw_offset if destination is None else -(-self._offset // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
             started = time.perf_counter()
-            entry = stage_entry(file, file_slice.entry.name, buffer, self._offset,
-                                decode_on_host=context.decoder is None)
+            entry = stage_entry(context.files[str(file_slice.path)], file_slice.entry.name, buffer, at,
+                                decode_on_host=destination is None)
             self._record_shard_read(file_slice.stored_bytes, time.perf_counter() - started)
             staged.append(entry)
-            staged_views.append(buffer[self._offset: end].view(source.dtype).view(source.shape))
-            self._offset = end
-        self._pending = (tuple(source.data_ptr() for source, _ in entries), staged)
-        return staged_views
+            home = buffer if destination is None else destination
+            views.append(home[raw_offset: raw_offset + nbytes].view(source.dtype).view(source.shape))
+            self._offset = at + entry.payload_bytes  # host-decoded entries hold their raw bytes
+            raw_offset += nbytes
+        if destination is not None:
+            self._pending = _Staged(key, destination[:raw_offset], staged, self._offset)
+            self._offset = raw_offset  # DDO counts the group's raw bytes through packed_bytes
+        else:
+            self.copied_bytes += raw_offset
+        return views
 
     def stage_file_slices_async(self, entries: list[tuple[torch.Tensor, Any]]) -> tuple[list[torch.Tensor], list]:
         return self.stage_file_slices(entries), []
@@ -104,31 +133,39 @@ class SztStagingPool(PinnedStagingPool):
                                    "memory instead of its checkpoint slice; szformat cannot serve this DDO layout")
         return super().stage(source)
 
+    @property
+    def packed_bytes(self) -> torch.Tensor:
+        """What DDO copies into the group's device range: that range itself while the GPU expands the group (DDO's
+        copy is then no copy), the slot's raw bytes otherwise."""
+        if self._pending is not None:
+            return self._pending.destination
+        return super().packed_bytes
+
     def mark_upload(self, event: Any) -> None:
-        """Enqueue the expansion of the group just copied (after ``event``, on the upload stream), re-record
-        ``event`` after it, then retire the slot as DDO does."""
+        """Enqueue, after ``event`` on the upload stream, the copy of the group's stored bytes and their expansion,
+        record ``event`` again after them, then retire the slot as DDO does."""
         pending, self._pending = self._pending, None
         if pending is not None:
-            key, staged = pending
-            expand = [entry for entry in staged if entry.layout is not None]
-            if expand:
-                self._expand(key, expand, event)
+            self._upload(pending, event)
         super().mark_upload(event)
 
-    def _expand(self, key: GroupKey, staged: list[StagedEntry], event: Any) -> None:
+    def _upload(self, staged: _Staged, event: Any) -> None:
         context = self._attached()
-        destination = context.destinations.get(key)
-        if destination is None:
-            raise DecodeRouteError(f"DDO uploaded a group szformat has no device range for (tensor {staged[0].name})")
         decoder, stream = context.decoder, context.stream
-        decoder.ops.wait(stream, event)  # the copy may have run on another stream (DDO's synchronous path)
-        packed = [(entry.offset, entry) for entry in staged if entry.offset % PACKED_ALIGNMENT == 0]
-        if packed:
-            decoder.expand_packed(destination, packed, stream)
-        for entry in staged:
-            if entry.offset % PACKED_ALIGNMENT:
-                decoder.expand(destination[entry.offset: entry.offset + entry.reserved], entry, stream)
+        plan = context.plans.get(staged.key)
+        if plan is None:
+            raw_offsets, offset = [], 0
+            for entry in staged.entries:
+                raw_offsets.append(offset)
+                offset += entry.raw_length
+            plan = context.plans[staged.key] = decoder.scatter_plan([
+                Placement(entry.offset, staged.destination[at: at + entry.raw_length], entry)
+                for at, entry in zip(raw_offsets, staged.entries)])
+        decoder.ops.wait(stream, event)  # DDO's (empty) copy may have run on another stream (its synchronous path)
+        decoder.copy_to_staging([(0, self._active_buffer()[: staged.stored_bytes])], plan.staging_bytes, stream)
+        decoder.expand_scattered(plan, stream)
         event.record(stream)
+        self.copied_bytes += staged.stored_bytes
 
     def _attached(self) -> StagingContext:
         if self.context is None:

@@ -14,7 +14,9 @@ Decode (nothing waits on the host; everything is enqueued on ``stream``, the cur
   ``(layout, codebook, payload_offset, output_offset)`` (payload offsets: multiples of 16 bytes; output offsets:
   multiples of 8 elements), then ``decode_batch(payloads, table, *, out=None, stream=None) -> Tensor``: every tensor
   of the batch from one concatenated payload buffer into one bfloat16 output buffer, in at most two launches
-  whatever the tensor count (``table.launches``).
+  whatever the tensor count (``table.launches``). ``decode_batch_at(payloads, table, base, *, stream=None)`` does
+  the same for outputs that are separate tensors of one address range (an offloading arena's weights): output
+  offsets count elements from ``base``, the tensor at the lowest output.
 
 Encode (one host synchronisation per tensor, to learn the codebook and ``n_esc`` that size the payload):
 
@@ -36,13 +38,13 @@ import os
 from typing import Any
 
 __all__ = [
-    "BatchTable", "DecodeScratch", "build_batch_table", "decode", "decode_batch", "decode_in_place", "encode",
-    "encode_to_host", "is_available",
+    "BatchTable", "DecodeScratch", "build_batch_table", "decode", "decode_batch", "decode_batch_at", "decode_in_place",
+    "encode", "encode_to_host", "is_available",
 ]
 
 _HOMES = {
     "decode": "_decode", "decode_in_place": "_decode", "DecodeScratch": "_decode",
-    "BatchTable": "_batch", "build_batch_table": "_batch", "decode_batch": "_batch",
+    "BatchTable": "_batch", "build_batch_table": "_batch", "decode_batch": "_batch", "decode_batch_at": "_batch",
     "encode": "_encode", "encode_to_host": "_encode",
 }
 

@@ -21,7 +21,7 @@ from ..layout import PayloadLayout
 from ._common import check_aligned, check_device, codebook_words, on_stream, tl, triton
 from ._decode import ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes
 
-__all__ = ["BatchTable", "build_batch_table", "decode_batch"]
+__all__ = ["BatchTable", "build_batch_table", "decode_batch", "decode_batch_at"]
 
 PAYLOAD_ALIGNMENT = 16
 """Payload offsets into the batch buffer are multiples of this (bytes): the kernels load whole 16-byte vectors."""
@@ -200,7 +200,44 @@ def decode_batch(
                          f"elements on {device}")
     check_aligned(payloads, 16, "payloads")
     check_aligned(out, 16, "out")
-    bits = out.view(torch.int16)
+    _launch(payloads, table, out.view(torch.int16), stream, device)
+    return out
+
+
+def decode_batch_at(
+    payloads: torch.Tensor,
+    table: BatchTable,
+    base: torch.Tensor,
+    *,
+    stream: "torch.cuda.Stream | None" = None,
+) -> None:
+    """Decode every tensor of ``table`` to element offsets counted from ``base``, wherever they fall.
+
+    For outputs that are separate tensors of one address range (the weights of an offloading arena, each its own
+    tensor object) rather than one buffer: ``base`` is the bfloat16 tensor at the lowest output address and each
+    output offset is ``(address - base.data_ptr()) // 2``. The outputs may lie outside ``base`` itself, so this
+    call cannot bound them; the caller guarantees every output range is device memory it owns.
+
+    Args:
+        payloads (`torch.Tensor`): flat uint8 CUDA tensor, 16-byte aligned, of at least ``table.payload_bytes``.
+        table (`BatchTable`): from :func:`build_batch_table`, on the same device.
+        base (`torch.Tensor`): bfloat16 tensor on the same device, 16-byte aligned.
+        stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default.
+    """
+    device = check_device(payloads, table.descriptors, base)
+    if payloads.dtype != torch.uint8 or payloads.dim() != 1 or not payloads.is_contiguous():
+        raise ValueError("payloads must be a flat contiguous uint8 tensor")
+    if payloads.numel() < table.payload_bytes:
+        raise ValueError(f"payloads hold {payloads.numel()} bytes, the table reads up to {table.payload_bytes}")
+    if base.dtype != torch.bfloat16:
+        raise ValueError(f"base must be a bfloat16 tensor, got {base.dtype}")
+    check_aligned(payloads, 16, "payloads")
+    check_aligned(base, 16, "base")
+    _launch(payloads, table, base.view(torch.int16), stream, device)
+
+
+def _launch(payloads: torch.Tensor, table: BatchTable, bits: torch.Tensor, stream, device: torch.device) -> None:
+    """The two launches of a batch: dense tiles, then escapes (each only if the table has programs for it)."""
     with on_stream(stream, device):
         if table.tile_owner.numel():
             _decode_batch_kernel[(table.tile_owner.numel(),)](payloads, bits, table.descriptors, table.tile_owner,
@@ -208,4 +245,3 @@ def decode_batch(
         if table.escape_owner.numel():
             _escape_batch_kernel[(table.escape_owner.numel(),)](payloads, bits, table.descriptors,
                                                                 table.escape_owner, BLOCK=ESCAPE_BLOCK, num_warps=4)
-    return out
