@@ -132,6 +132,7 @@ def bench_single(n: int, copy_rate: float) -> None:
     ms = median_ms(lambda i: gpu.decode_in_place(slots[i % 2], *encoded[i % 2][1:], scratch=scratch),
                    before=lambda i: slots[i % 2][: encoded[i % 2][1].comp_bytes].copy_(encoded[i % 2][0]))
     report(f"in-place slot decode {size} (stash + decode)", gbps(2 * n, ms), f"{ms * 1e3:.0f} us")
+    bench_scattered(f"{size}, one tensor", encoded, copy_rate)
 
     for settings in ({}, {"HISTOGRAM_WINDOW": 64}, {"HISTOGRAM_ROWS": 256}, {"HISTOGRAM_PROGRAMS_PER_SM": 4},
                      {"PACK_ROWS": 512}, {"PACK_WARPS": 4}):
@@ -141,6 +142,32 @@ def bench_single(n: int, copy_rate: float) -> None:
         label = ", ".join(f"{k}={v}" for k, v in settings.items()) or "defaults"
         report(f"encode {size} (1 host sync), {label}", gbps(2 * n, ms),
                f"{ms * 1e3:.0f} us, histogram pass {hist_ms * 1e3:.0f} us")
+
+
+def bench_scattered(label: str, encoded: list[tuple], copy_rate: float, tensors_per_group: int = 1) -> None:
+    """The offload routes' path: payloads in a staging buffer, each decoded into its own, separately allocated
+    destination by one ``decode_batch_at`` (per group of ``tensors_per_group``); against a copy of the raw bytes."""
+    groups = [encoded[i: i + tensors_per_group] for i in range(0, len(encoded), tensors_per_group)]
+    prepared = []
+    for group in groups:
+        entries, offset = [], 0
+        staging = torch.empty(sum(-(-l.comp_bytes // 16) * 16 for _, l, _ in group), dtype=torch.uint8,
+                              device=DEVICE)
+        outputs = [torch.empty(l.n, dtype=torch.bfloat16, device=DEVICE) for _, l, _ in group]
+        base = min(outputs, key=torch.Tensor.data_ptr)
+        for (payload, layout, codebook), out in zip(group, outputs):
+            staging[offset: offset + layout.comp_bytes] = payload
+            entries.append((layout, codebook, offset, (out.data_ptr() - base.data_ptr()) // 2))
+            offset += -(-layout.comp_bytes // 16) * 16
+        prepared.append((staging, gpu.build_batch_table(entries, device=DEVICE), base, outputs))
+    staging, table, base, outputs = prepared[0]
+    gpu.decode_batch_at(staging, table, base)
+    for (payload, layout, codebook), out in zip(groups[0], outputs):
+        assert torch.equal(out.view(torch.int16), gpu.decode(payload, layout, codebook).view(torch.int16))
+    raw = sum(2 * l.n for group in groups[:1] for _, l, _ in group)
+    ms = median_ms(lambda i: gpu.decode_batch_at(*prepared[i % len(prepared)][:3]))
+    report(f"scattered decode out of staging (offload routes), {label}", gbps(raw, ms),
+           f"{ms * 1e3:.0f} us, x {raw * 2 / ms / 1e6 / copy_rate:.2f} of a copy of the raw size")
 
 
 def histogram_only(x: torch.Tensor) -> None:
@@ -223,6 +250,8 @@ def main() -> int:
         name = os.path.splitext(os.path.basename(args.safetensors))[0]
         bench_batch(name, list(checkpoint.values()), copies=6)
     bench_batch("LLM-shaped, 4 layers", llm_shaped(4, 4096, 11008), copies=2)
+    block = [gpu.encode(x) for x in llm_shaped(2, 4096, 11008) if x.numel() > 4096]  # two blocks of 7 weights
+    bench_scattered("7B-shaped blocks of 7 weights", block, copy_rate, tensors_per_group=7)
 
     lines = ["| what | figure | note |", "| --- | ---: | --- |"] + [f"| {w} | {f} | {n} |" for w, f, n in ROWS]
     print("\n" + "\n".join(lines))
