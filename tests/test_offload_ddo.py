@@ -305,7 +305,24 @@ def test_staging_copies_stored_bytes_once_then_decodes_before_the_upload_is_mark
     for name, weight in weights.items():
         assert same_bits(weight, tensors[name]), name
     stored = sum(e.length for e in checkpoint.entries.values())
-    assert stored < pool.copied_bytes < stored + 16 * len(Weights.SHAPES)  # stored bytes and alignment, not raw
+    assert pool.copied_bytes == stored  # the stored bytes, not the raw ones
+
+
+def test_staging_dmas_registered_payloads_without_a_host_copy(setup, unpinned):
+    checkpoint, *_, tensors = setup
+    decoder = SlotDecoder(ops=FakeOps(), codec=ReferenceCodec())
+    pool, ops, entries, device, weights = staged_group(setup, decoder)
+    registered = {name: checkpoint.file(name).payload(name).clone() for name in ("a", "c")}  # pages the driver took
+    pool.context.registered.update(registered)
+    pool._buffers[0].fill_(0xEE)
+    staged, _ = ddo_upload(pool, ops, entries, device)
+    for name, weight in weights.items():
+        assert same_bits(weight, tensors[name]), name
+    slot, cursor = pool._buffers[0], 0
+    for name in Weights.SHAPES:  # registered payloads were never copied into the slot; the others were
+        length = checkpoint.entries[name].length
+        assert bool((slot[cursor: cursor + length] == 0xEE).all()) == (name in registered), name
+        cursor = -(-(cursor + length) // 16) * 16
 
 
 def test_staging_reuses_the_group_plan_and_stays_exact_on_the_next_upload(setup, unpinned):

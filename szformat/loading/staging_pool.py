@@ -30,7 +30,7 @@ from .ops import DeviceOps, cuda_ops
 from .ring import Slot, StagingRing
 from .slot_decoder import SlotDecoder
 
-__all__ = ["StagedEntry", "StagingPoolDecoder", "stage_entry", "copy_and_expand"]
+__all__ = ["StagedEntry", "StagingPoolDecoder", "describe_entry", "stage_entry", "copy_and_expand"]
 
 ROUTES = ("auto", "gpu", "cpu")
 
@@ -78,11 +78,7 @@ def stage_entry(source: SztFile, name: str, host: torch.Tensor, offset: int, *, 
     """
     entry = source.entry(name)
     payload = source.payload(name)
-    expand_on_device = entry.encoding == ENCODING_SPLITZIP and not decode_on_host
-    staged = StagedEntry(name=name, path=source.path, offset=offset, raw_length=entry.raw_length,
-                         payload_bytes=entry.length if expand_on_device else entry.raw_length,
-                         layout=entry.layout if expand_on_device else None,
-                         codebook=entry.codebook if expand_on_device else None)
+    staged = describe_entry(source, name, offset, decode_on_host=decode_on_host)
     if offset + staged.reserved > host.numel():
         raise DecodeRouteError(
             f"staging slot of {host.numel()} bytes is too small: the tensor needs {staged.reserved} bytes at offset "
@@ -96,6 +92,17 @@ def stage_entry(source: SztFile, name: str, host: torch.Tensor, offset: int, *, 
     else:
         target.copy_(payload)
     return staged
+
+
+def describe_entry(source: SztFile, name: str, offset: int, *, decode_on_host: bool) -> StagedEntry:
+    """The :class:`StagedEntry` that :func:`stage_entry` makes, without staging anything (for bytes that reach the
+    device another way, e.g. DMA'd straight from registered pages)."""
+    entry = source.entry(name)
+    expand_on_device = entry.encoding == ENCODING_SPLITZIP and not decode_on_host
+    return StagedEntry(name=name, path=source.path, offset=offset, raw_length=entry.raw_length,
+                       payload_bytes=entry.length if expand_on_device else entry.raw_length,
+                       layout=entry.layout if expand_on_device else None,
+                       codebook=entry.codebook if expand_on_device else None)
 
 
 def copy_and_expand(host: torch.Tensor, dest: torch.Tensor, entries: Sequence[StagedEntry], stream: Any, *,

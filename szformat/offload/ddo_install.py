@@ -26,7 +26,8 @@ from ..loading import SlotDecoder
 from .binding import ModuleBinding, assign_tensor, module_tensor, snapshot_tensors
 from .ddo_compat import SztFileSlice, check_ddo, check_members, ddo_config, native_library, substituted
 from .ddo_native import SztArenaWeightStore, SztNativeShardTransport
-from .ddo_staging import StagingContext, SztStagingPool, group_destinations
+from ..loading.hostio import default_threads
+from .ddo_staging import StagingContext, SztStagingPool, group_destinations, register_payloads
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
 from .loader import Installation
@@ -88,6 +89,7 @@ def _install(installation: Installation, substitutions: list, attach: Callable[[
         finally:
             decoder.close()
         torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()  # the one-time loader's slots: give them back rather than keep them cached
     except BaseException:
         _remove(module)
         restore()
@@ -121,11 +123,19 @@ def _attach_staging(hook: Any, setup: _Setup) -> Streamed:
     check_members(arena, ("_native", "weight"), "vmm_runtime arena")
     groups = arena._native.packed_source_groups()
     installation = setup.installation
-    decoder = SlotDecoder(installation.device) if installation.route.decoder == "triton" else None
-    pool.attach(StagingContext(
-        files={str(file.path): file for file in installation.checkpoint.files}, placeholders=setup.placeholders,
-        decoder=decoder, stream=hook._vmm_upload_stream,
-        destinations=group_destinations(groups, arena.weight, setup.registry.lookup)))
+    files = {str(file.path): file for file in installation.checkpoint.files}
+    context = StagingContext(files=files, placeholders=setup.placeholders, decoder=None, stream=hook._vmm_upload_stream,
+                             destinations=group_destinations(groups, arena.weight, setup.registry.lookup))
+    if installation.route.decoder == "triton":
+        context.decoder = SlotDecoder(installation.device)
+        streamed: dict[str, list[str]] = {}
+        for _, pairs in groups:
+            for _, source in pairs:
+                file_slice = setup.registry.lookup(source)
+                streamed.setdefault(str(file_slice.path), []).append(file_slice.entry.name)
+        context.registered, context.mappings = register_payloads(files, streamed, installation.device,
+                                                                 default_threads())
+    pool.attach(context)
     sources = {source.data_ptr() for _, pairs in groups for _, source in pairs}
     return lambda tensor: tensor.device.type == "cpu" and tensor.data_ptr() in sources
 

@@ -8,12 +8,15 @@ an event recorded after that.
 
 :class:`SztStagingPool` is DDO's pool with the GPU doing the expansion and only stored bytes crossing PCIe:
 
-* ``stage_file_slices`` copies each weight's *stored* payload into the slot, back to back (16-byte aligned), and
-  returns DDO the raw-sized views where each weight will be on the device;
+* ``stage_file_slices`` places each weight's *stored* payload in the group's staging layout, back to back (16-byte
+  aligned), and returns DDO the raw-sized views where each weight will be on the device. Where the file's pages are
+  registered with the driver (:class:`~szformat.loading.hostio.RegisteredMapping`, set up once by the installer)
+  nothing is copied on the host: the payload is DMA'd straight out of the page cache. Otherwise it is copied into
+  DDO's pinned slot first;
 * ``packed_bytes`` is the group's device range itself, so DDO's copy of it onto itself is no copy at all
   (``Tensor.copy_`` returns at once when source and destination are the same view);
-* ``mark_upload`` enqueues, on DDO's upload stream after DDO's event, one copy of the slot's stored bytes into a
-  device staging buffer and one batched decode from there into every weight of the group
+* ``mark_upload`` enqueues, on DDO's upload stream after DDO's event, the copies of the stored bytes into a device
+  staging buffer and one batched decode from there into every weight of the group
   (:meth:`SlotDecoder.expand_scattered`), then records DDO's event again: every consumer of that event and of later
   events on the stream (the slot's reuse, DDO's compute fence) sees decoded weights.
 
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +39,13 @@ from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import DecodeRouteError
 from ..format.reader import SztFile
 from ..loading import SlotDecoder, StagedEntry, stage_entry
+from ..loading.hostio import RegisteredMapping
+from ..loading.staging_pool import describe_entry
 from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
 from .ddo_compat import SztFileSlice
 from .placeholders import Placeholders
 
-__all__ = ["SztStagingPool", "StagingContext", "group_destinations"]
+__all__ = ["SztStagingPool", "StagingContext", "group_destinations", "register_payloads"]
 
 GroupKey = tuple[int, ...]
 """A group's identity at upload time: the addresses of its CPU sources, in order."""
@@ -60,6 +66,11 @@ class StagingContext:
     destinations: dict[GroupKey, torch.Tensor] = field(default_factory=dict)
     plans: dict[GroupKey, ScatterPlan] = field(default_factory=dict)
     """Each group's expansion, described at its first upload."""
+    registered: dict[str, torch.Tensor] = field(default_factory=dict)
+    """Entry name -> its stored payload in registered host memory, for the entries whose pages were registered:
+    copies of those DMA straight out of the page cache."""
+    mappings: list[RegisteredMapping] = field(default_factory=list)
+    """The registered mappings those payloads live in; closed with the pool."""
 
 
 @dataclass
@@ -69,7 +80,12 @@ class _Staged:
     key: GroupKey
     destination: torch.Tensor
     entries: list[StagedEntry]
-    stored_bytes: int
+    pieces: list[tuple[int, torch.Tensor]]
+    """``(staging offset, host bytes)`` to copy to the device: registered payloads, and runs of the pinned slot."""
+
+    @property
+    def stored_bytes(self) -> int:
+        return sum(host.numel() for _, host in self.pieces)
 
 
 class SztStagingPool(PinnedStagingPool):
@@ -92,7 +108,7 @@ class SztStagingPool(PinnedStagingPool):
         destination = context.destinations.get(key) if context.decoder is not None else None
         if context.decoder is not None and destination is None:
             raise DecodeRouteError(f"DDO uploaded a group szformat has no device range for ({len(entries)} weights)")
-        views, staged, raw_offset = [], [], 0  # DDO stages one group per slot, from its start
+        views, staged, pieces, raw_offset, cursor = [], [], [], 0, 0  # DDO stages one group per slot
         for source, file_slice in entries:
             nbytes = source.numel() * source.element_size()
             if source.device.type != "cpu" or not source.is_contiguous():
@@ -103,19 +119,25 @@ class SztStagingPool(PinnedStagingPool):
             if raw_offset + nbytes > self.size_bytes:  # DDO sizes slots for a group's raw bytes; so does its check
                 raise RuntimeError(f"Pinned staging buffer is too small: need {(raw_offset + nbytes) / 1024**2:.1f} "
                                    f"MiB, have {self.size_bytes / 1024**2:.1f} MiB")
-            at = raw_offset if destination is None else -(-self._offset // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
+            name = file_slice.entry.name
             started = time.perf_counter()
-            entry = stage_entry(context.files[str(file_slice.path)], file_slice.entry.name, buffer, at,
-                                decode_on_host=destination is None)
+            if destination is None:  # decoded on the host into the slot, at its raw offset
+                entry = stage_entry(context.files[str(file_slice.path)], name, buffer, raw_offset, decode_on_host=True)
+            else:
+                cursor = -(-cursor // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
+                file, payload = context.files[str(file_slice.path)], context.registered.get(name)
+                entry = (stage_entry(file, name, buffer, cursor, decode_on_host=False) if payload is None
+                         else describe_entry(file, name, cursor, decode_on_host=False))
+                pieces.append((cursor, buffer[cursor: cursor + entry.length] if payload is None else payload))
+                cursor += entry.length
             self._record_shard_read(file_slice.stored_bytes, time.perf_counter() - started)
             staged.append(entry)
             home = buffer if destination is None else destination
             views.append(home[raw_offset: raw_offset + nbytes].view(source.dtype).view(source.shape))
-            self._offset = at + entry.payload_bytes  # host-decoded entries hold their raw bytes
             raw_offset += nbytes
+        self._offset = raw_offset  # DDO counts the group's raw bytes
         if destination is not None:
-            self._pending = _Staged(key, destination[:raw_offset], staged, self._offset)
-            self._offset = raw_offset  # DDO counts the group's raw bytes through packed_bytes
+            self._pending = _Staged(key, destination[:raw_offset], staged, pieces)
         else:
             self.copied_bytes += raw_offset
         return views
@@ -162,15 +184,54 @@ class SztStagingPool(PinnedStagingPool):
                 Placement(entry.offset, staged.destination[at: at + entry.raw_length], entry)
                 for at, entry in zip(raw_offsets, staged.entries)])
         decoder.ops.wait(stream, event)  # DDO's (empty) copy may have run on another stream (its synchronous path)
-        decoder.copy_to_staging([(0, self._active_buffer()[: staged.stored_bytes])], plan.staging_bytes, stream)
+        decoder.copy_to_staging(staged.pieces, plan.staging_bytes, stream)
         decoder.expand_scattered(plan, stream)
         event.record(stream)
         self.copied_bytes += staged.stored_bytes
+
+    def close(self) -> None:
+        """DDO's close, after szformat's copies out of the pinned slots and registered pages have run; then the
+        registered mappings are released."""
+        context = self.context
+        if context is not None and context.decoder is not None:
+            context.decoder.ops.synchronize(context.decoder.ops.record(context.stream))
+        super().close()
+        if context is not None:
+            for mapping in context.mappings:
+                mapping.close()
+            context.mappings.clear()
+            context.registered.clear()
 
     def _attached(self) -> StagingContext:
         if self.context is None:
             raise DecodeRouteError("DDO staged a checkpoint slice before szformat attached its decoder")
         return self.context
+
+
+def register_payloads(files: dict[str, SztFile], names_by_file: dict[str, list[str]], device: torch.device,
+                      threads: int) -> tuple[dict[str, torch.Tensor], list[RegisteredMapping]]:
+    """Register the stored payloads of ``names_by_file`` (file path -> entry names) with the driver, once, so that
+    every later upload DMAs them straight out of the page cache; returns each registered payload's bytes and the
+    mappings that hold them. A file or span the driver refuses is left out: its payloads go through the pinned slot.
+
+    Registering costs about as much as reading the bytes once (pinning page-cache pages), which a route that uploads
+    the same weights at every forward pays back from the second forward on.
+    """
+    payloads: dict[str, torch.Tensor] = {}
+    mappings: list[RegisteredMapping] = []
+    with ThreadPoolExecutor(max(1, threads)) as pool:
+        for path, names in names_by_file.items():
+            mapping = RegisteredMapping.open(path, device)
+            if mapping is None:
+                continue
+            mappings.append(mapping)
+            entries = [files[path].entry(name) for name in names]
+            spans = [(entry, mapping.register_async(entry.offset, entry.offset + entry.length, pool))
+                     for entry in entries if entry.length]
+            for entry, registered in spans:
+                if registered.result():
+                    payloads[entry.name] = mapping.view[entry.offset: entry.offset + entry.length]
+    return payloads, mappings
 
 
 def group_destinations(groups: list[tuple[str, list[tuple[str, torch.Tensor]]]], weight: Callable[[str], torch.Tensor],
