@@ -33,9 +33,10 @@ __all__ = ["REFUSED_OPTIONS", "SEAMS", "SztFileSlice", "check_ddo", "check_membe
 SEAMS: dict[Any, tuple[str, ...]] = {
     vmm_weight_store.PinnedStagingPool: ("begin_upload", "stage", "stage_file_slice", "stage_file_slices",
                                          "stage_file_slices_async", "mark_upload", "has_active_upload",
-                                         "packed_bytes", "_active_buffer", "_record_shard_read"),
+                                         "packed_bytes", "_active_buffer", "_record_shard_read", "close"),
     vmm_weight_store.SafetensorSliceRegistry: ("bind", "lookup"),
-    model_arena_adapter._NativeShardTransport: ("_window_ranges", "upload_ticket"),
+    model_arena_adapter._NativeShardTransport: ("_window_ranges", "upload_ticket", "upload_batch", "_begin_windows",
+                                                "_acquire_slot", "ticket_active", "close"),
     model_arena_adapter.ModelArenaWeightStore: ("temporary_source",),
 }
 """Every DDO class szformat subclasses or calls into, and the methods it relies on. Attributes DDO sets in

@@ -146,7 +146,8 @@ def _attach_native(hook: Any, setup: _Setup) -> Streamed:
     check_members(store, ("_native_shard_transport",), "vmm_fast weight store")
     check_members(adapter, ("_address_bindings",), "vmm_fast module adapter")
     transport = store._native_shard_transport
-    check_members(transport, ("window_size_bytes", "ring", "cache"), "vmm_fast native transport")
+    check_members(transport, ("window_size_bytes", "ring", "cache", "_pending"), "vmm_fast native transport")
+    check_members(transport.ring, ("slot_address", "wait_file_read"), "vmm_fast native host ring")
     if not isinstance(store, SztArenaWeightStore) or not isinstance(transport, SztNativeShardTransport):
         raise DecodeRouteError(f"DDO built a {type(store).__name__} with a {type(transport).__name__}, not "
                                "szformat's native transport")

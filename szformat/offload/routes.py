@@ -3,13 +3,16 @@
 A route is an offloading runtime plus the place compressed bytes are expanded:
 
 ``native``
-    diffusers-dynamic-offloader (DDO) ``vmm_fast``: its native shard transport DMAs each stored payload into the
-    arena range sized for the raw tensor, and a GPU decoder expands it there on DDO's upload stream, before the
-    fence DDO's compute stream waits on. Needs Triton, and a process started under DDO's native allocator.
+    diffusers-dynamic-offloader (DDO) ``vmm_fast``: its native shard transport reads each group's stored payloads
+    into its registered ring, szformat DMAs them into a device staging buffer, and one batched decode per upload
+    writes every weight into its arena range on DDO's upload stream, before the fence DDO's compute stream waits
+    on. Needs Triton, and a process started under DDO's native allocator.
 ``staging``
-    DDO ``vmm_runtime``: a staging pool derived from DDO's ``PinnedStagingPool`` whose entries advance by the raw
-    size; the payload is decoded on the GPU after DDO's host-to-device copy and before the upload is marked done,
-    on the same stream. Without Triton the pool expands payloads on the CPU into the pinned slot instead.
+    DDO ``vmm_runtime``: a staging pool derived from DDO's ``PinnedStagingPool``; each group's stored payloads are
+    DMA'd (from page-cache pages registered once, or through DDO's pinned slot) into a device staging buffer and
+    decoded into the group's device range by one batched decode, after DDO's upload and before it is marked done,
+    on the same stream. Without Triton the pool decodes payloads on the CPU into the pinned slot instead (raw bytes
+    cross).
 ``diffusers_group``, ``accelerate``
     No DDO: diffusers' group offloading or accelerate's offload hooks move the weights, szformat supplies the bytes
     and the decode (Triton on the GPU, or the CPU reference where Triton is absent).
