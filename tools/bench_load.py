@@ -512,8 +512,12 @@ def copy_to_tmpfs(paths: list[Path], folder: Path) -> list[Path] | str:
         return f"{folder.parent} has {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed"
     folder.mkdir(exist_ok=True)
     copies = [folder / p.name for p in paths]
-    for source, copy in zip(paths, copies):
-        shutil.copyfile(source, copy)
+    try:
+        for source, copy in zip(paths, copies):
+            shutil.copyfile(source, copy)
+    except OSError as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        return f"copying to {folder} failed: {error}"
     return copies
 
 
@@ -561,9 +565,10 @@ def bench_peers(reference: dict[str, torch.Tensor], st: Path, szt: Path, loaders
                 print(peer_line(row), flush=True)
                 report(rows)
     finally:
-        if isinstance(on_tmpfs, list):
+        if isinstance(on_tmpfs, list):  # tmpfs holds memory until its files go
             for copy in on_tmpfs:
                 copy.unlink(missing_ok=True)
+            on_tmpfs[0].parent.rmdir()
     return rows
 
 

@@ -93,7 +93,8 @@ def synthetic_tensors(source: dict[str, torch.Tensor], target_bytes: int, *, see
         reps = -(-(n + start) // values.numel())
         return values.repeat(reps)[start: start + n].reshape(shape).clone()
 
-    return {name: tiled(pool if len(shape) == 2 else norms, shape) for name, shape in llama_shapes(target_bytes).items()}
+    shapes = llama_shapes(target_bytes)
+    return {name: tiled(pool if len(shape) == 2 else norms, shape) for name, shape in shapes.items()}
 
 
 def prepare(minilm: Path, work: Path, synthetic_gb: float, *, device: str = "cuda") -> list[Checkpoint]:
