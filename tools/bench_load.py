@@ -3,6 +3,16 @@
     PYTHONPATH=. python tools/bench_load.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
         [--synthetic-gb 4.2] [--json results.json] [--markdown table.md] [--timeline timeline.json] \
         [--only REGEX] [--checkpoint REGEX] [--no-cold]
+    PYTHONPATH=. python tools/bench_load.py --peers all --out $OUT [--media disk,tmpfs,cold] [--peer-gb 4.0] \
+        [--reps 3] [--work /tmp/szload]
+
+With ``--peers``, szformat's ``load_file(device="cuda")`` (verify off and on) runs against other projects' loaders
+(``tools/peer_loaders.py``: safetensors, InstantTensor with its default backend and ``BackendPolicy.BUFFERED``,
+fastsafetensors ``nogds``, the Run:ai Model Streamer; one whose import fails is a row saying why) on one checkpoint
+built here: seeded ``randn * 0.02`` BF16 tensors of 7B-class shapes, about ``--peer-gb`` GB, saved as safetensors and
+converted on the GPU. Media: the page-cached file in ``--work``, copies on tmpfs (``/dev/shm``), and the file in
+``--work`` cold (caches dropped before each call). Every loader's output is checked bit for bit against the tensors
+the files were written from; each row's time is shown against the fastest bit-identical peer on its medium.
 
 For each checkpoint (prepared by ``tools/gpu_load_check.py``'s ``prepare``, which converts on the GPU): the anchor
 ``safetensors.torch.load_file(original, device="cuda")``, then ``szformat.load_file(szt, device="cuda")`` through
@@ -32,6 +42,7 @@ import json
 import mmap
 import os
 import re
+import shutil
 import statistics
 import sys
 import threading
@@ -42,15 +53,19 @@ from typing import Callable
 import numpy as np
 import torch
 from safetensors.torch import load_file as st_load_file
+from safetensors.torch import save_file as st_save_file
 
 import szformat
 from szformat.checksum import crc32
+from szformat.convert import convert
 from szformat.loading import StagingConfig, hostio, timeline
 from szformat.loading.hostio import RegisteredMapping
 from szformat.loading.ops import CudaOps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from gpu_load_check import Checkpoint, prepare  # noqa: E402
+from copyrate import median_copy_seconds, pinned_h2d_gbps  # noqa: E402
+from gpu_load_check import Checkpoint, llama_shapes, prepare  # noqa: E402
+from peer_loaders import PEERS, available_peers  # noqa: E402
 from procstatus import memory_status  # noqa: E402
 
 DEVICE = torch.device("cuda")
@@ -150,17 +165,20 @@ TIMELINE = ["szt defaults, verify off", "szt load_file (defaults, verify on)"]
 # -- measuring --------------------------------------------------------------------------------------------------
 
 
-def timed(load: Loader, ckpt: Checkpoint, *, empty_cache: bool = True) -> float:
+def timed_call(work: Callable[[], object], *, empty_cache: bool = True) -> tuple[float, object]:
+    """Seconds from the call of ``work`` until the device has finished its work, and what it returned."""
     gc.collect()
     if empty_cache:
         torch.cuda.empty_cache()
     torch.cuda.synchronize()
     started = time.perf_counter()
-    result = load(ckpt)
+    result = work()
     torch.cuda.synchronize()
-    seconds = time.perf_counter() - started
-    del result
-    return seconds
+    return time.perf_counter() - started, result
+
+
+def timed(load: Loader, ckpt: Checkpoint, *, empty_cache: bool = True) -> float:
+    return timed_call(lambda: load(ckpt), empty_cache=empty_cache)[0]
 
 
 def memory(load: Loader, ckpt: Checkpoint) -> dict[str, float]:
@@ -245,14 +263,6 @@ def resident_share(paths: list[Path]) -> float:
     return resident / total if total else float("nan")
 
 
-def pinned_ceiling(nbytes: int, reps: int) -> float:
-    """GB/s of one pinned host-to-device copy of ``nbytes`` (median of ``reps``, CUDA events)."""
-    host = torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    host.random_(0, 256)
-    dev = torch.empty(nbytes, dtype=torch.uint8, device=DEVICE)
-    return nbytes / _median_copy(lambda: dev.copy_(host, non_blocking=True), reps) / 1e9
-
-
 def registered_ceiling(path: Path, reps: int) -> float:
     """GB/s of copying a whole file out of its page-cache mapping once registered (NaN where registration fails)."""
     from concurrent.futures import ThreadPoolExecutor
@@ -265,7 +275,8 @@ def registered_ceiling(path: Path, reps: int) -> float:
             if not mapping.register_async(0, mapping.view.numel(), pool).result():
                 return float("nan")
         dev = torch.empty(mapping.view.numel(), dtype=torch.uint8, device=DEVICE)
-        return mapping.view.numel() / _median_copy(lambda: dev.copy_(mapping.view, non_blocking=True), reps) / 1e9
+        seconds = median_copy_seconds(lambda: dev.copy_(mapping.view, non_blocking=True), reps)
+        return mapping.view.numel() / seconds / 1e9
     finally:
         torch.cuda.synchronize()
         mapping.close()
@@ -351,7 +362,7 @@ def breakdown(ckpt: Checkpoint, reps: int) -> list[dict]:
                 slot[: e.length].copy_(payload)
                 gpu.decode_in_place(slot, e.layout, e.codebook, scratch=scratch)
 
-        row("GPU decode_in_place of every tensor (incl. D2D slot fill)", _median_copy(decode_all, reps))
+        row("GPU decode_in_place of every tensor (incl. D2D slot fill)", median_copy_seconds(decode_all, reps))
     return rows
 
 
@@ -365,19 +376,6 @@ def _host_time(work: Callable[[], object], before: Callable[[], None] | None = N
     seconds = time.perf_counter() - started
     del result
     return seconds
-
-
-def _median_copy(copy: Callable[[], None], reps: int) -> float:
-    copy()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        copy()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
 
 
 # -- the run ----------------------------------------------------------------------------------------------------
@@ -413,7 +411,7 @@ def bench(ckpt: Checkpoint, methods: dict[str, Loader], reps: int, cold: bool) -
     if not ckpt.szt.is_dir():
         rows += breakdown(ckpt, reps)
     rows.append({"checkpoint": ckpt.name, "method": "pinned H2D copy (ceiling)", "cache": "-",
-                 "gbps": pinned_ceiling(ckpt.raw_bytes, reps)})
+                 "gbps": pinned_h2d_gbps(ckpt.raw_bytes, reps, DEVICE)})
     if not ckpt.szt.is_dir():
         rows.append({"checkpoint": ckpt.name, "method": "registered .szt H2D copy", "cache": "warm",
                      "gbps": registered_ceiling(ckpt.szt, reps)})
@@ -448,6 +446,211 @@ def timelines(ckpt: Checkpoint, labels: list[str]) -> list[dict]:
     return out
 
 
+# -- peers ------------------------------------------------------------------------------------------------------
+
+
+MEDIA = ("disk", "tmpfs", "cold")
+SZT_LOADERS: dict[str, Callable[[Path], dict]] = {
+    "szformat load_file, verify off": lambda path: szformat.load_file(path, device="cuda", verify=False),
+    "szformat load_file, verify on": lambda path: szformat.load_file(path, device="cuda"),
+}
+"""szformat's rows of the peer table, each against the fastest peer on the same medium."""
+TMPFS = Path("/dev/shm")
+
+
+def peer_checkpoint(work: Path, target_gb: float) -> tuple[dict[str, torch.Tensor], Path, Path]:
+    """Seeded ``randn * 0.02`` BF16 tensors of 7B-class shapes (:func:`llama_shapes`), drawn on the GPU and kept
+    there as the reference every loader is checked against; saved as ``peers.safetensors`` in ``work`` and converted
+    on the GPU to ``peers.szt``."""
+    gen = torch.Generator(DEVICE).manual_seed(0)
+    reference = {name: (torch.randn(shape, generator=gen, device=DEVICE) * 0.02).to(torch.bfloat16)
+                 for name, shape in llama_shapes(int(target_gb * 1e9)).items()}
+    st, szt = work / "peers.safetensors", work / "peers.szt"
+    st_save_file({name: tensor.cpu() for name, tensor in reference.items()}, st)
+    convert(st, szt, device="cuda", overwrite=True)
+    os.sync()  # written pages are clean, so that dropping the caches drops them
+    return reference, st, szt
+
+
+def mismatches(loaded: dict, reference: dict[str, torch.Tensor]) -> list[str]:
+    """Names missing, extra, not on the reference's device, or differing from it in dtype, shape or any bit."""
+    bad = sorted(set(loaded) ^ set(reference))
+    for name, expected in reference.items():
+        got = loaded.get(name)
+        if got is None:
+            continue
+        if (got.device != expected.device or got.dtype != expected.dtype or got.shape != expected.shape
+                or not torch.equal(got.reshape(-1).view(torch.uint8), expected.reshape(-1).view(torch.uint8))):
+            bad.append(name)
+    return bad
+
+
+def filesystem(path: Path) -> str:
+    """The type of the filesystem holding ``path`` (the longest mount point of ``/proc/mounts`` above it)."""
+    path, best, kind = path.resolve(), -1, "?"
+    try:
+        with open("/proc/mounts") as f:
+            for line in f:
+                fields = line.split()
+                mount = Path(fields[1])
+                if (path == mount or mount in path.parents) and len(fields[1]) > best:
+                    best, kind = len(fields[1]), fields[2]
+    except OSError:
+        pass
+    return kind
+
+
+def copy_to_tmpfs(paths: list[Path], folder: Path) -> list[Path] | str:
+    """Copies of ``paths`` in ``folder`` (on tmpfs), or why not."""
+    need = sum(p.stat().st_size for p in paths) + (1 << 30)
+    if not folder.parent.is_dir():
+        return f"no {folder.parent}"
+    if filesystem(folder.parent) != "tmpfs":
+        return f"{folder.parent} is {filesystem(folder.parent)}, not tmpfs"
+    free = shutil.disk_usage(folder.parent).free
+    if free < need:
+        return f"{folder.parent} has {free / 1e9:.1f} GB free, {need / 1e9:.1f} GB needed"
+    folder.mkdir(exist_ok=True)
+    copies = [folder / p.name for p in paths]
+    try:
+        for source, copy in zip(paths, copies):
+            shutil.copyfile(source, copy)
+    except OSError as error:
+        shutil.rmtree(folder, ignore_errors=True)
+        return f"copying to {folder} failed: {error}"
+    return copies
+
+
+def bench_peers(reference: dict[str, torch.Tensor], st: Path, szt: Path, loaders: dict[str, Callable[[Path], dict]],
+                media: list[str], reps: int, report: Callable[[list[dict]], None]) -> list[dict]:
+    """Every loader on every medium: warm media (page-cached disk file, tmpfs) the median of ``reps`` calls after
+    an untimed first one, cold one call after the caches are dropped; each loader's output checked bit for bit
+    against ``reference`` (on its first call, or its cold one). ``report`` gets the rows so far after each row."""
+    raw = sum(t.numel() * t.element_size() for t in reference.values())
+    rows: list[dict] = []
+    on_tmpfs: list[Path] | str | None = None
+    try:
+        for medium in media:
+            files = [st, szt]
+            if medium == "tmpfs":
+                on_tmpfs = copy_to_tmpfs(files, TMPFS / "szload-peers")
+                if isinstance(on_tmpfs, str):
+                    rows.append({"medium": medium, "loader": "-", "status": f"skipped: {on_tmpfs}"})
+                    report(rows)
+                    continue
+                files = on_tmpfs
+            where = f"{medium} ({filesystem(files[0].parent)})"
+            for name, load in loaders.items():
+                path = files[1] if name in SZT_LOADERS else files[0]
+                row = {"medium": medium, "where": where, "loader": name, "file": str(path), "raw_bytes": raw,
+                       "file_bytes": path.stat().st_size}
+                try:
+                    if medium == "cold":
+                        row["cache"] = drop_caches(files)
+                        row["resident_before"] = resident_share(files)
+                    seconds, result = timed_call(lambda: load(path))
+                    bad = mismatches(result, reference)
+                    del result
+                    if medium == "cold":
+                        row["seconds"] = seconds
+                    else:
+                        times = [timed_call(lambda: load(path))[0] for _ in range(reps)]
+                        row.update(first=seconds, seconds=statistics.median(times),
+                                   spread=(max(times) - min(times)) / statistics.median(times))
+                    row.update(status="ok", identical=not bad, mismatches=bad[:5], gbps=raw / row["seconds"] / 1e9)
+                except Exception as error:  # a peer that cannot run here is a row that says why
+                    row["status"] = f"failed: {type(error).__name__}: {str(error)[:300]}"
+                rows.append(row)
+                compare_to_peers(rows)
+                print(peer_line(row), flush=True)
+                report(rows)
+    finally:
+        if isinstance(on_tmpfs, list):  # tmpfs holds memory until its files go
+            for copy in on_tmpfs:
+                copy.unlink(missing_ok=True)
+            on_tmpfs[0].parent.rmdir()
+    return rows
+
+
+def compare_to_peers(rows: list[dict]) -> None:
+    """``vs_fastest_peer`` of every timed row: the fastest bit-identical peer's time on its medium over the row's
+    (above 1: faster than every peer); the peer it is measured against in ``fastest_peer``."""
+    for medium in {r["medium"] for r in rows}:
+        timed_rows = [r for r in rows if r["medium"] == medium and r.get("status") == "ok"]
+        peers = [r for r in timed_rows if r["loader"] not in SZT_LOADERS and r["identical"]]
+        if not peers:
+            continue
+        fastest = min(peers, key=lambda r: r["seconds"])
+        for r in timed_rows:
+            r["vs_fastest_peer"], r["fastest_peer"] = fastest["seconds"] / r["seconds"], fastest["loader"]
+
+
+def peer_line(r: dict) -> str:
+    if r.get("status") != "ok":
+        return f"{r['medium']:<6} {r['loader']:<32} {r['status']}"
+    return (f"{r['medium']:<6} {r['loader']:<32} {r['seconds'] * 1e3:9.1f} ms {r['gbps']:6.1f} GB/s  "
+            f"bit-identical: {'yes' if r['identical'] else 'NO ' + ', '.join(r['mismatches'])}")
+
+
+def peer_markdown(rows: list[dict], skipped: dict[str, str]) -> str:
+    lines = ["| medium | loader | time (ms) | raw-equiv. GB/s | x fastest peer (its time / this) | first call (ms) | "
+             "bit-identical | note |", "|---|---|---:|---:|---:|---:|---|---|"]
+    for r in rows:
+        if r.get("status") != "ok":
+            lines.append(f"| {r['medium']} | {r['loader']} | | | | | | {r['status']} |")
+            continue
+        note = r.get("cache", "")
+        if "resident_before" in r:
+            note += f", {r['resident_before']:.0%} resident before"
+        first = f"{r['first'] * 1e3:.0f}" if "first" in r else ""
+        ratio = f"{r['vs_fastest_peer']:.2f}" if "vs_fastest_peer" in r else ""
+        lines.append(f"| {r.get('where', r['medium'])} | {r['loader']} | {r['seconds'] * 1e3:.1f} | {r['gbps']:.1f} "
+                     f"| {ratio} | {first} | {'yes' if r['identical'] else 'NO'} | {note} |")
+    for name, why in skipped.items():
+        lines.append(f"| all | {name} | | | | | | skipped: {why} |")
+    summary = [f"- {r['medium']}: {r['loader']} **{r['vs_fastest_peer']:.2f}x** the fastest peer ({r['fastest_peer']})"
+               for r in rows if r["loader"] in SZT_LOADERS and "vs_fastest_peer" in r]
+    return "\n".join(lines + [""] + summary) + "\n"
+
+
+def peer_versions() -> dict[str, str | None]:
+    import importlib.metadata
+
+    found = {}
+    for name in ("torch", "safetensors", "instanttensor", "fastsafetensors", "runai-model-streamer"):
+        try:
+            found[name] = importlib.metadata.version(name)
+        except importlib.metadata.PackageNotFoundError:
+            found[name] = None
+    return found
+
+
+def run_peers(args) -> None:
+    """The peer comparison: one checkpoint built here, every available peer and szformat on every medium."""
+    names = list(PEERS) if args.peers == "all" else args.peers.split(",")
+    peers, skipped = available_peers(names)
+    for name, why in skipped.items():
+        print(f"skipped {name}: {why}", flush=True)
+    args.work.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    reference, st, szt = peer_checkpoint(args.work, args.peer_gb)
+    facts = {"device": torch.cuda.get_device_name(), "cores": os.cpu_count(), "versions": peer_versions(),
+             "tensors": len(reference), "raw_bytes": sum(t.numel() * 2 for t in reference.values()),
+             "safetensors_bytes": st.stat().st_size, "szt_bytes": szt.stat().st_size,
+             "work_filesystem": filesystem(args.work), "prepare_s": time.perf_counter() - started,
+             "reps": args.reps, "skipped": skipped}
+    print(json.dumps(facts), flush=True)
+
+    def report(rows: list[dict]) -> None:
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / "peers.json").write_text(json.dumps({"facts": facts, "rows": rows}, indent=1))
+            (args.out / "peers.md").write_text(peer_markdown(rows, skipped))
+
+    rows = bench_peers(reference, st, szt, {**peers, **SZT_LOADERS}, args.media.split(","), args.reps, report)
+    print("\n" + peer_markdown(rows, skipped))
+
+
 def markdown(rows: list[dict]) -> str:
     lines = ["| checkpoint | method | cache | time (ms) | raw-equiv. GB/s | vs safetensors | first call (ms) | "
              "peak RSS (GB) | peak anon RSS (GB) | peak GPU (GB) |",
@@ -463,7 +666,7 @@ def markdown(rows: list[dict]) -> str:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minilm", type=Path, required=True, help="MiniLM-L6 BF16 model.safetensors")
+    parser.add_argument("--minilm", type=Path, help="MiniLM-L6 BF16 model.safetensors (needed without --peers)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/szload"))
     parser.add_argument("--synthetic-gb", type=float, default=4.2)
     parser.add_argument("--reps", type=int, default=5)
@@ -475,9 +678,20 @@ def main() -> int:
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--timeline", type=Path, help="record the TIMELINE paths on the largest checkpoint; "
                                                       "spans go to this JSON file")
+    parser.add_argument("--peers", type=peer_names, help="instead of the paths above: szformat against other "
+                        f"loaders, 'all' or comma-separated of {', '.join(PEERS)}")
+    parser.add_argument("--media", default=",".join(MEDIA), type=media_names,
+                        help=f"with --peers: comma-separated of {', '.join(MEDIA)} (default: all)")
+    parser.add_argument("--peer-gb", type=float, default=4.0, help="with --peers: checkpoint size (default 4.0)")
+    parser.add_argument("--out", type=Path, help="with --peers: folder for peers.json and peers.md")
     args = parser.parse_args()
+    if args.peers is None and args.minilm is None:
+        parser.error("--minilm is needed (or --peers)")
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores, "
           f"defaults {DEFAULTS}", flush=True)
+    if args.peers is not None:
+        run_peers(args)
+        return 0
     methods = {label: load for label, load in METHODS.items()
                if args.only is None or label == "safetensors load_file" or re.search(args.only, label)}
     checkpoints = [c for c in prepare(args.minilm, args.work, args.synthetic_gb)
@@ -495,6 +709,20 @@ def main() -> int:
     if args.markdown:
         args.markdown.write_text(table + "\n")
     return 0
+
+
+def peer_names(value: str) -> str:
+    unknown = [] if value == "all" else [name for name in value.split(",") if name not in PEERS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown peers: {', '.join(unknown)} (known: {', '.join(PEERS)}, or all)")
+    return value
+
+
+def media_names(value: str) -> str:
+    unknown = [name for name in value.split(",") if name not in MEDIA]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"unknown media: {', '.join(unknown)} (known: {', '.join(MEDIA)})")
+    return value
 
 
 if __name__ == "__main__":

@@ -59,35 +59,42 @@ def _sizes(szt: Path) -> tuple[int, int, int, int]:
     return raw, stored, count, largest
 
 
-def synthetic_tensors(source: dict[str, torch.Tensor], target_bytes: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
-    """LLM-shaped BF16 tensors (embedding, attention and MLP matrices, norms) filled with the 2-D weights of
-    ``source`` tiled from a random start, on the GPU; about ``target_bytes`` in all."""
-    gen = torch.Generator().manual_seed(seed)
-    pool = torch.cat([t.reshape(-1) for t in source.values() if t.dtype == torch.bfloat16 and t.dim() == 2]).to(DEVICE)
-    norms = torch.cat([t for name, t in source.items() if "LayerNorm.weight" in name]).to(DEVICE)
+def llama_shapes(target_bytes: int) -> dict[str, tuple[int, ...]]:
+    """The BF16 tensors of a 7B-class decoder (:data:`SHAPES`) with as many layers as make about ``target_bytes``:
+    embedding, attention and MLP matrices and norms of each layer, final norm, LM head, in file order."""
     hidden, inter, vocab = SHAPES["hidden"], SHAPES["inter"], SHAPES["vocab"]
-
-    def tiled(values: torch.Tensor, *shape: int) -> torch.Tensor:
-        n = math.prod(shape)
-        start = int(torch.randint(values.numel(), (1,), generator=gen))
-        reps = -(-(n + start) // values.numel())
-        return values.repeat(reps)[start: start + n].reshape(shape).clone()
-
-    out = {"model.embed_tokens.weight": tiled(pool, vocab, hidden)}
+    shapes = {"model.embed_tokens.weight": (vocab, hidden)}
     layer_bytes = 2 * (4 * hidden * hidden + 3 * hidden * inter + 2 * hidden)
     layers = max(1, round((target_bytes - 2 * 2 * vocab * hidden) / layer_bytes))
     for i in range(layers):
         p = f"model.layers.{i}."
         for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
-            out[p + f"self_attn.{proj}.weight"] = tiled(pool, hidden, hidden)
-        out[p + "mlp.gate_proj.weight"] = tiled(pool, inter, hidden)
-        out[p + "mlp.up_proj.weight"] = tiled(pool, inter, hidden)
-        out[p + "mlp.down_proj.weight"] = tiled(pool, hidden, inter)
-        out[p + "input_layernorm.weight"] = tiled(norms, hidden)
-        out[p + "post_attention_layernorm.weight"] = tiled(norms, hidden)
-    out["model.norm.weight"] = tiled(norms, hidden)
-    out["lm_head.weight"] = tiled(pool, vocab, hidden)
-    return out
+            shapes[p + f"self_attn.{proj}.weight"] = (hidden, hidden)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.up_proj.weight"] = (inter, hidden)
+        shapes[p + "mlp.down_proj.weight"] = (hidden, inter)
+        shapes[p + "input_layernorm.weight"] = (hidden,)
+        shapes[p + "post_attention_layernorm.weight"] = (hidden,)
+    shapes["model.norm.weight"] = (hidden,)
+    shapes["lm_head.weight"] = (vocab, hidden)
+    return shapes
+
+
+def synthetic_tensors(source: dict[str, torch.Tensor], target_bytes: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`llama_shapes` filled with the 2-D weights of ``source`` (matrices) or its LayerNorm weights (norms),
+    tiled from a random start, on the GPU."""
+    gen = torch.Generator().manual_seed(seed)
+    pool = torch.cat([t.reshape(-1) for t in source.values() if t.dtype == torch.bfloat16 and t.dim() == 2]).to(DEVICE)
+    norms = torch.cat([t for name, t in source.items() if "LayerNorm.weight" in name]).to(DEVICE)
+
+    def tiled(values: torch.Tensor, shape: tuple[int, ...]) -> torch.Tensor:
+        n = math.prod(shape)
+        start = int(torch.randint(values.numel(), (1,), generator=gen))
+        reps = -(-(n + start) // values.numel())
+        return values.repeat(reps)[start: start + n].reshape(shape).clone()
+
+    shapes = llama_shapes(target_bytes)
+    return {name: tiled(pool if len(shape) == 2 else norms, shape) for name, shape in shapes.items()}
 
 
 def prepare(minilm: Path, work: Path, synthetic_gb: float, *, device: str = "cuda") -> list[Checkpoint]:

@@ -1,0 +1,171 @@
+"""The GPU benchmarks' arithmetic and checks, run where no GPU is: the offload floor and the ratios against it and
+against DDO (``tools/offload_e2e.py``), the peer loaders' bit-for-bit check, their comparison with the fastest peer
+and a peer whose package is missing (``tools/bench_load.py``, ``tools/peer_loaders.py``), the 7B-class layout."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import math
+from pathlib import Path
+
+import pytest
+import torch
+
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+
+
+@pytest.fixture
+def tool(monkeypatch):
+    """Import a module of ``tools/`` (they import each other by bare name, as scripts run there)."""
+    monkeypatch.syspath_prepend(str(TOOLS))
+    return importlib.import_module
+
+
+# -- the offload floor and the ratios -----------------------------------------------------------------------------
+
+
+def test_offload_floor_streams_the_blocks_beyond_the_resident_budget_at_their_stored_ratio(tool):
+    e2e = tool("offload_e2e")
+    floor = e2e.offload_floor(4_000_000_000, 3_000_000_000, 400_000_000, 55.0, 0.027)
+    assert floor["raw_bytes_per_forward"] == 3_600_000_000
+    assert floor["stored_bytes_per_forward"] == pytest.approx(2_700_000_000)
+    assert floor["floor_s"] == pytest.approx(2.7 / 55 + 0.027)
+    assert floor["raw_floor_s"] == pytest.approx(3.6 / 55 + 0.027)
+
+
+def test_offload_floor_of_a_model_that_fits_the_budget_is_the_forward_itself(tool):
+    floor = tool("offload_e2e").offload_floor(100, 75, 500, 55.0, 0.004)
+    assert floor["stored_bytes_per_forward"] == 0
+    assert floor["floor_s"] == floor["raw_floor_s"] == 0.004
+
+
+@pytest.mark.parametrize("raw, rate", [(0, 55.0), (100, 0.0)])
+def test_offload_floor_refuses_what_it_cannot_divide_by(tool, raw, rate):
+    with pytest.raises(ValueError, match="the floor needs"):
+        tool("offload_e2e").offload_floor(raw, 75, 0, rate, 0.004)
+
+
+def _result(config: str, forward_ms: float, sha: str = "same", **extra) -> dict:
+    return {"model": "dit-large", "config": config, "forward_s": forward_ms / 1e3, "output_sha256": sha,
+            "setup_s": 1.0, "first_forward_s": 0.5, "h2d_bytes_per_forward": 2**30, "setup_h2d_bytes": 0,
+            "rss_bytes": 0, "checkpoint_mapping_rss_bytes": 0, "gpu_peak_bytes": 0, **extra}
+
+
+FACTS = {"pinned_h2d_gbps": 50.0,
+         "dit-large": {"block_raw_bytes": 4_000_000_000, "block_stored_bytes": 3_000_000_000,
+                       "resident_budget_bytes": 0, "resident_share": 0.12, "safetensors_bytes": 4_085_000_000,
+                       "szt_bytes": 3_070_000_000}}
+
+
+def test_annotate_marks_each_row_against_the_gpu_output_the_floor_and_ddo(tool):
+    e2e = tool("offload_e2e")
+    results = [_result("gpu", 20.0), _result("ddo-native-st", 800.0), _result("ddo-staging-st", 3200.0),
+               _result("szt-native", 400.0), _result("szt-staging", 100.0, sha="other"),
+               {"model": "dit-large", "config": "st-accelerate", "error": "Traceback\nRuntimeError: boom"}]
+    floors = e2e.annotate(results, FACTS, ["dit-large"])
+    assert floors["dit-large"]["floor_s"] == pytest.approx(3.0 / 50 + 0.020)  # 80 ms
+    rows = {r["config"]: r for r in results}
+    assert rows["szt-native"]["identical_to_gpu"] and not rows["szt-staging"]["identical_to_gpu"]
+    assert rows["szt-native"]["x_vmm_fast"] == pytest.approx(0.5)
+    assert rows["szt-staging"]["x_vmm_runtime"] == pytest.approx(100 / 3200)
+    assert rows["szt-staging"]["x_floor"] == pytest.approx(100 / 80)
+    assert rows["szt-staging"]["x_raw_floor"] == pytest.approx(100 / (4000 / 50 + 20))
+    assert "identical_to_gpu" not in rows["st-accelerate"]
+
+
+def test_annotate_without_the_gpu_row_has_no_floor_and_nothing_identical(tool):
+    results = [_result("szt-native", 400.0), _result("ddo-native-st", 800.0)]
+    assert tool("offload_e2e").annotate(results, FACTS, ["dit-large"]) == {}
+    assert not results[0]["identical_to_gpu"] and "x_floor" not in results[0]
+
+
+def test_render_shows_the_floor_the_failures_and_the_derived_byte_counts(tool):
+    e2e = tool("offload_e2e")
+    results = [_result("gpu", 20.0), _result("st-group", 900.0),
+               {"model": "dit-large", "config": "szt-native", "error": "Traceback\nRuntimeError: boom"}]
+    table = e2e.render(results, FACTS, ["dit-large"])
+    assert "= **80.0 ms** (uncompressed: 100.0 ms)" in table
+    assert "the no-offload forward 20.0 ms" in table
+    assert "| st-group | - / - | yes |" in table and "| 1024.0* |" in table
+    assert "szt-native FAILED: RuntimeError: boom" in table
+
+
+def test_names_of_refuses_an_unknown_name(tool):
+    parse = tool("offload_e2e").names_of(("gpu", "szt-native"))
+    assert parse("gpu,szt-native") == "gpu,szt-native"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown: szt-nat"):
+        parse("gpu,szt-nat")
+
+
+# -- peers --------------------------------------------------------------------------------------------------------
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"a": (torch.randn(64, 32, generator=gen) * 0.02).to(torch.bfloat16),
+            "b": torch.zeros(17, dtype=torch.bfloat16)}
+
+
+def test_mismatches_are_bitwise_and_name_every_difference(tool):
+    bench = tool("bench_load")
+    reference = _reference()
+    assert bench.mismatches({k: v.clone() for k, v in reference.items()}, reference) == []
+    signed = {"a": reference["a"].clone(), "b": -reference["b"]}  # -0.0 == 0.0, but not bit for bit
+    assert torch.equal(signed["b"], reference["b"]) and bench.mismatches(signed, reference) == ["b"]
+    flipped = reference["a"].clone()
+    flipped.view(torch.int16)[3, 5] ^= 1
+    assert bench.mismatches({"a": flipped, "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"].float(), "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"].reshape(32, 64), "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"], "c": reference["b"]}, reference) == ["b", "c"]
+
+
+def _row(medium: str, loader: str, seconds: float, identical: bool = True) -> dict:
+    return {"medium": medium, "loader": loader, "seconds": seconds, "status": "ok", "identical": identical,
+            "gbps": 4.0 / seconds, "mismatches": []}
+
+
+def test_szformat_is_measured_against_the_fastest_bit_identical_peer_of_its_medium(tool):
+    bench = tool("bench_load")
+    verify_off = "szformat load_file, verify off"
+    rows = [_row("disk", "safetensors", 0.8), _row("disk", "instanttensor-buffered", 0.24),
+            _row("disk", "runai", 0.1, identical=False), _row("disk", verify_off, 0.2),
+            _row("tmpfs", "instanttensor", 0.17), _row("tmpfs", verify_off, 0.18),
+            {"medium": "cold", "loader": "fastsafetensors", "status": "failed: OSError: no io_uring"},
+            _row("cold", verify_off, 1.7)]
+    bench.compare_to_peers(rows)
+    assert rows[3]["vs_fastest_peer"] == pytest.approx(1.2) and rows[3]["fastest_peer"] == "instanttensor-buffered"
+    assert rows[0]["vs_fastest_peer"] == pytest.approx(0.3)
+    assert rows[5]["vs_fastest_peer"] == pytest.approx(0.17 / 0.18)
+    assert "vs_fastest_peer" not in rows[7]  # no peer ran cold
+    table = bench.peer_markdown(rows, {"runai-old": "import runai failed"})
+    assert f"- disk: {verify_off} **1.20x** the fastest peer (instanttensor-buffered)" in table
+    assert "| cold | fastsafetensors | | | | | | failed: OSError: no io_uring |" in table
+    assert "skipped: import runai failed" in table
+    assert "| NO |" in table  # the peer whose output differs is shown, and not counted as fastest
+
+
+def test_a_peer_whose_package_does_not_import_is_skipped_with_the_reason(tool, monkeypatch):
+    peers = tool("peer_loaders")
+    monkeypatch.setitem(peers.PEERS, "missing", ("szformat_no_such_module", lambda path: {}))
+    loaders, skipped = peers.available_peers(["safetensors", "missing"])
+    assert list(loaders) == ["safetensors"]
+    assert "ModuleNotFoundError" in skipped["missing"] and "szformat_no_such_module" in skipped["missing"]
+
+
+def test_copy_to_tmpfs_says_why_not_where_there_is_none(tool, tmp_path):
+    assert tool("bench_load").copy_to_tmpfs([], tmp_path / "absent" / "peers") == f"no {tmp_path / 'absent'}"
+
+
+def test_filesystem_reads_the_mount_table(tool):
+    assert tool("bench_load").filesystem(Path("/proc/self")) == "proc"
+
+
+def test_llama_shapes_make_a_7b_class_checkpoint_of_the_size_asked(tool):
+    shapes = tool("gpu_load_check").llama_shapes(4_000_000_000)
+    total = sum(2 * math.prod(shape) for shape in shapes.values())
+    assert 3.5e9 <= total <= 4.5e9
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (4096, 11008)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (32000, 4096)
+    assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] == "lm_head.weight"
