@@ -789,30 +789,6 @@ def test_file_reader_reads_in_parallel_pieces_and_refuses_short_files(tmp_path, 
         reader.close()
 
 
-def test_file_reader_hands_checked_pieces_over_in_cache_sized_chunks(tmp_path, monkeypatch):
-    from concurrent.futures import ThreadPoolExecutor
-
-    import szformat.loading.hostio as hostio
-
-    monkeypatch.setattr(hostio, "MIN_READ_PIECE", 4096)
-    monkeypatch.setattr(hostio, "CHECKED_CHUNK", 3000)
-    data = os.urandom(50_000)
-    (tmp_path / "f").write_bytes(data)
-    seen, lock = [], threading.Lock()
-
-    def then(start, piece):
-        with lock:
-            seen.append((start, bytes(piece.numpy())))
-
-    with ThreadPoolExecutor(2) as pool:
-        reader = FileReader(tmp_path / "f", pool, threads=2)
-        out = torch.zeros(40_000, dtype=torch.uint8)
-        reader.read_into(1234, out, then=then).result()
-        reader.close()
-    assert all(len(chunk) <= 3000 for _, chunk in seen)
-    assert b"".join(chunk for _, chunk in sorted(seen)) == data[1234: 41234]  # every byte once, each where it was read
-
-
 def test_file_reader_closes_its_descriptor_when_the_mapping_fails(tmp_path, monkeypatch):
     """Without ``os.preadv`` the reader maps the file, and an empty file cannot be mapped: the descriptor opened
     first must not outlive the failed constructor."""

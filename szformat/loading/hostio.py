@@ -31,11 +31,6 @@ MIN_READ_PIECE = 4 << 20
 """A span is split across threads only into pieces of at least this many bytes: on the H200 host 2 MiB pieces read
 1.8x slower than 4 MiB ones (Python and a thread hand-off per piece)."""
 
-CHECKED_CHUNK = 1 << 20
-"""A piece whose bytes are checked as they are read is read this many bytes at a time, each chunk checked at once:
-the chunk is still in the core's L2 cache then, where a whole piece (up to a slot over the threads, ~10 MiB) is not,
-and the check would read it back from memory while every other reader fills memory too."""
-
 CUDA_HOST_REGISTER_PORTABLE = 1
 CUDA_HOST_REGISTER_READ_ONLY = 8
 
@@ -91,8 +86,7 @@ class FileReader:
         """Start reading ``out.numel()`` bytes at ``offset`` into ``out`` (flat uint8 CPU); returns at once.
 
         ``then(start, piece)``, if given, runs on the reader thread right after each piece is read (``piece`` is
-        ``out[start: start + len]``), while its bytes are still in that core's cache: such pieces are read and
-        handed over :data:`CHECKED_CHUNK` bytes at a time. ``k`` tags the pieces in a
+        ``out[start: start + len]``), while its bytes are still in that core's cache. ``k`` tags the pieces in a
         :mod:`timeline` being recorded.
         """
         nbytes = out.numel()
@@ -109,18 +103,15 @@ class FileReader:
 
     def _read_piece(self, offset: int, out: torch.Tensor, start: int, then: Callable[[int, torch.Tensor], None] | None,
                     recording: timeline.Timeline | None, k: int) -> None:
-        chunk = out.numel() if then is None else CHECKED_CHUNK
-        for at in range(0, out.numel(), chunk):
-            part = out[at: at + chunk]
+        began = recording.now() if recording is not None else 0.0
+        self._read(offset, out)
+        if recording is not None:
+            recording.add("read", k, began, recording.now(), out.numel())
+        if then is not None:
             began = recording.now() if recording is not None else 0.0
-            self._read(offset + at, part)
+            then(start, out)
             if recording is not None:
-                recording.add("read", k, began, recording.now(), part.numel())
-            if then is not None:
-                began = recording.now() if recording is not None else 0.0
-                then(start + at, part)
-                if recording is not None:
-                    recording.add("crc", k, began, recording.now(), part.numel())
+                recording.add("crc", k, began, recording.now(), out.numel())
 
     def _read(self, offset: int, out: torch.Tensor) -> None:
         if self._mmap is not None:
