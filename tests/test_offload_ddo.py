@@ -24,7 +24,8 @@ from szformat.loading import SlotDecoder  # noqa: E402
 from szformat.offload import OffloadEnvironment, bind_module  # noqa: E402
 from szformat.offload.checkpoint import Checkpoint  # noqa: E402
 from szformat.offload.ddo_compat import SztFileSlice, check_ddo, ddo_config, substituted  # noqa: E402
-from szformat.offload.ddo_native import SztArenaWeightStore, SztNativeShardTransport, staged_windows  # noqa: E402
+from szformat.offload.ddo_native import (RegisteredTicket, SztArenaWeightStore, SztNativeShardTransport,  # noqa: E402
+                                         staged_windows)
 from szformat.offload.ddo_staging import StagingContext, SztStagingPool, group_destinations  # noqa: E402
 from szformat.offload.placeholders import Placeholders  # noqa: E402
 
@@ -501,6 +502,33 @@ def test_native_waits_for_the_dma_out_of_a_slot_before_reading_into_it_again(set
     transport.upload_batch(arena_bindings(setup, arena), arena, ops.streams["upload"])
     # more windows than slots: every reuse of a slot first ran the queued DMA out of it
     assert ops.streams["upload"].done > 0 and len(transport.ring.reads) > 2
+
+
+def test_native_dmas_registered_payloads_without_reading_into_the_ring(setup):
+    checkpoint, *_, tensors = setup
+    ops = FakeOps()
+    upload = ops.streams["upload"]
+    transport = native_transport(ops, 512, 2)
+    registered = {name: checkpoint.file(name).payload(name).clone() for name in Weights.SHAPES}
+    transport.attach(SlotDecoder(ops=ops, codec=ReferenceCodec()), registered)
+    arena = torch.full((1 << 15,), 0x33, dtype=torch.uint8)
+    bindings = arena_bindings(setup, arena)
+    ahead = transport.begin_read(bindings)  # DDO's read-ahead of the next unit
+    assert isinstance(ahead, RegisteredTicket) and transport.ticket_active(ahead)
+    transport.upload_ticket(ahead, arena, upload).synchronize()
+    assert not transport.ticket_active(ahead)
+    with pytest.raises(DecodeRouteError, match="no longer active"):
+        transport.upload_ticket(ahead, arena, upload)
+    for binding in bindings:
+        assert same_bits(binding.stable, tensors[binding.parameter_name]), binding.parameter_name
+    assert transport.ring.reads == [] and transport.copied_bytes == sum(e.length for e in checkpoint.entries.values())
+    arena.fill_(0x33)
+    transport.upload_batch(bindings, arena, upload).synchronize()  # DDO's demand path, the plan reused
+    assert all(same_bits(b.stable, tensors[b.parameter_name]) for b in bindings) and len(transport._plans) == 1
+    del transport._registered["c"]  # a payload the driver would not register: the group goes through the ring
+    arena.fill_(0x33)
+    transport.upload_batch(bindings, arena, upload).synchronize()
+    assert transport.ring.reads and all(same_bits(b.stable, tensors[b.parameter_name]) for b in bindings)
 
 
 def test_native_refuses_a_slice_szformat_did_not_make(setup):

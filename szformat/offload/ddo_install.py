@@ -26,8 +26,8 @@ from ..loading import SlotDecoder
 from .binding import ModuleBinding, assign_tensor, module_tensor, snapshot_tensors
 from .ddo_compat import SztFileSlice, check_ddo, check_members, ddo_config, native_library, substituted
 from .ddo_native import SztArenaWeightStore, SztNativeShardTransport
-from ..loading.hostio import default_threads
-from .ddo_staging import StagingContext, SztStagingPool, group_destinations, register_payloads
+from .ddo_staging import StagingContext, SztStagingPool, group_destinations
+from .registered import register_payloads
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
 from .loader import Installation
@@ -133,8 +133,7 @@ def _attach_staging(hook: Any, setup: _Setup) -> Streamed:
             for _, source in pairs:
                 file_slice = setup.registry.lookup(source)
                 streamed.setdefault(str(file_slice.path), []).append(file_slice.entry.name)
-        context.registered, context.mappings = register_payloads(files, streamed, installation.device,
-                                                                 default_threads())
+        context.registered, context.mappings = register_payloads(files, streamed, installation.device)
     pool.attach(context)
     sources = {source.data_ptr() for _, pairs in groups for _, source in pairs}
     return lambda tensor: tensor.device.type == "cpu" and tensor.data_ptr() in sources
@@ -159,7 +158,13 @@ def _attach_native(hook: Any, setup: _Setup) -> Streamed:
         raise DecodeRouteError(f"DDO streams {len(uncovered)} tensor(s) szformat has no checkpoint slice for "
                                f"({', '.join(uncovered[:5])}); their CPU tensors hold no weights")
     store.attach(setup.installation.checkpoint)
-    transport.attach(SlotDecoder(setup.installation.device))
+    checkpoint = setup.installation.checkpoint
+    streamed_names: dict[str, list[str]] = {}
+    for binding in bindings:
+        streamed_names.setdefault(str(binding.file_slice.path), []).append(binding.file_slice.entry.name)
+    registered, mappings = register_payloads({str(f.path): f for f in checkpoint.files}, streamed_names,
+                                             setup.installation.device)
+    transport.attach(SlotDecoder(setup.installation.device), registered, mappings)
     streamed = set(adapter._address_bindings)
     return lambda tensor: tensor.device.type == "cuda" and tensor.data_ptr() in streamed
 

@@ -8,6 +8,9 @@ compute stream then waits on.
 
 :class:`SztNativeShardTransport` is DDO's transport with its windows and its upload replaced:
 
+* where the payloads' page-cache pages could be registered with the driver at install
+  (:func:`~szformat.offload.registered.register_payloads`), nothing is read into the ring at all: a group's upload
+  DMAs its stored payloads straight out of the page cache into the staging buffer. Otherwise:
 * the windows of a group cover the group's *stored* bytes, read in runs: payloads that follow each other in the
   file (their alignment padding between them) are read by one window, so a block of small weights costs one read
   and one DMA, not one per weight;
@@ -26,8 +29,8 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -37,11 +40,12 @@ from ddo_vmm_allocator.model_arena_adapter import (ModelArenaWeightStore, _Nativ
 from ..errors import DecodeRouteError
 from ..loading import SlotDecoder
 from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
+from ..loading.hostio import RegisteredMapping
 from .checkpoint import Checkpoint
 from .ddo_compat import SztFileSlice
 from .decoding import decode_on_cpu
 
-__all__ = ["SztNativeShardTransport", "SztArenaWeightStore", "StagedWindow", "staged_windows"]
+__all__ = ["SztNativeShardTransport", "SztArenaWeightStore", "RegisteredTicket", "StagedWindow", "staged_windows"]
 
 RUN_GAP_BYTES = 64 << 10
 """Payloads of one file closer than this are read by one window, the bytes between them included: padding between
@@ -92,18 +96,78 @@ def staged_windows(bindings: list[Any], window_bytes: int) -> Iterator[StagedWin
                                tuple(binding for last, binding in ends if offset < last <= offset + size))
 
 
+@dataclass(eq=False)
+class RegisteredTicket:
+    """A group read ahead whose payloads all sit in registered pages: nothing to read, so nothing holds a slot."""
+
+    bindings: list[Any]
+    active: bool = True
+    windows: list = field(default_factory=list)
+
+
 class SztNativeShardTransport(_NativeShardTransport):
     """DDO's native shard transport, reading .szt payloads into a device staging buffer and expanding them there."""
 
     decoder: SlotDecoder | None = None
 
-    def attach(self, decoder: SlotDecoder) -> None:
+    def attach(self, decoder: SlotDecoder, registered: dict[str, torch.Tensor] | None = None,
+               mappings: Sequence[RegisteredMapping] = ()) -> None:
+        """Start serving uploads with ``decoder``; ``registered`` maps entry names to their stored payloads in
+        registered pages (held by ``mappings``, which the transport closes with itself)."""
         self.decoder = decoder
+        self._registered = dict(registered or {})
+        self._mappings = list(mappings)
         self._plans: dict[tuple, ScatterPlan] = {}
         self._slot_views: dict[int, torch.Tensor] = {}
         self._slot_done: dict[int, Any] = {}
+        self._last_ready: Any = None
         self.copied_bytes = 0
         """Bytes DMA'd host to device so far: the stored bytes of every upload (with run padding)."""
+
+    def begin_read(self, bindings: list[Any]) -> Any:
+        if self._all_registered(bindings):
+            return RegisteredTicket(list(bindings))
+        return super().begin_read(bindings)
+
+    def upload_batch(self, bindings: list[Any], arena: Any, stream: Any) -> Any:
+        if self._all_registered(bindings):
+            return self._upload_registered(bindings, stream)
+        return super().upload_batch(bindings, arena, stream)
+
+    def ticket_active(self, ticket: Any) -> bool:
+        if isinstance(ticket, RegisteredTicket):
+            return ticket.active
+        return super().ticket_active(ticket)
+
+    def discard_ticket(self, ticket: Any) -> None:
+        if isinstance(ticket, RegisteredTicket):
+            ticket.active = False
+            return
+        super().discard_ticket(ticket)
+
+    def _all_registered(self, bindings: list[Any]) -> bool:
+        registered = getattr(self, "_registered", None)
+        return bool(registered) and all(
+            isinstance(b.file_slice, SztFileSlice) and b.file_slice.entry.name in registered for b in bindings)
+
+    def _upload_registered(self, bindings: list[Any], stream: Any) -> Any:
+        """DMA the group's payloads out of registered pages into the staging buffer, then decode them all."""
+        key = ("registered", *(binding.offset for binding in bindings))
+        plan = self._plans.get(key)
+        placements, offset = [], 0
+        for binding in bindings:
+            placements.append(Placement(offset, binding.stable.detach().reshape(-1).view(torch.uint8),
+                                        binding.file_slice.entry))
+            offset = -(-(offset + binding.file_slice.stored_bytes) // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
+        if plan is None:
+            plan = self._plans[key] = self.decoder.scatter_plan(placements)
+        pieces = [(p.staging_offset, self._registered[p.payload.name]) for p in placements if p.payload.length]
+        self.decoder.copy_to_staging(pieces, plan.staging_bytes, stream)
+        nbytes = sum(host.numel() for _, host in pieces)
+        self.read_bytes += nbytes
+        self.copied_bytes += nbytes
+        self._last_ready = self.decoder.expand_scattered(plan, stream)
+        return self._last_ready
 
     def _window_ranges(self, bindings: list[Any]) -> Iterator[_NativeReadWindow]:
         return staged_windows(bindings, self.window_size_bytes)
@@ -128,6 +192,9 @@ class SztNativeShardTransport(_NativeShardTransport):
             raise DecodeRouteError("DDO uploaded a checkpoint slice before szformat attached its decoder")
         if not self.ticket_active(ticket):
             raise DecodeRouteError("DDO uploaded a native read ticket that is no longer active")
+        if isinstance(ticket, RegisteredTicket):
+            ticket.active = False
+            return self._upload_registered(ticket.bindings, stream)
         read = ticket.windows
         try:
             for window in read:
@@ -138,7 +205,7 @@ class SztNativeShardTransport(_NativeShardTransport):
             copied = self.decoder.ops.record(stream)
             for window in read:
                 self._slot_done[window.slot_index] = copied
-            ready = self.decoder.expand_scattered(plan, stream)
+            ready = self._last_ready = self.decoder.expand_scattered(plan, stream)
         finally:
             for window in read:
                 self._pending.pop(window.slot_index, None)
@@ -177,11 +244,17 @@ class SztNativeShardTransport(_NativeShardTransport):
         return view
 
     def close(self) -> None:
-        """Wait for szformat's DMAs out of the ring before DDO frees it."""
-        for done in getattr(self, "_slot_done", {}).values():
-            self.decoder.ops.synchronize(done)
-        self._slot_done = {}
+        """Wait for szformat's DMAs out of the ring and the registered pages before they are freed."""
+        if self.decoder is not None:
+            if self._last_ready is not None:
+                self.decoder.ops.synchronize(self._last_ready)
+            for done in self._slot_done.values():
+                self.decoder.ops.synchronize(done)
+            self._slot_done = {}
         super().close()
+        for mapping in getattr(self, "_mappings", ()):
+            mapping.close()
+        self._mappings = []
 
 
 class SztArenaWeightStore(ModelArenaWeightStore):

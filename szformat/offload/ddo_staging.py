@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +44,7 @@ from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
 from .ddo_compat import SztFileSlice
 from .placeholders import Placeholders
 
-__all__ = ["SztStagingPool", "StagingContext", "group_destinations", "register_payloads"]
+__all__ = ["SztStagingPool", "StagingContext", "group_destinations"]
 
 GroupKey = tuple[int, ...]
 """A group's identity at upload time: the addresses of its CPU sources, in order."""
@@ -206,32 +205,6 @@ class SztStagingPool(PinnedStagingPool):
         if self.context is None:
             raise DecodeRouteError("DDO staged a checkpoint slice before szformat attached its decoder")
         return self.context
-
-
-def register_payloads(files: dict[str, SztFile], names_by_file: dict[str, list[str]], device: torch.device,
-                      threads: int) -> tuple[dict[str, torch.Tensor], list[RegisteredMapping]]:
-    """Register the stored payloads of ``names_by_file`` (file path -> entry names) with the driver, once, so that
-    every later upload DMAs them straight out of the page cache; returns each registered payload's bytes and the
-    mappings that hold them. A file or span the driver refuses is left out: its payloads go through the pinned slot.
-
-    Registering costs about as much as reading the bytes once (pinning page-cache pages), which a route that uploads
-    the same weights at every forward pays back from the second forward on.
-    """
-    payloads: dict[str, torch.Tensor] = {}
-    mappings: list[RegisteredMapping] = []
-    with ThreadPoolExecutor(max(1, threads)) as pool:
-        for path, names in names_by_file.items():
-            mapping = RegisteredMapping.open(path, device)
-            if mapping is None:
-                continue
-            mappings.append(mapping)
-            entries = [files[path].entry(name) for name in names]
-            spans = [(entry, mapping.register_async(entry.offset, entry.offset + entry.length, pool))
-                     for entry in entries if entry.length]
-            for entry, registered in spans:
-                if registered.result():
-                    payloads[entry.name] = mapping.view[entry.offset: entry.offset + entry.length]
-    return payloads, mappings
 
 
 def group_destinations(groups: list[tuple[str, list[tuple[str, torch.Tensor]]]], weight: Callable[[str], torch.Tensor],
