@@ -255,11 +255,14 @@ def test_report_counts_reasons_ratio_and_coverage(model_file, tmp_path):
     assert reasons == {"dtype F32 is not encoded": 1, "dtype I64 is not encoded": 1, "empty": 1,
                        "payload not smaller": 1, "coverage < 0.99": 1}
     assert report.stored_bytes < report.raw_bytes
-    assert report.ratio == pytest.approx(report.stored_bytes / report.raw_bytes)
+    assert report.payload_ratio == pytest.approx(report.stored_bytes / report.raw_bytes)
+    assert (report.source_file_bytes, report.output_file_bytes) == (model_file.stat().st_size,
+                                                                    (tmp_path / "m.szt").stat().st_size)
+    assert report.ratio == pytest.approx(report.output_file_bytes / report.source_file_bytes)
     text = "\n".join(report.summary())
     assert re.search(r"encoded +5 tensors", text) and re.search(r"raw +5 tensors", text)
     assert "1 x coverage < 0.99" in text and "1 x dtype F32 is not encoded" in text
-    assert f"ratio {report.ratio:.4f}" in text
+    assert f"ratio {report.ratio:.4f}" in text and f"ratio {report.payload_ratio:.4f}" in text
     coverages = sorted(r.coverage for r in report.encoded)
     assert coverages[0] < 0.999
     assert f"min {coverages[0]:.4f}, median {coverages[2]:.4f}" in text

@@ -6,6 +6,8 @@ import argparse
 import sys
 from typing import Callable, TextIO
 
+SZT_PATH_HELP = "a .szt file (recognised by its content, whatever its name), a *.szt.index.json or a converted folder"
+
 
 def add_command(subparsers: argparse._SubParsersAction, name: str, run: Callable[[argparse.Namespace], int], *,
                 help: str, description: str, examples: str) -> argparse.ArgumentParser:

@@ -5,7 +5,6 @@ from __future__ import annotations
 import argparse
 import os
 
-from ..convert import convert
 from ..errors import CLIError
 from ._common import add_command, add_quiet, print_lines, show_progress
 
@@ -48,6 +47,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..convert import convert
+
     push_only = [flag for flag, value in (("--private", args.private), ("--revision", args.revision),
                                           ("--commit-message", args.commit_message)) if value]
     if push_only and not args.push_to_hub:

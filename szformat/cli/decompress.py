@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..convert import decompress
-from ._common import add_command, add_quiet, print_lines, show_progress
+from ._common import SZT_PATH_HELP, add_command, add_quiet, print_lines, show_progress
 
 NAME = "decompress"
 
@@ -25,7 +24,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers, NAME, run, help="convert .szt back to safetensors", examples=EXAMPLES,
         description="Convert a .szt file, a *.szt.index.json sharded checkpoint or a converted folder back to "
                     "safetensors.")
-    parser.add_argument("input", help="a .szt file, a *.szt.index.json or a converted folder")
+    parser.add_argument("input", help=SZT_PATH_HELP)
     parser.add_argument("output", nargs="?", help="the .safetensors file, or the output folder for anything but a "
                                                   "single file (default for a single file: beside it)")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
@@ -33,6 +32,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..convert import decompress
+
     report = decompress(args.input, args.output, overwrite=args.overwrite, progress=show_progress(args))
     if not args.quiet:
         print_lines([f"Wrote {report.output}"] + report.restored_summary())

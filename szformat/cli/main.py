@@ -1,9 +1,15 @@
 """``szconvert``: assembles the subcommands and turns known errors into one line and exit status 1.
 
-A first argument that is not a subcommand is a path to convert, so ``szconvert model.safetensors model.szt`` is
-``szconvert convert model.safetensors model.szt``. Errors szformat expects (malformed input, missing files, a full
-disk, refused Hub requests) print ``szconvert: error: ...`` on stderr; a traceback is shown only with
-``SZFORMAT_DEBUG=1``, or for errors nobody expected (bugs).
+A first positional argument that is not a subcommand is a path to convert, so ``szconvert model.safetensors
+model.szt`` is ``szconvert convert model.safetensors model.szt``. Options go anywhere, as people type them: before
+the command, between positionals or after them (``szconvert -q m.safetensors m.szt``, ``szconvert convert
+m.safetensors -q m.szt``). Errors szformat expects (malformed input, missing files, a full disk, refused Hub
+requests) print ``szconvert: error: ...`` on stderr; a traceback is shown only with ``SZFORMAT_DEBUG=1``, or for
+errors nobody expected (bugs). A reader that closes the pipe early (``szconvert info m.szt | head``) ends the
+command quietly.
+
+The command modules import torch and huggingface_hub inside the functions that run a command, so ``--help`` and
+``--version`` answer at once, and Ctrl-C while torch loads prints one line like any other interruption.
 """
 
 from __future__ import annotations
@@ -20,21 +26,26 @@ from . import convert, decompress, info, verify
 COMMANDS = {module.NAME: module for module in (convert, decompress, info, verify)}
 DEFAULT_COMMAND = convert.NAME
 DEBUG_VARIABLE = "SZFORMAT_DEBUG"
+CLOSED_PIPE_STATUS = 128 + 13
+"""What a shell reports for a command that a closed pipe stopped (SIGPIPE), as for ``cat``, ``ls`` and friends."""
 
 EXAMPLES = """\
 examples:
   szconvert model.safetensors                    convert one file to model.szt beside it
   szconvert ./model-dir ./model-dir-szt          convert a model folder (shards, index, config, tokenizer)
   szconvert hf://user/model ./out                convert a safetensors repo from the Hub
+  szconvert model.safetensors --cast bf16        an F32/F16 checkpoint: cast to BF16 first (lossy), then compress
   szconvert decompress model.szt out.safetensors back to safetensors, bit for bit
   szconvert info model.szt                       sizes, ratio and encoding of every tensor
   szconvert verify ./model-dir-szt               check every checksum and decode every tensor
 
-Run 'szconvert COMMAND --help' for the options of a command.
+Only BF16 tensors compress (to about 75 % of their bytes); tensors of other dtypes are stored as they are.
+Run 'szconvert COMMAND --help' for the options of a command; options may come before or after paths.
 """
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser (``--help``, ``--version``, the list of commands) and each command's own parser."""
     parser = argparse.ArgumentParser(
         prog="szconvert", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Convert safetensors checkpoints to szformat (.szt: lossless, smaller BF16) and back, "
@@ -43,7 +54,7 @@ def build_parser() -> argparse.ArgumentParser:
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS.values():
         module.register(subparsers)
-    return parser
+    return parser, dict(subparsers.choices)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -52,15 +63,29 @@ def main(argv: Sequence[str] | None = None) -> int:
     Usage errors found by the argument parser exit through ``SystemExit(2)``, as argparse does.
     """
     argv = list(sys.argv[1:] if argv is None else argv)
-    if argv and argv[0] not in COMMANDS and not argv[0].startswith("-"):
-        argv.insert(0, DEFAULT_COMMAND)
-    parser = build_parser()
-    args = parser.parse_args(argv)
-    if args.command is None:
+    try:
+        try:
+            return _run(argv)
+        finally:
+            sys.stdout.flush()  # a closed pipe surfaces here at the latest, while it can still be handled
+    except BrokenPipeError:
+        _discard_stdout()
+        return CLOSED_PIPE_STATUS
+
+
+def _run(argv: list[str]) -> int:
+    parser, commands = build_parser()
+    command, rest = split_command(argv, commands)
+    if command is None:
+        parser.parse_args(rest)  # --help, --version, or a usage error
         parser.print_help(sys.stderr)
         return 2
+    args = commands[command].parse_intermixed_args(rest)
+    args.command = command
     try:
         return args.run(args)
+    except BrokenPipeError:
+        raise
     except (SzformatError, OSError) as e:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
@@ -71,6 +96,42 @@ def main(argv: Sequence[str] | None = None) -> int:
             raise
         print("szconvert: interrupted; no partial output was left", file=sys.stderr)
         return 130
+
+
+def split_command(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> tuple[str | None, list[str]]:
+    """The command ``argv`` names and the arguments left for it, wherever the options stand.
+
+    The first positional argument (skipping options and the values of options that take one) is the command if it
+    names one, and is taken out; otherwise it is a path and the command is ``convert``. ``None`` when there is no
+    positional argument at all: the top-level parser answers (``--help``, ``--version``, usage).
+    """
+    takes_value = {option for parser in commands.values() for action in parser._actions if action.nargs != 0
+                   for option in action.option_strings}
+    skip_next = False
+    for i, token in enumerate(argv):
+        if skip_next:
+            skip_next = False
+        elif token == "--":  # everything after it is a path
+            return (DEFAULT_COMMAND, argv) if i + 1 < len(argv) else (None, argv)
+        elif token.startswith("-") and token != "-":
+            skip_next = token in takes_value
+        elif token in commands:
+            return token, argv[:i] + argv[i + 1:]
+        else:
+            return DEFAULT_COMMAND, argv
+    return None, argv
+
+
+def _discard_stdout() -> None:
+    """Point stdout at /dev/null, so that the interpreter's final flush of what is still buffered does not fail on
+    the closed pipe again and print "Exception ignored ... BrokenPipeError" (the recipe of Python's docs on
+    SIGPIPE)."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError, AttributeError):  # stdout replaced by an object without a file descriptor
+        pass
 
 
 def describe_error(error: Exception) -> str:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 
-from ..convert import verify
-from ._common import add_command, add_quiet, print_lines, show_progress
+from ._common import SZT_PATH_HELP, add_command, add_quiet, print_lines, show_progress
 
 NAME = "verify"
 
@@ -25,11 +24,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
         subparsers, NAME, run, help="check every checksum and decode every tensor", examples=EXAMPLES,
         description="Verify a .szt file, a *.szt.index.json sharded checkpoint or a converted folder: headers, "
                     "stored checksums, and every tensor decoded against the checksum of its raw bytes.")
-    parser.add_argument("path", help="a .szt file, a *.szt.index.json or a converted folder")
+    parser.add_argument("path", help=SZT_PATH_HELP)
     add_quiet(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from ..convert import verify
+
     report = verify(args.path, progress=show_progress(args))
     if not report.ok:  # what is wrong goes to stderr, even with --quiet
         print_lines(report.summary(), file=sys.stderr)

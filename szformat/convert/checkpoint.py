@@ -13,7 +13,7 @@ import errno
 import os
 import shutil
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from ..errors import ConversionError, WriteError
@@ -61,8 +61,11 @@ def renamed(name: str, old_suffix: str, new_suffix: str) -> str:
     return name
 
 
-def find_files(path: str | os.PathLike, suffix: str) -> CheckpointFiles:
+def find_files(path: str | os.PathLike, suffix: str, *, magic: bytes | None = None) -> CheckpointFiles:
     """List the files of the checkpoint at ``path`` whose weight files end with ``suffix``.
+
+    A weight file named otherwise (``model.bin``, ``MODEL.SZT``) is recognised by its first bytes when ``magic`` is
+    given: what a file holds decides what it is, as for every reader of the format. Inside a folder, names decide.
 
     Raises:
         FileNotFoundError: ``path`` does not exist.
@@ -77,9 +80,17 @@ def find_files(path: str | os.PathLike, suffix: str) -> CheckpointFiles:
     if path.name.endswith(suffix + INDEX_TAIL):  # the shards present; a missing one is the index's problem
         shards = sorted(s for s in read_index(path).shard_names() if (path.parent / s).is_file())
         return CheckpointFiles(path, path.parent, False, tuple(shards), (path.name,), ())
-    if path.name.endswith(suffix):
+    if path.name.endswith(suffix) or (magic is not None and path.is_file() and _starts_with(path, magic)):
         return CheckpointFiles(path, path.parent, True, (path.name,), (), ())
+    if magic is not None:
+        raise ConversionError(f"not a {suffix} file (it does not start with the {suffix} magic bytes), nor a "
+                              f"*{suffix}{INDEX_TAIL} index or a folder", path=path)
     raise ConversionError(f"expected a {suffix} file, a *{suffix}{INDEX_TAIL} index or a model folder", path=path)
+
+
+def _starts_with(path: Path, magic: bytes) -> bool:
+    with open(path, "rb") as f:
+        return f.read(len(magic)) == magic
 
 
 def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
@@ -102,14 +113,15 @@ def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
     return CheckpointFiles(folder, folder, False, tuple(weights), tuple(indexes), tuple(others))
 
 
-def open_checkpoint(path: str | os.PathLike, suffix: str,
-                    read_sizes: Callable[[Path], dict[str, int]]) -> Checkpoint:
-    """Find the files of a checkpoint, read each weight file's header and check each index against its shards.
+def open_checkpoint(path: str | os.PathLike, suffix: str, read_sizes: Callable[[Path], dict[str, int]], *,
+                    magic: bytes | None = None) -> Checkpoint:
+    """Find the files of a checkpoint (as `find_files` does), read each weight file's header and check each index
+    against its shards.
 
     ``read_sizes`` returns the raw byte size of each tensor of a weight file (and validates its header), so a bad
     file anywhere is refused before any output exists.
     """
-    files = find_files(path, suffix)
+    files = find_files(path, suffix, magic=magic)
     sizes = {rel: read_sizes(files.root / rel) for rel in files.weights}
     indexes = {}
     for rel in files.indexes:
@@ -121,13 +133,16 @@ def open_checkpoint(path: str | os.PathLike, suffix: str,
 
 def output_path(files: CheckpointFiles, target: str | os.PathLike | None, old_suffix: str, new_suffix: str) -> Path:
     """Where the converted twin goes: ``target`` as given, except for a single file, which goes beside its source
-    when ``target`` is ``None`` and into ``target`` when that is an existing folder (as ``cp`` does).
+    when ``target`` is ``None`` and into ``target`` when that is an existing folder (as ``cp`` does). A file
+    recognised by its content rather than its suffix (``model.bin``) gets its last suffix replaced.
 
     Raises:
         ConversionError: ``target`` is ``None`` for an index or a folder.
     """
     if files.single_file:
         name = renamed(files.weights[0], old_suffix, new_suffix)
+        if name == files.weights[0]:
+            name = PurePosixPath(name).with_suffix(new_suffix).name
         if target is None:
             return files.root / name
         return Path(target) / name if Path(target).is_dir() else Path(target)

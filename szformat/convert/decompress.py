@@ -24,7 +24,8 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
     """Convert a .szt checkpoint back to safetensors.
 
     Args:
-        source (`str` or `os.PathLike`): a ``.szt`` file, a ``*.szt.index.json`` index, or a converted folder.
+        source (`str` or `os.PathLike`): a .szt file (recognised by its magic bytes, whatever its name), a
+            ``*.szt.index.json`` index, or a converted folder.
         target (`str` or `os.PathLike`, *optional*): for a single file, the ``.safetensors`` file or a folder to
             put it in (default: beside the source); else the output folder (required).
         overwrite (`bool`, *optional*): replace an existing output.
@@ -51,8 +52,9 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
                         writer.write(chunk)
                     tensor_done(entry)
 
-    return run_pass(source, target, old_suffix=C.FILE_SUFFIX, new_suffix=SUFFIX, read_sizes=_raw_sizes,
-                    write_file=write_file, overwrite=overwrite, progress=progress, description="decompressing")
+    return run_pass(source, target, old_suffix=C.FILE_SUFFIX, old_magic=C.MAGIC, new_suffix=SUFFIX,
+                    read_sizes=_raw_sizes, write_file=write_file, overwrite=overwrite, progress=progress,
+                    description="decompressing")
 
 
 def _raw_sizes(path: Path) -> dict[str, int]:

@@ -22,14 +22,15 @@ FileWriter = Callable[[Path, Path, TensorDone], None]
 
 def run_pass(source: str | os.PathLike, target: str | os.PathLike | None, *, old_suffix: str, new_suffix: str,
              read_sizes: Callable[[Path], dict[str, int]], write_file: FileWriter, overwrite: bool, progress: bool,
-             description: str) -> ConversionReport:
-    """Rewrite the checkpoint at ``source`` (weight files ending with ``old_suffix``) into ``target``.
+             description: str, old_magic: bytes | None = None) -> ConversionReport:
+    """Rewrite the checkpoint at ``source`` (weight files ending with ``old_suffix``, or a single file starting
+    with ``old_magic``) into ``target``.
 
     ``read_sizes`` validates a weight file's header and returns the raw size of each tensor; every file is read
     that way before any output exists.
     """
     started = time.perf_counter()
-    checkpoint = open_checkpoint(source, old_suffix, read_sizes)
+    checkpoint = open_checkpoint(source, old_suffix, read_sizes, magic=old_magic)
     target = output_path(checkpoint.files, target, old_suffix, new_suffix)
     report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
     with progress_bar(checkpoint.raw_bytes, enabled=progress, description=description) as bar:
@@ -42,6 +43,8 @@ def run_pass(source: str | os.PathLike, target: str | os.PathLike | None, *, old
 
             write_file(src, dst, tensor_done)
             report.files_written += 1
+            report.source_file_bytes += src.stat().st_size
+            report.output_file_bytes += dst.stat().st_size
 
         write_checkpoint(checkpoint, target, old_suffix=old_suffix, new_suffix=new_suffix,
                          write_weights=write_weights, overwrite=overwrite)

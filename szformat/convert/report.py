@@ -50,14 +50,18 @@ def reason_group(reason: str | None) -> str:
 
 @dataclass
 class ConversionReport:
-    """The output, every tensor written, the files copied and the wall time; ``summary()`` is what the command line
-    prints."""
+    """The output, every tensor written, the sizes of the weight files read and written, the files copied and the
+    wall time; ``summary()`` is what the command line prints."""
 
     output: Path | None = None
     records: list[TensorRecord] = field(default_factory=list)
     files_written: int = 0
     files_copied: int = 0
     seconds: float = 0.0
+    source_file_bytes: int = 0
+    """Sizes on disk of the weight files read (headers included; copied config files left out)."""
+    output_file_bytes: int = 0
+    """Sizes on disk of the weight files written: payloads, alignment padding and headers."""
 
     @property
     def raw_bytes(self) -> int:
@@ -69,6 +73,13 @@ class ConversionReport:
 
     @property
     def ratio(self) -> float:
+        """The true size ratio: weight files written over weight files read, as they lie on disk. For a checkpoint
+        of many small tensors it is well above `payload_ratio`: every payload starts on an aligned offset."""
+        return self.output_file_bytes / self.source_file_bytes if self.source_file_bytes else 1.0
+
+    @property
+    def payload_ratio(self) -> float:
+        """Stored over raw tensor bytes, without headers and alignment padding."""
         return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
 
     @property
@@ -105,8 +116,10 @@ class ConversionReport:
             f"  raw       {len(raw):>6} tensors  {format_bytes(sum(r.raw_bytes for r in raw)):>10}",
         ]
         lines += [f"    {n:>6} x {reason} ({format_bytes(nbytes)})" for reason, n, nbytes in self.raw_reasons()]
-        lines.append(f"  total     {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)}: ratio "
-                     f"{self.ratio:.4f} ({(1 - self.ratio) * 100:.1f} % smaller)")
+        lines.append(f"  on disk   {format_bytes(self.source_file_bytes)} -> {format_bytes(self.output_file_bytes)}: "
+                     f"ratio {self.ratio:.4f} ({size_change(self.ratio)}; headers and alignment padding included)")
+        lines.append(f"  payloads  {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)}: ratio "
+                     f"{self.payload_ratio:.4f} (tensor bytes alone)")
         coverages = [r.coverage for r in encoded if r.coverage is not None]
         if coverages:
             lines.append(f"  coverage  min {min(coverages):.4f}, median {statistics.median(coverages):.4f} "
@@ -114,13 +127,19 @@ class ConversionReport:
         lines.append(f"  time      {self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights")
         return lines
 
-
     def restored_summary(self) -> list[str]:
         """The end report of a decompression: tensors and files written, sizes, time, throughput."""
         copied = f", copied {self.files_copied} other file(s)" if self.files_copied else ""
         return [f"Decompressed {len(self.records)} tensors in {self.files_written} file(s){copied}",
                 f"  {format_bytes(self.stored_bytes)} stored -> {format_bytes(self.raw_bytes)} raw in "
                 f"{self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights"]
+
+
+def size_change(ratio: float) -> str:
+    """``0.75`` -> ``'25.0 % smaller'``, ``1.056`` -> ``'5.6 % larger'``."""
+    if round(ratio, 3) == 1:
+        return "the same size"
+    return f"{abs(1 - ratio) * 100:.1f} % {'smaller' if ratio < 1 else 'larger'}"
 
 
 def format_bytes(n: int) -> str:

@@ -56,7 +56,8 @@ class VerifyReport:
 
 
 def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
-    """Verify a ``.szt`` file, a ``*.szt.index.json`` index with its shards, or a converted folder.
+    """Verify a .szt file (recognised by its magic bytes, whatever its name), a ``*.szt.index.json`` index with
+    its shards, or a converted folder.
 
     Returns:
         `VerifyReport`: the problems found (an empty list when every check passed).
@@ -67,7 +68,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         ShardIndexError: ``path`` is an index, and it is malformed.
     """
     started = time.perf_counter()
-    files = find_files(path, C.FILE_SUFFIX)
+    files = find_files(path, C.FILE_SUFFIX, magic=C.MAGIC)
     report = VerifyReport()
     sizes: dict[str, dict[str, int] | None] = {}  # None: the file does not open
     for rel in files.weights:
