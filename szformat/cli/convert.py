@@ -11,6 +11,8 @@ from ._common import add_command, add_quiet, print_lines, show_progress
 NAME = "convert"
 HUB_REF_PREFIX = "hf://"
 """What marks a Hub source; tested here so that local conversions do not import huggingface_hub (0.3 s)."""
+CAST_CHOICES = ("bf16",)
+"""The values of --cast (szformat.convert.cast.CAST_TARGETS, repeated here so that --help does not import torch)."""
 
 EXAMPLES = """\
 examples:
@@ -20,9 +22,16 @@ examples:
   szconvert ./FLUX.1-dev ./FLUX.1-dev-szt           a model folder, sub-folders (transformer/, vae/...) included
   szconvert model.safetensors --device cuda         encode on the GPU (the same bytes, faster)
   szconvert hf://user/model ./model-szt --push-to-hub user/model-szt
+  szconvert model-fp32.safetensors --cast bf16      cast F32/F16 tensors to BF16, then compress (lossy)
 
 The command 'convert' may be left out: 'szconvert IN OUT' is 'szconvert convert IN OUT'.
 Every tensor is decoded again and compared bit for bit before it is written; outputs appear whole or not at all.
+
+What compresses: BF16 tensors only, to about 75 % of their bytes. Every other tensor (F32, F16, FP8, integers) is
+stored as it is, so an F32 or F16 checkpoint gives a file no smaller than its source. For such a checkpoint,
+--cast bf16 casts its F16/F32/F64 tensors to BF16 first (an F32 tensor halves, then compresses): lossy, the output
+holds the cast values (rounded to nearest even, as torch's .to(torch.bfloat16)), its metadata records the cast,
+and verify checks the cast values.
 """
 
 
@@ -37,6 +46,9 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                                                   "file (default for a single file: beside it, with .szt)")
     parser.add_argument("--device", default="cpu", help="where to encode: cpu (default) or cuda")
     parser.add_argument("--overwrite", action="store_true", help="replace an existing output")
+    parser.add_argument("--cast", choices=CAST_CHOICES,
+                        help="cast F16/F32/F64 tensors to this dtype before compressing (LOSSY: the output is not "
+                             "bit-exact to the source; only BF16 compresses)")
     hub = parser.add_argument_group("Hugging Face Hub")
     hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the result to this model repo")
     hub.add_argument("--private", action="store_true", help="create the repo private (with --push-to-hub)")
@@ -64,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
         base_model = ref.repo_id
         source = hub.download_safetensors_repo(ref, token=args.token)
 
-    report = convert(source, args.output, device=args.device, overwrite=args.overwrite,
+    report = convert(source, args.output, device=args.device, overwrite=args.overwrite, cast=args.cast,
                      progress=show_progress(args))
     if not args.quiet:
         print_lines([f"Wrote {report.output}"] + report.summary())

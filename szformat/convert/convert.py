@@ -10,6 +10,7 @@ time- or machine-dependent is stored.
 from __future__ import annotations
 
 import os
+from collections import Counter
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -18,8 +19,10 @@ import torch
 
 from ..api import write_tensor
 from ..codec.gate import CodecBackend
+from ..errors import ConversionError
 from ..format import constants as C
 from ..format.writer import SztWriter
+from .cast import CAST_TARGETS, cast_dtypes, cast_metadata, cast_to_bf16
 from .device import codec_for
 from .driver import TensorDone, run_pass
 from .report import ConversionReport
@@ -28,8 +31,11 @@ from .sources import SUFFIX, SafetensorsSource, read_safetensors_header
 
 def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, *,
             device: str | torch.device = "cpu", backend: CodecBackend | None = None, overwrite: bool = False,
-            alignment: int = C.DEFAULT_ALIGNMENT, progress: bool = False) -> ConversionReport:
+            alignment: int = C.DEFAULT_ALIGNMENT, cast: str | None = None, progress: bool = False) -> ConversionReport:
     """Convert a safetensors checkpoint to szformat.
+
+    Only BF16 tensors compress; every other tensor is stored as it is, bit for bit. For an F32 or F16 checkpoint,
+    ``cast="bf16"`` casts its floating-point tensors to BF16 first: lossy, and only when asked.
 
     Args:
         source (`str` or `os.PathLike`): a ``.safetensors`` file, a ``*.safetensors.index.json`` sharded index, or
@@ -42,6 +48,10 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
             instead of the one ``device`` selects.
         overwrite (`bool`, *optional*): replace an existing output.
         alignment (`int`, *optional*): payload alignment of the .szt files (4096 by default).
+        cast (`str`, *optional*): ``"bf16"`` casts every F16, F32 and F64 tensor to BF16 before encoding it,
+            rounding to nearest even as ``tensor.to(torch.bfloat16)`` does. Lossy: the output holds the cast values
+            (its checksums and ``verify`` cover those), and its ``__metadata__`` records the cast under
+            ``"szformat.cast"``. Other dtypes are left as they are.
         progress (`bool`, *optional*): show a progress bar on stderr.
 
     Returns:
@@ -60,19 +70,36 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
         >>> convert("model.safetensors")  # writes model.szt  # doctest: +SKIP
         >>> convert("Llama-3.2-1B/", "Llama-3.2-1B-szt/", device="cuda")  # doctest: +SKIP
     """
+    if cast not in (None, *CAST_TARGETS):
+        raise ConversionError(f"cast={cast!r} is not supported; the one cast is 'bf16'", path=source)
     codec, device = (backend, torch.device(device)) if backend is not None else codec_for(device)
+    cast_counts: Counter[str] = Counter()
+
+    def read_sizes(path: Path) -> dict[str, int]:
+        """Raw bytes of each tensor as it will be stored (a BF16 cast halves an F32 tensor)."""
+        tensors = read_safetensors_header(path).tensors
+        cast_from = cast_dtypes(tensors) if cast else set()
+        return {t.name: t.nbytes // C.itemsize(t.dtype) * 2 if t.dtype in cast_from else t.nbytes for t in tensors}
 
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
-        with SafetensorsSource(src) as reader, SztWriter(dst, metadata=reader.metadata,
-                                                         alignment=alignment) as writer:
-            for tensor, raw in reader.tensors():
-                tensor_done(write_tensor(writer, tensor.name, tensor.dtype, tensor.shape, raw, backend=codec,
-                                         device=device))
+        with SafetensorsSource(src) as reader:
+            cast_from = cast_dtypes(reader.header.tensors) if cast else set()
+            with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)),
+                           alignment=alignment) as writer:
+                for tensor, raw in reader.tensors():
+                    dtype = tensor.dtype
+                    if dtype in cast_from:
+                        raw, dtype = cast_to_bf16(raw, dtype), "BF16"
+                        cast_counts[tensor.dtype] += 1
+                    tensor_done(write_tensor(writer, tensor.name, dtype, tensor.shape, raw, backend=codec,
+                                             device=device))
 
     with _one_intra_op_thread():
-        return run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX,
-                        read_sizes=lambda path: read_safetensors_header(path).sizes, write_file=write_file,
-                        overwrite=overwrite, progress=progress, description="converting")
+        report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,
+                          write_file=write_file, overwrite=overwrite, progress=progress, description="converting")
+    report.cast_from = dict(sorted(cast_counts.items()))
+    report.cast = cast
+    return report
 
 
 @contextmanager

@@ -10,6 +10,7 @@ from pathlib import Path
 
 from ..format import constants as C
 from ..format.header import TensorEntry
+from .cast import CAST_DTYPES
 
 
 @dataclass(frozen=True)
@@ -62,6 +63,10 @@ class ConversionReport:
     """Sizes on disk of the weight files read (headers included; copied config files left out)."""
     output_file_bytes: int = 0
     """Sizes on disk of the weight files written: payloads, alignment padding and headers."""
+    cast: str | None = None
+    """The cast asked for (``"bf16"``), if any."""
+    cast_from: dict[str, int] = field(default_factory=dict)
+    """Source dtype -> number of tensors cast from it (their records show the cast dtype)."""
 
     @property
     def raw_bytes(self) -> int:
@@ -125,7 +130,25 @@ class ConversionReport:
             lines.append(f"  coverage  min {min(coverages):.4f}, median {statistics.median(coverages):.4f} "
                          f"(Top-16 exponents, encoded tensors)")
         lines.append(f"  time      {self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights")
-        return lines
+        return lines + self._dtype_lines()
+
+    def _dtype_lines(self) -> list[str]:
+        """What was cast, or, for floating-point tensors that were not, that only BF16 compresses and what to do."""
+        if self.cast:
+            if not self.cast_from:
+                return [f"  cast      --cast {self.cast}: no {'/'.join(CAST_DTYPES)} tensor to cast"]
+            return [f"  cast      {_dtype_counts(self.cast_from)} cast to BF16 (--cast {self.cast})",
+                    "            lossy: the output is not bit-exact to the source; verify checks the cast values"]
+        uncast = [r for r in self.stored_raw if r.dtype in CAST_DTYPES]
+        if not uncast:
+            return []
+        lines = [] if self.encoded else ["  nothing was compressed: only BF16 tensors compress, and this checkpoint "
+                                         "has none"]
+        counts = Counter(r.dtype for r in uncast)
+        return lines + [f"  note      only BF16 tensors compress: {_dtype_counts(counts)} "
+                        f"({format_bytes(sum(r.raw_bytes for r in uncast))}) stored as they are",
+                        "            --cast bf16 casts them to BF16 first (lossy: the output is then not bit-exact "
+                        "to the source)"]
 
     def restored_summary(self) -> list[str]:
         """The end report of a decompression: tensors and files written, sizes, time, throughput."""
@@ -133,6 +156,11 @@ class ConversionReport:
         return [f"Decompressed {len(self.records)} tensors in {self.files_written} file(s){copied}",
                 f"  {format_bytes(self.stored_bytes)} stored -> {format_bytes(self.raw_bytes)} raw in "
                 f"{self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights"]
+
+
+def _dtype_counts(counts: dict[str, int]) -> str:
+    """``{"F16": 1, "F32": 12}`` -> ``'1 F16, 12 F32 tensor(s)'``."""
+    return ", ".join(f"{n} {dtype}" for dtype, n in sorted(counts.items())) + " tensor(s)"
 
 
 def size_change(ratio: float) -> str:
