@@ -30,6 +30,7 @@ __all__ = [
     "HubReferenceError",
     "HubCheckpointNotFoundError",
     "PushError",
+    "HubRequestError",
 ]
 
 
@@ -147,7 +148,13 @@ class HubCheckpointNotFoundError(SzformatError, FileNotFoundError):
 
 
 class PushError(SzformatError, ValueError):
-    """Raised when a path cannot be pushed as a checkpoint (no .szt file, an index naming a shard that is absent)."""
+    """Raised when a path cannot be pushed as a checkpoint (no .szt file, an index naming a shard that is absent),
+    or when no token, or a token of another namespace, is at hand for the push."""
+
+
+class HubRequestError(SzformatError, OSError):
+    """Raised by the command line when the Hub cannot be reached or refuses a request; the message is one line. (The
+    library lets huggingface_hub's own errors through.)"""
 
 
 # COMMAND LINE

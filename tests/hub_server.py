@@ -1,6 +1,6 @@
 """A Hugging Face Hub-compatible HTTP server on loopback, for tests that drive the real ``huggingface_hub`` client.
 
-It implements the endpoints the client calls to create repos and branches, commit files (preupload, LFS batch,
+It implements the endpoints the client calls to identify a token (whoami), create repos and branches, commit files (preupload, LFS batch,
 the upload PUT, the ndjson commit), describe repos (repo info, tree) and resolve files (HEAD and GET with ``ETag``,
 ``X-Repo-Commit``, ``X-Linked-Etag``/``X-Linked-Size`` for LFS files, byte ranges), and answers errors with the
 ``X-Error-Code`` headers the client maps to ``RepositoryNotFoundError``, ``RevisionNotFoundError`` and
@@ -206,6 +206,8 @@ class Routes:
             return self.create_repo(req)
         if m == "POST" and s == ["api", "validate-yaml"]:
             return self.validate_yaml(req)
+        if m == "GET" and s == ["api", "whoami-v2"]:
+            return self.whoami(req)
         if len(s) >= 4 and s[:2] == ["api", "models"]:
             repo_id, rest = f"{s[2]}/{s[3]}", s[4:]
             if m == "GET" and not rest:
@@ -227,6 +229,13 @@ class Routes:
         if m in ("GET", "HEAD") and len(s) >= 5 and s[2] == "resolve":
             return self.resolve(req, f"{s[0]}/{s[1]}", s[3], "/".join(s[4:]))
         raise HubError(404, f"No route for {m} /{'/'.join(s)}")
+
+    @staticmethod
+    def whoami(req: Request) -> Response:
+        if req.user is None:
+            raise HubError(401, "Invalid username or password.")
+        return Response.of_json({"type": "user", "name": req.user, "orgs": [],
+                                 "auth": {"type": "access_token", "accessToken": {"role": "write"}}})
 
     # -- repos and branches ------------------------------------------------------------------------------------
 

@@ -3,6 +3,7 @@ against the loopback Hub (the real huggingface_hub client, no request leaves the
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import subprocess
@@ -13,13 +14,14 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import HfApi, constants
-from safetensors.torch import save_file as save_safetensors
+from safetensors.torch import load_file as load_safetensors, save_file as save_safetensors
 
 import szformat
 from szformat.cli.main import main
+from szformat.convert.report import format_bytes
 from szformat.errors import ConversionError
 
-from hub_server import LoopbackHub
+from hub_server import HubError, LoopbackHub
 from test_convert import (METADATA, RecordingBackend, assert_same_tensors, convert_module, flip_payload_byte, listing,
                           model_tensors, write_sharded)
 
@@ -34,11 +36,21 @@ def model_file(tmp_path: Path) -> Path:
     return path
 
 
-def run_cli(*args: str) -> subprocess.CompletedProcess:
-    """``python -m szformat.cli ARGS`` in a fresh interpreter, as the console script runs it."""
+def cli_env() -> dict[str, str]:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), os.environ.get("PYTHONPATH", "")])}
     env.pop("SZFORMAT_DEBUG", None)
-    return subprocess.run([sys.executable, "-m", "szformat.cli", *args], capture_output=True, text=True, env=env,
+    return env
+
+
+def run_cli(*args: str) -> subprocess.CompletedProcess:
+    """``python -m szformat.cli ARGS`` in a fresh interpreter, as the console script runs it."""
+    return subprocess.run([sys.executable, "-m", "szformat.cli", *args], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+
+
+def run_python(script: str, *args: str) -> subprocess.CompletedProcess:
+    """``python -c SCRIPT ARGS`` in a fresh interpreter, with this checkout's szformat importable."""
+    return subprocess.run([sys.executable, "-c", script, *args], capture_output=True, text=True, env=cli_env(),
                           timeout=300)
 
 
@@ -188,6 +200,118 @@ def test_usage_errors_and_help(capsys):
     assert "COMMAND" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv", [
+    ["-q", "{src}", "{out}"],
+    ["{src}", "-q", "{out}"],
+    ["convert", "{src}", "-q", "{out}"],
+    ["-q", "convert", "{src}", "{out}"],
+    ["--device", "cpu", "{src}", "--overwrite", "{out}", "--quiet"],
+    ["--token", "verify", "{src}", "{out}", "-q"],  # the value of an option is never taken for a command
+    ["convert", "-q", "--", "{src}", "{out}"],
+])
+def test_options_go_before_between_and_after_paths(model_file, tmp_path, capsys, argv):
+    assert main([arg.format(src=model_file, out=tmp_path / "o.szt") for arg in argv]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert_same_tensors(szformat.load_file(tmp_path / "o.szt"), model_tensors())
+
+
+def test_options_anywhere_in_every_command(model_file, tmp_path, capsys):
+    szt, back = str(tmp_path / "m.szt"), str(tmp_path / "back.safetensors")
+    assert main([str(model_file), szt, "-q"]) == 0
+    assert main(["-q", "verify", szt]) == 0 and main(["verify", szt, "-q"]) == 0
+    assert main(["decompress", szt, "-q", back]) == 0 and main(["-q", "decompress", szt, back, "--overwrite"]) == 0
+    assert capsys.readouterr() == ("", "")
+    assert Path(back).read_bytes() == model_file.read_bytes()
+    assert main(["--json", "info", szt]) == 0
+    assert json.loads(capsys.readouterr().out)["total"]["tensor_count"] == 10
+
+
+def test_a_usage_error_shows_the_usage_of_its_command(model_file, capsys):
+    with pytest.raises(SystemExit) as info:
+        main([str(model_file), "--bogus"])
+    assert info.value.code == 2
+    err = capsys.readouterr().err
+    assert err.startswith("usage: szconvert convert [-h]")
+    assert err.splitlines()[-1] == "szconvert convert: error: unrecognized arguments: --bogus"
+
+
+# -- what compresses: ratios and casts ---------------------------------------------------------------------------
+
+
+def test_report_and_info_give_the_true_size_ratio(tmp_path, capsys):
+    """Many small tensors: every payload starts on a 4096-byte boundary, so the file is much larger than its
+    payloads, and larger than its source."""
+    g = torch.Generator().manual_seed(7)
+    tensors = {f"layers.{i}.weight": (torch.randn(24, 16, generator=g) * 0.02).to(torch.bfloat16) for i in range(40)}
+    source, szt = tmp_path / "small.safetensors", tmp_path / "small.szt"
+    save_safetensors(tensors, source)
+    assert main([str(source), str(szt)]) == 0
+    report = capsys.readouterr().out.splitlines()
+    assert main(["info", str(szt), "--json"]) == 0
+    total = json.loads(capsys.readouterr().out)["total"]
+    raw_bytes = sum(t.numel() * 2 for t in tensors.values())
+    ratio, payload_ratio = szt.stat().st_size / source.stat().st_size, total["stored_bytes"] / raw_bytes
+    assert payload_ratio < 0.9 < 1.5 < ratio
+    assert (total["file_bytes"], total["safetensors_bytes"], total["raw_bytes"]) == (
+        szt.stat().st_size, source.stat().st_size, raw_bytes)  # a file safetensors wrote: its size comes back
+    assert (total["ratio"], total["payload_ratio"]) == (pytest.approx(ratio), pytest.approx(payload_ratio))
+    on_disk = (f"ratio {ratio:.4f} ({(ratio - 1) * 100:.1f} % larger")
+    assert f"  on disk   {format_bytes(source.stat().st_size)} -> {format_bytes(szt.stat().st_size)}: {on_disk}; " \
+           "headers and alignment padding included)" in report
+    assert f"  payloads  {format_bytes(raw_bytes)} -> {format_bytes(total['stored_bytes'])}: ratio " \
+           f"{payload_ratio:.4f} (tensor bytes alone)" in report
+    assert main(["info", str(szt)]) == 0
+    assert capsys.readouterr().out.splitlines()[1:3] == [
+        f"  40 tensors ({total['encoded_count']} encoded, {total['raw_count']} raw), {on_disk.replace('(', 'on disk (')}"
+        f"): {format_bytes(szt.stat().st_size)} against {format_bytes(source.stat().st_size)} as .safetensors",
+        f"  payloads {format_bytes(raw_bytes)} raw -> {format_bytes(total['stored_bytes'])} stored, ratio "
+        f"{payload_ratio:.4f} (tensor bytes alone)"]
+
+
+def f32_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(11)
+    tensors = {"dense.weight": torch.randn(64, 48, generator=g) * 0.05, "dense.bias": torch.randn(48, generator=g),
+               "norm.weight": torch.randn(48, generator=g).half(), "norm.scale": torch.randn(4, generator=g).double(),
+               "position_ids": torch.arange(16), "already.bf16": torch.randn(32, 32, generator=g).to(torch.bfloat16)}
+    save_safetensors(tensors, path, metadata={"format": "pt"})
+    return tensors
+
+
+def test_an_f32_checkpoint_report_says_nothing_compressed_and_suggests_the_cast(tmp_path, capsys):
+    tensors = {name: t for name, t in f32_checkpoint(tmp_path / "all.safetensors").items() if name != "already.bf16"}
+    save_safetensors(tensors, tmp_path / "f32.safetensors")
+    assert main([str(tmp_path / "f32.safetensors")]) == 0
+    floats = sum(t.numel() * t.element_size() for t in tensors.values() if t.is_floating_point())
+    assert capsys.readouterr().out.splitlines()[-3:] == [
+        "  nothing was compressed: only BF16 tensors compress, and this checkpoint has none",
+        f"  note      only BF16 tensors compress: 1 F16, 2 F32, 1 F64 tensor(s) ({format_bytes(floats)}) stored as "
+        "they are",
+        "            --cast bf16 casts them to BF16 first (lossy: the output is then not bit-exact to the source)"]
+    with pytest.raises(SystemExit):
+        main(["convert", "--help"])
+    help_text = " ".join(capsys.readouterr().out.split())
+    assert "What compresses: BF16 tensors only" in help_text and "--cast {bf16}" in help_text
+    assert "For such a checkpoint, --cast bf16 casts its F16/F32/F64 tensors to BF16 first" in help_text
+
+
+def test_cast_bf16_encodes_the_cast_tensors_and_records_the_cast(tmp_path, capsys):
+    tensors = f32_checkpoint(tmp_path / "mixed.safetensors")
+    szt = tmp_path / "mixed.szt"
+    assert main([str(tmp_path / "mixed.safetensors"), str(szt), "--cast", "bf16"]) == 0
+    assert capsys.readouterr().out.splitlines()[-2:] == [
+        "  cast      1 F16, 2 F32, 1 F64 tensor(s) cast to BF16 (--cast bf16)",
+        "            lossy: the output is not bit-exact to the source; verify checks the cast values"]
+    cast = {name: t.to(torch.bfloat16) if t.is_floating_point() else t for name, t in tensors.items()}
+    assert_same_tensors(szformat.load_file(szt), cast)
+    with szformat.safe_open(szt, framework="pt") as f:
+        assert f.metadata() == {"format": "pt", "szformat.cast": "F16,F32,F64->BF16"}
+        assert f.descriptor("dense.weight").encoding == "splitzip"
+    assert main(["verify", str(szt)]) == 0
+    assert main(["decompress", str(szt), str(tmp_path / "back.safetensors")]) == 0
+    capsys.readouterr()
+    assert_same_tensors(load_safetensors(tmp_path / "back.safetensors"), cast)
+
+
 # -- decompress, info, verify ------------------------------------------------------------------------------------
 
 
@@ -300,6 +424,29 @@ def test_verify_exit_codes_and_bad_tensor_names(model_file, tmp_path, capsys):
     assert "m.szt: tensor 'embed.weight': CRC-32 of the stored bytes" in captured.err
 
 
+@pytest.mark.parametrize("name", ["out.bin", "UPPER.SZT", "weights"])
+def test_szt_files_are_recognised_by_their_magic_whatever_their_name(model_file, tmp_path, capsys, name):
+    szt = tmp_path / name
+    assert main([str(model_file), str(szt), "-q"]) == 0
+    assert main(["info", str(szt)]) == 0
+    assert capsys.readouterr().out.startswith(f"{name}: szt 1.0, alignment 4096")
+    assert main(["verify", str(szt), "-q"]) == 0
+    assert main(["decompress", str(szt), "-q"]) == 0  # the last suffix is replaced
+    back = tmp_path / (name.split(".")[0] + ".safetensors")
+    assert back.read_bytes() == model_file.read_bytes()
+
+
+@pytest.mark.parametrize("command", ["info", "verify", "decompress"])
+def test_a_file_without_the_magic_is_named_as_not_szt(model_file, tmp_path, capsys, command):
+    (tmp_path / "notes.bin").write_bytes(b"just some bytes")
+    for path in (model_file, tmp_path / "notes.bin"):
+        assert main([command, str(path)]) == 1
+        assert error_line(capsys.readouterr().err) == (
+            f"szconvert: error: file '{path}': not a .szt file (it does not start with the .szt magic bytes), nor a "
+            f"*.szt.index.json index or a folder")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.safetensors", "notes.bin"]
+
+
 # -- the console entry point -------------------------------------------------------------------------------------
 
 
@@ -314,6 +461,62 @@ def test_console_entry_point_in_a_subprocess(model_file, tmp_path):
     assert error_line(failed.stderr) == f"szconvert: error: no such file or folder: '{tmp_path}/missing.safetensors'"
     usage = run_cli("--help")
     assert usage.returncode == 0 and "examples:" in usage.stdout
+
+
+@pytest.mark.parametrize("args, status", [(["info", "{szt}"], 141), (["info", "{szt}", "--json"], 141),
+                                          (["--help"], 0)])  # argparse drops a help text it cannot write
+def test_a_closed_pipe_ends_the_command_quietly(model_file, tmp_path, args, status):
+    """``szconvert info m.szt | head`` with the reader gone before anything is written: no error, no traceback, and
+    the status a shell reports for a command stopped by a closed pipe."""
+    main([str(model_file), str(tmp_path / "m.szt"), "-q"])
+    argv = [sys.executable, "-m", "szformat", *(arg.format(szt=tmp_path / "m.szt") for arg in args)]
+    process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
+    process.stdout.close()  # the reading end: the child, still starting, has written nothing yet
+    stderr = process.stderr.read()
+    assert process.wait(timeout=300) == status and stderr == b""
+
+
+@pytest.mark.parametrize("args", [["--version"], ["--help"], ["convert", "--help"], ["info", "--help"]])
+def test_help_and_version_do_not_import_torch(args):
+    script = ("import sys\n"
+              "from szformat.cli.main import main\n"
+              "try:\n    main(sys.argv[1:])\nexcept SystemExit as e:\n    assert e.code == 0, e.code\n"
+              "print(sorted(m for m in ('torch', 'huggingface_hub', 'numpy', 'triton') if m in sys.modules))")
+    done = run_python(script, *args)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines()[-1] == "[]"
+
+
+def test_import_szformat_is_light_and_its_functions_still_load():
+    done = run_python("import sys, szformat\n"
+                      "print('torch' in sys.modules, sorted(szformat.__all__) == sorted(set(dir(szformat)) & "
+                      "set(szformat.__all__)))\n"
+                      "from szformat import load_file\n"
+                      "print('torch' in sys.modules, load_file is szformat.load_file, szformat.save_file.__module__)")
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == ["False True", "True True szformat.api"]
+
+
+def test_python_m_szformat_runs_szconvert():
+    done = subprocess.run([sys.executable, "-m", "szformat", "--help"], capture_output=True, text=True,
+                          env=cli_env(), timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("usage: szconvert [-h] [--version] COMMAND ...")
+
+
+def test_ctrl_c_while_torch_loads_prints_one_line(model_file, tmp_path):
+    """The interrupt arrives while the command imports torch (a second or two at every start)."""
+    main([str(model_file), str(tmp_path / "m.szt"), "-q"])
+    script = ("import sys\n"
+              "class CtrlC:\n"
+              "    def find_spec(self, name, path=None, target=None):\n"
+              "        if name == 'torch':\n            raise KeyboardInterrupt\n"
+              "sys.meta_path.insert(0, CtrlC())\n"
+              "from szformat.cli.main import main\n"
+              "sys.exit(main(sys.argv[1:]))")
+    done = run_python(script, "info", str(tmp_path / "m.szt"))
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", "szconvert: interrupted; no partial output was "
+                                                                    "left\n")
 
 
 # -- the Hub -----------------------------------------------------------------------------------------------------
@@ -368,3 +571,59 @@ def test_hub_source_needs_an_output(hub, capsys):
     assert main(["hf://alice/source"]) == 1
     assert error_line(capsys.readouterr().err) == "szconvert: error: give an output path: szconvert " \
                                                   "hf://alice/source ./out"
+
+
+@pytest.mark.parametrize("case", ["no token", "bad token", "other namespace", "Hub down"])
+def test_push_problems_are_found_before_converting(hub, model_file, tmp_path, capsys, case):
+    argv = [str(model_file), str(tmp_path / "out.szt"), "--push-to-hub",
+            "bob/model-szt" if case == "other namespace" else "alice/model-szt"]
+    argv += [] if case == "no token" else ["--token", "hf_not_a_token" if case == "bad token" else OWNER_TOKEN]
+    if case == "Hub down":
+        hub.stop()
+    expected = {
+        "no token": "pushing to 'alice/model-szt' needs a Hub token: pass one (--token), set HF_TOKEN or run "
+                    "'hf auth login'",
+        "bad token": "the Hub refused the request (401 Unauthorized): Invalid user token.",
+        "other namespace": "the token belongs to 'alice', who cannot write to 'bob/model-szt' (namespaces: alice)",
+        "Hub down": f"cannot reach the Hub at {hub.endpoint}: [Errno 111] Connection refused",
+    }[case]
+    before = listing(tmp_path)
+    assert main(argv) == 1
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert error_line(captured.err) == f"szconvert: error: {expected}"
+    assert listing(tmp_path) == before  # nothing was converted
+    assert not hub.state.repos
+
+
+def test_the_repo_is_created_before_converting(hub, model_file, tmp_path, capsys):
+    created = []
+    real_convert = importlib.import_module("szformat.convert.convert").convert
+
+    def convert(*args, **kwargs):
+        created.append(sorted(hub.state.repos))
+        return real_convert(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr("szformat.convert.convert", convert)
+        assert main([str(model_file), str(tmp_path / "out.szt"), "--push-to-hub", "alice/model-szt", "--private",
+                     "--token", OWNER_TOKEN, "-q"]) == 0
+    assert created == [["alice/model-szt"]] and hub.is_private("alice/model-szt")
+    assert hub.files("alice/model-szt")["out.szt"] == (tmp_path / "out.szt").read_bytes()
+
+
+def test_a_refused_push_or_download_is_one_line(hub, model_file, tmp_path, capsys):
+    def refuse_uploads(method: str, path: str) -> None:
+        if path.endswith("/preupload/main"):
+            raise HubError(403, "Storage quota exceeded")
+
+    hub.after_request = refuse_uploads
+    assert main([str(model_file), str(tmp_path / "out.szt"), "--push-to-hub", "alice/model-szt", "--token",
+                 OWNER_TOKEN]) == 1
+    captured = capsys.readouterr()
+    assert "Converted 10 tensors" in captured.out  # converted, then refused
+    assert error_line(captured.err) == ("szconvert: error: the Hub refused the request (403 Forbidden): Storage quota "
+                                        "exceeded")
+    assert main(["hf://alice/missing", str(tmp_path / "from-hub"), "--token", OWNER_TOKEN]) == 1
+    assert error_line(capsys.readouterr().err) == ("szconvert: error: the Hub refused the request (404 Not Found): "
+                                                   "Repository not found")

@@ -4,9 +4,13 @@ from __future__ import annotations
 
 import argparse
 import os
+from typing import TYPE_CHECKING
 
 from ..errors import CLIError
 from ._common import add_command, add_quiet, print_lines, show_progress
+
+if TYPE_CHECKING:
+    from ..convert import ConversionReport
 
 NAME = "convert"
 HUB_REF_PREFIX = "hf://"
@@ -59,34 +63,39 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..convert import convert
-
     push_only = [flag for flag, value in (("--private", args.private), ("--revision", args.revision),
                                           ("--commit-message", args.commit_message)) if value]
     if push_only and not args.push_to_hub:
         raise CLIError(f"{', '.join(push_only)} only apply to an upload: add --push-to-hub USER/REPO")
-    hub = _hub_module() if args.push_to_hub or args.input.startswith(HUB_REF_PREFIX) else None
+    from_hub = args.input.startswith(HUB_REF_PREFIX)
+    if from_hub and args.output is None:
+        raise CLIError(f"give an output path: szconvert {args.input} ./out")
+    if not (args.push_to_hub or from_hub):
+        _convert(args, args.input)
+        return 0
+    hub = _hub_module()
+    with hub.one_line_errors():
+        ref = hub.parse_hub_ref(args.input) if from_hub else None
+        if args.push_to_hub:  # token, network and repo are checked before a conversion that may take minutes
+            hub.check_push_access(args.push_to_hub, private=args.private or None, token=args.token)
+        report = _convert(args, hub.download_safetensors_repo(ref, token=args.token) if ref else args.input)
+        if args.push_to_hub:
+            commit = hub.push_to_hub(report.output, args.push_to_hub, private=args.private or None,
+                                     revision=args.revision, commit_message=args.commit_message, token=args.token,
+                                     base_model=ref.repo_id if ref else None)
+            if not args.quiet:
+                print(f"Pushed to {commit.commit_url}")
+    return 0
 
-    source: str | os.PathLike = args.input
-    base_model = None
-    if args.input.startswith(HUB_REF_PREFIX):
-        if args.output is None:
-            raise CLIError(f"give an output path: szconvert {args.input} ./out")
-        ref = hub.parse_hub_ref(args.input)
-        base_model = ref.repo_id
-        source = hub.download_safetensors_repo(ref, token=args.token)
+
+def _convert(args: argparse.Namespace, source: str | os.PathLike) -> ConversionReport:
+    from ..convert import convert
 
     report = convert(source, args.output, device=args.device, overwrite=args.overwrite, cast=args.cast,
                      progress=show_progress(args))
     if not args.quiet:
         print_lines([f"Wrote {report.output}"] + report.summary())
-    if args.push_to_hub:
-        commit = hub.push_to_hub(report.output, args.push_to_hub, private=args.private or None,
-                                 revision=args.revision, commit_message=args.commit_message, token=args.token,
-                                 base_model=base_model)
-        if not args.quiet:
-            print(f"Pushed to {commit.commit_url}")
-    return 0
+    return report
 
 
 def _hub_module():

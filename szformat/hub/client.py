@@ -1,6 +1,20 @@
-"""How szformat identifies itself to the Hub: ``library_name``/``library_version`` for the user agent."""
+"""How szformat talks to the Hub: its name and version for the user agent, and one-line reports of failed requests
+for the command line."""
 
 from __future__ import annotations
+
+import sys
+from contextlib import contextmanager
+from typing import Iterator
+
+from huggingface_hub import constants
+from huggingface_hub.utils import HfHubHTTPError
+
+from ..errors import HubRequestError
+
+TRANSPORT_ERRORS = (("requests", "RequestException"), ("httpx", "TransportError"), ("httpx2", "TransportError"))
+"""Where the HTTP clients of huggingface_hub releases keep their connection errors (requests before 1.0, httpx
+after); only the ones already imported are looked up."""
 
 
 def library_info() -> dict[str, str]:
@@ -8,3 +22,31 @@ def library_info() -> dict[str, str]:
     from .. import __version__  # the package root imports this package: read the version at call time
 
     return {"library_name": "szformat", "library_version": __version__}
+
+
+@contextmanager
+def one_line_errors() -> Iterator[None]:
+    """Turn a refused Hub request or a failed connection into `HubRequestError`, whose message fits on one line.
+
+    huggingface_hub's messages span several lines (status, URL, a documentation link, the server's message) and a
+    connection error surfaces as the HTTP client's own exception: the command line prints neither as it is.
+    """
+    try:
+        yield
+    except HfHubHTTPError as e:
+        raise HubRequestError(describe_http_error(e)) from e
+    except _transport_errors() as e:
+        raise HubRequestError(f"cannot reach the Hub at {constants.ENDPOINT}: {e}") from e
+
+
+def describe_http_error(error: HfHubHTTPError) -> str:
+    """``the Hub refused the request (403 Forbidden): You don't have the rights to write to bob/x``."""
+    response = error.response
+    reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None)  # httpx, requests
+    status = " ".join(str(part) for part in (getattr(response, "status_code", None), reason) if part)
+    message = error.server_message or str(error).strip().splitlines()[0]
+    return f"the Hub refused the request{f' ({status})' if status else ''}: {' '.join(message.split())}"
+
+
+def _transport_errors() -> tuple[type[BaseException], ...]:
+    return tuple(getattr(sys.modules[module], name) for module, name in TRANSPORT_ERRORS if module in sys.modules)

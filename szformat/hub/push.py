@@ -13,7 +13,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi
+from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelete, HfApi, get_token
 
 from ..errors import PushError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
@@ -85,6 +85,30 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
                        for name in _stale_checkpoint_files(api.list_repo_files(repo_id, revision=revision), files)]
     return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
                              revision=revision)
+
+
+def check_push_access(repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
+                      endpoint: str | None = None) -> None:
+    """Check, before a long conversion, that a push to ``repo_id`` can go through: a token is at hand, the Hub
+    answers and accepts it, its owner may write to the repo's namespace, and the repo exists or can be created
+    (it is created, with ``private``, as `push_to_hub` would).
+
+    Raises:
+        PushError: no token is configured, or the token's owner cannot write to the repo's namespace.
+        huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request.
+        The HTTP client's connection errors: the Hub cannot be reached.
+    """
+    if token is False or (not isinstance(token, str) and get_token() is None):
+        raise PushError(f"pushing to {repo_id!r} needs a Hub token: pass one (--token), set HF_TOKEN or run "
+                        "'hf auth login'")
+    api = HfApi(endpoint=endpoint, token=token, **library_info())
+    user = api.whoami()
+    namespace = repo_id.split("/")[0] if "/" in repo_id else user["name"]
+    writable = {user["name"]} | {org["name"] for org in user.get("orgs") or []}
+    if namespace not in writable:
+        raise PushError(f"the token belongs to {user['name']!r}, who cannot write to {repo_id!r} (namespaces: "
+                        f"{', '.join(sorted(writable))})")
+    api.create_repo(repo_id, private=private, exist_ok=True)
 
 
 def _stale_checkpoint_files(on_branch: list[str], pushed: dict[str, Path]) -> list[str]:
