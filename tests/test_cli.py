@@ -627,3 +627,7 @@ def test_a_refused_push_or_download_is_one_line(hub, model_file, tmp_path, capsy
     assert main(["hf://alice/missing", str(tmp_path / "from-hub"), "--token", OWNER_TOKEN]) == 1
     assert error_line(capsys.readouterr().err) == ("szconvert: error: the Hub refused the request (404 Not Found): "
                                                    "Repository not found")
+    hub.stop()
+    assert main(["hf://alice/model-szt", str(tmp_path / "from-hub"), "--token", OWNER_TOKEN]) == 1
+    assert error_line(capsys.readouterr().err) == (f"szconvert: error: cannot reach the Hub at {hub.endpoint}: "
+                                                   "[Errno 111] Connection refused")

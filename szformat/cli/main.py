@@ -67,7 +67,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             return _run(argv)
         finally:
-            sys.stdout.flush()  # a closed pipe surfaces here at the latest, while it can still be handled
+            if sys.stdout is not None:
+                sys.stdout.flush()  # a closed pipe surfaces here at the latest, while it can still be handled
     except BrokenPipeError:
         _discard_stdout()
         return CLOSED_PIPE_STATUS
@@ -142,4 +143,4 @@ def describe_error(error: Exception) -> str:
         return f"{error.filename!r} exists; pass --overwrite to replace it"
     if isinstance(error, OSError) and error.filename:
         return f"{error.strerror or error}: {error.filename!r}"
-    return str(error) or type(error).__name__
+    return " ".join(str(error).split()) or type(error).__name__  # other libraries' messages may span lines

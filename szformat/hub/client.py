@@ -8,7 +8,7 @@ from contextlib import contextmanager
 from typing import Iterator
 
 from huggingface_hub import constants
-from huggingface_hub.utils import HfHubHTTPError
+from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
 
 from ..errors import HubRequestError
 
@@ -36,7 +36,11 @@ def one_line_errors() -> Iterator[None]:
     except HfHubHTTPError as e:
         raise HubRequestError(describe_http_error(e)) from e
     except _transport_errors() as e:
-        raise HubRequestError(f"cannot reach the Hub at {constants.ENDPOINT}: {e}") from e
+        raise HubRequestError(_unreachable(e)) from e
+    except LocalEntryNotFoundError as e:  # a download that found neither the Hub nor a cached copy
+        if isinstance(e.__cause__, _transport_errors()):
+            raise HubRequestError(_unreachable(e.__cause__)) from e
+        raise HubRequestError(" ".join(str(e).split())) from e
 
 
 def describe_http_error(error: HfHubHTTPError) -> str:
@@ -46,6 +50,10 @@ def describe_http_error(error: HfHubHTTPError) -> str:
     status = " ".join(str(part) for part in (getattr(response, "status_code", None), reason) if part)
     message = error.server_message or str(error).strip().splitlines()[0]
     return f"the Hub refused the request{f' ({status})' if status else ''}: {' '.join(message.split())}"
+
+
+def _unreachable(error: BaseException) -> str:
+    return f"cannot reach the Hub at {constants.ENDPOINT}: {error}"
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:
