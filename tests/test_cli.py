@@ -72,6 +72,7 @@ def test_convert_is_the_default_command_and_prints_the_report(model_file, tmp_pa
     assert out.splitlines()[0] == f"Wrote {tmp_path / 'out.szt'}"
     assert "Converted 10 tensors in 1 file(s)" in out
     assert "1 x dtype F32 is not encoded" in out and "ratio 0." in out and "MB/s" in out and "coverage  min" in out
+    assert "--cast" not in out  # 192 bytes of F32 in a BF16 model: no reason to suggest a lossy cast
 
 
 def test_convert_subcommand_with_the_default_output(model_file, tmp_path, capsys):
@@ -251,19 +252,20 @@ def test_report_and_info_give_the_true_size_ratio(tmp_path, capsys):
     total = json.loads(capsys.readouterr().out)["total"]
     raw_bytes = sum(t.numel() * 2 for t in tensors.values())
     ratio, payload_ratio = szt.stat().st_size / source.stat().st_size, total["stored_bytes"] / raw_bytes
-    assert payload_ratio < 0.9 < 1.5 < ratio
+    assert payload_ratio < 0.9 < 2 < ratio
     assert (total["file_bytes"], total["safetensors_bytes"], total["raw_bytes"]) == (
         szt.stat().st_size, source.stat().st_size, raw_bytes)  # a file safetensors wrote: its size comes back
     assert (total["ratio"], total["payload_ratio"]) == (pytest.approx(ratio), pytest.approx(payload_ratio))
-    on_disk = (f"ratio {ratio:.4f} ({(ratio - 1) * 100:.1f} % larger")
-    assert f"  on disk   {format_bytes(source.stat().st_size)} -> {format_bytes(szt.stat().st_size)}: {on_disk}; " \
-           "headers and alignment padding included)" in report
+    sizes = f"{format_bytes(source.stat().st_size)} -> {format_bytes(szt.stat().st_size)}"
+    assert f"  on disk   {sizes}: ratio {ratio:.4f} ({ratio:.1f} times as large; headers and alignment padding " \
+           "included)" in report
     assert f"  payloads  {format_bytes(raw_bytes)} -> {format_bytes(total['stored_bytes'])}: ratio " \
            f"{payload_ratio:.4f} (tensor bytes alone)" in report
     assert main(["info", str(szt)]) == 0
     assert capsys.readouterr().out.splitlines()[1:3] == [
-        f"  40 tensors ({total['encoded_count']} encoded, {total['raw_count']} raw), {on_disk.replace('(', 'on disk (')}"
-        f"): {format_bytes(szt.stat().st_size)} against {format_bytes(source.stat().st_size)} as .safetensors",
+        f"  40 tensors ({total['encoded_count']} encoded, {total['raw_count']} raw), ratio {ratio:.4f} on disk "
+        f"({ratio:.1f} times as large): {format_bytes(szt.stat().st_size)} against "
+        f"{format_bytes(source.stat().st_size)} as .safetensors",
         f"  payloads {format_bytes(raw_bytes)} raw -> {format_bytes(total['stored_bytes'])} stored, ratio "
         f"{payload_ratio:.4f} (tensor bytes alone)"]
 
@@ -465,13 +467,16 @@ def test_console_entry_point_in_a_subprocess(model_file, tmp_path):
 
 @pytest.mark.parametrize("args, status", [(["info", "{szt}"], 141), (["info", "{szt}", "--json"], 141),
                                           (["--help"], 0)])  # argparse drops a help text it cannot write
-def test_a_closed_pipe_ends_the_command_quietly(model_file, tmp_path, args, status):
-    """``szconvert info m.szt | head`` with the reader gone before anything is written: no error, no traceback, and
-    the status a shell reports for a command stopped by a closed pipe."""
-    main([str(model_file), str(tmp_path / "m.szt"), "-q"])
+def test_a_closed_pipe_ends_the_command_quietly(tmp_path, args, status):
+    """``szconvert info m.szt | head``, the reader gone early: no error, no traceback, and the status a shell
+    reports for a command stopped by a closed pipe. The 1000 tensors make ``info`` print more than a pipe holds
+    (64 KiB), so its writes fail however late the reading end closes."""
+    save_safetensors({f"layers.{i}.weight": torch.ones(4, dtype=torch.bfloat16) for i in range(1000)},
+                     tmp_path / "m.safetensors")
+    main([str(tmp_path / "m.safetensors"), str(tmp_path / "m.szt"), "-q"])
     argv = [sys.executable, "-m", "szformat", *(arg.format(szt=tmp_path / "m.szt") for arg in args)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, env=cli_env())
-    process.stdout.close()  # the reading end: the child, still starting, has written nothing yet
+    process.stdout.close()  # the reading end, without reading anything
     stderr = process.stderr.read()
     assert process.wait(timeout=300) == status and stderr == b""
 

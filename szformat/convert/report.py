@@ -13,6 +13,11 @@ from ..format.header import TensorEntry
 from .cast import CAST_DTYPES
 
 
+CAST_HINT_SHARE = 0.1
+"""The summary suggests ``--cast bf16`` when F16/F32/F64 tensors left as they are hold this share of the raw bytes or
+more, or when nothing was compressed."""
+
+
 @dataclass(frozen=True)
 class TensorRecord:
     """One stored tensor: where it is, how it is stored, and how much it takes."""
@@ -140,13 +145,14 @@ class ConversionReport:
             return [f"  cast      {_dtype_counts(self.cast_from)} cast to BF16 (--cast {self.cast})",
                     "            lossy: the output is not bit-exact to the source; verify checks the cast values"]
         uncast = [r for r in self.stored_raw if r.dtype in CAST_DTYPES]
-        if not uncast:
-            return []
+        uncast_bytes = sum(r.raw_bytes for r in uncast)
+        if not uncast or (self.encoded and uncast_bytes < CAST_HINT_SHARE * self.raw_bytes):
+            return []  # a BF16 model's F32 norms are no reason to suggest a lossy cast
         lines = [] if self.encoded else ["  nothing was compressed: only BF16 tensors compress, and this checkpoint "
                                          "has none"]
         counts = Counter(r.dtype for r in uncast)
         return lines + [f"  note      only BF16 tensors compress: {_dtype_counts(counts)} "
-                        f"({format_bytes(sum(r.raw_bytes for r in uncast))}) stored as they are",
+                        f"({format_bytes(uncast_bytes)}) stored as they are",
                         "            --cast bf16 casts them to BF16 first (lossy: the output is then not bit-exact "
                         "to the source)"]
 
@@ -164,9 +170,11 @@ def _dtype_counts(counts: dict[str, int]) -> str:
 
 
 def size_change(ratio: float) -> str:
-    """``0.75`` -> ``'25.0 % smaller'``, ``1.056`` -> ``'5.6 % larger'``."""
+    """``0.75`` -> ``'25.0 % smaller'``, ``1.056`` -> ``'5.6 % larger'``, ``3.2`` -> ``'3.2 times as large'``."""
     if round(ratio, 3) == 1:
         return "the same size"
+    if ratio >= 2:
+        return f"{ratio:.1f} times as large"
     return f"{abs(1 - ratio) * 100:.1f} % {'smaller' if ratio < 1 else 'larger'}"
 
 
