@@ -54,7 +54,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                         help="cast F16/F32/F64 tensors to this dtype before compressing (LOSSY: the output is not "
                              "bit-exact to the source; only BF16 compresses)")
     hub = parser.add_argument_group("Hugging Face Hub")
-    hub.add_argument("--push-to-hub", metavar="REPO_ID", help="upload the result to this model repo")
+    hub.add_argument("--push-to-hub", metavar="REPO_ID",
+                     help="upload the result to this model repo (token and repo are checked before converting)")
     hub.add_argument("--private", action="store_true", help="create the repo private (with --push-to-hub)")
     hub.add_argument("--revision", help="branch to push to (with --push-to-hub), created if missing")
     hub.add_argument("--commit-message", help="message of the upload commit (with --push-to-hub)")
