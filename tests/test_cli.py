@@ -3,7 +3,6 @@ against the loopback Hub (the real huggingface_hub client, no request leaves the
 
 from __future__ import annotations
 
-import importlib
 import json
 import os
 import subprocess
@@ -603,14 +602,13 @@ def test_push_problems_are_found_before_converting(hub, model_file, tmp_path, ca
 
 def test_the_repo_is_created_before_converting(hub, model_file, tmp_path, capsys):
     created = []
-    real_convert = importlib.import_module("szformat.convert.convert").convert
 
     def convert(*args, **kwargs):
         created.append(sorted(hub.state.repos))
-        return real_convert(*args, **kwargs)
+        return convert_module.convert(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr("szformat.convert.convert", convert)
+        patch.setattr("szformat.convert.convert", convert)  # the function the package exports, which the CLI calls
         assert main([str(model_file), str(tmp_path / "out.szt"), "--push-to-hub", "alice/model-szt", "--private",
                      "--token", OWNER_TOKEN, "-q"]) == 0
     assert created == [["alice/model-szt"]] and hub.is_private("alice/model-szt")
