@@ -28,6 +28,7 @@ from szformat.offload.ddo_native import (RegisteredTicket, SztArenaWeightStore, 
                                          staged_windows)
 from szformat.offload.ddo_staging import StagingContext, SztStagingPool, group_destinations  # noqa: E402
 from szformat.offload.placeholders import Placeholders  # noqa: E402
+from szformat.offload.registered import runs  # noqa: E402
 
 from fakes import ReferenceCodec  # noqa: E402
 
@@ -309,12 +310,35 @@ def test_staging_copies_stored_bytes_once_then_decodes_before_the_upload_is_mark
     assert pool.copied_bytes == stored  # the stored bytes, not the raw ones
 
 
+class FakePages:
+    """RegisteredPages as the driver would leave them: the file's bytes, offered only inside the registered spans."""
+
+    def __init__(self, path, spans):
+        self.data, self.spans, self.closed = Path(path).read_bytes(), spans, False
+
+    def view(self, path, start, stop):
+        inside = any(lo <= start and stop <= hi for lo, hi in self.spans)
+        return torch.frombuffer(bytearray(self.data[start: stop]), dtype=torch.uint8) if inside else None
+
+    def close(self):
+        self.closed = True
+
+
+def spans_of(checkpoint, names):
+    return [(checkpoint.entries[n].offset, checkpoint.entries[n].offset + checkpoint.entries[n].length) for n in names]
+
+
+def test_runs_join_nearby_extents_and_keep_distant_ones_apart():
+    assert runs([(8192, 100), (0, 4000), (4096, 50), (1 << 20, 10)], gap=4096) == [(0, 8292), (1 << 20, (1 << 20) + 10)]
+    assert runs([]) == []
+
+
 def test_staging_dmas_registered_payloads_without_a_host_copy(setup, unpinned):
     checkpoint, *_, tensors = setup
     decoder = SlotDecoder(ops=FakeOps(), codec=ReferenceCodec())
     pool, ops, entries, device, weights = staged_group(setup, decoder)
-    registered = {name: checkpoint.file(name).payload(name).clone() for name in ("a", "c")}  # pages the driver took
-    pool.context.registered.update(registered)
+    registered = ("a", "c")  # pages the driver took
+    pool.context.pages = FakePages(checkpoint.file("a").path, spans_of(checkpoint, registered))
     pool._buffers[0].fill_(0xEE)
     staged, _ = ddo_upload(pool, ops, entries, device)
     for name, weight in weights.items():
@@ -324,6 +348,9 @@ def test_staging_dmas_registered_payloads_without_a_host_copy(setup, unpinned):
         length = checkpoint.entries[name].length
         assert bool((slot[cursor: cursor + length] == 0xEE).all()) == (name in registered), name
         cursor = -(-(cursor + length) // 16) * 16
+    pages = pool.context.pages
+    pool.close()  # after the copies out of the pages have run, the pages are released with the pool
+    assert pages.closed and pool.context.pages is None
 
 
 def test_staging_reuses_the_group_plan_and_stays_exact_on_the_next_upload(setup, unpinned):
@@ -509,8 +536,10 @@ def test_native_dmas_registered_payloads_without_reading_into_the_ring(setup):
     ops = FakeOps()
     upload = ops.streams["upload"]
     transport = native_transport(ops, 512, 2)
-    registered = {name: checkpoint.file(name).payload(name).clone() for name in Weights.SHAPES}
-    transport.attach(SlotDecoder(ops=ops, codec=ReferenceCodec()), registered)
+    entries = [checkpoint.entries[name] for name in Weights.SHAPES]
+    pages = FakePages(checkpoint.file("a").path, [(min(e.offset for e in entries),
+                                                   max(e.offset + e.length for e in entries))])
+    transport.attach(SlotDecoder(ops=ops, codec=ReferenceCodec()), pages)
     arena = torch.full((1 << 15,), 0x33, dtype=torch.uint8)
     bindings = arena_bindings(setup, arena)
     ahead = transport.begin_read(bindings)  # DDO's read-ahead of the next unit
@@ -521,14 +550,16 @@ def test_native_dmas_registered_payloads_without_reading_into_the_ring(setup):
         transport.upload_ticket(ahead, arena, upload)
     for binding in bindings:
         assert same_bits(binding.stable, tensors[binding.parameter_name]), binding.parameter_name
-    assert transport.ring.reads == [] and transport.copied_bytes == sum(e.length for e in checkpoint.entries.values())
+    span = max(e.offset + e.length for e in entries) - min(e.offset for e in entries)
+    assert transport.ring.reads == [] and transport.copied_bytes == span  # one run, one copy
     arena.fill_(0x33)
     transport.upload_batch(bindings, arena, upload).synchronize()  # DDO's demand path, the plan reused
     assert all(same_bits(b.stable, tensors[b.parameter_name]) for b in bindings) and len(transport._plans) == 1
-    del transport._registered["c"]  # a payload the driver would not register: the group goes through the ring
+    pages.spans = spans_of(checkpoint, ("a", "b", "d"))  # c's pages not registered: the group goes through the ring
     arena.fill_(0x33)
     transport.upload_batch(bindings, arena, upload).synchronize()
     assert transport.ring.reads and all(same_bits(b.stable, tensors[b.parameter_name]) for b in bindings)
+
 
 
 def test_native_refuses_a_slice_szformat_did_not_make(setup):

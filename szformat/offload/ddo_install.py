@@ -12,7 +12,7 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +27,7 @@ from .binding import ModuleBinding, assign_tensor, module_tensor, snapshot_tenso
 from .ddo_compat import SztFileSlice, check_ddo, check_members, ddo_config, native_library, substituted
 from .ddo_native import SztArenaWeightStore, SztNativeShardTransport
 from .ddo_staging import StagingContext, SztStagingPool, group_destinations
-from .registered import register_payloads
+from .registered import RegisteredPages
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
 from .loader import Installation
@@ -128,12 +128,8 @@ def _attach_staging(hook: Any, setup: _Setup) -> Streamed:
                              destinations=group_destinations(groups, arena.weight, setup.registry.lookup))
     if installation.route.decoder == "triton":
         context.decoder = SlotDecoder(installation.device)
-        streamed: dict[str, list[str]] = {}
-        for _, pairs in groups:
-            for _, source in pairs:
-                file_slice = setup.registry.lookup(source)
-                streamed.setdefault(str(file_slice.path), []).append(file_slice.entry.name)
-        context.registered, context.mappings = register_payloads(files, streamed, installation.device)
+        context.pages = RegisteredPages.register(
+            _extents(setup.registry.lookup(source) for _, pairs in groups for _, source in pairs), installation.device)
     pool.attach(context)
     sources = {source.data_ptr() for _, pairs in groups for _, source in pairs}
     return lambda tensor: tensor.device.type == "cpu" and tensor.data_ptr() in sources
@@ -158,15 +154,18 @@ def _attach_native(hook: Any, setup: _Setup) -> Streamed:
         raise DecodeRouteError(f"DDO streams {len(uncovered)} tensor(s) szformat has no checkpoint slice for "
                                f"({', '.join(uncovered[:5])}); their CPU tensors hold no weights")
     store.attach(setup.installation.checkpoint)
-    checkpoint = setup.installation.checkpoint
-    streamed_names: dict[str, list[str]] = {}
-    for binding in bindings:
-        streamed_names.setdefault(str(binding.file_slice.path), []).append(binding.file_slice.entry.name)
-    registered, mappings = register_payloads({str(f.path): f for f in checkpoint.files}, streamed_names,
-                                             setup.installation.device)
-    transport.attach(SlotDecoder(setup.installation.device), registered, mappings)
+    pages = RegisteredPages.register(_extents(binding.file_slice for binding in bindings), setup.installation.device)
+    transport.attach(SlotDecoder(setup.installation.device), pages)
     streamed = set(adapter._address_bindings)
     return lambda tensor: tensor.device.type == "cuda" and tensor.data_ptr() in streamed
+
+
+def _extents(slices: Iterable[SztFileSlice]) -> dict[str, list[tuple[int, int]]]:
+    """File path -> ``(offset, stored length)`` of each slice: what a route registers for DMA."""
+    extents: dict[str, list[tuple[int, int]]] = {}
+    for file_slice in slices:
+        extents.setdefault(str(file_slice.path), []).append((file_slice.offset_bytes, file_slice.stored_bytes))
+    return extents
 
 
 def _place_resident(module: torch.nn.Module, binding: ModuleBinding, decoder: CheckpointDecoder,

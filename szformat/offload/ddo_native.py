@@ -9,8 +9,8 @@ compute stream then waits on.
 :class:`SztNativeShardTransport` is DDO's transport with its windows and its upload replaced:
 
 * where the payloads' page-cache pages could be registered with the driver at install
-  (:func:`~szformat.offload.registered.register_payloads`), nothing is read into the ring at all: a group's upload
-  DMAs its stored payloads straight out of the page cache into the staging buffer. Otherwise:
+  (:class:`~szformat.offload.registered.RegisteredPages`), nothing is read into the ring at all: a group's upload
+  DMAs the same runs straight out of the page cache into the staging buffer. Otherwise:
 * the windows of a group cover the group's *stored* bytes, read in runs: payloads that follow each other in the
   file (their alignment padding between them) are read by one window, so a block of small weights costs one read
   and one DMA, not one per weight;
@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import ctypes
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -40,17 +40,12 @@ from ddo_vmm_allocator.model_arena_adapter import (ModelArenaWeightStore, _Nativ
 from ..errors import DecodeRouteError
 from ..loading import SlotDecoder
 from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
-from ..loading.hostio import RegisteredMapping
 from .checkpoint import Checkpoint
 from .ddo_compat import SztFileSlice
 from .decoding import decode_on_cpu
+from .registered import RUN_GAP_BYTES, RegisteredPages
 
 __all__ = ["SztNativeShardTransport", "SztArenaWeightStore", "RegisteredTicket", "StagedWindow", "staged_windows"]
-
-RUN_GAP_BYTES = 64 << 10
-"""Payloads of one file closer than this are read by one window, the bytes between them included: padding between
-consecutive payloads is under a page, and a small tensor between two weights costs less than a second read."""
-
 
 @dataclass
 class StagedWindow(_NativeReadWindow):
@@ -110,13 +105,11 @@ class SztNativeShardTransport(_NativeShardTransport):
 
     decoder: SlotDecoder | None = None
 
-    def attach(self, decoder: SlotDecoder, registered: dict[str, torch.Tensor] | None = None,
-               mappings: Sequence[RegisteredMapping] = ()) -> None:
-        """Start serving uploads with ``decoder``; ``registered`` maps entry names to their stored payloads in
-        registered pages (held by ``mappings``, which the transport closes with itself)."""
+    def attach(self, decoder: SlotDecoder, pages: RegisteredPages | None = None) -> None:
+        """Start serving uploads with ``decoder``, DMA'ing what ``pages`` registered straight from the page cache
+        (the transport closes ``pages`` with itself)."""
         self.decoder = decoder
-        self._registered = dict(registered or {})
-        self._mappings = list(mappings)
+        self._pages = pages
         self._plans: dict[tuple, ScatterPlan] = {}
         self._slot_views: dict[int, torch.Tensor] = {}
         self._slot_done: dict[int, Any] = {}
@@ -146,24 +139,20 @@ class SztNativeShardTransport(_NativeShardTransport):
         super().discard_ticket(ticket)
 
     def _all_registered(self, bindings: list[Any]) -> bool:
-        registered = getattr(self, "_registered", None)
-        return bool(registered) and all(
-            isinstance(b.file_slice, SztFileSlice) and b.file_slice.entry.name in registered for b in bindings)
+        pages = getattr(self, "_pages", None)
+        return pages is not None and all(
+            isinstance(b.file_slice, SztFileSlice)
+            and pages.view(b.file_slice.path, b.file_slice.offset_bytes,
+                           b.file_slice.offset_bytes + b.file_slice.stored_bytes) is not None for b in bindings)
 
     def _upload_registered(self, bindings: list[Any], stream: Any) -> Any:
-        """DMA the group's payloads out of registered pages into the staging buffer, then decode them all."""
-        key = ("registered", *(binding.offset for binding in bindings))
-        plan = self._plans.get(key)
-        placements, offset = [], 0
-        for binding in bindings:
-            placements.append(Placement(offset, binding.stable.detach().reshape(-1).view(torch.uint8),
-                                        binding.file_slice.entry))
-            offset = -(-(offset + binding.file_slice.stored_bytes) // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
-        if plan is None:
-            plan = self._plans[key] = self.decoder.scatter_plan(placements)
-        pieces = [(p.staging_offset, self._registered[p.payload.name]) for p in placements if p.payload.length]
+        """DMA the group's runs out of registered pages into the staging buffer, then decode them all."""
+        windows = list(staged_windows(bindings, self.window_size_bytes))
+        plan = self._plan(bindings, [binding for window in windows for binding in window.completes])
+        pieces = [(w.arena_offset, self._pages.view(w.path, w.file_offset, w.file_offset + w.size_bytes))
+                  for w in windows]
         self.decoder.copy_to_staging(pieces, plan.staging_bytes, stream)
-        nbytes = sum(host.numel() for _, host in pieces)
+        nbytes = sum(window.size_bytes for window in windows)
         self.read_bytes += nbytes
         self.copied_bytes += nbytes
         self._last_ready = self.decoder.expand_scattered(plan, stream)
@@ -199,7 +188,7 @@ class SztNativeShardTransport(_NativeShardTransport):
         try:
             for window in read:
                 self.ring.wait_file_read(window.slot_index)
-            plan = self._plan(ticket)
+            plan = self._plan(ticket.bindings, [b for window in read for b in window.completes])
             self.decoder.copy_to_staging([(w.arena_offset, self._slot_view(w.slot_index)[: w.size_bytes])
                                           for w in read], plan.staging_bytes, stream)
             copied = self.decoder.ops.record(stream)
@@ -215,17 +204,16 @@ class SztNativeShardTransport(_NativeShardTransport):
         self.copied_bytes += nbytes
         return ready
 
-    def _plan(self, ticket: Any) -> ScatterPlan:
-        """The expansion of the weights this ticket completes, described at the group's first upload.
+    def _plan(self, bindings: list[Any], completed: list[Any]) -> ScatterPlan:
+        """The expansion of the weights ``completed`` of group ``bindings``, described at the group's first upload.
 
-        The staging buffer is sized for the whole group (``ticket.bindings``; a group larger than the ring crosses
-        in several tickets, and a weight may span two), so it is never regrown while a group is in flight.
+        The staging buffer is sized for the whole group (a group larger than the ring crosses in several tickets,
+        and a weight may span two), so it is never regrown while a group is in flight.
         """
-        completed = [binding for window in ticket.windows for binding in window.completes]
-        key = (tuple(binding.offset for binding in ticket.bindings), tuple(binding.offset for binding in completed))
+        key = (tuple(binding.offset for binding in bindings), tuple(binding.offset for binding in completed))
         plan = self._plans.get(key)
         if plan is None:
-            windows = list(staged_windows(ticket.bindings, self.window_size_bytes))
+            windows = list(staged_windows(bindings, self.window_size_bytes))
             at = {id(binding): window.arena_offset + binding.file_slice.offset_bytes - window.file_offset
                   for window in windows for binding in window.completes}
             plan = self.decoder.scatter_plan([
@@ -252,9 +240,9 @@ class SztNativeShardTransport(_NativeShardTransport):
                 self.decoder.ops.synchronize(done)
             self._slot_done = {}
         super().close()
-        for mapping in getattr(self, "_mappings", ()):
-            mapping.close()
-        self._mappings = []
+        if getattr(self, "_pages", None) is not None:
+            self._pages.close()
+            self._pages = None
 
 
 class SztArenaWeightStore(ModelArenaWeightStore):

@@ -38,11 +38,11 @@ from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import DecodeRouteError
 from ..format.reader import SztFile
 from ..loading import SlotDecoder, StagedEntry, stage_entry
-from ..loading.hostio import RegisteredMapping
 from ..loading.staging_pool import describe_entry
 from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
 from .ddo_compat import SztFileSlice
 from .placeholders import Placeholders
+from .registered import RegisteredPages
 
 __all__ = ["SztStagingPool", "StagingContext", "group_destinations"]
 
@@ -65,11 +65,9 @@ class StagingContext:
     destinations: dict[GroupKey, torch.Tensor] = field(default_factory=dict)
     plans: dict[GroupKey, ScatterPlan] = field(default_factory=dict)
     """Each group's expansion, described at its first upload."""
-    registered: dict[str, torch.Tensor] = field(default_factory=dict)
-    """Entry name -> its stored payload in registered host memory, for the entries whose pages were registered:
-    copies of those DMA straight out of the page cache."""
-    mappings: list[RegisteredMapping] = field(default_factory=list)
-    """The registered mappings those payloads live in; closed with the pool."""
+    pages: RegisteredPages | None = None
+    """The payloads' page-cache pages registered with the driver, where it took them: copies of those DMA straight
+    out of the page cache. Closed with the pool."""
 
 
 @dataclass
@@ -124,7 +122,10 @@ class SztStagingPool(PinnedStagingPool):
                 entry = stage_entry(context.files[str(file_slice.path)], name, buffer, raw_offset, decode_on_host=True)
             else:
                 cursor = -(-cursor // PACKED_ALIGNMENT) * PACKED_ALIGNMENT
-                file, payload = context.files[str(file_slice.path)], context.registered.get(name)
+                file, payload = context.files[str(file_slice.path)], None
+                if context.pages is not None:
+                    payload = context.pages.view(file_slice.path, file_slice.offset_bytes,
+                                                 file_slice.offset_bytes + file_slice.stored_bytes)
                 entry = (stage_entry(file, name, buffer, cursor, decode_on_host=False) if payload is None
                          else describe_entry(file, name, cursor, decode_on_host=False))
                 pieces.append((cursor, buffer[cursor: cursor + entry.length] if payload is None else payload))
@@ -195,11 +196,9 @@ class SztStagingPool(PinnedStagingPool):
         if context is not None and context.decoder is not None:
             context.decoder.ops.synchronize(context.decoder.ops.record(context.stream))
         super().close()
-        if context is not None:
-            for mapping in context.mappings:
-                mapping.close()
-            context.mappings.clear()
-            context.registered.clear()
+        if context is not None and context.pages is not None:
+            context.pages.close()
+            context.pages = None
 
     def _attached(self) -> StagingContext:
         if self.context is None:
