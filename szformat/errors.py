@@ -8,6 +8,7 @@ input, ``OSError`` for I/O). Every message names the file and the tensor it is a
 from __future__ import annotations
 
 import os
+import reprlib
 
 __all__ = [
     "SzformatError",
@@ -59,6 +60,20 @@ class SzformatError(Exception):
             self.tensor = tensor
         self.args = (self._format(),)
         return self
+
+
+_SHORT_REPR = reprlib.Repr()
+_SHORT_REPR.maxlevel, _SHORT_REPR.maxlist, _SHORT_REPR.maxdict = 3, 8, 6
+_SHORT_REPR.maxstring = _SHORT_REPR.maxother = 80
+
+
+def short_repr(value: object) -> str:
+    """``repr(value)`` cut to a few dozen characters and 3 levels, for messages about values read from a file.
+
+    A hostile file can hold a value nested a thousand levels deep (the builtin ``repr`` would raise
+    ``RecursionError``) or megabytes long (the message would be too).
+    """
+    return _SHORT_REPR.repr(value)
 
 
 # FILE FORMAT ERRORS

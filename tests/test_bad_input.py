@@ -447,6 +447,37 @@ def test_bad_top_level_field(forge, bad, key, value):
     refused(forge.write(bad), HeaderError, repr(key) if key != "tensors" else "no 'tensors' list")
 
 
+@pytest.mark.parametrize("key", ["metadata", "required_features"])
+def test_nil_is_not_an_absent_key(forge, bad, key):
+    forge.header[key] = None
+    refused(forge.write(bad), HeaderError, repr(key))
+
+
+def test_metadata_nil_says_to_leave_the_key_out(forge, bad):
+    forge.header["metadata"] = None
+    refused(forge.write(bad), HeaderError, "metadata is nil", "leaves the key out")
+
+
+def test_raw_reason_nil_is_refused(forge, bad):
+    forge.entry("b")["encoding"]["configuration"] = {"reason": None}
+    refused(forge.write(bad), HeaderError, "raw 'reason' must be a string, got None", tensor="b")
+
+
+@pytest.mark.parametrize("key", ["shape", "name", "dtype", "offset"])
+def test_a_value_nested_a_thousand_levels_deep_gets_a_short_message(forge, bad, key):
+    """repr() of such a value raises RecursionError; the message shows a few levels and characters of it."""
+    nested = b"\x91" * 1000 + b"\xc0"
+    entry = forge.entry("b")
+    packed = [msgpack.packb(k) + (nested if k == key else msgpack.packb(v)) for k, v in entry.items()]
+    entry_bytes = bytes([0x80 | len(packed)]) + b"".join(packed)
+    pad = msgpack.packb("pad") + msgpack.packb("x" * 20_000)  # room for 1,000 containers under the header's budget
+    header = (b"\x82" + pad + msgpack.packb("tensors") + b"\x92" + msgpack.packb(forge.header["tensors"][0])
+              + entry_bytes)
+    e = refused(forge.write(bad, header_bytes=header), HeaderError, "[[[[...]]]]",
+                tensor=None if key == "name" else "b")
+    assert len(str(e)) < 300
+
+
 def test_unknown_required_feature(forge, bad):
     forge.header["required_features"] = ["zstd-payloads", "fp4"]
     refused(forge.write(bad), UnsupportedVersionError, "['fp4', 'zstd-payloads']", "upgrade")

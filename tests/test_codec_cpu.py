@@ -448,3 +448,21 @@ def test_minilm_weights_round_trip_and_shrink():
         raw += layout.raw_bytes
         stored += layout.comp_bytes
     assert stored < 0.8 * raw
+
+
+def test_a_payload_holds_at_most_2_to_the_41_elements():
+    """Chunk ids are int32: 2^31 chunks of 1024 elements."""
+    assert PayloadLayout(n=1 << 41, n_esc=0).n_chunks == 1 << 31
+    with pytest.raises(ValueError, match="int32"):
+        PayloadLayout(n=(1 << 41) + 1, n_esc=0)
+
+
+def test_a_tensor_too_large_for_splitzip_is_stored_raw(monkeypatch):
+    from szformat.codec import gate
+
+    x = torch.ones(12, dtype=torch.bfloat16)
+    raw = x.view(torch.uint8)
+    assert gate.encode_tensor(raw, "BF16").encoding == "splitzip"
+    monkeypatch.setattr(PayloadLayout, "max_elements", staticmethod(lambda chunk_size=CHUNK_SIZE: 11))
+    encoded = gate.encode_tensor(raw, "BF16")
+    assert (encoded.encoding, encoded.raw_reason) == ("raw", "more than 2^41 elements")

@@ -28,6 +28,8 @@ ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "spec" / "vectors"
 LISTING = json.loads((VECTORS / "vectors.json").read_text(encoding="utf-8"))
 CASES = {case["name"]: case for case in LISTING["cases"]}
+READS = {case["name"]: case for case in LISTING["read_cases"]}
+REFUSALS = {case["name"]: case for case in LISTING["refuse_cases"]}
 
 
 def _load_generator():
@@ -59,6 +61,8 @@ def test_vectors_json_hashes_agree_with_the_files():
     for case in LISTING["cases"]:
         for role in ("source", "szt"):
             assert _sha256(VECTORS / case[role]["file"]) == case[role]["sha256"], (case["name"], role)
+    for case in [*LISTING["read_cases"], *LISTING["refuse_cases"]]:
+        assert _sha256(VECTORS / case["szt"]["file"]) == case["szt"]["sha256"], case["name"]
 
 
 def test_the_folder_stays_small():
@@ -79,6 +83,38 @@ def test_the_cases_cover_what_the_spec_promises():
     assert any(case["metadata"] for case in LISTING["cases"])
     assert any(case["alignment"] != 4096 for case in LISTING["cases"])
     assert any(not case["tensors"] for case in LISTING["cases"])
+
+
+def test_the_forged_files_cover_what_the_spec_promises():
+    assert {"minor_version", "unknown_keys", "omitted_configuration"} <= set(READS)
+    assert {case["stage"] for case in REFUSALS.values()} == set(make_vectors.STAGES)
+    assert {case["error"] for case in REFUSALS.values()} == {
+        "FormatError", "UnsupportedVersionError", "HeaderTooLargeError", "TruncatedFileError", "InvalidOffsetError",
+        "ChecksumMismatchError", "HeaderError", "UnknownEncodingError", "PayloadError"}
+    with safe_open(VECTORS / READS["minor_version"]["szt"]["file"], framework="pt") as f:
+        assert f._file.version == (1, 9)
+
+
+@pytest.mark.parametrize("name", READS)
+def test_reader_decodes_each_read_case_to_its_base(name):
+    case = READS[name]
+    base = CASES[case["base"]]
+    decoded = load_file(VECTORS / case["szt"]["file"])
+    assert list(decoded) == [t["name"] for t in base["tensors"]]
+    for t in base["tensors"]:
+        assert hashlib.sha256(bytes(tensor_bytes(decoded[t["name"]]).numpy())).hexdigest() == t["raw_sha256"]
+    with safe_open(VECTORS / case["szt"]["file"], framework="pt") as f:
+        assert f.metadata() == base["metadata"]
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_reader_refuses_each_refuse_case_at_its_stage(name):
+    case = REFUSALS[name]
+    path = VECTORS / case["szt"]["file"]
+    stage, error = make_vectors.observed_refusal(path)
+    assert (stage, type(error).__name__) == (case["stage"], case["error"])
+    assert isinstance(error, ValueError) and error.path == str(path)
+    assert case["reason"] in str(error) and path.name in str(error)
 
 
 @pytest.mark.parametrize("name", CASES)
@@ -179,9 +215,7 @@ def _spec_splitzip(stored: bytes, config: dict) -> bytes:
     local_pos = np.frombuffer(stored, dtype="<u2", count=n_esc, offset=off_lpos).astype(np.int64)
     position = chunk_id * chunk + local_pos
     assert np.all(local_pos < chunk) and np.all(position < n) and np.all(np.diff(position) > 0)
-    exponent[position] = buf[off_ev: off_ev + n_esc]
-    if n % 2:
-        assert pk[-1] & 0xF == 0  # padding nibble
+    exponent[position] = buf[off_ev: off_ev + n_esc]  # padding and escaped elements' nibbles are not read
     bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
     return bits.astype("<u2").tobytes()
 
@@ -194,6 +228,15 @@ def test_a_reader_written_from_the_spec_agrees(name):
     assert list(raw) == [t["name"] for t in listed["tensors"]]
     for t in listed["tensors"]:
         assert hashlib.sha256(raw[t["name"]]).hexdigest() == t["raw_sha256"]
+
+
+@pytest.mark.parametrize("name", READS)
+def test_a_reader_written_from_the_spec_reads_each_read_case(name):
+    base = CASES[READS[name]["base"]]
+    metadata, raw = _spec_decode(VECTORS / READS[name]["szt"]["file"])
+    assert metadata == base["metadata"]
+    assert [hashlib.sha256(raw[t["name"]]).hexdigest() for t in base["tensors"]] == [
+        t["raw_sha256"] for t in base["tensors"]]
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -19,9 +19,12 @@ import json
 import struct
 import sys
 import tempfile
+import zlib
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, Callable
 
+import msgpack
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -31,7 +34,10 @@ if str(ROOT) not in sys.path:  # run as a script from a checkout
 import torch  # noqa: E402
 
 from szformat.api import load_file, safe_open, tensor_bytes, write_tensor  # noqa: E402
+from szformat.codec.layout import PayloadLayout  # noqa: E402
+from szformat.errors import SzformatError  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
+from szformat.format.reader import SztFile  # noqa: E402
 from szformat.format.writer import SztWriter  # noqa: E402
 
 DEFAULT_OUT = ROOT / "spec" / "vectors"
@@ -214,6 +220,334 @@ def convert(source: Path, target: Path, *, alignment: int = C.DEFAULT_ALIGNMENT)
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# Forged files: made by editing a generated file, for what no writer of this version makes
+# ---------------------------------------------------------------------------------------------------------------
+
+STAGES = ("open", "decode", "verify")
+"""When a reader must refuse a file, at the latest: ``open`` (the preamble and header checks, before any tensor is
+handed out), ``decode`` (the escape-stream checks, when the tensor is decoded, CRC checks on or off), ``verify``
+(the CRC-32 checks of stored and decoded bytes)."""
+
+
+@dataclass(frozen=True)
+class Refusal:
+    """Why a reader must refuse a forged file: szformat's error class, the stage, a fragment of its message."""
+
+    error: str
+    stage: str
+    reason: str
+
+
+@dataclass
+class Parts:
+    """A .szt file taken apart: preamble fields, the bytes before the header, and the header object.
+
+    :meth:`to_bytes` puts it back together with the header packed again and ``header_length``, ``header_crc32`` and
+    ``file_length`` recomputed; ``preamble`` overrides any field after that, ``header_bytes`` replaces the packed
+    header, ``trailing`` is appended.
+    """
+
+    body: bytearray
+    header: dict
+    fields: dict[str, Any]
+    preamble: dict[str, Any] = field(default_factory=dict)
+    header_bytes: bytes | None = None
+    trailing: bytes = b""
+
+    @classmethod
+    def of(cls, data: bytes) -> "Parts":
+        fields = dict(zip(PREAMBLE_FIELDS, C.PREAMBLE.unpack(data[: C.PREAMBLE_SIZE])))
+        end = fields["header_offset"]
+        return cls(bytearray(data[:end]), msgpack.unpackb(data[end:]), fields)
+
+    def entry(self, name: str) -> dict:
+        return next(e for e in self.header["tensors"] if e["name"] == name)
+
+    def config(self, name: str) -> dict:
+        return self.entry(name)["encoding"]["configuration"]
+
+    def patch(self, name: str, at: int, new: bytes, *, fix_crc: bool = True) -> None:
+        """Overwrite payload bytes of tensor ``name`` from ``at``; recompute its stored-bytes CRC unless told not to."""
+        e = self.entry(name)
+        start = e["offset"] + at
+        self.body[start: start + len(new)] = new
+        if fix_crc:
+            e["crc32"] = zlib.crc32(self.body[e["offset"]: e["offset"] + e["length"]])
+
+    def read(self, name: str, at: int, fmt: str) -> tuple:
+        return struct.unpack_from(fmt, self.body, self.entry(name)["offset"] + at)
+
+    def to_bytes(self) -> bytes:
+        header = msgpack.packb(self.header) if self.header_bytes is None else self.header_bytes
+        fields = {**self.fields, "header_offset": len(self.body), "header_length": len(header),
+                  "header_crc32": zlib.crc32(header), "file_length": len(self.body) + len(header), **self.preamble}
+        reserved = fields.pop("reserved", bytes(C.PREAMBLE_SIZE - C.RESERVED_OFFSET))
+        preamble = C.PREAMBLE.pack(*(fields[k] for k in PREAMBLE_FIELDS))[: C.RESERVED_OFFSET] + reserved
+        return preamble + bytes(self.body[C.PREAMBLE_SIZE:]) + header + self.trailing
+
+
+PREAMBLE_FIELDS = ("magic", "major", "minor", "flags", "header_offset", "header_length", "header_crc32", "alignment",
+                   "file_length")
+"""The preamble's fields in :data:`szformat.format.constants.PREAMBLE` order (its 16 reserved bytes aside)."""
+
+
+@dataclass
+class Forged:
+    """A file made from case ``base``'s .szt file by ``edit``: a reader must decode it to ``base``'s tensors and
+    metadata, or, with a ``refusal``, refuse it."""
+
+    name: str
+    description: str
+    base: str
+    edit: Callable[[Parts], None]
+    refusal: Refusal | None = None
+
+    @property
+    def file(self) -> str:
+        return f"{'refuse' if self.refusal else 'read'}_{self.name}.szt"
+
+
+def _set(**values: Any) -> Callable[[Parts], None]:
+    """An edit that sets preamble fields (and ``reserved``, the 16 reserved bytes)."""
+    return lambda parts: parts.preamble.update(values)
+
+
+def _entry(tensor: str, **values: Any) -> Callable[[Parts], None]:
+    """An edit that sets keys of the entry of ``tensor``."""
+    return lambda parts: parts.entry(tensor).update(values)
+
+
+def _config(tensor: str, **values: Any) -> Callable[[Parts], None]:
+    """An edit that sets keys of the encoding configuration of ``tensor``."""
+    return lambda parts: parts.config(tensor).update(values)
+
+
+def _top(**values: Any) -> Callable[[Parts], None]:
+    """An edit that sets top-level header keys."""
+    return lambda parts: parts.header.update(values)
+
+
+def _nested(depth: int) -> Any:
+    """A value that is ``depth`` maps and arrays deep, taking turns."""
+    value: Any = "leaf"
+    for level in range(depth):
+        value = {"next": value} if level % 2 else [value]
+    return value
+
+
+def _unknown_keys(parts: Parts) -> None:
+    """Keys no reader of 1.0 knows, in every map that may hold them, one of them as deep as a header may nest."""
+    parts.header["added_later"] = {"note": "ignored"}
+    a = parts.entry("a")
+    a["added_later"] = [1, 2.5, None, True, b"bytes"]
+    a["encoding"]["added_later"] = _nested(C.MAX_HEADER_DEPTH - 4)  # top, tensors, entry, encoding: 16 in all
+    a["encoding"]["configuration"]["added_later"] = {"level": 3}
+    parts.config("b")["added_later"] = "ignored"
+
+
+def _omitted_configuration(parts: Parts) -> None:
+    del parts.entry("noise")["encoding"]["configuration"]
+    parts.config("f32").clear()
+
+
+def _not_canonical(parts: Parts) -> None:
+    """Break the writer-only payload rules: padding bytes and the padding nibble set, escaped elements' nibbles set.
+
+    None of them changes the decoded tensor; the stored-bytes CRC is recomputed.
+    """
+    c = parts.config("odd_escapes")
+    n, n_esc, s = c["n"], c["n_esc"], c["streams"]
+    for start, stop in (((n + 1) // 2, s["sm"]), (s["sm"] + n, s["chunk_id"]), (s["local_pos"] + 2 * n_esc,
+                                                                                   s["esc_val"])):
+        parts.patch("odd_escapes", start, b"\xa5" * (stop - start))
+    for j in range(n_esc):
+        (chunk,), (local,) = parts.read("odd_escapes", s["chunk_id"] + 4 * j, "<i"), \
+            parts.read("odd_escapes", s["local_pos"] + 2 * j, "<H")
+        p = chunk * 1024 + local
+        (byte,) = parts.read("odd_escapes", p // 2, "B")
+        parts.patch("odd_escapes", p // 2, bytes([byte | (0x0F if p % 2 else 0xF0)]))
+    (last,) = parts.read("odd_escapes", n // 2, "B")
+    parts.patch("odd_escapes", n // 2, bytes([last | 0x0F]))  # n is odd: the low nibble is padding
+
+
+def _escapes(parts: Parts, name: str) -> tuple[dict, list[int], list[int]]:
+    s, n_esc = parts.config(name)["streams"], parts.config(name)["n_esc"]
+    return s, list(parts.read(name, s["chunk_id"], f"<{n_esc}i")), list(parts.read(name, s["local_pos"],
+                                                                                    f"<{n_esc}H"))
+
+
+def _escape_edit(change: Callable[[list[int], list[int]], None]) -> Callable[[Parts], None]:
+    """An edit of tensor ``a``'s escape positions (chunk ids, local positions), its stored-bytes CRC recomputed."""
+    def edit(parts: Parts) -> None:
+        s, chunk, local = _escapes(parts, "a")
+        change(chunk, local)
+        parts.patch("a", s["chunk_id"], struct.pack(f"<{len(chunk)}i", *chunk))
+        parts.patch("a", s["local_pos"], struct.pack(f"<{len(local)}H", *local))
+    return edit
+
+
+def _swap_escapes(chunk: list[int], local: list[int]) -> None:
+    chunk[0], chunk[1], local[0], local[1] = chunk[1], chunk[0], local[1], local[0]
+
+
+def _repeated_key(parts: Parts) -> None:
+    """Tensor ``b``'s entry holds ``dtype`` twice (msgpack allows it; the format does not)."""
+    entries = [msgpack.packb(e) for e in parts.header["tensors"]]
+    b = parts.entry("b")
+    pairs = [*b.items(), ("dtype", b["dtype"])]
+    entries[1] = bytes([0x80 | len(pairs)]) + b"".join(msgpack.packb(k) + msgpack.packb(v) for k, v in pairs)
+    parts.header_bytes = b"\x81" + msgpack.packb("tensors") + bytes([0x90 | len(entries)]) + b"".join(entries)
+
+
+def _too_many_elements(parts: Parts) -> None:
+    n = PayloadLayout.max_elements() + 1
+    _entry("c", shape=[n], raw_length=2 * n)(parts)
+    _config("c", n=n)(parts)
+
+
+def _hole(parts: Parts) -> None:
+    """Tensor ``c`` one alignment unit later than the placement rule puts it, with the bytes moved along."""
+    c = parts.entry("c")
+    payload = bytes(parts.body[c["offset"]:])
+    del parts.body[c["offset"]:]
+    parts.body += bytes(parts.fields["alignment"]) + payload
+    c["offset"] += parts.fields["alignment"]
+
+
+def _flip_stored_byte(parts: Parts) -> None:
+    (byte,) = parts.read("c", parts.config("c")["streams"]["sm"], "B")
+    parts.patch("c", parts.config("c")["streams"]["sm"], bytes([byte ^ 0x80]), fix_crc=False)
+
+
+def forged_cases() -> list[Forged]:
+    """Files a reader must read although this writer never makes them, then files it must refuse (one broken rule
+    each; every checksum but the one a case is about recomputed, so each file reaches the check it targets)."""
+    reads = [
+        Forged("minor_version", "a later minor version (1.9): any minor of a known major is read", "alignment_64",
+               _set(minor=9)),
+        Forged("unknown_keys", "keys a 1.0 reader does not know, in the top map, an entry, an encoding and both "
+               "kinds of configuration, one of them nested as deep as a header may (16 levels)", "alignment_64",
+               _unknown_keys),
+        Forged("omitted_configuration", "raw tensors whose configuration is omitted, or an empty map", "all_raw",
+               _omitted_configuration),
+        Forged("payload_not_canonical", "a payload that breaks the writer-only rules (padding bytes and the padding "
+               "nibble set, escaped elements' nibbles set): decoding does not read them", "bf16_odd",
+               _not_canonical),
+    ]
+    r = Refusal
+    refusals = [
+        Forged("bad_magic", "the magic's fourth byte changed", "alignment_64", _set(magic=b"\x89SZX\r\n\x1a\n"),
+               r("FormatError", "open", "bad magic")),
+        Forged("major_2", "major version 2", "alignment_64", _set(major=2), r("UnsupportedVersionError", "open",
+                                                                             "format version 2.0")),
+        Forged("flags", "a preamble flag set", "alignment_64", _set(flags=1),
+               r("UnsupportedVersionError", "open", "flags 0x1")),
+        Forged("reserved", "a reserved preamble byte set", "alignment_64", _set(reserved=bytes(15) + b"\x01"),
+               r("UnsupportedVersionError", "open", "reserved preamble bytes")),
+        Forged("header_too_large", "header_length past 100 MiB", "alignment_64",
+               lambda parts: parts.preamble.update(header_length=C.MAX_HEADER_BYTES + 1),
+               r("HeaderTooLargeError", "open", "exceeds the limit")),
+        Forged("alignment", "alignment 100, not a power of two", "alignment_64", _set(alignment=100),
+               r("FormatError", "open", "alignment 100")),
+        Forged("truncated", "the last byte of the file missing", "alignment_64",
+               lambda parts: parts.preamble.update(file_length=len(parts.body) + len(msgpack.packb(parts.header)) + 1,
+                                                   header_length=len(msgpack.packb(parts.header)) + 1),
+               r("TruncatedFileError", "open", "the preamble announces")),
+        Forged("trailing_bytes", "a byte after the header", "alignment_64", lambda parts: setattr(parts, "trailing",
+                                                                                                 b"\x00"),
+               r("InvalidOffsetError", "open", "unexplained bytes")),
+        Forged("header_crc", "header_crc32 off by one bit", "alignment_64",
+               lambda parts: parts.preamble.update(header_crc32=zlib.crc32(msgpack.packb(parts.header)) ^ 1),
+               r("ChecksumMismatchError", "open", "header checksum mismatch")),
+        Forged("header_extra_bytes", "a nil after the header's one msgpack object", "alignment_64",
+               lambda parts: setattr(parts, "header_bytes", msgpack.packb(parts.header) + b"\xc0"),
+               r("HeaderError", "open", "ExtraData")),
+        Forged("repeated_key", "an entry holding the key dtype twice", "alignment_64", _repeated_key,
+               r("HeaderError", "open", "holds the key 'dtype' twice")),
+        Forged("metadata_nil", "metadata present as nil (a file without metadata leaves the key out)",
+               "alignment_64", _top(metadata=None), r("HeaderError", "open", "metadata is nil")),
+        Forged("metadata_not_strings", "a metadata value that is an integer", "metadata",
+               lambda parts: parts.header["metadata"].update(format=1),
+               r("HeaderError", "open", "map of strings to strings")),
+        Forged("required_feature", "a required feature no reader implements", "alignment_64",
+               _top(required_features=["example-unknown-feature"]),
+               r("UnsupportedVersionError", "open", "example-unknown-feature")),
+        Forged("unknown_encoding", "an encoding name no reader knows", "alignment_64",
+               lambda parts: parts.entry("b")["encoding"].update(name="example-unknown-encoding"),
+               r("UnknownEncodingError", "open", "example-unknown-encoding")),
+        Forged("configuration_nil", "an encoding whose configuration is nil", "alignment_64",
+               lambda parts: parts.entry("b")["encoding"].update(configuration=None),
+               r("HeaderError", "open", "'configuration' must be a map")),
+        Forged("reason_nil", "a raw configuration whose reason is nil", "alignment_64", _config("b", reason=None),
+               r("HeaderError", "open", "'reason' must be a string")),
+        Forged("name_bin", "a tensor name stored as msgpack bin, not str", "alignment_64", _entry("b", name=b"b"),
+               r("HeaderError", "open", "non-empty string")),
+        Forged("name_reserved", "a tensor named __metadata__", "alignment_64", _entry("b", name="__metadata__"),
+               r("HeaderError", "open", "is reserved")),
+        Forged("name_repeated", "two tensors named a", "alignment_64", _entry("c", name="a"),
+               r("HeaderError", "open", "appears twice")),
+        Forged("unknown_dtype", "dtype F4", "alignment_64", _entry("b", dtype="F4"),
+               r("HeaderError", "open", "unknown dtype 'F4'")),
+        Forged("bool_as_integer", "a length written as true", "alignment_64", _entry("b", length=True),
+               r("HeaderError", "open", "'length' must be an integer")),
+        Forged("raw_length", "raw_length that does not match the shape", "alignment_64", _entry("b", raw_length=6),
+               r("HeaderError", "open", "does not match shape")),
+        Forged("raw_two_checksums", "a raw tensor whose crc32 and raw_crc32 differ", "alignment_64",
+               lambda parts: parts.entry("b").update(raw_crc32=parts.entry("b")["crc32"] ^ 1),
+               r("HeaderError", "open", "two different checksums")),
+        Forged("hole", "a payload one alignment unit past where the placement rule puts it", "alignment_64", _hole,
+               r("InvalidOffsetError", "open", "placement rule")),
+        Forged("splitzip_not_bf16", "a splitzip tensor of dtype F16", "alignment_64", _entry("c", dtype="F16"),
+               r("HeaderError", "open", "BF16 only")),
+        Forged("chunk_size", "chunk size 2048", "alignment_64", _config("c", chunk_size=2048),
+               r("UnsupportedVersionError", "open", "chunk size 2048")),
+        Forged("too_many_elements", "a splitzip tensor of 2^41 + 1 elements: chunk ids would not fit an int32",
+               "alignment_64", _too_many_elements, r("HeaderError", "open", "fit an int32")),
+        Forged("length", "a splitzip length that is not the layout's", "alignment_64",
+               lambda parts: parts.entry("c").update(length=parts.entry("c")["length"] + 4),
+               r("HeaderError", "open", "differs from the")),
+        Forged("streams", "a sixth key in streams", "alignment_64",
+               lambda parts: parts.config("c")["streams"].update(extra=0),
+               r("HeaderError", "open", "stream offsets")),
+        Forged("codebook_tail", "a codebook entry past n_codes_used that is not 0", "bf16_odd",
+               lambda parts: parts.config("odd")["codebook"].__setitem__(15, 1),
+               r("HeaderError", "open", "past n_codes_used")),
+        Forged("escape_chunk_id", "an escape chunk id past the last chunk", "alignment_64",
+               _escape_edit(lambda chunk, local: chunk.__setitem__(1, 1)),
+               r("PayloadError", "decode", "chunk id out of range")),
+        Forged("escape_local_pos", "an escape local position of 1024", "alignment_64",
+               _escape_edit(lambda chunk, local: local.__setitem__(1, 1024)),
+               r("PayloadError", "decode", "outside its chunk")),
+        Forged("escape_past_n", "an escape at element n", "alignment_64",
+               _escape_edit(lambda chunk, local: local.__setitem__(1, 300)),
+               r("PayloadError", "decode", "past the tensor's 300 elements")),
+        Forged("escape_order", "two escapes out of order", "alignment_64", _escape_edit(_swap_escapes),
+               r("PayloadError", "decode", "not strictly ascending")),
+        Forged("stored_crc", "a flipped payload bit, crc32 left as it was", "alignment_64", _flip_stored_byte,
+               r("ChecksumMismatchError", "verify", "CRC-32 of the stored bytes")),
+        Forged("raw_crc", "raw_crc32 off by one bit", "alignment_64",
+               lambda parts: parts.entry("c").update(raw_crc32=parts.entry("c")["raw_crc32"] ^ 1),
+               r("ChecksumMismatchError", "verify", "CRC-32 of the decoded bytes")),
+    ]
+    return reads + refusals
+
+
+def observed_refusal(path: Path) -> tuple[str, SzformatError] | None:
+    """The stage at which szformat's reader refuses a file and its error; None when it reads every tensor."""
+    try:
+        with SztFile(path):
+            pass
+    except SzformatError as e:
+        return "open", e
+    for stage, verify in (("decode", False), ("verify", True)):
+        try:
+            load_file(path, verify=verify)
+        except SzformatError as e:
+            return stage, e
+    return None
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Generating and checking
 # ---------------------------------------------------------------------------------------------------------------
 
@@ -223,19 +557,32 @@ def sha256(data: bytes) -> str:
 
 
 def generate(out: Path) -> None:
-    """Write every case, ``vectors.json`` and ``SHA256SUMS`` into ``out``."""
+    """Write every case, every forged file, ``vectors.json`` and ``SHA256SUMS`` into ``out``."""
     out.mkdir(parents=True, exist_ok=True)
     listing, files = [], [out / "vectors.json"]
+    written = {}
     for case in cases():
         source, target = out / f"{case.name}.safetensors", out / f"{case.name}.szt"
         write_safetensors(source, case.tensors, case.metadata)
         convert(source, target, alignment=case.alignment)
         listing.append(_describe(case, source, target))
         files += [source, target]
+        written[case.name] = listing[-1]
+    reads, refusals = [], []
+    for forged in forged_cases():
+        target = out / forged.file
+        parts = Parts.of((out / written[forged.base]["szt"]["file"]).read_bytes())
+        forged.edit(parts)
+        target.write_bytes(parts.to_bytes())
+        files.append(target)
+        if forged.refusal is None:
+            reads.append(_describe_read(forged, written[forged.base], target))
+        else:
+            refusals.append(_describe_refusal(forged, target))
     (out / "vectors.json").write_text(json.dumps({
         "format": "szt", "version": f"{C.VERSION_MAJOR}.{C.VERSION_MINOR}",
-        "generator": "tools/make_vectors.py", "cases": listing}, indent=2, ensure_ascii=False) + "\n",
-        encoding="utf-8")
+        "generator": "tools/make_vectors.py", "cases": listing, "read_cases": reads, "refuse_cases": refusals},
+        indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
     (out / "SHA256SUMS").write_text("".join(f"{sha256(p.read_bytes())}  {p.name}\n"
                                             for p in sorted(files, key=lambda p: p.name)))
 
@@ -262,6 +609,32 @@ def _describe(case: Case, source: Path, target: Path) -> dict:
         "szt": {"file": target.name, "sha256": sha256(target.read_bytes())},
         "tensors": tensors,
     }
+
+
+def _describe_read(forged: Forged, base: dict, target: Path) -> dict:
+    """A read case's record; also checks that szformat decodes the file to its base's tensors and metadata."""
+    decoded = load_file(target)
+    with safe_open(target, framework="pt") as f:
+        assert f.metadata() == base["metadata"], forged.name
+    assert list(decoded) == [t["name"] for t in base["tensors"]], forged.name
+    for t in base["tensors"]:
+        assert sha256(bytes(tensor_bytes(decoded[t["name"]]).numpy())) == t["raw_sha256"], (forged.name, t["name"])
+    return {"name": forged.name, "description": forged.description, "base": forged.base,
+            "szt": {"file": target.name, "sha256": sha256(target.read_bytes())}}
+
+
+def _describe_refusal(forged: Forged, target: Path) -> dict:
+    """A refuse case's record; also checks that szformat refuses the file as the case says."""
+    refusal = forged.refusal
+    assert refusal is not None and refusal.stage in STAGES, forged.name
+    observed = observed_refusal(target)
+    assert observed is not None, f"{forged.name}: szformat reads the file"
+    stage, error = observed
+    assert (stage, type(error).__name__) == (refusal.stage, refusal.error), (forged.name, stage, repr(error))
+    assert refusal.reason in str(error), (forged.name, str(error))
+    return {"name": forged.name, "description": forged.description, "base": forged.base,
+            "szt": {"file": target.name, "sha256": sha256(target.read_bytes())},
+            "stage": refusal.stage, "error": refusal.error, "reason": refusal.reason}
 
 
 def check(folder: Path) -> list[str]:
@@ -292,7 +665,7 @@ def main(argv: list[str] | None = None) -> int:
         print("golden vectors: " + (f"{len(problems)} difference(s)" if problems else "all match"))
         return 1 if problems else 0
     generate(args.out)
-    print(f"wrote {len(cases())} cases to {args.out}")
+    print(f"wrote {len(cases())} cases and {len(forged_cases())} forged files to {args.out}")
     return 0
 
 

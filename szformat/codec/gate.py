@@ -23,6 +23,9 @@ from .layout import PayloadLayout
 ENCODING_SPLITZIP = "splitzip"
 ENCODING_RAW = "raw"
 
+TOO_LARGE_REASON = "more than 2^41 elements"
+"""Why a BF16 tensor past :meth:`PayloadLayout.max_elements` is stored raw: its chunk ids would not fit an int32."""
+
 
 class CodecBackend(Protocol):
     """What a device's codec offers: the CPU module and the Triton module both fit."""
@@ -66,6 +69,8 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
         return _stored_raw(raw, tensor_crc32(raw), reason)
     if raw.numel() == 0:
         return _stored_raw(raw, tensor_crc32(raw), "empty")
+    if raw.numel() // 2 > PayloadLayout.max_elements():  # chunk ids are int32
+        return _stored_raw(raw, tensor_crc32(raw), TOO_LARGE_REASON)
 
     with _BesideTheCodec(raw) as raw_crc:
         x = raw.view(torch.bfloat16).to(device)

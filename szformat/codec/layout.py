@@ -25,6 +25,10 @@ N_CODES = 16
 ESCAPE_CODE = 16
 """Code given to exponents outside the codebook; its nibble in ``pk`` is ``ESCAPE_CODE & 0xF == 0``."""
 
+MAX_CHUNKS = 1 << 31
+"""Chunk ids are stored as int32, so a payload has at most 2^31 chunks: ``n <= 2^31 * chunk_size`` (2^41 elements,
+4 TiB of BF16, with the chunk size of 1024). Larger tensors are stored raw."""
+
 
 def align4(x: int) -> int:
     """Round ``x`` up to a multiple of 4."""
@@ -44,6 +48,14 @@ class PayloadLayout:
             raise ValueError(f"invalid SplitZip sizes n={self.n}, n_esc={self.n_esc}")
         if self.chunk_size <= 0 or self.chunk_size > 65536:
             raise ValueError(f"chunk size {self.chunk_size} does not fit a u16 local position")
+        if self.n > self.max_elements(self.chunk_size):
+            raise ValueError(f"n={self.n} elements need chunk ids past the int32 range: a SplitZip payload holds at "
+                             f"most 2^31 chunks of {self.chunk_size} ({self.max_elements(self.chunk_size)} elements)")
+
+    @staticmethod
+    def max_elements(chunk_size: int = CHUNK_SIZE) -> int:
+        """The most elements a payload can hold: every escape's chunk id must fit an int32."""
+        return MAX_CHUNKS * chunk_size
 
     @property
     def n_pairs(self) -> int:

@@ -45,6 +45,10 @@ MAX_ELEMENTS = 1 << 56
 """Overflow-checked cap on the element count of one tensor, and on each dimension (shape products above it are
 refused)."""
 MAX_METADATA_ENTRIES = 100_000
+MAX_HEADER_DEPTH = 16
+"""Maps and arrays a header may nest, the top map counted: writers stay within it and readers accept it. A 1.0
+header nests 6 deep (top map, ``tensors``, an entry, its ``encoding``, the ``configuration``, ``streams`` or
+``codebook``); the margin is for what minor versions add (an at-rest stage under the encoding takes one more)."""
 HEADER_BYTES_PER_CONTAINER = 16
 """A header may hold at most one msgpack map or array per this many bytes. A real tensor entry spends more than
 25 bytes per container; the cap keeps a hostile header of empty containers from growing ~60x in memory."""

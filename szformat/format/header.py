@@ -20,7 +20,7 @@ import torch
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
-                      UnsupportedVersionError)
+                      UnsupportedVersionError, short_repr)
 from . import constants as C
 
 _U32 = (1 << 32) - 1
@@ -113,15 +113,15 @@ class Header:
 def validate_name(name: object) -> None:
     """A tensor name is a non-empty UTF-8 string of at most MAX_NAME_BYTES, without NUL, not ``__metadata__``."""
     if not isinstance(name, str) or not name:
-        raise ValueError(f"a tensor name must be a non-empty string, got {name!r}")
+        raise ValueError(f"a tensor name must be a non-empty string, got {short_repr(name)}")
     try:
         encoded = name.encode("utf-8")
     except UnicodeEncodeError:
-        raise ValueError(f"tensor name {name!r} is not valid Unicode (lone surrogate)") from None
+        raise ValueError(f"tensor name {short_repr(name)} is not valid Unicode (lone surrogate)") from None
     if len(encoded) > C.MAX_NAME_BYTES:
         raise ValueError(f"tensor name is {len(encoded)} bytes long, more than the limit of {C.MAX_NAME_BYTES}")
     if "\x00" in name:
-        raise ValueError(f"tensor name {name!r} contains a NUL character")
+        raise ValueError(f"tensor name {short_repr(name)} contains a NUL character")
     if name == C.RESERVED_NAME:
         raise ValueError(f"{C.RESERVED_NAME!r} is reserved and cannot name a tensor")
 
@@ -130,20 +130,23 @@ def validate_shape(shape: object) -> int:
     """Check a shape (a list or tuple of at most MAX_NDIM non-negative ints, each and their product at most
     MAX_ELEMENTS); its numel."""
     if not isinstance(shape, (list, tuple)):
-        raise ValueError(f"shape must be a list of sizes, got {shape!r}")
+        raise ValueError(f"shape must be a list of sizes, got {short_repr(shape)}")
     if len(shape) > C.MAX_NDIM:
         raise ValueError(f"shape has {len(shape)} dimensions, more than the limit of {C.MAX_NDIM}")
     for d in shape:
         if type(d) is not int or not 0 <= d <= C.MAX_ELEMENTS:
-            raise ValueError(f"shape {list(shape)!r} holds {d!r}, not an integer in [0, {C.MAX_ELEMENTS}]")
+            raise ValueError(f"shape {short_repr(list(shape))} holds {short_repr(d)}, not an integer in [0, {C.MAX_ELEMENTS}]")
     numel = math.prod(shape)
     if numel > C.MAX_ELEMENTS:
-        raise ValueError(f"shape {list(shape)!r} has more elements than the limit of {C.MAX_ELEMENTS}")
+        raise ValueError(f"shape {short_repr(list(shape))} has more elements than the limit of {C.MAX_ELEMENTS}")
     return numel
 
 
 def validate_metadata(metadata: object) -> None:
     """``__metadata__`` is a map of at most MAX_METADATA_ENTRIES valid UTF-8 strings to strings, as in safetensors."""
+    if metadata is None:
+        raise ValueError("metadata is nil; a file without metadata leaves the key out (safetensors' __metadata__ is "
+                         "a map of strings to strings)")
     if not isinstance(metadata, dict) or not all(isinstance(k, str) and isinstance(v, str)
                                                  for k, v in metadata.items()):
         raise ValueError("metadata must be a map of strings to strings")
@@ -153,7 +156,7 @@ def validate_metadata(metadata: object) -> None:
         try:
             k.encode("utf-8"), v.encode("utf-8")
         except UnicodeEncodeError:
-            raise ValueError(f"metadata entry {k!r} is not valid Unicode (lone surrogate)") from None
+            raise ValueError(f"metadata entry {short_repr(k)} is not valid Unicode (lone surrogate)") from None
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -182,7 +185,7 @@ def parse_header(
             f"file needs format features {unknown} that this reader does not implement; upgrade szformat", path=path)
 
     metadata = obj.get("metadata")
-    if metadata is not None:
+    if "metadata" in obj:  # nil is not "no metadata": that is the key left out
         try:
             validate_metadata(metadata)
         except ValueError as e:
@@ -236,8 +239,9 @@ def _unpack(raw: bytes | memoryview, *, path) -> Any:
         if len(mapping) != len(pairs):
             seen: set = set()
             twice = next(k for k, _ in pairs if k in seen or seen.add(k))
-            tensor = mapping.get("name") if "dtype" in mapping and isinstance(mapping.get("name"), str) else None
-            raise HeaderError(f"a map in the header holds the key {twice!r} twice", path=path, tensor=tensor)
+            name = mapping.get("name")
+            tensor = name if "dtype" in mapping and isinstance(name, str) and len(name) <= C.MAX_NAME_BYTES else None
+            raise HeaderError(f"a map in the header holds the key {short_repr(twice)} twice", path=path, tensor=tensor)
         return mapping
 
     def list_hook(items: list) -> list:
@@ -260,7 +264,7 @@ def _unpack(raw: bytes | memoryview, *, path) -> Any:
 def _int(obj: dict, key: str, *, path, tensor, lo: int = 0, hi: int = 1 << 63) -> int:
     value = obj.get(key)
     if type(value) is not int or not lo <= value <= hi:
-        raise HeaderError(f"field {key!r} must be an integer in [{lo}, {hi}], got {value!r}", path=path, tensor=tensor)
+        raise HeaderError(f"field {key!r} must be an integer in [{lo}, {hi}], got {short_repr(value)}", path=path, tensor=tensor)
     return value
 
 
@@ -275,7 +279,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
 
     dtype = item.get("dtype")
     if not isinstance(dtype, str) or dtype not in C.DTYPES:
-        raise HeaderError(f"unknown dtype {dtype!r}", path=path, tensor=name)
+        raise HeaderError(f"unknown dtype {short_repr(dtype)}", path=path, tensor=name)
     shape = item.get("shape")
     try:
         numel = validate_shape(shape)
@@ -288,7 +292,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
     crc32 = _int(item, "crc32", path=path, tensor=name, hi=_U32)
     raw_crc32 = _int(item, "raw_crc32", path=path, tensor=name, hi=_U32)
     if raw_length != numel * C.itemsize(dtype):
-        raise HeaderError(f"raw_length {raw_length} does not match shape {shape} of {dtype}", path=path, tensor=name)
+        raise HeaderError(f"raw_length {raw_length} does not match shape {short_repr(shape)} of {dtype}", path=path, tensor=name)
 
     encoding = item.get("encoding")
     if not isinstance(encoding, dict) or not isinstance(encoding.get("name"), str):
@@ -307,14 +311,14 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
             raise HeaderError(f"raw payload has two different checksums (crc32 {crc32:#010x}, raw_crc32 "
                               f"{raw_crc32:#010x}) for the same bytes", path=path, tensor=name)
         reason = config.get("reason")
-        if reason is not None and not isinstance(reason, str):
-            raise HeaderError(f"raw 'reason' must be a string, got {reason!r}", path=path, tensor=name)
+        if "reason" in config and not isinstance(reason, str):
+            raise HeaderError(f"raw 'reason' must be a string, got {short_repr(reason)}", path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, **common)
     if encoding["name"] == C.ENCODING_SPLITZIP:
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=length, path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, **common)
     raise UnknownEncodingError(
-        f"encoding {encoding['name']!r} is not known to this reader (known: {', '.join(map(repr, C.ENCODINGS))}); "
+        f"encoding {short_repr(encoding['name'])} is not known to this reader (known: {', '.join(map(repr, C.ENCODINGS))}); "
         "the file needs a newer szformat", path=path, tensor=name)
 
 
@@ -331,6 +335,9 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, 
         raise HeaderError(f"splitzip n={n} differs from the shape's {numel} elements", path=path, tensor=tensor)
     if n_esc > n:
         raise HeaderError(f"splitzip n_esc={n_esc} exceeds n={n}", path=path, tensor=tensor)
+    if n > PayloadLayout.max_elements(chunk_size):
+        raise HeaderError(f"splitzip n={n} is more than the {PayloadLayout.max_elements(chunk_size)} elements whose "
+                          f"chunk ids fit an int32 (2^31 chunks of {chunk_size})", path=path, tensor=tensor)
     layout = PayloadLayout(n=n, n_esc=n_esc, chunk_size=chunk_size)
     if length != layout.comp_bytes:
         raise HeaderError(f"payload length {length} differs from the {layout.comp_bytes} bytes its layout needs "
@@ -338,19 +345,19 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, 
     streams = config.get("streams")
     expected = layout.stream_offsets()
     if not isinstance(streams, dict) or streams != expected or any(type(v) is not int for v in streams.values()):
-        raise HeaderError(f"stream offsets {streams!r} differ from the frozen layout {expected!r}", path=path,
+        raise HeaderError(f"stream offsets {short_repr(streams)} differ from the frozen layout {expected!r}", path=path,
                           tensor=tensor)
     lut = config.get("codebook")
     n_used = _int(config, "n_codes_used", path=path, tensor=tensor, hi=N_CODES)
     if not isinstance(lut, list) or len(lut) != N_CODES or any(type(v) is not int for v in lut):
-        raise HeaderError(f"splitzip codebook must be a list of {N_CODES} integers, got {lut!r}", path=path,
+        raise HeaderError(f"splitzip codebook must be a list of {N_CODES} integers, got {short_repr(lut)}", path=path,
                           tensor=tensor)
     if any(lut[n_used:]):
-        raise HeaderError(f"codebook entries past n_codes_used={n_used} must be 0, got {lut[n_used:]!r}", path=path,
+        raise HeaderError(f"codebook entries past n_codes_used={n_used} must be 0, got {short_repr(lut[n_used:])}", path=path,
                           tensor=tensor)
     coverage = config.get("coverage")
     if not isinstance(coverage, float) or not 0.0 <= coverage <= 1.0:
-        raise HeaderError(f"splitzip coverage must be a float in [0, 1], got {coverage!r}", path=path, tensor=tensor)
+        raise HeaderError(f"splitzip coverage must be a float in [0, 1], got {short_repr(coverage)}", path=path, tensor=tensor)
     try:
         codebook = Codebook(dec_lut=tuple(lut), n_used=n_used, coverage=coverage)
     except ValueError as e:

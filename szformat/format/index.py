@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
 
-from ..errors import FormatError, ShardIndexError
+from ..errors import FormatError, ShardIndexError, short_repr
 from . import constants as C
 from .atomic import AtomicFile
 
@@ -65,7 +65,7 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
         raise ShardIndexError("sharded index 'metadata' must be an object", path=path)
     for tensor, shard in obj["weight_map"].items():
         if not isinstance(shard, str) or not _is_relative_file(shard):
-            raise ShardIndexError(f"weight_map names {shard!r}, not a file inside the index's folder", path=path,
+            raise ShardIndexError(f"weight_map names {short_repr(shard)}, not a file inside the index's folder", path=path,
                                   tensor=tensor)
     return ShardIndex(metadata, obj["weight_map"])
 
@@ -75,7 +75,7 @@ def _unique_keys(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
     obj: dict[str, Any] = {}
     for key, value in pairs:
         if key in obj:
-            raise ShardIndexError(f"sharded index holds the key {key!r} twice")
+            raise ShardIndexError(f"sharded index holds the key {short_repr(key)} twice")
         obj[key] = value
     return obj
 
