@@ -37,7 +37,9 @@ class safe_open:
         device (`str` or `torch.device`, *optional*): where tensors are returned; defaults to ``"cpu"``.
         verify (`bool`, *optional*): check CRC-32s (default). The stored bytes of a tensor are checked once per
             open file, before any of them is used (a slice reads the whole payload once for that); a tensor read
-            whole is checked again after decoding. Structural checks (offsets, escape streams) always run.
+            whole is checked again after decoding. A slice is not: the decoded bytes' CRC-32 covers the whole
+            tensor. Structural checks (offsets, escape streams) always run. CRC-32s catch accidental corruption,
+            not deliberate edits (whoever edits a file can recompute them).
         route (`str`, *optional*): for a CUDA ``device``: ``"gpu"`` (default, via ``"auto"``) copies the stored bytes
             and decodes on the GPU (needs Triton); ``"cpu"`` decodes on the host and copies raw bytes.
         staging (`StagingConfig`, *optional*): for a CUDA ``device``: pinned slot size and count, reader threads,
@@ -126,7 +128,12 @@ class safe_open:
         return self._read(entry, 0, entry.shape[0] if entry.shape else 1).to(self.device)
 
     def get_slice(self, name: str) -> "TensorSlice":
-        """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers."""
+        """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers.
+
+        With ``verify`` the stored bytes' CRC-32 is checked before the first slice (the whole payload is read once),
+        but the decoded bytes' CRC-32 cannot be: it covers the whole tensor. A payload edited with its stored CRC-32
+        recomputed then gives the values it decodes to, where :meth:`get_tensor` refuses it.
+        """
         return TensorSlice(self, self._file.entry(name))
 
     def _stored_bytes(self, entry: TensorEntry) -> torch.Tensor:

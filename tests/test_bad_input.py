@@ -728,6 +728,20 @@ def test_stored_bytes_checksum_is_checked_before_a_slice_is_used(forge, bad):
             f.get_slice("w")[0:1]  # row 0 is intact; the payload is not
 
 
+def test_a_slice_cannot_check_the_decoded_bytes(forge, bad):
+    """The decoded-bytes CRC-32 covers the whole tensor, so a slice returns what a payload edited with its stored
+    CRC-32 recomputed decodes to, where get_tensor refuses it (as documented in safe_open and the README)."""
+    forge.payload_at("w", _streams(forge)["sm"] + 310, bytes([forge.body[forge.entry("w")["offset"]
+                                                                         + _streams(forge)["sm"] + 310] ^ 0x80]))
+    with safe_open(forge.write(bad), framework="pt") as f:
+        row = f.get_slice("w")[1]
+        with pytest.raises(ChecksumMismatchError, match="decoded bytes"):
+            f.get_tensor("w")
+    want = SOURCE["w"][1].view(torch.int16)
+    assert (row.view(torch.int16) != want).nonzero().reshape(-1).tolist() == [10]
+    assert torch.equal(row[10], -SOURCE["w"][1][10])
+
+
 def test_decoded_bytes_checksum_mismatch(forge, bad):
     forge.entry("w")["raw_crc32"] ^= 0x80000000
     refused(forge.write(bad), ChecksumMismatchError, "CRC-32 of the decoded bytes", tensor="w")

@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from szformat.api import tensor_bytes, write_tensor
+from szformat.codec.layout import PayloadLayout
 from szformat.codec.gate import EncodedTensor, encode_tensor
 from szformat.errors import ConversionError, DecodeRouteError, SzformatError, WriteError
 from szformat.format import constants as C
@@ -134,6 +135,22 @@ def test_spec_limits_agree_with_the_constants():
     assert limits["entries of any msgpack map, `metadata`"] == f"{C.MAX_METADATA_ENTRIES:,}"
     assert limits["each dimension, elements of a tensor"] == "2^56" and C.MAX_ELEMENTS == 1 << 56
     assert str(C.HEADER_BYTES_PER_CONTAINER) in limits["maps and arrays in the header"]
+    assert limits["nesting of maps and arrays"].startswith(f"{C.MAX_HEADER_DEPTH} levels")
+    assert limits["elements of a `splitzip` tensor"].startswith("2^41") and PayloadLayout.max_elements() == 1 << 41
+
+
+def _depth(value) -> int:
+    if isinstance(value, (dict, list)):
+        return 1 + max(map(_depth, value.values() if isinstance(value, dict) else value), default=0)
+    return 0
+
+
+def test_a_written_header_nests_as_deep_as_the_spec_says(tmp_path):
+    path = write(tmp_path / "m.szt", TENSORS, metadata={"format": "pt"})
+    data = path.read_bytes()
+    header = msgpack.unpackb(data[struct.unpack_from("<Q", data, 16)[0]:])
+    assert _depth(header) == 6 <= C.MAX_HEADER_DEPTH
+    assert "A 1.0 header nests 6" in (ROOT / "spec" / "szt-v1.md").read_text(encoding="utf-8")
 
 
 # ---------------------------------------------------------------------------------------------------------------
