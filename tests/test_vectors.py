@@ -1,7 +1,8 @@
 """The golden vectors of ``spec/vectors/``: hashes, byte-exact writing, bit-exact reading, and the spec itself.
 
 ``_spec_decode`` is a second reader written from ``spec/szt-v1.md`` alone (struct, msgpack and numpy, nothing of
-szformat); it must agree with szformat's reader on every vector, so the spec says what the code does.
+szformat); it must agree with szformat's reader on every vector, the forged ones too (it refuses each ``refuse_*``
+file at the stage vectors.json gives), so the spec says what the code does.
 """
 
 from __future__ import annotations
@@ -169,53 +170,130 @@ ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 
             "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "I64": 8, "U64": 8, "F64": 8, "C64": 8}
 
 
-def _spec_decode(path: Path) -> tuple[dict | None, dict[str, bytes]]:
-    """Metadata and raw bytes of each tensor of a .szt file, following spec/szt-v1.md step by step."""
+class Refused(Exception):
+    """The spec's reader refuses a file; ``stage`` is ``open``, ``decode`` or ``verify``."""
+
+    def __init__(self, stage: str, reason: str):
+        super().__init__(f"{stage}: {reason}")
+        self.stage = stage
+
+
+def _require(condition: bool, reason: str, stage: str = "open") -> None:
+    if not condition:
+        raise Refused(stage, reason)
+
+
+def _is_int(value, lo: int = 0, hi: int = 1 << 63) -> bool:
+    return type(value) is int and lo <= value <= hi
+
+
+def _no_repeats(pairs: list) -> dict:
+    _require(len({k for k, _ in pairs}) == len(pairs), "a map holds a key twice")
+    return dict(pairs)
+
+
+def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[str, bytes]]:
+    """Metadata and raw bytes of each tensor of a .szt file, following spec/szt-v1.md step by step ("Reader checks",
+    the encodings' tables, "Checksums and conformance"); raises Refused where the spec says a reader refuses."""
     data = path.read_bytes()
+    _require(len(data) >= 64, "shorter than the preamble")
     magic, major, _minor, flags, h_off, h_len, h_crc, align, file_len = struct.unpack_from("<8sHHIQQIIQ", data)
-    assert magic == b"\x89SZT\r\n\x1a\n" and major == 1 and flags == 0 and data[48:64] == bytes(16)
-    assert h_off + h_len == file_len == len(data) and zlib.crc32(data[h_off:]) == h_crc
-    header = msgpack.unpackb(data[h_off:], raw=False)
-    out: dict[str, bytes] = {}
-    cursor = 64
+    _require(magic == b"\x89SZT\r\n\x1a\n", "magic")
+    _require(major == 1 and flags == 0 and data[48:64] == bytes(16), "version, flags or reserved bytes")
+    _require(1 <= h_len <= 100 * 2**20, "header length")
+    _require(align & (align - 1) == 0 and 64 <= align <= 2**21, "alignment")
+    _require(h_off >= 64 and h_off + h_len == file_len == len(data), "header position or file size")
+    _require(zlib.crc32(data[h_off:]) == h_crc, "header checksum")
+    try:
+        header = msgpack.unpackb(data[h_off:], raw=False, strict_map_key=True, object_pairs_hook=_no_repeats)
+    except (ValueError, TypeError, msgpack.ExtraData) as e:  # invalid UTF-8 is a ValueError too
+        raise Refused("open", f"msgpack: {e}") from None
+    _require(isinstance(header, dict), "top level")
+    _require(set(header.get("required_features", [])) == set(), "required features")
+    metadata = header.get("metadata")
+    _require("metadata" not in header or (isinstance(metadata, dict) and all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())), "metadata")
+    _require(isinstance(header.get("tensors"), list), "tensors")
+    entries, cursor, names = [], 64, set()
     for e in header["tensors"]:
-        assert e["offset"] == -(-cursor // align) * align
-        cursor = e["offset"] + e["length"]
-        stored = data[e["offset"]: cursor]
-        assert zlib.crc32(stored) == e["crc32"]
-        if e["encoding"]["name"] == "raw":
-            raw = stored
+        _require(isinstance(e, dict), "entry")
+        name, dtype, shape = e.get("name"), e.get("dtype"), e.get("shape")
+        _require(isinstance(name, str) and name and "\0" not in name and name != "__metadata__"
+                 and len(name.encode()) <= 4096 and name not in names, "name")
+        names.add(name)
+        _require(dtype in ITEMSIZE and isinstance(shape, list) and len(shape) <= 32
+                 and all(_is_int(d, 0, 2**56) for d in shape) and math.prod(shape) <= 2**56, "dtype or shape")
+        numel = math.prod(shape)
+        _require(all(_is_int(e.get(k)) for k in ("offset", "length", "raw_length"))
+                 and all(_is_int(e.get(k), 0, 2**32 - 1) for k in ("crc32", "raw_crc32")), "integers")
+        _require(e["raw_length"] == numel * ITEMSIZE[dtype], "raw_length")
+        encoding = e.get("encoding")
+        _require(isinstance(encoding, dict) and isinstance(encoding.get("name"), str), "encoding")
+        config = encoding.get("configuration", {})
+        _require(isinstance(config, dict), "configuration")
+        if encoding["name"] == "raw":
+            _require(e["length"] == e["raw_length"] and e["crc32"] == e["raw_crc32"], "raw lengths or checksums")
+            _require(isinstance(config.get("reason", ""), str), "reason")
         else:
-            raw = _spec_splitzip(stored, e["encoding"]["configuration"])
-        assert len(raw) == math.prod(e["shape"]) * ITEMSIZE[e["dtype"]] == e["raw_length"]
-        assert zlib.crc32(raw) == e["raw_crc32"]
+            _require(encoding["name"] == "splitzip" and dtype == "BF16", "encoding name or splitzip dtype")
+            _spec_splitzip_config(config, numel, e["length"])
+        _require(e["offset"] == -(-cursor // align) * align, "placement")
+        cursor = e["offset"] + e["length"]
+        _require(cursor <= h_off, "payload past the header")
+        entries.append(e)
+    _require(cursor == h_off, "bytes before the header")
+
+    out: dict[str, bytes] = {}
+    for e in entries:
+        stored = data[e["offset"]: e["offset"] + e["length"]]
+        _require(not verify or zlib.crc32(stored) == e["crc32"], "stored bytes checksum", "verify")
+        raw = stored if e["encoding"]["name"] == "raw" else _spec_splitzip(stored, e["encoding"]["configuration"])
+        _require(not verify or zlib.crc32(raw) == e["raw_crc32"], "decoded bytes checksum", "verify")
         out[e["name"]] = raw
-    assert cursor == h_off
-    return header.get("metadata"), out
+    return metadata, out
 
 
 def _align4(x: int) -> int:
     return (x + 3) // 4 * 4
 
 
-def _spec_splitzip(stored: bytes, config: dict) -> bytes:
-    n, n_esc, chunk = config["n"], config["n_esc"], config["chunk_size"]
+def _spec_layout(n: int, n_esc: int) -> dict[str, int]:
     off_sm = _align4((n + 1) // 2)
     off_cid = _align4(off_sm + n)
     off_lpos = off_cid + 4 * n_esc
-    off_ev = _align4(off_lpos + 2 * n_esc)
-    assert config["streams"] == {"pk": 0, "sm": off_sm, "chunk_id": off_cid, "local_pos": off_lpos,
-                                 "esc_val": off_ev}
-    assert len(stored) == off_ev + n_esc
+    return {"pk": 0, "sm": off_sm, "chunk_id": off_cid, "local_pos": off_lpos,
+            "esc_val": _align4(off_lpos + 2 * n_esc)}
+
+
+def _spec_splitzip_config(config: dict, numel: int, length: int) -> None:
+    """The splitzip configuration table of the spec."""
+    _require(_is_int(config.get("chunk_size")) and config["chunk_size"] == 1024, "chunk size")
+    n, n_esc, n_used = config.get("n"), config.get("n_esc"), config.get("n_codes_used")
+    _require(_is_int(n) and n == numel and n <= 2**41 and _is_int(n_esc) and n_esc <= n, "n or n_esc")
+    streams = _spec_layout(n, n_esc)
+    _require(length == streams["esc_val"] + n_esc, "length")
+    _require(isinstance(config.get("streams"), dict) and config["streams"] == streams
+             and all(_is_int(v) for v in config["streams"].values()), "streams")
+    codebook = config.get("codebook")
+    _require(_is_int(n_used, 0, 16) and isinstance(codebook, list) and len(codebook) == 16
+             and all(_is_int(v, 0, 255) for v in codebook) and not any(codebook[n_used:])
+             and len(set(codebook[:n_used])) == n_used, "codebook")
+    _require(isinstance(config.get("coverage"), float) and 0 <= config["coverage"] <= 1, "coverage")
+
+
+def _spec_splitzip(stored: bytes, config: dict) -> bytes:
+    n, n_esc, chunk = config["n"], config["n_esc"], config["chunk_size"]
+    s = config["streams"]
     buf = np.frombuffer(stored, dtype=np.uint8)
-    pk, sm = buf[: (n + 1) // 2].astype(np.uint16), buf[off_sm: off_sm + n].astype(np.uint16)
+    pk, sm = buf[: (n + 1) // 2].astype(np.uint16), buf[s["sm"]: s["sm"] + n].astype(np.uint16)
     code = np.stack([pk >> 4, pk & 0xF], axis=1).reshape(-1)[:n]
     exponent = np.array(config["codebook"], dtype=np.uint16)[code]
-    chunk_id = np.frombuffer(stored, dtype="<i4", count=n_esc, offset=off_cid).astype(np.int64)
-    local_pos = np.frombuffer(stored, dtype="<u2", count=n_esc, offset=off_lpos).astype(np.int64)
+    chunk_id = np.frombuffer(stored, dtype="<i4", count=n_esc, offset=s["chunk_id"]).astype(np.int64)
+    local_pos = np.frombuffer(stored, dtype="<u2", count=n_esc, offset=s["local_pos"]).astype(np.int64)
     position = chunk_id * chunk + local_pos
-    assert np.all(local_pos < chunk) and np.all(position < n) and np.all(np.diff(position) > 0)
-    exponent[position] = buf[off_ev: off_ev + n_esc]  # padding and escaped elements' nibbles are not read
+    _require(bool(np.all((chunk_id >= 0) & (chunk_id < -(-n // chunk)) & (local_pos < chunk) & (position < n))
+                  and np.all(np.diff(position) > 0)), "escape stream", "decode")
+    exponent[position] = buf[s["esc_val"]: s["esc_val"] + n_esc]  # padding and escaped nibbles are not read
     bits = ((sm & 0x80) << 8) | (exponent << 7) | (sm & 0x7F)
     return bits.astype("<u2").tobytes()
 
@@ -237,6 +315,17 @@ def test_a_reader_written_from_the_spec_reads_each_read_case(name):
     assert metadata == base["metadata"]
     assert [hashlib.sha256(raw[t["name"]]).hexdigest() for t in base["tensors"]] == [
         t["raw_sha256"] for t in base["tensors"]]
+
+
+@pytest.mark.parametrize("name", REFUSALS)
+def test_a_reader_written_from_the_spec_refuses_each_refuse_case_at_its_stage(name):
+    path = VECTORS / REFUSALS[name]["szt"]["file"]
+    stage = REFUSALS[name]["stage"]
+    if stage == "verify":
+        _spec_decode(path, verify=False)  # read with checksums off
+    with pytest.raises(Refused) as info:
+        _spec_decode(path, verify=stage == "verify")
+    assert info.value.stage == stage
 
 
 # ---------------------------------------------------------------------------------------------------------------
