@@ -4,6 +4,9 @@ Each case is a small ``.safetensors`` source, written byte for byte by this scri
 SplitMix64 generator (no floating point, no library random stream that could change between versions), and the
 ``.szt`` file szformat's writer makes from it. ``SHA256SUMS`` and ``vectors.json`` record the expected hashes;
 ``vectors.json`` also lists each tensor's dtype, shape, encoding, escape count and the SHA-256 of its raw bytes.
+Forged files follow: a case's ``.szt`` file edited (:class:`Parts`) into one a reader must still read
+(``read_*.szt``) or must refuse (``refuse_*.szt``, with the stage, error class and reason). A new case is one more
+entry of :func:`cases` or :func:`forged_cases`.
 
 Usage:
     python tools/make_vectors.py            # (re)write spec/vectors/
@@ -238,6 +241,11 @@ class Refusal:
     reason: str
 
 
+PREAMBLE_FIELDS = ("magic", "major", "minor", "flags", "header_offset", "header_length", "header_crc32", "alignment",
+                   "file_length")
+"""The preamble's fields in :data:`szformat.format.constants.PREAMBLE` order (its 16 reserved bytes aside)."""
+
+
 @dataclass
 class Parts:
     """A .szt file taken apart: preamble fields, the bytes before the header, and the header object.
@@ -284,11 +292,6 @@ class Parts:
         reserved = fields.pop("reserved", bytes(C.PREAMBLE_SIZE - C.RESERVED_OFFSET))
         preamble = C.PREAMBLE.pack(*(fields[k] for k in PREAMBLE_FIELDS))[: C.RESERVED_OFFSET] + reserved
         return preamble + bytes(self.body[C.PREAMBLE_SIZE:]) + header + self.trailing
-
-
-PREAMBLE_FIELDS = ("magic", "major", "minor", "flags", "header_offset", "header_length", "header_crc32", "alignment",
-                   "file_length")
-"""The preamble's fields in :data:`szformat.format.constants.PREAMBLE` order (its 16 reserved bytes aside)."""
 
 
 @dataclass
@@ -405,6 +408,12 @@ def _too_many_elements(parts: Parts) -> None:
     _config("c", n=n)(parts)
 
 
+def _truncated(parts: Parts) -> None:
+    """The preamble announces a header one byte longer than the file holds."""
+    header_length = len(msgpack.packb(parts.header)) + 1
+    parts.preamble.update(header_length=header_length, file_length=len(parts.body) + header_length)
+
+
 def _hole(parts: Parts) -> None:
     """Tensor ``c`` one alignment unit later than the placement rule puts it, with the bytes moved along."""
     c = parts.entry("c")
@@ -445,13 +454,10 @@ def forged_cases() -> list[Forged]:
         Forged("reserved", "a reserved preamble byte set", "alignment_64", _set(reserved=bytes(15) + b"\x01"),
                r("UnsupportedVersionError", "open", "reserved preamble bytes")),
         Forged("header_too_large", "header_length past 100 MiB", "alignment_64",
-               lambda parts: parts.preamble.update(header_length=C.MAX_HEADER_BYTES + 1),
-               r("HeaderTooLargeError", "open", "exceeds the limit")),
+               _set(header_length=C.MAX_HEADER_BYTES + 1), r("HeaderTooLargeError", "open", "exceeds the limit")),
         Forged("alignment", "alignment 100, not a power of two", "alignment_64", _set(alignment=100),
                r("FormatError", "open", "alignment 100")),
-        Forged("truncated", "the last byte of the file missing", "alignment_64",
-               lambda parts: parts.preamble.update(file_length=len(parts.body) + len(msgpack.packb(parts.header)) + 1,
-                                                   header_length=len(msgpack.packb(parts.header)) + 1),
+        Forged("truncated", "the file one byte shorter than its preamble announces", "alignment_64", _truncated,
                r("TruncatedFileError", "open", "the preamble announces")),
         Forged("trailing_bytes", "a byte after the header", "alignment_64", lambda parts: setattr(parts, "trailing",
                                                                                                  b"\x00"),
