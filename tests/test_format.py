@@ -19,7 +19,7 @@ import torch
 from szformat.api import tensor_bytes, write_tensor
 from szformat.codec.layout import PayloadLayout
 from szformat.codec.gate import EncodedTensor, encode_tensor
-from szformat.errors import ConversionError, DecodeRouteError, SzformatError, WriteError
+from szformat.errors import ConversionError, DecodeRouteError, HeaderError, SzformatError, WriteError
 from szformat.format import constants as C
 from szformat.format.header import Header, parse_header
 from szformat.format.reader import SztFile
@@ -393,3 +393,15 @@ def test_entries_record_the_checksums_of_their_bytes(tmp_path):
 def test_header_dataclass_defaults():
     assert msgpack.unpackb(Header(tensors=[]).to_bytes()) == {"tensors": []}
     assert msgpack.unpackb(Header(tensors=[], metadata={}).to_bytes()) == {"tensors": [], "metadata": {}}
+
+
+def test_unknown_keys_may_nest_as_deep_as_msgpack_s_stack_and_no_deeper():
+    """The spec: readers accept 16 levels and may refuse deeper; this one refuses past 1,024 (the top map counted)."""
+    def header(depth: int) -> bytes:
+        pad = msgpack.packb("pad") + msgpack.packb("x" * 20_000)  # room for the containers under the header's budget
+        return (b"\x83" + pad + msgpack.packb("tensors") + b"\x90" + msgpack.packb("later")
+                + b"\x91" * (depth - 1) + b"\xc0")
+
+    assert parse_header(header(1024), path="x.szt", alignment=64, header_offset=64).tensors == []
+    with pytest.raises(HeaderError, match="StackError"):
+        parse_header(header(1025), path="x.szt", alignment=64, header_offset=64)
