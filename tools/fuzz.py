@@ -10,16 +10,18 @@ recomputed so they reach the checks behind them:
 - ``file``: ``load_file`` and ``safe_open`` (``get_tensor``, ``get_slice``, with and without ``verify``) on whole
   files: random byte edits with no checksum fixed (then, with ``verify``, a file that loads must give the vector's
   own tensors: no silent wrong tensor), header edits and payload edits with the checksums recomputed (then every
-  tensor that loads must match its header's ``raw_crc32``, dtype and shape).
+  tensor that loads must match its header's ``raw_crc32``, shape and ``raw_length``).
 - ``index``: ``read_index`` and ``checkpoint_shards`` on mutated ``model.szt.index.json`` files beside two real
-  shards, and ``load_file`` through them, on the shard names and JSON values that break readers most.
+  shards, with the shard names and JSON values that break readers most; they must agree, and name no shard outside
+  the index's folder. ``index_load`` also loads through them (not in the default run: see :data:`DEFAULT_TARGETS`).
 
 Usage:
     python tools/fuzz.py --minutes 5                 # every target, rounds of each in turn until time is up
     python tools/fuzz.py --targets header file --examples 2000 --seed 7
 
-It prints, per target, the cases run and the findings (each with Hypothesis's smallest failing example) and exits
-1 if there is any. ``tests/test_fuzz.py`` runs every target for a few derandomized examples in the test suite.
+It prints, per target, the cases run and the findings (each with Hypothesis's smallest failing example and its
+round's seed: ``--seed SEED --examples N --targets TARGET`` runs that round again) and exits 1 if there is any.
+``tests/test_fuzz.py`` runs every default target for a few derandomized examples in the test suite.
 """
 
 from __future__ import annotations
@@ -47,11 +49,9 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:  # run as a script from a checkout
     sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-
 from szformat import SzformatError, load_file, safe_open  # noqa: E402
-from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.api import tensor_bytes  # noqa: E402
+from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.header import parse_header  # noqa: E402
 from szformat.format.index import checkpoint_shards, read_index  # noqa: E402
@@ -162,15 +162,20 @@ def mutated_objects(draw: st.DrawFn, obj: Any, values: st.SearchStrategy = msgpa
 
 
 @st.composite
-def byte_edits(draw: st.DrawFn, data: bytes, start: int = 0) -> bytes:
-    """``data`` after 1 to 4 edits at or past ``start``: a bit flipped, a byte set, a range dropped, repeated or
-    cut off, bytes inserted."""
+def byte_edits(draw: st.DrawFn, data: bytes, regions: list[tuple[int, int]] | None = None) -> bytes:
+    """``data`` after 1 to 4 edits: a bit flipped, a byte set, a range dropped, repeated or cut off, bytes inserted.
+
+    Each edit lands in one of ``regions`` (``(start, stop)`` ranges, the whole of ``data`` by default), picked first,
+    so a small region (a preamble) is hit as often as a large one (the payloads).
+    """
     data = bytearray(data)
+    regions = [r for r in regions or [(0, len(data))] if r[0] < r[1]]
     for _ in range(draw(st.integers(1, 4))):
+        start, stop = draw(st.sampled_from(regions))
         if len(data) <= start:
             data += draw(st.binary(min_size=1, max_size=8))
             continue
-        at = draw(st.integers(start, len(data) - 1))
+        at = draw(st.integers(start, min(stop, len(data)) - 1))
         op = draw(st.sampled_from(["flip", "set", "drop", "repeat", "insert", "truncate"]))
         if op == "flip":
             data[at] ^= 1 << draw(st.integers(0, 7))
@@ -187,11 +192,14 @@ def byte_edits(draw: st.DrawFn, data: bytes, start: int = 0) -> bytes:
     return bytes(data)
 
 
-def with_header(seed_file: Seed, header: bytes, preamble: dict[str, Any] | None = None) -> bytes:
-    """The seed's payloads under another header, the preamble's header fields and checksum made to agree."""
+def with_header(seed_file: Seed, header: bytes, body: bytes | None = None) -> bytes:
+    """A file of the seed's preamble, ``body`` (the bytes from the preamble's end to the header; the seed's by
+    default) and ``header``, the preamble's header length, checksum and file length made to agree."""
+    body = seed_file.data[C.PREAMBLE_SIZE: seed_file.header_offset] if body is None else body
     fields = list(C.PREAMBLE.unpack(seed_file.data[: C.PREAMBLE_SIZE]))
-    fields[5], fields[6], fields[8] = len(header), zlib.crc32(header), seed_file.header_offset + len(header)
-    return C.PREAMBLE.pack(*fields) + seed_file.data[C.PREAMBLE_SIZE: seed_file.header_offset] + header
+    fields[5], fields[6], fields[8] = len(header), zlib.crc32(header), C.PREAMBLE_SIZE + len(body) + len(header)
+    fields[4] = C.PREAMBLE_SIZE + len(body)
+    return C.PREAMBLE.pack(*fields) + body + header
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -254,19 +262,22 @@ def _check_header(case: tuple[Seed, bytes], tmp: Path) -> None:
 def _file_inputs() -> st.SearchStrategy:
     """(seed, file bytes, whether any checksum was recomputed)."""
     def raw_edits(s: Seed) -> st.SearchStrategy:
-        return byte_edits(s.data).map(lambda b: (s, b, False))
+        regions = [(0, C.PREAMBLE_SIZE), (C.PREAMBLE_SIZE, s.header_offset), (s.header_offset, len(s.data))]
+        return byte_edits(s.data, regions).map(lambda b: (s, b, False))
 
     def header_edits(s: Seed) -> st.SearchStrategy:
         return mutated_objects(s.header).map(lambda h: (s, with_header(s, msgpack.packb(h)), True))
 
     def payload_edits(s: Seed) -> st.SearchStrategy:
         def fix(edited: bytes) -> tuple:
+            edited = edited[: s.header_offset].ljust(s.header_offset, b"\0")  # payloads stay where they were
             header = msgpack.unpackb(msgpack.packb(s.header))
-            for entry in header["tensors"]:  # every stored-bytes CRC made right again
+            for entry in header["tensors"]:  # every stored-bytes CRC made right again (of raw ones: both)
                 entry["crc32"] = zlib.crc32(edited[entry["offset"]: entry["offset"] + entry["length"]])
-            return s, with_header(s, msgpack.packb(header)), True
-        return st.builds(lambda b: fix(b[: s.header_offset].ljust(s.header_offset, b"\0")[: s.header_offset]),
-                         byte_edits(s.data[: s.header_offset], start=C.PREAMBLE_SIZE))
+                if entry["encoding"]["name"] == "raw":
+                    entry["raw_crc32"] = entry["crc32"]
+            return s, with_header(s, msgpack.packb(header), edited[C.PREAMBLE_SIZE:]), True
+        return byte_edits(s.data[: s.header_offset], [(C.PREAMBLE_SIZE, s.header_offset)]).map(fix)
 
     seeds = st.sampled_from([s for s in SEEDS if s.header["tensors"]])
     return st.one_of(seeds.flatmap(raw_edits), seeds.flatmap(header_edits), seeds.flatmap(payload_edits))
