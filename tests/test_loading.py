@@ -17,6 +17,7 @@ import time
 import zlib
 from collections import deque
 from concurrent.futures import Future
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -27,7 +28,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 import szformat
-from szformat.errors import ChecksumMismatchError, DecodeRouteError, FormatError, ShardIndexError, TruncatedFileError
+from szformat.errors import (ChecksumMismatchError, DecodeRouteError, FormatError, PayloadError, ShardIndexError,
+                             TruncatedFileError)
 from szformat.format.reader import SztFile
 from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder, checkpoint_shards,
                               copy_and_expand)
@@ -1051,3 +1053,27 @@ def test_batch_table_arrays_cross_in_one_packed_buffer():
     views = unpack_arrays(packed.clone(), arrays, offsets)
     for view, array in zip(views, arrays):
         assert view.dtype == array.dtype and view.shape == array.shape and torch.equal(view, array)
+
+
+class UncheckedCodec(ReferenceCodec):
+    """A device codec that, like the Triton kernels, checks no escape stream (it writes zeros: only whether the
+    loader refuses matters here)."""
+
+    def decode_batch(self, payloads, table, out):
+        out.zero_()
+
+    def decode_in_place(self, buffer, layout, codebook, scratch):
+        buffer[: layout.raw_bytes].zero_()
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_gpu_route_refuses_an_escape_stream_out_of_order_whatever_the_kernels_check(verify):
+    vectors = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+    staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
+    with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps(), codec=UncheckedCodec()) as loader:
+        with SztFile(vectors / "alignment_64.szt") as f:
+            assert set(loader.load(f)) == {"a", "b", "c"}  # valid escapes (tensor a has two) pass
+        with SztFile(vectors / "refuse_escape_order.szt") as f:
+            with pytest.raises(PayloadError, match="not strictly ascending") as info:
+                loader.load(f)
+    assert info.value.tensor == "a" and "refuse_escape_order.szt" in str(info.value)

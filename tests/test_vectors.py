@@ -20,9 +20,10 @@ from pathlib import Path
 import msgpack
 import numpy as np
 import pytest
+import torch
 from safetensors.torch import load_file as st_load_file
 
-from szformat import load_file, safe_open
+from szformat import SzformatError, load_file, safe_open
 from szformat.api import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -116,6 +117,16 @@ def test_reader_refuses_each_refuse_case_at_its_stage(name):
     assert (stage, type(error).__name__) == (case["stage"], case["error"])
     assert isinstance(error, ValueError) and error.path == str(path)
     assert case["reason"] in str(error) and path.name in str(error)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device (and Triton)")
+@pytest.mark.parametrize("name", [n for n, case in REFUSALS.items() if n != "raw_crc"])
+def test_gpu_route_refuses_each_refuse_case(name):
+    """On the GPU route too (which does not check decoded bytes: ``raw_crc`` is read there, as the spec allows)."""
+    case = REFUSALS[name]
+    with pytest.raises(SzformatError) as info:
+        load_file(VECTORS / case["szt"]["file"], device="cuda", verify=case["stage"] == "verify")
+    assert type(info.value).__name__ == case["error"] and case["reason"] in str(info.value)
 
 
 @pytest.mark.parametrize("name", CASES)

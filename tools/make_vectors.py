@@ -531,7 +531,8 @@ def forged_cases() -> list[Forged]:
                r("PayloadError", "decode", "not strictly ascending")),
         Forged("stored_crc", "a flipped payload bit, crc32 left as it was", "alignment_64", _flip_stored_byte,
                r("ChecksumMismatchError", "verify", "CRC-32 of the stored bytes")),
-        Forged("raw_crc", "raw_crc32 off by one bit", "alignment_64",
+        Forged("raw_crc", "raw_crc32 off by one bit (refused where the decoded bytes are checked, as a reader SHOULD)",
+               "alignment_64",
                lambda parts: parts.entry("c").update(raw_crc32=parts.entry("c")["raw_crc32"] ^ 1),
                r("ChecksumMismatchError", "verify", "CRC-32 of the decoded bytes")),
     ]

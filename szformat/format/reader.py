@@ -25,9 +25,10 @@ import torch
 
 from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
+from ..codec.cpu import escape_positions
 from ..codec.layout import PayloadLayout
 from ..errors import (ChecksumMismatchError, FormatError, HeaderError, HeaderTooLargeError, InvalidOffsetError,
-                      TruncatedFileError, UnsupportedVersionError)
+                      PayloadError, TruncatedFileError, UnsupportedVersionError)
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
 
@@ -221,3 +222,12 @@ def check_crc(data: torch.Tensor, expected: int, *, what: str, path: str | os.Pa
     if actual != expected:
         raise ChecksumMismatchError(f"CRC-32 of the {what} is {actual:#010x}, the header records {expected:#010x}",
                                     path=path, tensor=tensor)
+
+
+def check_escapes(payload: torch.Tensor, layout: PayloadLayout, *, path: str | os.PathLike, tensor: str) -> None:
+    """Raise PayloadError unless the escape stream of a SplitZip payload (flat uint8 CPU tensor) is in range and
+    strictly ascending: the checks the spec asks of every reader before it decodes, checksums on or off."""
+    try:
+        escape_positions(payload, layout)
+    except ValueError as e:
+        raise PayloadError(str(e), path=path, tensor=tensor) from None

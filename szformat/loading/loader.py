@@ -18,7 +18,7 @@ import torch
 from ..errors import DecodeRouteError, FormatError
 from ..format.header import TensorEntry
 from ..format.index import check_shard, checkpoint_shards
-from ..format.reader import SztFile, check_crc
+from ..format.reader import SztFile, check_crc, check_escapes
 from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
 from .ops import DeviceOps, cuda_ops
@@ -81,7 +81,8 @@ class DeviceLoader:
         staging (`StagingConfig`, *optional*): slot size and count, reader threads, host transport.
         verify (`bool`, *optional*): check the CRC-32 of each tensor's stored bytes while the transfer runs (with
             staged reads, each reader thread checks the piece it has just read); a mismatch raises after the
-            transfer and no tensor is returned.
+            transfer and no tensor is returned. The GPU route does not check the decoded bytes' CRC-32 (they stay
+            on the device); it checks the escape streams of SplitZip payloads on the host, ``verify`` or not.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
 
     Raises:
@@ -118,11 +119,12 @@ class DeviceLoader:
         inline: StoredCrcCheck | None = None
         try:
             if self.route == "gpu":
+                checks = self._start_escape_checks(file, entries)
                 source = self._source(file)
                 if self.verify and source.host_writes:  # the reader threads check what they have just read
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
-                    checks = self._start_verify(file, entries)
+                    checks += self._start_verify(file, entries)
                 route = self._route_for(entries, host=source.host_writes)
                 flat = route.load(entries, source, verify=inline)
             else:
@@ -205,6 +207,13 @@ class DeviceLoader:
             self._verify_pool = ThreadPoolExecutor(os.cpu_count() or 1, thread_name_prefix="szformat-verify")
         return [self._verify_pool.submit(check_crc, file.payload(e.name), e.crc32, what="stored bytes",
                                          path=file.path, tensor=e.name) for e in entries]
+
+    def _start_escape_checks(self, file: SztFile, entries: Sequence[TensorEntry]) -> list[Future]:
+        """Check the escape streams on the reader threads, beside the transfer (they read a few bytes per escape):
+        the device kernels skip an escape outside its tensor but check nothing else, so escapes out of order would
+        decode to wrong values, CRC-32s on or off."""
+        return [self._pool.submit(check_escapes, file.payload(e.name), e.layout, path=file.path, tensor=e.name)
+                for e in entries if e.layout is not None and e.layout.n_esc]
 
 
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",
