@@ -100,7 +100,8 @@ SEEDS = _seeds()
 EDGE_INTEGERS = [0, 1, -1, 2, 3, 4, 63, 64, 100, 255, 256, 1023, 1024, 1025, 4095, 4096, 65535, 65536,
                  (1 << 31) - 1, 1 << 31, (1 << 32) - 1, 1 << 32, 1 << 41, (1 << 41) + 1, 1 << 56, (1 << 56) + 1,
                  (1 << 63) - 1, 1 << 63, (1 << 64) - 1, -(1 << 63)]
-EDGE_STRINGS = ["", "a", "BF16", "F32", "raw", "splitzip", "__metadata__", "\x00", "a\x00b", "é", "x" * 5000, "tensors", "name", "encoding", "configuration", "streams", "pk"]
+EDGE_STRINGS = ["", "a", "BF16", "F32", "raw", "splitzip", "__metadata__", "\x00", "a\x00b", "é", "x" * 5000,
+                "tensors", "name", "encoding", "configuration", "streams", "pk"]
 
 json_scalars = st.one_of(
     st.none(), st.booleans(), st.sampled_from(EDGE_INTEGERS),

@@ -135,7 +135,8 @@ def validate_shape(shape: object) -> int:
         raise ValueError(f"shape has {len(shape)} dimensions, more than the limit of {C.MAX_NDIM}")
     for d in shape:
         if type(d) is not int or not 0 <= d <= C.MAX_ELEMENTS:
-            raise ValueError(f"shape {short_repr(list(shape))} holds {short_repr(d)}, not an integer in [0, {C.MAX_ELEMENTS}]")
+            raise ValueError(f"shape {short_repr(list(shape))} holds {short_repr(d)}, not an integer in "
+                             f"[0, {C.MAX_ELEMENTS}]")
     numel = math.prod(shape)
     if numel > C.MAX_ELEMENTS:
         raise ValueError(f"shape {short_repr(list(shape))} has more elements than the limit of {C.MAX_ELEMENTS}")
@@ -264,7 +265,8 @@ def _unpack(raw: bytes | memoryview, *, path) -> Any:
 def _int(obj: dict, key: str, *, path, tensor, lo: int = 0, hi: int = 1 << 63) -> int:
     value = obj.get(key)
     if type(value) is not int or not lo <= value <= hi:
-        raise HeaderError(f"field {key!r} must be an integer in [{lo}, {hi}], got {short_repr(value)}", path=path, tensor=tensor)
+        raise HeaderError(f"field {key!r} must be an integer in [{lo}, {hi}], got {short_repr(value)}", path=path,
+                          tensor=tensor)
     return value
 
 
@@ -292,7 +294,8 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
     crc32 = _int(item, "crc32", path=path, tensor=name, hi=_U32)
     raw_crc32 = _int(item, "raw_crc32", path=path, tensor=name, hi=_U32)
     if raw_length != numel * C.itemsize(dtype):
-        raise HeaderError(f"raw_length {raw_length} does not match shape {short_repr(shape)} of {dtype}", path=path, tensor=name)
+        raise HeaderError(f"raw_length {raw_length} does not match shape {short_repr(shape)} of {dtype}", path=path,
+                          tensor=name)
 
     encoding = item.get("encoding")
     if not isinstance(encoding, dict) or not isinstance(encoding.get("name"), str):
@@ -318,7 +321,8 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=length, path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, **common)
     raise UnknownEncodingError(
-        f"encoding {short_repr(encoding['name'])} is not known to this reader (known: {', '.join(map(repr, C.ENCODINGS))}); "
+        f"encoding {short_repr(encoding['name'])} is not known to this reader "
+        f"(known: {', '.join(map(repr, C.ENCODINGS))}); "
         "the file needs a newer szformat", path=path, tensor=name)
 
 
