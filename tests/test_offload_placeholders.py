@@ -6,13 +6,14 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 import torch
 from torch import nn
 
 import szformat
-from szformat.errors import ShardIndexError
+from szformat.errors import PayloadError, ShardIndexError
 from szformat.format.constants import TORCH_TO_DTYPE
 from szformat.offload import bind_module
 from szformat.offload.binding import module_tensor, snapshot_tensors
@@ -122,6 +123,16 @@ def test_an_index_that_points_a_tensor_to_the_wrong_shard_is_refused(sharded):
     with pytest.raises(ShardIndexError, match="maps this tensor to a shard that does not hold it") as caught:
         Checkpoint(index)
     assert "b.weight" in str(caught.value) and "model-00001-of-00002.szt" in str(caught.value)
+
+
+def test_a_checkpoint_with_an_escape_stream_out_of_order_is_refused_when_opened(tmp_path):
+    """The device routes' kernels check no escape stream, so the checkpoint is checked once, when it opens."""
+    vectors = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+    with Checkpoint(vectors / "alignment_64.szt") as checkpoint:  # tensor a has two escapes
+        assert checkpoint.entries["a"].layout.n_esc == 2
+    with pytest.raises(PayloadError, match="not strictly ascending") as caught:
+        Checkpoint(vectors / "refuse_escape_order.szt")
+    assert caught.value.tensor == "a"
 
 
 def test_cpu_decoding_gives_every_tensor_bit_for_bit(sharded):

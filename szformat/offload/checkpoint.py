@@ -1,7 +1,8 @@
 """The .szt files of one checkpoint, open together: every entry by name, and the file that holds it.
 
 An offloader streams from whichever shard holds a tensor, so a sharded checkpoint is opened whole (every file
-mapped, every header validated) before anything is bound, and stays open while the runtime uses it.
+mapped, every header validated, every escape stream checked) before anything is bound, and stays open while the
+runtime uses it.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from pathlib import Path
 from ..errors import FormatError
 from ..format.header import TensorEntry
 from ..format.index import check_shard, checkpoint_shards
-from ..format.reader import SztFile
+from ..format.reader import SztFile, check_escapes
 
 __all__ = ["Checkpoint"]
 
@@ -26,6 +27,8 @@ class Checkpoint:
     Raises:
         ShardIndexError: the index is not valid, or maps a tensor to a shard that lacks it.
         FormatError: a file is not valid .szt, or a tensor is held by two shards.
+        PayloadError: an escape stream is out of range or out of order (the device kernels that decode it later
+            check nothing; a few bytes per escape are read here, once).
     """
 
     def __init__(self, path: str | os.PathLike):
@@ -41,8 +44,10 @@ class Checkpoint:
                 for name in file.entries if names is None else names:
                     if name in self.entries:
                         raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
-                    self.entries[name] = file.entries[name]
+                    self.entries[name] = entry = file.entries[name]
                     self._file_of[name] = file
+                    if entry.layout is not None and entry.layout.n_esc:
+                        check_escapes(file.payload(name), entry.layout, path=file_path, tensor=name)
         except BaseException:
             self.close()
             raise
