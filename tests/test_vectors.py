@@ -220,7 +220,7 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     except (ValueError, TypeError, msgpack.ExtraData) as e:  # invalid UTF-8 is a ValueError too
         raise Refused("open", f"msgpack: {e}") from None
     _require(isinstance(header, dict), "top level")
-    _require(set(header.get("required_features", [])) == set(), "required features")
+    _require(header.get("required_features", []) == [], "required features")  # 1.0 defines none
     metadata = header.get("metadata")
     _require("metadata" not in header or (isinstance(metadata, dict) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())), "metadata")
