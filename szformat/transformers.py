@@ -14,14 +14,16 @@ import logging
 import os
 import re
 from collections.abc import Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from .errors import UnknownArchitectureError
-from .model_folder import (checkpoint_entries, load_weights, meta_tensors, parameters_on_meta, place_buffers,
-                           plan_weights, refuse_mismatches, require, require_converted, resolve_model_folder)
+from .model_folder import (WeightPlan, checkpoint_entries, load_weights, meta_tensors, parameters_on_meta,
+                           place_buffers, plan_weights, refuse_mismatches, require, require_converted,
+                           resolve_model_folder)
 
 __all__ = ["from_pretrained"]
 
@@ -79,24 +81,59 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         >>> model = szformat.transformers.from_pretrained("hf://user/model-szt", AutoModelForCausalLM,
         ...                                               device="cuda")  # doctest: +SKIP
     """
-    transformers = require("transformers", "transformers")
-    require("accelerate", "transformers")
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
+    prepared = prepare_model(folder, auto_class, dtype=dtype, key_mapping=key_mapping,
+                             ignore_mismatched_sizes=ignore_mismatched_sizes, trust_remote_code=trust_remote_code,
+                             **kwargs)
+    model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
+                               offload_options=offload_options)
+    return (model, info) if output_loading_info else model
+
+
+@dataclass
+class PreparedModel:
+    """A model built on ``meta`` from its folder's config, and how the folder's checkpoint fills it: everything
+    checked, nothing decoded yet."""
+
+    model: Any
+    folder: Path
+    plan: WeightPlan
+    expected: dict[str, torch.Tensor]
+    """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
+
+
+def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",
+                  key_mapping: Mapping[str, str] | None = None, ignore_mismatched_sizes: bool = False,
+                  trust_remote_code: bool = False, **kwargs: Any) -> PreparedModel:
+    """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`).
+
+    Raises:
+        ModelFolderError, UnknownArchitectureError, CheckpointMismatchError: as `from_pretrained`.
+    """
+    transformers = require("transformers", "transformers")
+    require("accelerate", "transformers")
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
     entries = checkpoint_entries(folder)
-    dtype = _resolve_dtype(dtype, config, entries)
-    device = torch.device(device)
-    model = _build(transformers, auto_class, config, dtype, model_kwargs, folder)
-
+    model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs, folder)
     expected = model.state_dict()
     plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
     if not ignore_mismatched_sizes:
         refuse_mismatches(plan, model, folder, strict=False)
+    return PreparedModel(model, folder, plan, expected)
 
+
+def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
+                 verify: bool = True, staging: Any = None,
+                 offload_options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, list]]:
+    """Decode the weights of a prepared model onto ``device`` (or hand them to an offload route), tie, initialize
+    what the checkpoint lacks, and report it; returns the model in eval mode and its loading info."""
+    transformers = require("transformers", "transformers")
+    model, folder, plan = prepared.model, prepared.folder, prepared.plan
+    device = torch.device(device)
     if offload is None:
-        load_weights(model, folder, plan, expected, device=device, verify=verify, staging=staging)
+        load_weights(model, folder, plan, prepared.expected, device=device, verify=verify, staging=staging)
         model.tie_weights()
         fed: set[int] = set()
     else:
@@ -108,10 +145,9 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         _offload(model, folder, plan, offload, device, offload_options or {})
     model.eval()
     _load_generation_config(transformers, model, folder)
-
     info = _loading_info(model, plan, initialized)
     _log_report(model, folder, info)
-    return (model, info) if output_loading_info else model
+    return model, info
 
 
 def _load_config(transformers, folder: Path, trust_remote_code: bool, kwargs: dict[str, Any]):
