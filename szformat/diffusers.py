@@ -101,7 +101,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
             if handle is not None:
                 handles[name] = handle
         pipeline_class = pipeline_class if pipeline_class is not None else diffusers.DiffusionPipeline
-        pipe = pipeline_class.from_pretrained(folder, **loaded, torch_dtype=torch_dtype, **kwargs)
+        pipe = pipeline_class.from_pretrained(folder, **loaded, **kwargs)  # the rest hold no weights
     except BaseException:
         for handle in handles.values():
             handle.close()

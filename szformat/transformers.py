@@ -21,6 +21,7 @@ from typing import Any
 import torch
 
 from .errors import UnknownArchitectureError
+from .format import constants as C
 from .model_folder import (WeightPlan, checkpoint_entries, load_weights, meta_tensors, parameters_on_meta,
                            place_buffers, plan_weights, refuse_mismatches, require, require_converted,
                            resolve_model_folder)
@@ -169,14 +170,14 @@ def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
         if not isinstance(resolved, torch.dtype):
             raise ValueError(f"dtype must be 'auto', a torch.dtype or its name, got {dtype!r}")
         return resolved
-    stated = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    stated = getattr(config, _dtype_attribute(config), None)
     if isinstance(stated, str):
         stated = getattr(torch, stated, None)
     if isinstance(stated, torch.dtype):
         return stated
     for entry in entries.values():
-        candidate = entry.torch_dtype()
-        if candidate.is_floating_point:
+        candidate = C.DTYPES.get(entry.dtype, (None,))[0]
+        if candidate is not None and candidate.is_floating_point:
             return candidate
     return torch.float32
 
@@ -208,13 +209,15 @@ def _config_class(transformers, config, folder: Path):
     return model_class
 
 
+def _dtype_attribute(config) -> str:
+    """The config attribute this transformers version reads the model dtype from: ``dtype`` since 4.56 (where
+    ``torch_dtype`` became a deprecated alias), ``torch_dtype`` before."""
+    return "dtype" if isinstance(getattr(type(config), "torch_dtype", None), property) else "torch_dtype"
+
+
 def _set_config_dtype(config, dtype: torch.dtype) -> None:
-    """Record the dtype the model is built in, under the attribute this transformers version reads (``dtype``;
-    ``torch_dtype`` before 4.56, now a deprecated alias)."""
-    if isinstance(getattr(type(config), "torch_dtype", None), property):
-        config.dtype = dtype
-    else:
-        config.torch_dtype = dtype
+    """Record the dtype the model is built in, where ``from_config`` reads it."""
+    setattr(config, _dtype_attribute(config), dtype)
 
 
 def _renamer(model, expected: Mapping[str, torch.Tensor], key_mapping: Mapping[str, str] | None):
