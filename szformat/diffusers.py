@@ -24,7 +24,7 @@ from .errors import ModelFolderError, UnknownArchitectureError
 from .format import constants as C
 from .model_folder import (SAFETENSORS_SUFFIX, WeightPlan, checkpoint_entries, has_weights, load_weights,
                            parameters_on_meta, place_buffers, plan_weights, refuse_mismatches, require,
-                           resolve_model_folder)
+                           resolve_model_folder, weights_in)
 
 __all__ = ["from_pretrained", "DENOISER_PREFIXES"]
 
@@ -39,6 +39,7 @@ DENOISER_PREFIXES = ("transformer", "unet")
 def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None, *,
                     device: str | torch.device = "cpu", offload: str | None = None,
                     offload_components: Iterable[str] | None = None, torch_dtype: torch.dtype | None = None,
+                    variant: str | None = None,
                     revision: str | None = None, token: str | bool | None = None,
                     cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                     verify: bool = True, staging: Any = None, offload_options: Mapping[str, Any] | None = None,
@@ -61,6 +62,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
         torch_dtype (`torch.dtype`, *optional*): as in diffusers: diffusers models are built in this dtype (float32
             when not given; modules a model keeps in float32 stay so), transformers models in this dtype (their
             config's when not given). Weights stored in another dtype are cast on ``device``.
+        variant (`str`, *optional*): load each component's ``<name>.<variant>.szt`` (``"fp16"``...).
         revision, token, cache_dir, local_files_only: for a Hub repo, as in ``huggingface_hub``.
         verify (`bool`, *optional*), staging (*optional*): as in :func:`szformat.load_file`.
         offload_options (`Mapping`, *optional*): engine options for :func:`szformat.load_into_offloader`.
@@ -86,7 +88,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
     components = _weighted_components(folder, skip=kwargs)
-    prepared = {name: _prepare(diffusers, folder / name, library, class_name, torch_dtype)
+    prepared = {name: _prepare(diffusers, folder / name, library, class_name, torch_dtype, variant)
                 for name, (library, class_name) in components.items()}
 
     offloaded = set(_offloaded(components, offload, offload_components))
@@ -164,7 +166,8 @@ def _offloaded(components: Mapping[str, tuple[str, str]], offload: str | None,
     return names
 
 
-def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype: torch.dtype | None):
+def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype: torch.dtype | None,
+             variant: str | None):
     """Build one component on ``meta`` and match its checkpoint, before anything is decoded."""
     if library == "transformers":
         from . import transformers as szt
@@ -172,12 +175,13 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
         model_class = getattr(require("transformers", "transformers"), class_name, None)
         if model_class is None:
             raise UnknownArchitectureError(f"transformers has no class {class_name!r}", path=folder)
-        return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or "auto"))
+        return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or "auto",
+                                                        variant=variant))
     model_class = getattr(diffusers, class_name, None)
     if model_class is None or not issubclass(model_class, diffusers.ModelMixin):
         raise UnknownArchitectureError(f"{library}.{class_name} is not a diffusers model class this diffusers "
                                        f"{diffusers.__version__} has; it cannot load .szt weights", path=folder)
-    return _DiffusersComponent.prepare(model_class, folder, torch_dtype)
+    return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant)
 
 
 @dataclass
@@ -196,11 +200,13 @@ class _TransformersComponent:
 class _DiffusersComponent:
     model: Any
     folder: Path
+    checkpoint: Path
     plan: WeightPlan
     expected: dict[str, torch.Tensor]
 
     @classmethod
-    def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None) -> "_DiffusersComponent":
+    def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None,
+                variant: str | None) -> "_DiffusersComponent":
         """Build as diffusers' ``from_pretrained`` does (default dtype ``torch_dtype``, float32 for the modules the
         class keeps in float32); refuse missing names and shapes that do not fit, as it does."""
         if not (folder / MODEL_CONFIG).is_file():
@@ -213,22 +219,24 @@ class _DiffusersComponent:
         for name, tensor in expected.items():
             if tensor.is_floating_point() and keep_fp32 and any(m in name.split(".") for m in keep_fp32):
                 expected[name] = tensor.to(torch.float32)
-        plan = plan_weights(expected, checkpoint_entries(folder))
+        checkpoint = weights_in(folder, variant)
+        plan = plan_weights(expected, checkpoint_entries(checkpoint))
         refuse_mismatches(plan, model, folder, strict=True)
-        return cls(model, folder, plan, expected)
+        return cls(model, folder, checkpoint, plan, expected)
 
     def finish(self, *, device, offload, verify, staging, offload_options):
         model = self.model
         handle = None
         if offload is None:
-            load_weights(model, self.folder, self.plan, self.expected, device=device, verify=verify, staging=staging)
+            load_weights(model, self.checkpoint, self.plan, self.expected, device=device, verify=verify,
+                         staging=staging)
             place_buffers(model, device)
         else:
             from .offload import load_into_offloader
 
             fed = {id(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in self.plan.sources}
             place_buffers(model, device, skip=fed)
-            handle = load_into_offloader(self.folder, model, route=offload, device=device, **(offload_options or {}))
+            handle = load_into_offloader(self.checkpoint, model, route=offload, device=device, **(offload_options or {}))
             model.szformat_offload = handle
         if self.plan.unexpected:
             logger.warning("Some weights of the checkpoint at %s were not used when initializing %s: %s",

@@ -77,6 +77,38 @@ def has_weights(folder: Path, suffix: str) -> bool:
     return any(folder.glob("*" + suffix)) or any(folder.glob("*" + suffix + INDEX_TAIL))
 
 
+def weights_in(folder: Path, variant: str | None = None) -> Path:
+    """The checkpoint a loader reads in a model folder: its sharded index, else its .szt file, else all its .szt
+    files (shards without an index). ``variant`` (``"fp16"``...) picks ``<name>.<variant>.szt`` files and
+    ``<name>.<variant>.szt.index.json`` indexes, as transformers' and diffusers' ``variant=`` does; without it,
+    files whose name carries a variant are left out.
+
+    Raises:
+        ModelFolderError: no .szt checkpoint of that variant, or several that could be meant.
+    """
+    def variant_of(path: Path, suffix: str) -> str | None:
+        stem = path.name[: -len(suffix)]
+        return stem.rpartition(".")[2] if "." in stem else None
+
+    indexes = [p for p in sorted(folder.glob("*" + C.INDEX_SUFFIX)) if variant_of(p, C.INDEX_SUFFIX) == variant]
+    files = sorted(folder.glob("*" + C.FILE_SUFFIX))
+    picked = [p for p in files if variant_of(p, C.FILE_SUFFIX) == variant]
+    named = f"variant {variant!r} " if variant else ""
+    if len(indexes) == 1:
+        return indexes[0]
+    if not indexes and len(picked) == 1:
+        return picked[0]
+    if not indexes and picked and picked == files:
+        return folder
+    if not indexes and not picked:
+        held = ", ".join(p.name for p in files) or "none"
+        raise ModelFolderError(f"no .szt checkpoint of {named or 'the default variant '}in the folder (.szt files: "
+                               f"{held})", path=folder)
+    candidates = ", ".join(p.name for p in (indexes or picked))
+    raise ModelFolderError(f"several .szt checkpoints of {named or 'the default variant '}in the folder "
+                           f"({candidates}); keep one, or add an index", path=folder)
+
+
 def require_converted(folder: Path, config_name: str, what: str) -> None:
     """Refuse a folder without ``config_name`` or without .szt weights, pointing a safetensors one to szconvert.
 
@@ -148,16 +180,16 @@ def plan_weights(expected: Mapping[str, torch.Tensor], entries: Mapping[str, Any
     return plan
 
 
-def checkpoint_entries(folder: Path) -> dict[str, Any]:
-    """The entries (name, dtype, shape) of the .szt checkpoint in ``folder``, headers only: nothing is decoded.
+def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
+    """The entries (name, dtype, shape) of a .szt checkpoint (see `weights_in`), headers only: nothing is decoded.
 
     Raises:
         FormatError, ShardIndexError: a file or the index is not valid.
     """
     from .offload.checkpoint import Checkpoint
 
-    with Checkpoint(folder) as checkpoint:
-        return dict(checkpoint.entries)
+    with Checkpoint(checkpoint) as opened:
+        return dict(opened.entries)
 
 
 def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *, strict: bool) -> None:
@@ -178,15 +210,15 @@ def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *,
                                       + "; ".join(problems), path=folder)
 
 
-def load_weights(model: torch.nn.Module, folder: Path, plan: WeightPlan, expected: Mapping[str, torch.Tensor], *,
-                 device: torch.device, verify: bool, staging) -> None:
-    """Decode the checkpoint on ``device`` and make the module's tensors those very tensors.
+def load_weights(model: torch.nn.Module, checkpoint: Path, plan: WeightPlan, expected: Mapping[str, torch.Tensor],
+                 *, device: torch.device, verify: bool, staging) -> None:
+    """Decode a checkpoint (see `weights_in`) on ``device`` and make the module's tensors those very tensors.
 
     A tensor is cast only where the module was built in another dtype (``dtype=`` asked for it).
     """
     from .api import load_file
 
-    tensors = load_file(folder, device=device, verify=verify, staging=staging)
+    tensors = load_file(checkpoint, device=device, verify=verify, staging=staging)
     state = {}
     for target, source in plan.sources.items():
         tensor = tensors.pop(source)

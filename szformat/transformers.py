@@ -24,7 +24,7 @@ from .errors import UnknownArchitectureError
 from .format import constants as C
 from .model_folder import (WeightPlan, checkpoint_entries, load_weights, meta_tensors, parameters_on_meta,
                            place_buffers, plan_weights, refuse_mismatches, require, require_converted,
-                           resolve_model_folder)
+                           resolve_model_folder, weights_in)
 
 __all__ = ["from_pretrained"]
 
@@ -35,9 +35,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 
 
 def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, device: str | torch.device = "cpu",
-                    offload: str | None = None, dtype: str | torch.dtype = "auto", revision: str | None = None,
-                    token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
-                    local_files_only: bool = False, output_loading_info: bool = False,
+                    offload: str | None = None, dtype: str | torch.dtype = "auto", variant: str | None = None,
+                    revision: str | None = None, token: str | bool | None = None,
+                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, output_loading_info: bool = False,
                     ignore_mismatched_sizes: bool = False, key_mapping: Mapping[str, str] | None = None,
                     trust_remote_code: bool = False, verify: bool = True, staging: Any = None,
                     offload_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
@@ -56,6 +56,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
             ``model.szformat_offload`` (``close()`` it when done).
         dtype (`str` or `torch.dtype`, *optional*, defaults to `"auto"`): ``"auto"`` keeps the config's dtype (else
             the checkpoint's); another dtype casts the weights on ``device``.
+        variant (`str`, *optional*): load ``model.<variant>.szt`` (``"fp16"``...) instead of ``model.szt``.
         revision, token, cache_dir, local_files_only: for a Hub repo, as in ``huggingface_hub``.
         output_loading_info (`bool`, *optional*): also return ``{"missing_keys", "unexpected_keys",
             "mismatched_keys", "error_msgs"}``.
@@ -84,7 +85,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
     """
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
-    prepared = prepare_model(folder, auto_class, dtype=dtype, key_mapping=key_mapping,
+    prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,
                              ignore_mismatched_sizes=ignore_mismatched_sizes, trust_remote_code=trust_remote_code,
                              **kwargs)
     model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
@@ -99,13 +100,15 @@ class PreparedModel:
 
     model: Any
     folder: Path
+    checkpoint: Path
+    """The .szt file, index or folder of shards the weights come from (see ``weights_in``)."""
     plan: WeightPlan
     expected: dict[str, torch.Tensor]
     """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
 
 
 def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",
-                  key_mapping: Mapping[str, str] | None = None, ignore_mismatched_sizes: bool = False,
+                  variant: str | None = None, key_mapping: Mapping[str, str] | None = None, ignore_mismatched_sizes: bool = False,
                   trust_remote_code: bool = False, **kwargs: Any) -> PreparedModel:
     """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`).
 
@@ -116,13 +119,14 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
     require("accelerate", "transformers")
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
-    entries = checkpoint_entries(folder)
+    checkpoint = weights_in(folder, variant)
+    entries = checkpoint_entries(checkpoint)
     model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs, folder)
     expected = model.state_dict()
     plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
     if not ignore_mismatched_sizes:
         refuse_mismatches(plan, model, folder, strict=False)
-    return PreparedModel(model, folder, plan, expected)
+    return PreparedModel(model, folder, checkpoint, plan, expected)
 
 
 def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
@@ -134,7 +138,8 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     model, folder, plan = prepared.model, prepared.folder, prepared.plan
     device = torch.device(device)
     if offload is None:
-        load_weights(model, folder, plan, prepared.expected, device=device, verify=verify, staging=staging)
+        load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,
+                     staging=staging)
         model.tie_weights()
         fed: set[int] = set()
     else:
@@ -143,7 +148,7 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     place_buffers(model, device, skip=fed)
     initialized = _initialize_missing(transformers, model, device, skip=fed)
     if offload is not None:
-        _offload(model, folder, plan, offload, device, offload_options or {})
+        _offload(model, prepared.checkpoint, plan, offload, device, offload_options or {})
     model.eval()
     _load_generation_config(transformers, model, folder)
     info = _loading_info(model, plan, initialized)
@@ -240,12 +245,12 @@ def _renamer(model, expected: Mapping[str, torch.Tensor], key_mapping: Mapping[s
     return rename
 
 
-def _offload(model, folder: Path, plan, route: str, device: torch.device, options: Mapping[str, Any]) -> None:
+def _offload(model, checkpoint: Path, plan, route: str, device: torch.device, options: Mapping[str, Any]) -> None:
     """Hand the model to an offload route, which feeds every tensor the checkpoint holds from then on."""
     from .offload import load_into_offloader
 
     entry_names = {target: source for target, source in plan.sources.items() if target != source}
-    model.szformat_offload = load_into_offloader(folder, model, route=route, device=device, strict=False,
+    model.szformat_offload = load_into_offloader(checkpoint, model, route=route, device=device, strict=False,
                                                  entry_names=entry_names, **options)
 
 

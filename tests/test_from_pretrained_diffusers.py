@@ -128,9 +128,9 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(pipeline,
     monkeypatch.setitem(offload_loader.INSTALLERS, "accelerate", install)
     loaded: list[str] = []
 
-    def load_on_the_cpu(model, folder, plan, expected, *, device, verify, staging):
-        loaded.append(folder.name)
-        load_weights(model, folder, plan, expected, device=torch.device("cpu"), verify=verify, staging=staging)
+    def load_on_the_cpu(model, checkpoint, plan, expected, *, device, verify, staging):
+        loaded.append(checkpoint.parent.name)
+        load_weights(model, checkpoint, plan, expected, device=torch.device("cpu"), verify=verify, staging=staging)
 
     for module in (szd, szt):  # no CUDA device in CI: the components that are not offloaded load to the CPU
         monkeypatch.setattr(module, "place_buffers", lambda model, device, skip=frozenset(): None)

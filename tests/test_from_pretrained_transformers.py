@@ -28,6 +28,7 @@ from szformat.offload import loader as offload_loader
 
 from test_hub import ALICE, card_of, hub  # noqa: F401  (the loopback Hub fixture)
 
+AUTO_DTYPE = "dtype" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (4, 56) else "torch_dtype"
 MINILM = Path.home() / ".cache" / "szformat" / "minilm" / "minilm-bf16"
 
 
@@ -68,6 +69,12 @@ def bert(tmp_path_factory):
     return folder, save_and_convert(transformers.BertModel(bert_config()), folder)
 
 
+def reference(auto_class, folder, **kwargs):
+    """transformers' own load of the safetensors original, in the dtype it was saved in (the default of
+    transformers 5; earlier versions load float32 unless asked)."""
+    return auto_class.from_pretrained(folder, **{AUTO_DTYPE: kwargs.pop("dtype", "auto")}, **kwargs)
+
+
 def bits(tensor: torch.Tensor) -> torch.Tensor:
     """The tensor's bits as integers (BF16 as int16), so equality is bit for bit."""
     return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
@@ -90,7 +97,7 @@ def assert_same_model(actual, expected) -> None:
 
 def test_causal_lm_is_bit_identical_to_the_transformers_load(llama):
     original, converted = llama
-    expected = transformers.AutoModelForCausalLM.from_pretrained(original)
+    expected = reference(transformers.AutoModelForCausalLM, original)
     model, info = szt.from_pretrained(converted, transformers.AutoModelForCausalLM, output_loading_info=True)
     assert_same_model(model, expected)
     assert model.lm_head.weight is model.model.embed_tokens.weight
@@ -109,7 +116,7 @@ def test_a_causal_lm_checkpoint_loads_into_the_base_model_and_the_head_is_report
     torch.manual_seed(4)
     converted = save_and_convert(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False)),
                                  tmp_path / "untied")
-    expected = transformers.AutoModel.from_pretrained(tmp_path / "untied")
+    expected = reference(transformers.AutoModel, tmp_path / "untied")
     model, info = szt.from_pretrained(converted, transformers.AutoModel, output_loading_info=True)
     assert_same_model(model, expected)
     assert info["unexpected_keys"] == ["lm_head.weight"] and info["missing_keys"] == []
@@ -117,7 +124,7 @@ def test_a_causal_lm_checkpoint_loads_into_the_base_model_and_the_head_is_report
 
 def test_bert_encoder_buffers_and_outputs_are_identical(bert):
     original, converted = bert
-    expected = transformers.AutoModel.from_pretrained(original)
+    expected = reference(transformers.AutoModel, original)
     model = szt.from_pretrained(converted, transformers.AutoModel)
     assert_same_model(model, expected)
     assert "embeddings.position_ids" in dict(model.named_buffers())
@@ -128,7 +135,7 @@ def test_bert_encoder_buffers_and_outputs_are_identical(bert):
 
 def test_a_base_checkpoint_in_a_head_class_initializes_and_reports_the_head(bert, caplog):
     original, converted = bert
-    expected = transformers.AutoModelForSequenceClassification.from_pretrained(original, num_labels=3)
+    expected = reference(transformers.AutoModelForSequenceClassification, original, num_labels=3)
     with caplog.at_level(logging.WARNING, logger="szformat.transformers"):
         model, info = szt.from_pretrained(converted, transformers.AutoModelForSequenceClassification, num_labels=3,
                                           output_loading_info=True)
@@ -144,8 +151,24 @@ def test_a_base_checkpoint_in_a_head_class_initializes_and_reports_the_head(bert
 
 def test_dtype_casts_on_the_device(llama):
     model = szt.from_pretrained(llama[1], dtype=torch.float32)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(llama[0], dtype=torch.float32)
+    expected = reference(transformers.AutoModelForCausalLM, llama[0], dtype=torch.float32)
     assert_same_model(model, expected)
+
+
+def test_variant_picks_its_file_and_the_default_leaves_variants_out(bert, tmp_path):
+    original, converted = bert
+    shutil.copytree(converted, tmp_path / "m")
+    torch.manual_seed(7)
+    other = transformers.BertModel(bert_config()).to(torch.bfloat16)
+    szformat.save_file(other.state_dict(), tmp_path / "m" / "model.fp16.szt")
+    assert_same_model(szt.from_pretrained(tmp_path / "m"), reference(transformers.AutoModel, original))
+    variant = szt.from_pretrained(tmp_path / "m", variant="fp16")
+    assert torch.equal(bits(variant.encoder.layer[1].output.dense.weight), bits(other.encoder.layer[1].output.dense.weight))
+    with pytest.raises(ModelFolderError, match="no .szt checkpoint of variant 'bf16'"):
+        szt.from_pretrained(tmp_path / "m", variant="bf16")
+    shutil.copy(tmp_path / "m" / "model.szt", tmp_path / "m" / "model-copy.szt")
+    with pytest.raises(ModelFolderError, match="several .szt checkpoints"):
+        szt.from_pretrained(tmp_path / "m")
 
 
 @pytest.mark.skipif(not (MINILM / "model.safetensors").is_file(), reason="run tools/fetch_minilm.py first")
@@ -154,7 +177,7 @@ def test_real_minilm_gives_the_same_embeddings_as_transformers(tmp_path):
     tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "minilm-szt")
     batch = tokenizer(["Lossless checkpoints, bit for bit.", "A second, longer sentence to pad the first one."],
                       padding=True, return_tensors="pt")
-    expected = transformers.AutoModel.from_pretrained(MINILM)
+    expected = reference(transformers.AutoModel, MINILM)
     model = szt.from_pretrained(tmp_path / "minilm-szt")
     assert_same_model(model, expected)
     with torch.no_grad():
@@ -223,7 +246,7 @@ def test_missing_dependency_names_the_extra(monkeypatch, llama):
 def test_loads_from_the_hub_by_reference_and_by_repo_id(hub, llama):  # noqa: F811
     original, converted = llama
     szformat.push_to_hub(converted, "alice/tiny-llama", token=ALICE)
-    expected = transformers.AutoModelForCausalLM.from_pretrained(original)
+    expected = reference(transformers.AutoModelForCausalLM, original)
     assert_same_model(szt.from_pretrained("hf://alice/tiny-llama"), expected)
     assert_same_model(szt.from_pretrained("alice/tiny-llama", revision="main"), expected)
     card = card_of(hub, "alice/tiny-llama").text
