@@ -236,7 +236,8 @@ class _DiffusersComponent:
 
             fed = {id(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in self.plan.sources}
             place_buffers(model, device, skip=fed)
-            handle = load_into_offloader(self.checkpoint, model, route=offload, device=device, **(offload_options or {}))
+            handle = load_into_offloader(self.checkpoint, model, route=offload, device=device,
+                                         **(offload_options or {}))
             model.szformat_offload = handle
         if self.plan.unexpected:
             logger.warning("Some weights of the checkpoint at %s were not used when initializing %s: %s",

@@ -37,9 +37,9 @@ GENERATION_CONFIG_NAME = "generation_config.json"
 def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, device: str | torch.device = "cpu",
                     offload: str | None = None, dtype: str | torch.dtype = "auto", variant: str | None = None,
                     revision: str | None = None, token: str | bool | None = None,
-                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False, output_loading_info: bool = False,
-                    ignore_mismatched_sizes: bool = False, key_mapping: Mapping[str, str] | None = None,
-                    trust_remote_code: bool = False, verify: bool = True, staging: Any = None,
+                    cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
+                    output_loading_info: bool = False, ignore_mismatched_sizes: bool = False,
+                    key_mapping: Mapping[str, str] | None = None, trust_remote_code: bool = False, verify: bool = True, staging: Any = None,
                     offload_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
     """Load a transformers model from a converted folder or Hub repo.
 
@@ -108,8 +108,9 @@ class PreparedModel:
 
 
 def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",
-                  variant: str | None = None, key_mapping: Mapping[str, str] | None = None, ignore_mismatched_sizes: bool = False,
-                  trust_remote_code: bool = False, **kwargs: Any) -> PreparedModel:
+                  variant: str | None = None, key_mapping: Mapping[str, str] | None = None,
+                  ignore_mismatched_sizes: bool = False, trust_remote_code: bool = False,
+                  **kwargs: Any) -> PreparedModel:
     """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`).
 
     Raises:

@@ -5,7 +5,8 @@ shards, or a model folder. A folder is converted file by file, sub-folders inclu
 its ``transformer/``, ``text_encoder/``... layout): weight files change suffix, indexes are rewritten to name the
 new shards, every other file (config, tokenizer, scheduler, model card) is copied; hidden files and folders
 (``.git``, ``.cache``) are left out, and so are weights in other formats (``pytorch_model.bin``, ``.ckpt``,
-``.onnx``...): the twin holds the weights once, in its own format. The same code serves both directions, ``.safetensors -> .szt`` and back.
+``.onnx``...): the twin holds the weights once, in its own format. The same code serves both directions,
+``.safetensors -> .szt`` and back.
 """
 
 from __future__ import annotations
