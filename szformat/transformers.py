@@ -40,7 +40,8 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
                     cache_dir: str | os.PathLike | None = None, local_files_only: bool = False,
                     output_loading_info: bool = False, ignore_mismatched_sizes: bool = False,
                     key_mapping: Mapping[str, str] | None = None, trust_remote_code: bool = False,
-                    verify: bool = True, staging: Any = None, offload_options: Mapping[str, Any] | None = None, **kwargs: Any) -> Any:
+                    verify: bool = True, staging: Any = None, offload_options: Mapping[str, Any] | None = None,
+                    **kwargs: Any) -> Any:
     """Load a transformers model from a converted folder or Hub repo.
 
     Args:
