@@ -207,18 +207,21 @@ class _DiffusersComponent:
     @classmethod
     def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None,
                 variant: str | None) -> "_DiffusersComponent":
-        """Build as diffusers' ``from_pretrained`` does (default dtype ``torch_dtype``, float32 for the modules the
-        class keeps in float32); refuse missing names and shapes that do not fit, as it does."""
+        """Build as diffusers' ``from_pretrained`` does (default dtype ``torch_dtype``; the checkpoint's floating
+        tensors, buffers included, cast to it, or to float32 in the modules the class keeps in float32); refuse
+        missing names and shapes that do not fit, as it does."""
         if not (folder / MODEL_CONFIG).is_file():
             raise ModelFolderError(f"no {MODEL_CONFIG} in the component folder", path=folder)
         config = model_class.load_config(folder)
         with parameters_on_meta(torch_dtype):
             model = model_class.from_config(config)
         expected = model.state_dict()
-        keep_fp32 = model_class._keep_in_fp32_modules if torch_dtype is not None else None
-        for name, tensor in expected.items():
-            if tensor.is_floating_point() and keep_fp32 and any(m in name.split(".") for m in keep_fp32):
-                expected[name] = tensor.to(torch.float32)
+        if torch_dtype is not None:  # every floating tensor of the checkpoint, buffers too, in torch_dtype
+            keep_fp32 = model_class._keep_in_fp32_modules or []
+            for name, tensor in expected.items():
+                if tensor.is_floating_point():
+                    wanted = torch.float32 if any(m in name.split(".") for m in keep_fp32) else torch_dtype
+                    expected[name] = torch.empty(tensor.shape, dtype=wanted, device="meta")
         checkpoint = weights_in(folder, variant)
         plan = plan_weights(expected, checkpoint_entries(checkpoint))
         refuse_mismatches(plan, model, folder, strict=True)

@@ -29,9 +29,6 @@ from szformat.offload import loader as offload_loader
 from test_from_pretrained_transformers import assert_same_model, bits
 from test_hub import ALICE, card_of, hub  # noqa: F401  (the loopback Hub fixture)
 
-MODELS = ("unet", "vae", "text_encoder")
-
-
 def tiny_tokenizer(folder: Path) -> "transformers.CLIPTokenizer":
     """A CLIP tokenizer over single letters (no merges): enough for a prompt, built without a download."""
     folder.mkdir(parents=True)
@@ -69,15 +66,50 @@ def pipeline(tmp_path_factory):
     return root / "sd", root / "sd-szt"
 
 
+@pytest.fixture(scope="module")
+def sd3(tmp_path_factory):
+    """An SD3-shaped pipeline: a DiT whose positional table is a floating persistent buffer, two CLIP encoders with
+    projection, no T5 (the pipeline pads its place with zeros)."""
+    root = tmp_path_factory.mktemp("sd3")
+    torch.manual_seed(2)
+    transformer = diffusers.SD3Transformer2DModel(
+        sample_size=8, patch_size=2, in_channels=4, out_channels=4, num_layers=1, attention_head_dim=8,
+        num_attention_heads=2, joint_attention_dim=64, caption_projection_dim=16, pooled_projection_dim=64,
+        pos_embed_max_size=16)
+    vae = diffusers.AutoencoderKL(block_out_channels=[4, 8], in_channels=3, out_channels=3, latent_channels=4,
+                                  down_block_types=["DownEncoderBlock2D"] * 2, up_block_types=["UpDecoderBlock2D"] * 2,
+                                  norm_num_groups=2, use_quant_conv=False, use_post_quant_conv=False,
+                                  scaling_factor=1.5305, shift_factor=0.0609)
+    clip = lambda: transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(  # noqa: E731
+        bos_token_id=0, eos_token_id=2, pad_token_id=1, hidden_size=32, intermediate_size=37, projection_dim=32,
+        num_attention_heads=4, num_hidden_layers=1, vocab_size=56))
+    tokenizer = tiny_tokenizer(root / "tok")
+    pipe = diffusers.StableDiffusion3Pipeline(
+        transformer=transformer, vae=vae, text_encoder=clip(), text_encoder_2=clip(), tokenizer=tokenizer,
+        tokenizer_2=tokenizer, text_encoder_3=None, tokenizer_3=None,
+        scheduler=diffusers.FlowMatchEulerDiscreteScheduler())
+    for model in (transformer, vae, pipe.text_encoder, pipe.text_encoder_2):
+        model.to(torch.bfloat16)
+    pipe.save_pretrained(root / "sd3")
+    assert szconvert([str(root / "sd3"), str(root / "sd3-szt"), "--quiet"]) == 0
+    return root / "sd3", root / "sd3-szt"
+
+
+SD3_OPTIONS = dict(text_encoder_3=None, tokenizer_3=None)  # saved as [null, null]: diffusers wants them named
+
+
 def image(pipe) -> torch.Tensor:
+    extra = dict(guidance_scale=1.0, max_sequence_length=8) if isinstance(
+        pipe, diffusers.StableDiffusion3Pipeline) else {}
     return pipe("a cat", num_inference_steps=2, height=16, width=16, output_type="pt",
-                generator=torch.Generator().manual_seed(0)).images
+                generator=torch.Generator().manual_seed(0), **extra).images
 
 
 def assert_same_pipeline(actual, expected) -> None:
     assert type(actual) is type(expected)
-    for name in MODELS:
-        assert_same_model(getattr(actual, name), getattr(expected, name))
+    for name, component in expected.components.items():
+        if isinstance(component, torch.nn.Module):
+            assert_same_model(getattr(actual, name), component)
     assert actual.scheduler.config == expected.scheduler.config
     assert actual.tokenizer("a cat").input_ids == expected.tokenizer("a cat").input_ids
 
@@ -90,12 +122,14 @@ def test_the_converted_folder_keeps_configs_tokenizer_scheduler_and_no_original_
                      "vae/diffusion_pytorch_model.szt"]
 
 
-def test_pipeline_is_bit_identical_and_gives_the_same_image(pipeline):
-    original, converted = pipeline
-    expected = diffusers.DiffusionPipeline.from_pretrained(original, torch_dtype=torch.bfloat16)
-    pipe = szd.from_pretrained(converted, torch_dtype=torch.bfloat16)
+@pytest.mark.parametrize("which", ["pipeline", "sd3"])
+def test_pipeline_is_bit_identical_and_gives_the_same_image(which, request):
+    original, converted = request.getfixturevalue(which)
+    options = SD3_OPTIONS if which == "sd3" else {}
+    expected = diffusers.DiffusionPipeline.from_pretrained(original, torch_dtype=torch.bfloat16, **options)
+    pipe = szd.from_pretrained(converted, torch_dtype=torch.bfloat16, **options)
     assert_same_pipeline(pipe, expected)
-    assert pipe.unet.dtype == torch.bfloat16
+    assert all(model.dtype == torch.bfloat16 for model in pipe.components.values() if isinstance(model, torch.nn.Module))
     assert torch.equal(bits(image(pipe)), bits(image(expected)))
 
 
