@@ -107,6 +107,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
     except BaseException:
         for handle in handles.values():
             handle.close()
+        loaded.clear()  # what was decoded so far is released with the error, not held by its traceback
         raise
     if handles:
         pipe.szformat_offload = handles

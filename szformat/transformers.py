@@ -84,6 +84,8 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         >>> model = szformat.transformers.from_pretrained("hf://user/model-szt", AutoModelForCausalLM,
         ...                                               device="cuda")  # doctest: +SKIP
     """
+    if "torch_dtype" in kwargs:  # the name transformers used before 4.56
+        dtype = kwargs.pop("torch_dtype")
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
     prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import logging
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -183,6 +184,13 @@ def test_real_minilm_gives_the_same_embeddings_as_transformers(tmp_path):
     assert_same_model(model, expected)
     with torch.no_grad():
         assert torch.equal(bits(model(**batch).last_hidden_state), bits(expected(**batch).last_hidden_state))
+
+
+def test_the_integrations_are_imported_only_when_used():
+    code = ("import sys, szformat; assert not {'transformers', 'diffusers', 'accelerate'} & set(sys.modules); "
+            "szformat.transformers.from_pretrained, szformat.diffusers.from_pretrained; "
+            "assert not {'transformers', 'diffusers'} & set(sys.modules), 'imported before a call'")
+    subprocess.run([sys.executable, "-c", code], check=True)
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
