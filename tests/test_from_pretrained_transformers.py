@@ -8,6 +8,7 @@ forward. Also through the loopback Hub, and the real all-MiniLM-L6-v2 weights wh
 from __future__ import annotations
 
 import json
+import os
 import logging
 import shutil
 import subprocess
@@ -16,6 +17,9 @@ from pathlib import Path
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():  # transformers and diffusers import Triton: in interpreter mode from the first import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
