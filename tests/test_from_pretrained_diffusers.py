@@ -22,6 +22,7 @@ diffusers = pytest.importorskip("diffusers")
 transformers = pytest.importorskip("transformers")
 
 import szformat
+import szformat.api
 import szformat.diffusers as szd
 import szformat.transformers as szt
 from szformat.cli.main import main as szconvert

@@ -25,6 +25,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("accelerate")
 
 import szformat
+import szformat.api
 import szformat.transformers as szt
 from szformat.cli.main import main as szconvert
 from szformat.errors import (CheckpointMismatchError, ModelFolderError, SzformatError, UnknownArchitectureError)

@@ -138,9 +138,18 @@ def loaders(model: str) -> dict:
             "szformat": lambda f: szformat.transformers.from_pretrained(f"{f}-szt", device=DEVICE),
         }
     no_t5 = dict(text_encoder_3=None, tokenizer_3=None)  # saved as [null, null]: diffusers wants them named
+
+    def diffusers_load(folder):
+        """diffusers straight to the device (``device_map``) where this version can, else load and move."""
+        try:
+            return diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16, device_map=DEVICE,
+                                                               **no_t5)
+        except (ValueError, NotImplementedError) as e:
+            print(f"diffusers device_map={DEVICE!r} refused ({e}); timing from_pretrained + .to()", flush=True)
+            return diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16, **no_t5).to(DEVICE)
+
     return {
-        "diffusers": lambda f: diffusers.DiffusionPipeline.from_pretrained(f, torch_dtype=torch.bfloat16,
-                                                                           device_map=DEVICE, **no_t5),
+        "diffusers": diffusers_load,
         "szformat": lambda f: szformat.diffusers.from_pretrained(f"{f}-szt", device=DEVICE,
                                                                  torch_dtype=torch.bfloat16, **no_t5),
     }
