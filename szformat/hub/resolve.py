@@ -27,9 +27,11 @@ DEFAULT_FILE = "model" + FILE_SUFFIX
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
 """What a reference to a whole repo loads: the sharded index if the repo has one, else the single file."""
 
-SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "README.md", "LICENSE*")
-"""What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, card and license.
-Pickled weights (``.bin``, ``.pt``, ``.ckpt``) and other formats are left on the Hub."""
+SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "README.md",
+                   "LICENSE*")
+"""What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, chat templates,
+model code (run only with ``trust_remote_code``), card and license. Pickled weights (``.bin``, ``.pt``, ``.ckpt``)
+and other formats are left on the Hub."""
 
 MODEL_PATTERNS = ("*" + FILE_SUFFIX, "*" + INDEX_SUFFIX,
                   *(p for p in SOURCE_PATTERNS if not p.endswith(".safetensors")))
