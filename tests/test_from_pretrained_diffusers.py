@@ -26,7 +26,7 @@ import szformat.api
 import szformat.diffusers as szd
 import szformat.transformers as szt
 from szformat.cli.main import main as szconvert
-from szformat.errors import ModelFolderError, UnknownArchitectureError
+from szformat.errors import CheckpointMismatchError, ModelFolderError, UnknownArchitectureError
 from szformat.model_folder import load_weights
 from szformat.offload import OffloadEnvironment
 from szformat.offload import loader as offload_loader
@@ -225,3 +225,16 @@ def test_an_unknown_component_class_is_refused(copy, no_decoding):
     (copy / "model_index.json").write_text(json.dumps(index))
     with pytest.raises(UnknownArchitectureError, match="NoSuchModel"):
         szd.from_pretrained(copy)
+
+
+def test_a_component_that_does_not_fit_its_config_is_refused_with_every_name(copy, no_decoding):
+    config = json.loads((copy / "unet" / "config.json").read_text())
+    (copy / "unet" / "config.json").write_text(json.dumps({**config, "cross_attention_dim": 24}))
+    with pytest.raises(CheckpointMismatchError) as caught:
+        szd.from_pretrained(copy)
+    message = str(caught.value)
+    assert "\n" not in message and "UNet2DConditionModel" in message and "shape mismatch" in message
+    for projection in ("to_k", "to_v"):
+        for block in ("down_blocks.1.attentions.0", "up_blocks.0.attentions.0"):
+            assert f"{block}.transformer_blocks.0.attn2.{projection}.weight: checkpoint [8, 32], model [8, 24]" \
+                in message, (block, projection)
