@@ -32,6 +32,10 @@ __all__ = [
     "HubCheckpointNotFoundError",
     "PushError",
     "HubRequestError",
+    "ModelFolderError",
+    "UnknownArchitectureError",
+    "CheckpointMismatchError",
+    "MissingDependencyError",
 ]
 
 
@@ -170,6 +174,29 @@ class PushError(SzformatError, ValueError):
 class HubRequestError(SzformatError, OSError):
     """Raised by the command line when the Hub cannot be reached or refuses a request; the message is one line. (The
     library lets huggingface_hub's own errors through.)"""
+
+
+# MODELS AND PIPELINES (transformers, diffusers)
+
+
+class ModelFolderError(SzformatError, ValueError):
+    """Raised when a folder or repo cannot be loaded as a model or pipeline: no ``config.json`` or
+    ``model_index.json``, no .szt weights (a safetensors folder: the message points to ``szconvert``), or a pipeline
+    component named in ``model_index.json`` that is absent."""
+
+
+class UnknownArchitectureError(ModelFolderError):
+    """Raised when a config names a model type or class that the installed transformers or diffusers does not
+    know, or that the requested auto class cannot build."""
+
+
+class CheckpointMismatchError(SzformatError, ValueError):
+    """Raised when the tensors of a checkpoint do not fit the model its config builds (shapes, names); the message
+    lists every one."""
+
+
+class MissingDependencyError(SzformatError, ImportError):
+    """Raised when an optional integration is used without its package (``pip install 'szformat[transformers]'``)."""
 
 
 # COMMAND LINE

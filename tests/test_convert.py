@@ -436,6 +436,20 @@ def test_model_folder_converts_recursively_and_decompresses_to_the_same_files(tm
             assert back[name] == data, name
 
 
+def test_folder_conversion_leaves_weights_of_other_formats_out(tmp_path):
+    """A repo often holds its weights twice (safetensors and a pickle); the converted folder holds them once."""
+    write_pipeline(tmp_path / "pipe")
+    (tmp_path / "pipe" / "scheduler").mkdir()
+    (tmp_path / "pipe" / "scheduler" / "scheduler_config.json").write_text('{"_class_name": "DDIMScheduler"}')
+    for name in ("text_encoder/pytorch_model.bin", "text_encoder/pytorch_model.bin.index.json",
+                 "transformer/diffusion_pytorch_model.ckpt", "model.onnx", "flax_model.msgpack"):
+        (tmp_path / "pipe" / name).write_bytes(b"weights")
+    convert(tmp_path / "pipe", tmp_path / "pipe-szt")
+    kept = listing(tmp_path / "pipe-szt")
+    assert "scheduler/scheduler_config.json" in kept and "tokenizer/tokenizer.json" in kept
+    assert not [name for name in kept if name.endswith((".bin", ".ckpt", ".onnx", ".msgpack", ".bin.index.json"))]
+
+
 def test_folder_conversion_is_deterministic(tmp_path):
     write_pipeline(tmp_path / "pipe")
     convert(tmp_path / "pipe", tmp_path / "a")

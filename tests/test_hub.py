@@ -24,7 +24,7 @@ from szformat.errors import FormatError, HubCheckpointNotFoundError, HubReferenc
 from szformat.format.reader import SztFile
 from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_hub, resolve
 from szformat.hub.card import checkpoint_stats
-from szformat.hub.resolve import download_safetensors_repo
+from szformat.hub.resolve import download_model_repo, download_safetensors_repo
 
 from hub_server import LoopbackHub
 
@@ -515,6 +515,8 @@ def upload_safetensors_repo(tmp_path: Path, repo_id: str) -> Path:
     save_safetensors(make_tensors(1), source / "transformer" / "diffusion_pytorch_model.safetensors")
     (source / "config.json").write_text("{}")
     (source / "tokenizer.model").write_bytes(b"spm")
+    (source / "chat_template.jinja").write_text("{{ messages }}")
+    (source / "modeling_custom.py").write_text("# model code for trust_remote_code\n")
     (source / "README.md").write_text("---\nlicense: apache-2.0\n---\n")
     (source / "pytorch_model.bin").write_bytes(b"pickle")
     (source / "model.onnx").write_bytes(b"onnx")
@@ -528,8 +530,8 @@ def test_download_safetensors_repo_takes_weights_and_config_only(hub, tmp_path):
     source = upload_safetensors_repo(tmp_path, "alice/source")
     local = download_safetensors_repo("hf://alice/source")
     files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
-    assert files == ["README.md", "config.json", "model.safetensors", "tokenizer.model",
-                     "transformer/diffusion_pytorch_model.safetensors"]
+    assert files == ["README.md", "chat_template.jinja", "config.json", "model.safetensors", "modeling_custom.py",
+                     "tokenizer.model", "transformer/diffusion_pytorch_model.safetensors"]
     assert (local / "model.safetensors").read_bytes() == (source / "model.safetensors").read_bytes()
 
     sub = download_safetensors_repo("hf://alice/source/transformer")
@@ -574,3 +576,21 @@ def test_pushing_a_differently_sharded_folder_deletes_the_old_shards_only(hub, t
     assert_same_tensors(szformat.load_file("hf://alice/model"), tensors)
     push_to_hub(single, "alice/model", token=ALICE)  # nothing stale any more: no commit
     assert hub.commit_count("alice/model") == commits + 1
+
+
+def test_download_model_repo_takes_the_converted_model_and_leaves_other_weights(hub, tmp_path):
+    """What szformat.transformers / szformat.diffusers load from a repo: .szt weights and indexes, configs and
+    tokenizers of every folder, one commit; an original left beside them in the repo is not fetched."""
+    folder = tmp_path / "model"
+    write_sharded_folder(folder)
+    write_szt(folder / "text_encoder" / "model.szt", seed=5)
+    (folder / "text_encoder" / "config.json").write_text("{}")
+    save_safetensors(make_tensors(0), folder / "model.safetensors")
+    push_to_hub(folder, "alice/model", token=ALICE)
+    local = download_model_repo("hf://alice/model")
+    files = sorted(p.relative_to(local).as_posix() for p in local.rglob("*") if p.is_file())
+    assert files == ["README.md", "config.json", "model-00001-of-00002.szt", "model-00002-of-00002.szt",
+                     "model.szt.index.json", "text_encoder/config.json", "text_encoder/model.szt", "tokenizer.json"]
+    assert download_model_repo("hf://alice/model/text_encoder") == local / "text_encoder"
+    with pytest.raises(HubReferenceError, match="names a file"):
+        download_model_repo("hf://alice/model/model.szt")

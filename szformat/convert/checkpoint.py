@@ -3,8 +3,10 @@
 A path is one weight file, a sharded index (``*.safetensors.index.json`` or ``*.szt.index.json``) with its
 shards, or a model folder. A folder is converted file by file, sub-folders included (a diffusers pipeline keeps
 its ``transformer/``, ``text_encoder/``... layout): weight files change suffix, indexes are rewritten to name the
-new shards, every other file (config, tokenizer, model card) is copied; hidden files and folders (``.git``,
-``.cache``) are left out. The same code serves both directions, ``.safetensors -> .szt`` and back.
+new shards, every other file (config, tokenizer, scheduler, model card) is copied; hidden files and folders
+(``.git``, ``.cache``) are left out, and so are weights in other formats (``pytorch_model.bin``, ``.ckpt``,
+``.onnx``...): the twin holds the weights once, in its own format. The same code serves both directions,
+``.safetensors -> .szt`` and back.
 """
 
 from __future__ import annotations
@@ -19,6 +21,10 @@ from typing import Callable
 from ..errors import ConversionError, WriteError
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
 from .atomic import atomic_directory, check_output
+
+OTHER_WEIGHT_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf",
+                        ".bin.index.json", ".pt.index.json")
+"""Files a converted folder leaves out: weights in formats other than the one converted, and their indexes."""
 
 WriteWeights = Callable[[Path, Path], None]
 """Writes the converted twin of one weight file: ``(source, destination)``."""
@@ -99,7 +105,7 @@ def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in sorted(names):
             full = Path(directory, name)
-            if name.startswith(".") or not full.is_file():
+            if name.startswith(".") or name.endswith(OTHER_WEIGHT_FORMATS) or not full.is_file():
                 continue
             rel = full.relative_to(folder).as_posix()
             if name.endswith(suffix + INDEX_TAIL):

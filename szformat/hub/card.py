@@ -75,7 +75,8 @@ def carried_metadata(source_card: str | os.PathLike | None) -> dict[str, str]:
 
 
 def render_model_card(*, repo_id: str, stats: CheckpointStats, load_ref: str, szformat_version: str,
-                      base_model: str | None = None, carried: dict[str, str] | None = None) -> str:
+                      base_model: str | None = None, carried: dict[str, str] | None = None,
+                      integration: str | None = None, repo_ref: str | None = None) -> str:
     """The text of ``README.md``: YAML front matter, what the repo holds, a size table, and how to load it.
 
     Args:
@@ -85,6 +86,8 @@ def render_model_card(*, repo_id: str, stats: CheckpointStats, load_ref: str, sz
         szformat_version (`str`): the version that wrote the files.
         base_model (`str`, *optional*): repo id of the source model, when known.
         carried (`dict`, *optional*): front-matter fields carried from the source card (see `carried_metadata`).
+        integration (`str`, *optional*): ``"transformers"`` (a model folder) or ``"diffusers"`` (a pipeline): the
+            card then shows how to load the model or pipeline in one call, from ``repo_ref`` (the repo's reference).
     """
     data = ModelCardData(library_name="szformat", tags=["szt"], base_model=base_model, **(carried or {}))
     source = f" of [`{base_model}`](https://huggingface.co/{base_model})" if base_model else ""
@@ -112,19 +115,56 @@ original, from `.szt` files that are smaller than the source weights and fast to
 | szformat version | {szformat_version} |
 
 ## How to load
+{_loading_section(load_ref, integration, repo_ref)}
+Files come through the Hugging Face cache, so later loads (offline too, with `HF_HUB_OFFLINE=1`) read them from disk.
+"""
 
-```bash
-pip install szformat
-```
 
+INTEGRATIONS = ("transformers", "diffusers")
+
+
+def _loading_section(load_ref: str, integration: str | None, repo_ref: str | None) -> str:
+    """Install and load lines: the model or pipeline in one call where an integration fits, the tensors always."""
+    tensors = f"""
 ```python
 import szformat
 
 tensors = szformat.load_file("{load_ref}", device="cuda")
 ```
-
-Files come through the Hugging Face cache, so later loads (offline too, with `HF_HUB_OFFLINE=1`) read them from disk.
 """
+    if integration == "transformers":
+        return f"""
+```bash
+pip install "szformat[transformers]"
+```
+
+```python
+import szformat.transformers
+
+model = szformat.transformers.from_pretrained("{repo_ref}", device="cuda")
+```
+
+The tensors alone, as a dict:
+{tensors}"""
+    if integration == "diffusers":
+        return f"""
+```bash
+pip install "szformat[diffusers]"
+```
+
+```python
+import torch, szformat.diffusers
+
+pipe = szformat.diffusers.from_pretrained("{repo_ref}", device="cuda", torch_dtype=torch.bfloat16)
+```
+
+The tensors alone, as a dict:
+{tensors}"""
+    return f"""
+```bash
+pip install szformat
+```
+{tensors}"""
 
 
 def _size(n: int) -> str:

@@ -10,6 +10,7 @@ so pushing the same folder again is a no-op.
 
 from __future__ import annotations
 
+import json
 import os
 from pathlib import Path
 
@@ -73,7 +74,8 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
         card = render_model_card(
             repo_id=repo_id, stats=stats, load_ref=_load_ref(repo_id, revision, files),
             szformat_version=library_info()["library_version"], base_model=base_model,
-            carried=carried_metadata(path / MODEL_CARD if path.is_dir() else None))
+            carried=carried_metadata(path / MODEL_CARD if path.is_dir() else None), integration=_integration(files),
+            repo_ref=str(HubRef(repo_id, "", revision)))
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card.encode()))
 
     api = HfApi(endpoint=endpoint, token=token, **library_info())
@@ -147,6 +149,20 @@ def _check_index_shards(path: Path, files: dict[str, Path]) -> None:
         missing = [s for s in read_index(local).shard_names() if shard_path(name, s) not in files]
         if missing:
             raise PushError(f"index {name} names shard(s) absent from the folder: {', '.join(missing)}", path=path)
+
+
+def _integration(files: dict[str, Path]) -> str | None:
+    """What loads the pushed folder whole: diffusers for a pipeline (``model_index.json``), transformers for a
+    model folder (a transformers ``config.json`` beside .szt weights), nothing else (a single diffusers model)."""
+    if "model_index.json" in files:
+        return "diffusers"
+    if "config.json" not in files or not any("/" not in name and name.endswith(FILE_SUFFIX) for name in files):
+        return None
+    try:
+        config = json.loads(files["config.json"].read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        return None
+    return "transformers" if isinstance(config, dict) and "_diffusers_version" not in config else None
 
 
 def _load_ref(repo_id: str, revision: str | None, files: dict[str, Path]) -> str:

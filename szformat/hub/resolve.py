@@ -27,9 +27,16 @@ DEFAULT_FILE = "model" + FILE_SUFFIX
 DEFAULT_INDEX = "model" + INDEX_SUFFIX
 """What a reference to a whole repo loads: the sharded index if the repo has one, else the single file."""
 
-SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "README.md", "LICENSE*")
-"""What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, card and license.
-Pickled weights (``.bin``, ``.pt``, ``.ckpt``) and other formats are left on the Hub."""
+SOURCE_PATTERNS = ("*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.jinja", "*.py", "README.md",
+                   "LICENSE*")
+"""What ``download_safetensors_repo`` fetches: weights, their index, config and tokenizer files, chat templates,
+model code (run only with ``trust_remote_code``), card and license. Pickled weights (``.bin``, ``.pt``, ``.ckpt``)
+and other formats are left on the Hub."""
+
+MODEL_PATTERNS = ("*" + FILE_SUFFIX, "*" + INDEX_SUFFIX,
+                  *(p for p in SOURCE_PATTERNS if not p.endswith(".safetensors")))
+"""What ``download_model_repo`` fetches: .szt weights and their indexes, configs, tokenizers, schedulers, card and
+license, from every folder of the repo. Other weight formats (an original ``.safetensors`` left beside) stay there."""
 
 _COMMIT_SHA = re.compile(r"[0-9a-f]{40}")
 _MAX_PARALLEL_DOWNLOADS = 8
@@ -149,6 +156,31 @@ def download_safetensors_repo(ref: str | HubRef, *, revision: str | None = None,
     if not any(local.rglob("*.safetensors")):
         raise HubCheckpointNotFoundError(f"{ref} holds no .safetensors file to convert", path=local)
     return local
+
+
+def download_model_repo(ref: str | HubRef, *, revision: str | None = None, local_files_only: bool = False,
+                        token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                        endpoint: str | None = None) -> Path:
+    """Download a converted model or pipeline repo (every file `MODEL_PATTERNS` matches, from one commit) and
+    return its local folder, for ``szformat.transformers`` and ``szformat.diffusers``.
+
+    Args:
+        ref (`str` or `HubRef`): ``hf://namespace/name[@revision][/folder]``.
+        revision, local_files_only, token, cache_dir, endpoint: as in `resolve`.
+
+    Raises:
+        HubReferenceError: not an ``hf://`` reference, malformed, naming a file, or contradicting ``revision``.
+        huggingface_hub.utils.HfHubHTTPError (or a subclass), LocalEntryNotFoundError: as in `resolve`.
+    """
+    if not is_hub_ref(str(ref)):
+        raise HubReferenceError(f"{str(ref)!r} is not a Hub reference; write hf://namespace/name[@revision]")
+    ref = hub_ref_from_arguments(str(ref), revision=revision)
+    if ref.filename.endswith((FILE_SUFFIX, INDEX_SUFFIX, ".json")):
+        raise HubReferenceError(f"{ref} names a file; a model loads from a repo or a folder of one")
+    downloader = _Downloader(ref, local_files_only=local_files_only, token=token, cache_dir=cache_dir,
+                             endpoint=endpoint)
+    folder = downloader.snapshot([f"{ref.filename}/{p}" if ref.filename else p for p in MODEL_PATTERNS])
+    return folder.joinpath(*ref.filename.split("/")) if ref.filename else folder
 
 
 class _Downloader:

@@ -86,10 +86,13 @@ class _ModuleTensor:
     tensor: torch.Tensor
     is_buffer: bool
     persistent: bool
+    entry: str
+    """The checkpoint name this module name is looked up under."""
 
 
 def bind_module(module: torch.nn.Module, entries: Mapping[str, EntryLike], *, strict: bool = True,
-                path: str | os.PathLike | None = None) -> ModuleBinding:
+                path: str | os.PathLike | None = None,
+                entry_names: Mapping[str, str] | None = None) -> ModuleBinding:
     """Match each parameter and buffer of ``module`` with the entry of the same name in ``entries``.
 
     Args:
@@ -98,6 +101,8 @@ def bind_module(module: torch.nn.Module, entries: Mapping[str, EntryLike], *, st
         strict (`bool`, *optional*, defaults to `True`): refuse module tensors without an entry and entries without
             a module tensor. Shape and dtype mismatches are refused either way.
         path (`str` or `os.PathLike`, *optional*): the checkpoint, named in the error message.
+        entry_names (`Mapping[str, str]`, *optional*): the entry of each module name stored under another name
+            (a checkpoint saved with or without a base-model prefix); other names are looked up as they are.
 
     Returns:
         `ModuleBinding`: one `TensorBinding` per module storage that has an entry.
@@ -109,14 +114,15 @@ def bind_module(module: torch.nn.Module, entries: Mapping[str, EntryLike], *, st
         >>> from szformat.format import SztFile  # doctest: +SKIP
         >>> binding = bind_module(model, SztFile("model.szt").entries, path="model.szt")  # doctest: +SKIP
     """
-    groups = _storage_groups(_module_tensors(module))
+    renamed = entry_names or {}
+    groups = _storage_groups(_module_tensors(module, renamed))
     report = _Report()
     bound = []
     for group in groups:
         binding = _bind_group(group, entries, report)
         if binding is not None:
             bound.append(binding)
-    known_names = {member.name for group in groups for member in group}
+    known_names = {member.entry for group in groups for member in group}
     report.unexpected = [name for name in entries if name not in known_names]
     if report.refuses(strict):
         raise BindingError(report.render(strict), path=path)
@@ -162,7 +168,7 @@ class _Report:
 def _bind_group(group: list[_ModuleTensor], entries: Mapping[str, EntryLike], report: _Report) -> TensorBinding | None:
     """Bind one storage to the first of its names the checkpoint holds, or record why it cannot be."""
     names = [member.name for member in group]
-    stored = [member for member in group if member.name in entries]
+    stored = [member for member in group if member.entry in entries]
     if not stored:
         required = [member.name for member in group if member.persistent]
         if required:
@@ -170,7 +176,7 @@ def _bind_group(group: list[_ModuleTensor], entries: Mapping[str, EntryLike], re
         return None
     agrees = True
     for member in stored:
-        entry = entries[member.name]
+        entry = entries[member.entry]
         if tuple(entry.shape) != tuple(member.tensor.shape):
             report.shape_mismatch.append(f"{member.name}: module {tuple(member.tensor.shape)}, "
                                          f"checkpoint {tuple(entry.shape)}")
@@ -179,28 +185,32 @@ def _bind_group(group: list[_ModuleTensor], entries: Mapping[str, EntryLike], re
             report.dtype_mismatch.append(f"{member.name}: module {_dtype_name(member.tensor.dtype)}, "
                                          f"checkpoint {entry.dtype}")
             agrees = False
-    checksums = {getattr(entries[member.name], "raw_crc32", None) for member in stored} - {None}
+    checksums = {getattr(entries[member.entry], "raw_crc32", None) for member in stored} - {None}
     if agrees and len(checksums) > 1:
         report.conflicts.append(", ".join(member.name for member in stored))
         agrees = False
     if not agrees:
         return None
-    return TensorBinding(entry=stored[0].name, names=tuple(names), tensor=group[0].tensor,
+    return TensorBinding(entry=stored[0].entry, names=tuple(names), tensor=group[0].tensor,
                          is_buffer=group[0].is_buffer)
 
 
-def _module_tensors(module: torch.nn.Module) -> list[_ModuleTensor]:
+def _module_tensors(module: torch.nn.Module, entry_names: Mapping[str, str]) -> list[_ModuleTensor]:
     """Every parameter and buffer under every name it is reachable by, in module order."""
     found = []
     for prefix, submodule in module.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for key, parameter in submodule._parameters.items():
             if parameter is not None:
-                found.append(_ModuleTensor(dot + key, parameter, is_buffer=False, persistent=True))
+                name = dot + key
+                found.append(_ModuleTensor(name, parameter, is_buffer=False, persistent=True,
+                                           entry=entry_names.get(name, name)))
         for key, buffer in submodule._buffers.items():
             if buffer is not None:
+                name = dot + key
                 persistent = key not in submodule._non_persistent_buffers_set
-                found.append(_ModuleTensor(dot + key, buffer, is_buffer=True, persistent=persistent))
+                found.append(_ModuleTensor(name, buffer, is_buffer=True, persistent=persistent,
+                                           entry=entry_names.get(name, name)))
     return found
 
 

@@ -61,9 +61,10 @@ INSTALLERS: dict[str, Installer] = {
 
 def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, route: str = "auto",
                         device: str | torch.device = "cuda:0", strict: bool = True,
-                        environment: OffloadEnvironment | None = None, repo_id: str | None = None,
-                        revision: str | None = None, token: str | bool | None = None, local_files_only: bool = False,
-                        cache_dir: str | os.PathLike | None = None, **engine_options: Any) -> OffloadedModel:
+                        entry_names: Mapping[str, str] | None = None, environment: OffloadEnvironment | None = None,
+                        repo_id: str | None = None, revision: str | None = None, token: str | bool | None = None,
+                        local_files_only: bool = False, cache_dir: str | os.PathLike | None = None,
+                        **engine_options: Any) -> OffloadedModel:
     """Feed the compressed payloads of a .szt checkpoint to an offloading runtime that then manages ``module``.
 
     Weights stay compressed in host memory (the file's pages) and are expanded on their way to the device by the
@@ -80,6 +81,8 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
         device (`str` or `torch.device`, *optional*, defaults to `"cuda:0"`): where the module computes.
         strict (`bool`, *optional*, defaults to `True`): refuse module tensors missing from the checkpoint and
             checkpoint entries the module does not have.
+        entry_names (`Mapping[str, str]`, *optional*): the checkpoint entry of each module name stored under
+            another name (see :func:`szformat.offload.bind_module`).
         environment (`OffloadEnvironment`, *optional*): route facts; read from this process by default.
         engine_options: passed to the engine: DDO configuration fields for ``native``/``staging`` (e.g.
             ``vmm_resident_weight_budget_gb``, ``vmm_staging_buffer_gb``); ``offload_type``,
@@ -105,7 +108,8 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
                         cache_dir=cache_dir)
     checkpoint = Checkpoint(path)
     try:
-        binding = bind_module(module, checkpoint.entries, strict=strict, path=checkpoint.path)
+        binding = bind_module(module, checkpoint.entries, strict=strict, path=checkpoint.path,
+                              entry_names=entry_names)
         env = environment if environment is not None else detect_environment()
         selected = select_route(route, env)
         install = INSTALLERS.get(selected.name)

@@ -1,0 +1,251 @@
+"""What ``szformat.transformers`` and ``szformat.diffusers`` share: finding a converted model folder (local, or a Hub
+repo), refusing what is not one, building a module without allocating its weights, and filling it from .szt.
+
+A module is built with its parameters on the ``meta`` device and its buffers real: buffers that no checkpoint holds
+(rotary frequencies, position ids) get the values the module's own ``__init__`` computes, as with a plain load.
+Parameters are then replaced by the decoded tensors themselves (``load_state_dict(assign=True)``): the bytes decoded
+on the device are the bytes the model uses, with no second copy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import importlib
+import os
+import re
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from .errors import CheckpointMismatchError, HubReferenceError, MissingDependencyError, ModelFolderError
+from .format import constants as C
+from .format.index import INDEX_TAIL
+
+SAFETENSORS_SUFFIX = ".safetensors"
+LISTED = 10
+"""How many names a mismatch lists per problem before it says how many more there are."""
+
+_REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
+"""A plain Hub repo id (``namespace/name``), as transformers and diffusers accept one in place of a folder."""
+
+
+def require(package: str, extra: str) -> ModuleType:
+    """Import an optional package, or say which extra installs it."""
+    try:
+        return importlib.import_module(package)
+    except ImportError as e:
+        raise MissingDependencyError(f"{package} is not installed ({e}); pip install 'szformat[{extra}]'") from None
+
+
+def resolve_model_folder(path_or_repo: str | os.PathLike, *, revision: str | None = None,
+                         token: str | bool | None = None, cache_dir: str | os.PathLike | None = None,
+                         local_files_only: bool = False) -> Path:
+    """The local folder of a converted model: a folder as given, or the download of a Hub repo.
+
+    ``path_or_repo`` is a local folder, ``hf://namespace/name[@revision][/folder]``, or a plain repo id
+    (``namespace/name``) that is not a local path. Hub keywords go to ``huggingface_hub``.
+
+    Raises:
+        HubReferenceError: Hub keywords with a local folder, or a malformed reference.
+        ModelFolderError: neither an existing folder nor a Hub repo.
+    """
+    text = os.fspath(path_or_repo)
+    hub_kwargs = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
+    local = Path(text)
+    if not text.startswith("hf://") and local.exists():
+        given = [k for k, v in hub_kwargs.items() if v not in (None, False)]
+        if given:
+            raise HubReferenceError(f"{', '.join(given)} only apply to Hub repos, and this is a local path",
+                                    path=text)
+        if not local.is_dir():
+            raise ModelFolderError("expected a converted model folder (config and .szt files), got a file; pass "
+                                   "its folder, or load the file with szformat.load_file", path=text)
+        return local
+    if text.startswith("hf://") or (isinstance(path_or_repo, str) and _REPO_ID.fullmatch(text)):
+        from .hub import download_model_repo
+
+        return download_model_repo(text if text.startswith("hf://") else "hf://" + text, **hub_kwargs)
+    raise ModelFolderError("no such folder (nor a Hub repo id namespace/name)", path=text)
+
+
+def has_weights(folder: Path, suffix: str) -> bool:
+    """Whether ``folder`` (not its sub-folders) holds weight files or an index with this suffix."""
+    return any(folder.glob("*" + suffix)) or any(folder.glob("*" + suffix + INDEX_TAIL))
+
+
+def weights_in(folder: Path, variant: str | None = None) -> Path:
+    """The checkpoint a loader reads in a model folder: its sharded index, else its .szt file, else all its .szt
+    files (shards without an index). ``variant`` (``"fp16"``...) picks ``<name>.<variant>.szt`` files and
+    ``<name>.<variant>.szt.index.json`` indexes, as transformers' and diffusers' ``variant=`` does; without it,
+    files whose name carries a variant are left out.
+
+    Raises:
+        ModelFolderError: no .szt checkpoint of that variant, or several that could be meant.
+    """
+    def variant_of(path: Path, suffix: str) -> str | None:
+        stem = path.name[: -len(suffix)]
+        return stem.rpartition(".")[2] if "." in stem else None
+
+    indexes = [p for p in sorted(folder.glob("*" + C.INDEX_SUFFIX)) if variant_of(p, C.INDEX_SUFFIX) == variant]
+    files = sorted(folder.glob("*" + C.FILE_SUFFIX))
+    picked = [p for p in files if variant_of(p, C.FILE_SUFFIX) == variant]
+    named = f"variant {variant!r} " if variant else ""
+    if len(indexes) == 1:
+        return indexes[0]
+    if not indexes and len(picked) == 1:
+        return picked[0]
+    if not indexes and picked and picked == files:
+        return folder
+    if not indexes and not picked:
+        held = ", ".join(p.name for p in files) or "none"
+        raise ModelFolderError(f"no .szt checkpoint of {named or 'the default variant '}in the folder (.szt files: "
+                               f"{held})", path=folder)
+    candidates = ", ".join(p.name for p in (indexes or picked))
+    raise ModelFolderError(f"several .szt checkpoints of {named or 'the default variant '}in the folder "
+                           f"({candidates}); keep one, or add an index", path=folder)
+
+
+def require_converted(folder: Path, config_name: str, what: str) -> None:
+    """Refuse a folder without ``config_name`` or without .szt weights, pointing a safetensors one to szconvert.
+
+    Raises:
+        ModelFolderError: saying what is missing.
+    """
+    if not (folder / config_name).is_file():
+        raise ModelFolderError(f"no {config_name} in the folder: not a {what}", path=folder)
+    if has_weights(folder, C.FILE_SUFFIX):
+        return
+    if has_weights(folder, SAFETENSORS_SUFFIX):
+        raise ModelFolderError(f"the folder holds safetensors weights, not .szt; convert it first: "
+                               f"szconvert {folder} {folder}-szt", path=folder)
+    raise ModelFolderError("no .szt weights in the folder", path=folder)
+
+
+@contextlib.contextmanager
+def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
+    """Build modules with parameters on ``meta`` and real buffers, floating tensors in ``dtype`` by default."""
+    from accelerate import init_empty_weights
+
+    previous = torch.get_default_dtype()
+    if dtype is not None:
+        torch.set_default_dtype(dtype)
+    try:
+        with init_empty_weights(include_buffers=False):
+            yield
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@dataclass
+class WeightPlan:
+    """How checkpoint entries fill a module built on ``meta``: which entry feeds which module name, and what does
+    not fit. Names follow ``load_state_dict``: module names are ``state_dict`` keys."""
+
+    sources: dict[str, str] = field(default_factory=dict)
+    """Module name -> checkpoint entry that fills it."""
+    missing: list[str] = field(default_factory=list)
+    """Module names no entry fills (tied names are resolved later, by tying)."""
+    unexpected: list[str] = field(default_factory=list)
+    """Entries that fill no module name."""
+    mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
+    """(module name, checkpoint shape, module shape) of each entry whose shape does not fit."""
+
+    def describe_mismatches(self) -> str:
+        return _listing([f"{name}: checkpoint {list(stored)}, model {list(expected)}"
+                         for name, stored, expected in self.mismatched])
+
+
+def plan_weights(expected: Mapping[str, torch.Tensor], entries: Mapping[str, Any],
+                 rename: Callable[[str], str] = lambda name: name) -> WeightPlan:
+    """Match module tensors (``state_dict`` of the module on ``meta``) with checkpoint entries.
+
+    ``entries`` are checkpoint entries by name (``TensorEntry``: only ``shape`` is read); ``rename(entry_name)``
+    gives the module name an entry is meant for (a prefix added or removed).
+    """
+    plan = WeightPlan()
+    for name, entry in entries.items():
+        target = rename(name)
+        if target not in expected:
+            plan.unexpected.append(name)
+        elif tuple(entry.shape) != tuple(expected[target].shape):
+            plan.mismatched.append((target, tuple(entry.shape), tuple(expected[target].shape)))
+        else:
+            plan.sources[target] = name
+    mismatched = {name for name, _, _ in plan.mismatched}
+    plan.missing = [name for name in expected if name not in plan.sources and name not in mismatched]
+    return plan
+
+
+def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
+    """The entries (name, dtype, shape) of a .szt checkpoint (see `weights_in`), headers only: nothing is decoded.
+
+    Raises:
+        FormatError, ShardIndexError: a file or the index is not valid.
+    """
+    from .offload.checkpoint import Checkpoint
+
+    with Checkpoint(checkpoint) as opened:
+        return dict(opened.entries)
+
+
+def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *, strict: bool) -> None:
+    """Raise one error listing every shape mismatch (and, with ``strict``, every missing and unexpected name).
+
+    Raises:
+        CheckpointMismatchError: listing them all.
+    """
+    problems = []
+    if plan.mismatched:
+        problems.append(f"{len(plan.mismatched)} shape mismatch(es): {plan.describe_mismatches()}")
+    if strict and plan.missing:
+        problems.append(f"{len(plan.missing)} missing from the checkpoint: {_listing(plan.missing)}")
+    if strict and plan.unexpected:
+        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {_listing(plan.unexpected)}")
+    if problems:
+        raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__} built from its config: "
+                                      + "; ".join(problems), path=folder)
+
+
+def load_weights(model: torch.nn.Module, checkpoint: Path, plan: WeightPlan, expected: Mapping[str, torch.Tensor],
+                 *, device: torch.device, verify: bool, staging) -> None:
+    """Decode a checkpoint (see `weights_in`) on ``device`` and make the module's tensors those very tensors.
+
+    A tensor is cast only where the module was built in another dtype (``dtype=`` asked for it).
+    """
+    from .api import load_file
+
+    tensors = load_file(checkpoint, device=device, verify=verify, staging=staging)
+    state = {}
+    for target, source in plan.sources.items():
+        tensor = tensors.pop(source)
+        if tensor.dtype != expected[target].dtype:
+            tensor = tensor.to(expected[target].dtype)
+        state[target] = tensor
+    tensors.clear()
+    model.load_state_dict(state, strict=False, assign=True)
+
+
+def place_buffers(model: torch.nn.Module, device: torch.device, skip: set[int] = frozenset()) -> None:
+    """Move buffers the checkpoint did not provide (built on the CPU) to ``device``; those in ``skip`` (by ``id``)
+    stay."""
+    for module in model.modules():
+        for key, buffer in module._buffers.items():
+            if buffer is not None and buffer.device != device and buffer.device.type != "meta" \
+                    and id(buffer) not in skip:
+                module._buffers[key] = buffer.to(device)
+
+
+def meta_tensors(model: torch.nn.Module) -> list[str]:
+    """Names of parameters and buffers still on ``meta`` (each storage once)."""
+    return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
+            if tensor.device.type == "meta"]
+
+
+def _listing(items: list[str]) -> str:
+    shown = ", ".join(items[:LISTED])
+    hidden = len(items) - LISTED
+    return f"{shown}, ... and {hidden} more" if hidden > 0 else shown

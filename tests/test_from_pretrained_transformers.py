@@ -1,0 +1,292 @@
+"""szformat.transformers.from_pretrained against transformers' own from_pretrained of the safetensors original.
+
+Tiny models from small random configs, saved with save_pretrained in BF16 (sharded, so the index path runs),
+converted with szconvert: every parameter and buffer must be bit-identical to transformers' own load, and so must a
+forward. Also through the loopback Hub, and the real all-MiniLM-L6-v2 weights when they are cached.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import logging
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():  # transformers and diffusers import Triton: in interpreter mode from the first import
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+transformers = pytest.importorskip("transformers")
+pytest.importorskip("accelerate")
+
+import szformat
+import szformat.api
+import szformat.transformers as szt
+from szformat.cli.main import main as szconvert
+from szformat.errors import (CheckpointMismatchError, ModelFolderError, SzformatError, UnknownArchitectureError)
+from szformat.offload import OffloadEnvironment
+from szformat.offload import loader as offload_loader
+
+from test_hub import ALICE, card_of, hub  # noqa: F401  (the loopback Hub fixture)
+
+AUTO_DTYPE = "dtype" if tuple(map(int, transformers.__version__.split(".")[:2])) >= (4, 56) else "torch_dtype"
+MINILM = Path.home() / ".cache" / "szformat" / "minilm" / "minilm-bf16"
+
+
+def llama_config(**overrides) -> "transformers.LlamaConfig":
+    return transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                    **overrides)
+
+
+def bert_config(**overrides) -> "transformers.BertConfig":
+    return transformers.BertConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                   num_attention_heads=4, max_position_embeddings=40, **overrides)
+
+
+def save_and_convert(model, folder: Path, **save_kw) -> Path:
+    """save_pretrained in BF16, then szconvert of the folder; returns the converted folder."""
+    model.to(torch.bfloat16).save_pretrained(folder, **save_kw)
+    assert szconvert([str(folder), str(folder) + "-szt", "--quiet"]) == 0
+    return Path(str(folder) + "-szt")
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tied Llama-style causal LM, saved in three shards."""
+    torch.manual_seed(0)
+    folder = tmp_path_factory.mktemp("llama") / "llama"
+    model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=True))
+    converted = save_and_convert(model, folder, max_shard_size="40KB")
+    assert len(list(converted.glob("*.szt"))) > 1 and (converted / "model.szt.index.json").is_file()
+    return folder, converted
+
+
+@pytest.fixture(scope="module")
+def bert(tmp_path_factory):
+    """A BERT-style encoder (BertModel: no base-model prefix in its names)."""
+    torch.manual_seed(1)
+    folder = tmp_path_factory.mktemp("bert") / "bert"
+    return folder, save_and_convert(transformers.BertModel(bert_config()), folder)
+
+
+def reference(auto_class, folder, **kwargs):
+    """transformers' own load of the safetensors original, in the dtype it was saved in (the default of
+    transformers 5; earlier versions load float32 unless asked)."""
+    return auto_class.from_pretrained(folder, **{AUTO_DTYPE: kwargs.pop("dtype", "auto")}, **kwargs)
+
+
+def bits(tensor: torch.Tensor) -> torch.Tensor:
+    """The tensor's bits as integers (BF16 as int16), so equality is bit for bit."""
+    return tensor.view(torch.int16) if tensor.dtype in (torch.bfloat16, torch.float16) else tensor
+
+
+def assert_same_model(actual, expected) -> None:
+    """Same class, every parameter and buffer bit-identical, same dtypes and devices, same tying, eval mode."""
+    assert type(actual) is type(expected)
+    got = dict(actual.named_parameters(remove_duplicate=False)) | dict(actual.named_buffers(remove_duplicate=False))
+    want = dict(expected.named_parameters(remove_duplicate=False)) | dict(
+        expected.named_buffers(remove_duplicate=False))
+    assert got.keys() == want.keys()
+    for name, tensor in want.items():
+        assert got[name].dtype == tensor.dtype and got[name].device == tensor.device, name
+        assert torch.equal(bits(got[name]), bits(tensor)), name
+    tied = lambda m: {n for n, p in m.named_parameters(remove_duplicate=False)} - {n for n, _ in m.named_parameters()}
+    assert tied(actual) == tied(expected)
+    assert not actual.training
+
+
+def test_causal_lm_is_bit_identical_to_the_transformers_load(llama):
+    original, converted = llama
+    expected = reference(transformers.AutoModelForCausalLM, original)
+    model, info = szt.from_pretrained(converted, transformers.AutoModelForCausalLM, output_loading_info=True)
+    assert_same_model(model, expected)
+    assert model.lm_head.weight is model.model.embed_tokens.weight
+    assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
+    ids = torch.randint(0, 128, (2, 11), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad():
+        assert torch.equal(bits(model(ids).logits), bits(expected(ids).logits))
+    assert model.generation_config.to_dict() == expected.generation_config.to_dict()
+
+
+def test_the_class_defaults_to_the_configs_architecture(llama):
+    assert type(szt.from_pretrained(llama[1])) is transformers.LlamaForCausalLM
+
+
+def test_a_causal_lm_checkpoint_loads_into_the_base_model_and_the_head_is_reported_unused(tmp_path):
+    torch.manual_seed(4)
+    converted = save_and_convert(transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False)),
+                                 tmp_path / "untied")
+    expected = reference(transformers.AutoModel, tmp_path / "untied")
+    model, info = szt.from_pretrained(converted, transformers.AutoModel, output_loading_info=True)
+    assert_same_model(model, expected)
+    assert info["unexpected_keys"] == ["lm_head.weight"] and info["missing_keys"] == []
+
+
+def test_bert_encoder_buffers_and_outputs_are_identical(bert):
+    original, converted = bert
+    expected = reference(transformers.AutoModel, original)
+    model = szt.from_pretrained(converted, transformers.AutoModel)
+    assert_same_model(model, expected)
+    assert "embeddings.position_ids" in dict(model.named_buffers())
+    ids = torch.randint(0, 96, (2, 9), generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        assert torch.equal(bits(model(ids).last_hidden_state), bits(expected(ids).last_hidden_state))
+
+
+def test_a_base_checkpoint_in_a_head_class_initializes_and_reports_the_head(bert, caplog):
+    original, converted = bert
+    expected = reference(transformers.AutoModelForSequenceClassification, original, num_labels=3)
+    with caplog.at_level(logging.WARNING, logger="szformat.transformers"):
+        model, info = szt.from_pretrained(converted, transformers.AutoModelForSequenceClassification, num_labels=3,
+                                          output_loading_info=True)
+    assert info["missing_keys"] == ["classifier.weight", "classifier.bias"]
+    assert "newly initialized" in caplog.text and "classifier.weight" in caplog.text
+    assert model.classifier.weight.shape == (3, 32) and model.classifier.weight.device.type == "cpu"
+    assert model.classifier.weight.std() > 0  # initialized, not left empty
+    got, want = model.state_dict(), expected.state_dict()
+    for name in want:
+        if not name.startswith("classifier."):
+            assert torch.equal(bits(got[name]), bits(want[name])), name
+
+
+def test_dtype_casts_on_the_device(llama):
+    model = szt.from_pretrained(llama[1], dtype=torch.float32)
+    expected = reference(transformers.AutoModelForCausalLM, llama[0], dtype=torch.float32)
+    assert_same_model(model, expected)
+
+
+def test_variant_picks_its_file_and_the_default_leaves_variants_out(bert, tmp_path):
+    original, converted = bert
+    shutil.copytree(converted, tmp_path / "m")
+    torch.manual_seed(7)
+    other = transformers.BertModel(bert_config()).to(torch.bfloat16)
+    szformat.save_file(other.state_dict(), tmp_path / "m" / "model.fp16.szt")
+    assert_same_model(szt.from_pretrained(tmp_path / "m"), reference(transformers.AutoModel, original))
+    variant = szt.from_pretrained(tmp_path / "m", variant="fp16")
+    dense = lambda model: model.encoder.layer[1].output.dense.weight  # noqa: E731
+    assert torch.equal(bits(dense(variant)), bits(dense(other)))
+    with pytest.raises(ModelFolderError, match="no .szt checkpoint of variant 'bf16'"):
+        szt.from_pretrained(tmp_path / "m", variant="bf16")
+    shutil.copy(tmp_path / "m" / "model.szt", tmp_path / "m" / "model-copy.szt")
+    with pytest.raises(ModelFolderError, match="several .szt checkpoints"):
+        szt.from_pretrained(tmp_path / "m")
+
+
+@pytest.mark.skipif(not (MINILM / "model.safetensors").is_file(), reason="run tools/fetch_minilm.py first")
+def test_real_minilm_gives_the_same_embeddings_as_transformers(tmp_path):
+    assert szconvert([str(MINILM), str(tmp_path / "minilm-szt"), "--quiet"]) == 0
+    tokenizer = transformers.AutoTokenizer.from_pretrained(tmp_path / "minilm-szt")
+    batch = tokenizer(["Lossless checkpoints, bit for bit.", "A second, longer sentence to pad the first one."],
+                      padding=True, return_tensors="pt")
+    expected = reference(transformers.AutoModel, MINILM)
+    model = szt.from_pretrained(tmp_path / "minilm-szt")
+    assert_same_model(model, expected)
+    with torch.no_grad():
+        assert torch.equal(bits(model(**batch).last_hidden_state), bits(expected(**batch).last_hidden_state))
+
+
+def test_the_integrations_are_imported_only_when_used():
+    code = ("import sys, szformat; assert not {'transformers', 'diffusers', 'accelerate'} & set(sys.modules); "
+            "szformat.transformers.from_pretrained, szformat.diffusers.from_pretrained; "
+            "assert not {'transformers', 'diffusers'} & set(sys.modules), 'imported before a call'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- bad input ---------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def no_decoding(monkeypatch):
+    """Any decode fails the test: a refused folder must be refused from headers alone."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("weights were decoded")
+
+    monkeypatch.setattr(szformat.api, "load_file", refuse)
+
+
+def test_a_folder_without_config_is_refused(llama, tmp_path, no_decoding):
+    shutil.copytree(llama[1], tmp_path / "m")
+    (tmp_path / "m" / "config.json").unlink()
+    with pytest.raises(ModelFolderError, match="no config.json"):
+        szt.from_pretrained(tmp_path / "m")
+
+
+def test_a_safetensors_folder_is_pointed_to_szconvert(llama, no_decoding):
+    with pytest.raises(ModelFolderError, match="safetensors weights, not .szt.*szconvert"):
+        szt.from_pretrained(llama[0])
+
+
+def test_an_unknown_model_type_or_class_is_refused(llama, tmp_path, no_decoding):
+    shutil.copytree(llama[1], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "architectures": ["NoSuchForCausalLM"]}))
+    with pytest.raises(UnknownArchitectureError, match="NoSuchForCausalLM"):
+        szt.from_pretrained(tmp_path / "m")
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "model_type": "no-such-model"}))
+    with pytest.raises(UnknownArchitectureError, match="cannot read config.json"):
+        szt.from_pretrained(tmp_path / "m")
+    with pytest.raises(UnknownArchitectureError, match="cannot build"):
+        szt.from_pretrained(llama[1], transformers.AutoModelForImageClassification)
+
+
+def test_shapes_that_do_not_fit_are_all_listed_before_anything_is_decoded(llama, tmp_path, no_decoding):
+    shutil.copytree(llama[1], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    with pytest.raises(CheckpointMismatchError) as caught:
+        szt.from_pretrained(tmp_path / "m")
+    message = str(caught.value)
+    assert "\n" not in message and "6 shape mismatch(es)" in message
+    for layer in (0, 1):
+        for proj, shape in (("gate_proj", "[64, 32]"), ("up_proj", "[64, 32]"), ("down_proj", "[32, 64]")):
+            assert f"model.layers.{layer}.mlp.{proj}.weight: checkpoint {shape}" in message
+
+
+def test_missing_dependency_names_the_extra(monkeypatch, llama):
+    monkeypatch.setitem(sys.modules, "accelerate", None)  # what an import of an absent package finds
+    with pytest.raises(SzformatError, match=r"accelerate is not installed.*pip install 'szformat\[transformers\]'"):
+        szt.from_pretrained(llama[1])
+
+
+# -- Hub and offloading ------------------------------------------------------------------------------------------
+
+
+def test_loads_from_the_hub_by_reference_and_by_repo_id(hub, llama):  # noqa: F811
+    original, converted = llama
+    szformat.push_to_hub(converted, "alice/tiny-llama", token=ALICE)
+    expected = reference(transformers.AutoModelForCausalLM, original)
+    assert_same_model(szt.from_pretrained("hf://alice/tiny-llama"), expected)
+    assert_same_model(szt.from_pretrained("alice/tiny-llama", revision="main"), expected)
+    card = card_of(hub, "alice/tiny-llama").text
+    assert 'szformat.transformers.from_pretrained("hf://alice/tiny-llama", device="cuda")' in card
+    assert 'pip install "szformat[transformers]"' in card
+
+
+def test_offload_binds_every_weight_under_its_checkpoint_name(monkeypatch, tmp_path):
+    """A route gets the module with each tensor bound to its entry, prefixed names mapped, tied ones bound once;
+    the installer is a stand-in (routes are tested on their own), so nothing runs on a GPU here."""
+    torch.manual_seed(6)
+    base = save_and_convert(transformers.LlamaModel(llama_config(tie_word_embeddings=True)), tmp_path / "base")
+    installed = []
+
+    def install(installation):
+        installed.append(installation)
+        return "handle"
+
+    monkeypatch.setitem(offload_loader.INSTALLERS, "accelerate", install)
+    monkeypatch.setattr(szt, "place_buffers", lambda model, device, skip: None)  # no CUDA device in CI
+    env = OffloadEnvironment(cuda_available=True, versions={"accelerate": "1.15.0"})
+    model = szt.from_pretrained(base, transformers.LlamaForCausalLM, device="cuda:0", offload="accelerate",
+                                offload_options={"environment": env})
+    assert model.szformat_offload == "handle"
+    binding = installed[0].binding
+    entries = {tensor.entry: tensor.names for tensor in binding}
+    assert entries["embed_tokens.weight"] == ("model.embed_tokens.weight", "lm_head.weight")
+    assert "layers.1.mlp.down_proj.weight" in entries and binding.unexpected == ()
+    assert all(t.device.type == "meta" for t in model.model.parameters())  # the route owns them, nothing decoded

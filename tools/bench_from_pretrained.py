@@ -1,0 +1,345 @@
+"""Time ``szformat.transformers`` / ``szformat.diffusers`` ``from_pretrained`` against transformers' and diffusers'
+own ``from_pretrained`` of the safetensors originals, in one run, and check the results bit for bit.
+
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,sd3] [--reps 3]
+        [--no-cold] [--offload native,staging] [--json results.json]
+
+Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
+with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
+
+``llm``  a Llama-shaped causal LM (hidden 2048, 16 layers, MLP 8192, vocab 32000, untied): 1.24 B parameters,
+         2.5 GB of BF16, loaded as ``AutoModelForCausalLM``;
+``sd3``  an SD3-medium-shaped pipeline: ``SD3Transformer2DModel`` (24 blocks of width 1536), the SD3 VAE, CLIP-L and
+         CLIP-G text encoders with projection (no T5: the pipeline pads its place with zeros), letter-level CLIP
+         tokenizers written here, a flow-matching scheduler; 5.6 GB of BF16.
+
+Loaders: ``transformers`` (``from_pretrained(..., dtype=bfloat16, device_map="cuda")``), ``diffusers``
+(``from_pretrained(..., torch_dtype=bfloat16, device_map="cuda")``), and ``szformat`` (``from_pretrained(...,
+device="cuda")``). Warm: page cache warm, one untimed call, then the median of ``--reps``; cold: the page cache dropped
+before one call (``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise``). The time is from the call to a
+model whose tensors are all on the GPU (``torch.cuda.synchronize``); the device's caching allocator is emptied
+between calls. Correctness: every parameter and buffer of the szformat load equals the original's load (int16 views),
+and so does the output (LLM logits of 4 x 128 tokens; a 2-step 256 x 256 pipeline call with a seeded generator).
+
+``--offload native,staging`` (optional, needs diffusers-dynamic-offloader): the pipeline loaded with
+``offload=ROUTE`` (its transformer behind DDO, the rest on the GPU) must produce the same image tensor as without
+offloading. Each route runs in a child process (``native`` through DDO's bootstrap, which must own CUDA from the
+first statement).
+"""
+
+from __future__ import annotations
+
+import sys
+
+if __name__ == "__main__" and sys.argv[1:2] == ["offload-child"] and sys.argv[2:3] == ["native"]:
+    from ddo_vmm_bootstrap import ensure_vmm_fast_process  # DDO's vmm_fast must own CUDA from the first statement
+
+    ensure_vmm_fast_process()
+
+import argparse  # noqa: E402
+import gc  # noqa: E402
+import json  # noqa: E402
+import os  # noqa: E402
+import statistics  # noqa: E402
+import subprocess  # noqa: E402
+import time  # noqa: E402
+from pathlib import Path  # noqa: E402
+
+import torch  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+LLM = dict(vocab_size=32000, hidden_size=2048, intermediate_size=8192, num_hidden_layers=16, num_attention_heads=16,
+           num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
+SD3 = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64, num_attention_heads=24,
+           joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048, out_channels=16,
+           pos_embed_max_size=192)
+SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_channels=[128, 256, 512, 512],
+               down_block_types=["DownEncoderBlock2D"] * 4, up_block_types=["UpDecoderBlock2D"] * 4,
+               layers_per_block=2, use_quant_conv=False, use_post_quant_conv=False, scaling_factor=1.5305,
+               shift_factor=0.0609)
+CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12, projection_dim=768)
+CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
+              projection_dim=1280)
+TINY = {"llm": dict(LLM, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, vocab_size=256),
+        "sd3": dict(SD3, num_layers=2, attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
+                    sample_size=32, pos_embed_max_size=32)}
+PROMPT = "an astronaut riding a horse"
+DEVICE = "cuda"
+
+
+# -- building the models -----------------------------------------------------------------------------------------
+
+
+def seeded_(model: torch.nn.Module, seed: int) -> torch.nn.Module:
+    """Every floating parameter N(0, 0.02) in BF16 (norm weights 1), from one seed (drawn on the device, which is
+    fast): the same model every run on one machine."""
+    generator = torch.Generator(device=DEVICE).manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            values = torch.randn(p.shape, generator=generator, device=DEVICE) * 0.02
+            p.copy_(torch.ones_like(values) if "norm" in name and name.endswith("weight") else values)
+    return model.to(torch.bfloat16)
+
+
+def tokenizer(folder: Path, max_length: int = 77):
+    """A CLIP tokenizer over single letters: a prompt tokenizes without any download."""
+    import transformers
+
+    folder.mkdir(parents=True, exist_ok=True)
+    vocab = {"<|startoftext|>": 0, "!": 1, "<|endoftext|>": 2}
+    for i, letter in enumerate("abcdefghijklmnopqrstuvwxyz"):
+        vocab[letter], vocab[letter + "</w>"] = 3 + 2 * i, 4 + 2 * i
+    (folder / "vocab.json").write_text(json.dumps(vocab))
+    (folder / "merges.txt").write_text("#version: 0.2\n")
+    return transformers.CLIPTokenizer(str(folder / "vocab.json"), str(folder / "merges.txt"),
+                                      model_max_length=max_length, pad_token="!")
+
+
+def build(model: str, folder: Path, tiny: bool) -> None:
+    """Save the model's safetensors original to ``folder`` and its szformat twin to ``folder``-szt."""
+    import diffusers
+    import transformers
+
+    from szformat.convert import convert
+
+    if model == "llm":
+        config = transformers.LlamaConfig(**(TINY["llm"] if tiny else LLM))
+        seeded_(transformers.LlamaForCausalLM(config), 0).save_pretrained(folder)
+    else:
+        clip = lambda c, seed: seeded_(transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(  # noqa
+            vocab_size=49408, max_position_embeddings=77, **(dict(c, num_hidden_layers=1) if tiny else c))), seed)
+        vae = diffusers.AutoencoderKL(**(dict(SD3_VAE, block_out_channels=[8, 8, 8, 8], norm_num_groups=4)
+                                         if tiny else SD3_VAE))
+        pipe = diffusers.StableDiffusion3Pipeline(
+            transformer=seeded_(diffusers.SD3Transformer2DModel(**(TINY["sd3"] if tiny else SD3)), 1),
+            vae=seeded_(vae, 2), text_encoder=clip(CLIP_L, 3), text_encoder_2=clip(CLIP_G, 4),
+            tokenizer=tokenizer(folder.parent / "tok"), tokenizer_2=tokenizer(folder.parent / "tok"),
+            text_encoder_3=None, tokenizer_3=None, scheduler=diffusers.FlowMatchEulerDiscreteScheduler(shift=3.0))
+        pipe.save_pretrained(folder)
+    convert(folder, Path(f"{folder}-szt"), device=DEVICE if DEVICE == "cuda" else "cpu")
+
+
+# -- loading -----------------------------------------------------------------------------------------------------
+
+
+def loaders(model: str) -> dict:
+    """Loader name -> function(folder) returning the model or pipeline, every tensor on the device."""
+    import diffusers
+    import transformers
+
+    import szformat.diffusers
+    import szformat.transformers
+
+    if model == "llm":
+        return {
+            "transformers": lambda f: transformers.AutoModelForCausalLM.from_pretrained(
+                f, dtype=torch.bfloat16, device_map=DEVICE),
+            "szformat": lambda f: szformat.transformers.from_pretrained(f"{f}-szt", device=DEVICE),
+        }
+    no_t5 = dict(text_encoder_3=None, tokenizer_3=None)  # saved as [null, null]: diffusers wants them named
+
+    def diffusers_load(folder):
+        """diffusers straight to the device (``device_map``) where this version can, else load and move."""
+        try:
+            return diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16, device_map=DEVICE,
+                                                               **no_t5)
+        except (ValueError, NotImplementedError) as e:
+            print(f"diffusers device_map={DEVICE!r} refused ({e}); timing from_pretrained + .to()", flush=True)
+            return diffusers.DiffusionPipeline.from_pretrained(folder, torch_dtype=torch.bfloat16, **no_t5).to(DEVICE)
+
+    return {
+        "diffusers": diffusers_load,
+        "szformat": lambda f: szformat.diffusers.from_pretrained(f"{f}-szt", device=DEVICE,
+                                                                 torch_dtype=torch.bfloat16, **no_t5),
+    }
+
+
+def synchronize() -> None:
+    if DEVICE == "cuda":
+        torch.cuda.synchronize()
+
+
+def release() -> None:
+    gc.collect()
+    if DEVICE == "cuda":
+        torch.cuda.empty_cache()
+
+
+def timed(load, folder: Path):
+    release()
+    start = time.perf_counter()
+    loaded = load(folder)
+    synchronize()
+    return loaded, time.perf_counter() - start
+
+
+def checkpoint_files(folder: Path) -> list[Path]:
+    return sorted(p for p in folder.rglob("*") if p.suffix in (".safetensors", ".szt"))
+
+
+# -- correctness ---------------------------------------------------------------------------------------------------
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16) if t.dtype in (torch.bfloat16, torch.float16) else t
+
+
+def modules_of(model: str, loaded) -> dict[str, torch.nn.Module]:
+    if model == "llm":
+        return {"model": loaded}
+    return {name: getattr(loaded, name) for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
+
+
+def differing_tensors(model: str, a, b) -> list[str]:
+    """Names of parameters and buffers that differ in dtype, shape or bits between two loads."""
+    bad = []
+    for key, module in modules_of(model, a).items():
+        other = modules_of(model, b)[key]
+        ta = dict(module.named_parameters()) | dict(module.named_buffers())
+        tb = dict(other.named_parameters()) | dict(other.named_buffers())
+        bad += [f"{key}:{n}" for n in sorted(ta.keys() ^ tb.keys())]
+        bad += [f"{key}:{n}" for n in ta.keys() & tb.keys() if not (
+            ta[n].dtype == tb[n].dtype and ta[n].shape == tb[n].shape
+            and torch.equal(bits(ta[n]).cpu(), bits(tb[n]).cpu()))]
+    return bad
+
+
+def output(model: str, loaded) -> torch.Tensor:
+    with torch.no_grad():
+        if model == "llm":
+            ids = torch.randint(0, loaded.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
+            return loaded(ids.to(DEVICE)).logits.cpu()
+        generator = torch.Generator(device="cpu").manual_seed(0)
+        return loaded(PROMPT, num_inference_steps=2, height=256, width=256, guidance_scale=1.0,
+                      generator=generator, output_type="pt").images.cpu()
+
+
+# -- the run ---------------------------------------------------------------------------------------------------------
+
+
+def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> list[dict]:
+    from bench_load import drop_caches, resident_share
+
+    folder = work / model
+    if not Path(f"{folder}-szt").is_dir():
+        print(f"building {model} in {folder} ...", flush=True)
+        build(model, folder, tiny)
+    raw = sum(p.stat().st_size for p in checkpoint_files(folder))
+    stored = sum(p.stat().st_size for p in checkpoint_files(Path(f"{folder}-szt")))
+    rows = []
+    results = {}
+    for name, load in loaders(model).items():
+        loaded, first = timed(load, folder)
+        del loaded
+        warm = []
+        for _ in range(reps):
+            loaded, seconds = timed(load, folder)
+            warm.append(seconds)
+            del loaded
+        row = {"model": model, "loader": name, "bytes": raw, "szt_bytes": stored, "first_s": first,
+               "warm_s": statistics.median(warm), "warm_all_s": warm}
+        if cold:
+            files = checkpoint_files(folder if name != "szformat" else Path(f"{folder}-szt"))
+            how = drop_caches(files)
+            row["cold_resident"] = resident_share(files)
+            loaded, row["cold_s"] = timed(load, folder)
+            row["cold_how"] = how
+            del loaded
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+    anchor, ours = list(loaders(model))
+    a, b = loaders(model)[anchor](folder), loaders(model)[ours](folder)
+    synchronize()
+    differing = differing_tensors(model, a, b)
+    out_a, out_b = output(model, a), output(model, b)
+    same_output = out_a.shape == out_b.shape and torch.equal(bits(out_a), bits(out_b))
+    if model == "sd3":
+        torch.save(out_b, work / "sd3-image.pt")
+    for row in rows:
+        row.update(differing=differing[:10], n_differing=len(differing), same_output=same_output,
+                   finite_output=bool(torch.isfinite(out_b.float()).all()))
+    del a, b
+    release()
+    return rows
+
+
+def offload_check(route: str, work: Path, budgets: dict) -> dict:
+    """Child process: the pipeline with its transformer offloaded through ``route``; its image against the one saved
+    by the unoffloaded run."""
+    import szformat.diffusers
+
+    start = time.perf_counter()
+    pipe = szformat.diffusers.from_pretrained(work / "sd3-szt", device=DEVICE, torch_dtype=torch.bfloat16,
+                                              offload=route, offload_options=budgets, text_encoder_3=None,
+                                              tokenizer_3=None)
+    setup = time.perf_counter() - start
+    image = output("sd3", pipe)
+    expected = torch.load(work / "sd3-image.pt")
+    for handle in pipe.szformat_offload.values():
+        handle.close()
+    return {"route": route, "setup_s": setup, "same_image": bool(torch.equal(bits(image), bits(expected)))}
+
+
+def offload_budgets(work: Path) -> dict:
+    """DDO budgets: about two transformer blocks resident, so the blocks stream every forward."""
+    block = sum(p.stat().st_size for p in (work / "sd3" / "transformer").glob("*.safetensors")) / SD3["num_layers"]
+    return {"vmm_resident_weight_budget_gb": 2.5 * block / 1024 ** 3, "vmm_staging_buffer_gb": 1.25 * block / 1024 ** 3}
+
+
+def table(rows: list[dict], offloads: list[dict]) -> str:
+    lines = ["| model | loader | GB (safetensors / .szt) | warm s (median) | first s | cold s | x warm | x cold | "
+             "tensors identical | output identical |", "|---|---|---|---:|---:|---:|---:|---:|---|---|"]
+    anchors = {}
+    for row in rows:
+        anchors.setdefault(row["model"], row)
+        base = anchors[row["model"]]
+        cold = row.get("cold_s")
+        speed_cold = f"{base['cold_s'] / cold:.2f}" if cold and base.get("cold_s") else "-"
+        lines.append(f"| {row['model']} | {row['loader']} | {row['bytes'] / 1e9:.2f} / {row['szt_bytes'] / 1e9:.2f} | "
+                     f"{row['warm_s']:.3f} | {row['first_s']:.3f} | {f'{cold:.3f}' if cold else '-'} | "
+                     f"{base['warm_s'] / row['warm_s']:.2f} | {speed_cold} | "
+                     f"{'yes' if not row['n_differing'] else row['n_differing']} | "
+                     f"{'yes' if row['same_output'] else 'NO'}{'' if row['finite_output'] else ' (non-finite)'} |")
+    for result in offloads:
+        lines.append(f"\noffload={result['route']!r}: setup {result.get('setup_s', float('nan')):.2f} s, same image as "
+                     f"without offloading: {result.get('same_image', result.get('error'))}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    global DEVICE
+    if sys.argv[1:2] == ["offload-child"]:
+        route, work = sys.argv[2], Path(sys.argv[3])
+        print("RESULT " + json.dumps(offload_check(route, work, offload_budgets(work))), flush=True)
+        return
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="/tmp/bench_from_pretrained", help="where models are built and kept")
+    parser.add_argument("--models", default="llm,sd3")
+    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--no-cold", action="store_true")
+    parser.add_argument("--offload", default="", help="routes to check on the pipeline (native,staging)")
+    parser.add_argument("--json", help="write every row here")
+    parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: a smoke test of this tool")
+    args = parser.parse_args()
+    if args.tiny:
+        DEVICE = "cpu"
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for model in args.models.split(","):
+        rows += bench_model(model, work, args.reps, not args.no_cold and not args.tiny, args.tiny)
+    offloads = []
+    for route in filter(None, args.offload.split(",")):
+        child = subprocess.run([sys.executable, __file__, "offload-child", route, str(work)], capture_output=True,
+                               text=True, timeout=900)
+        found = [line[7:] for line in child.stdout.splitlines() if line.startswith("RESULT ")]
+        offloads.append(json.loads(found[-1]) if found else {"route": route, "error": child.stderr[-2000:]})
+    print(table(rows, offloads))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"rows": rows, "offload": offloads}, indent=2))
+
+
+if __name__ == "__main__":
+    main()
