@@ -145,7 +145,7 @@ class SlotDecoder:
         stream = self.ops.current_stream() if stream is None else stream
 
         def copy() -> None:
-            staging = self._buffer_on(self._staging, stream, nbytes)
+            staging = self._buffer_on(self._staging, stream, nbytes, spare=False)
             for offset, host in pieces:
                 staging[offset: offset + host.numel()].copy_(host, non_blocking=True)
 
@@ -158,7 +158,7 @@ class SlotDecoder:
         stream = self.ops.current_stream() if stream is None else stream
 
         def expand() -> None:
-            staging = self._buffer_on(self._staging, stream, plan.staging_bytes)
+            staging = self._buffer_on(self._staging, stream, plan.staging_bytes, spare=False)
             for placement in plan.copies:
                 start = placement.staging_offset
                 placement.destination.copy_(staging[start: start + placement.payload.raw_length])
@@ -239,13 +239,15 @@ class SlotDecoder:
     def _stash_on(self, stream: Any, nbytes: int) -> torch.Tensor:
         return self._buffer_on(self._stash, stream, nbytes)
 
-    def _buffer_on(self, buffers: dict[Any, torch.Tensor], stream: Any, nbytes: int) -> torch.Tensor:
+    def _buffer_on(self, buffers: dict[Any, torch.Tensor], stream: Any, nbytes: int, spare: bool = True
+                   ) -> torch.Tensor:
         """``nbytes`` of device memory reused on ``stream`` only; called from work enqueued there, so a buffer
-        replaced by a larger one is recycled by the allocator only behind that stream's earlier work. It grows by
-        half again, to spare regrowth."""
+        replaced by a larger one is recycled by the allocator only behind that stream's earlier work. With ``spare``
+        it grows by half again, to spare regrowth; the staging buffer grows to the largest group exactly (a model's
+        groups are few and alike, and its size is the route's extra device memory)."""
         buffer = buffers.get(stream)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = buffers[stream] = self.ops.device_buffer(nbytes + nbytes // 2)
+            buffer = buffers[stream] = self.ops.device_buffer(nbytes + nbytes // 2 if spare else nbytes)
         return buffer[:nbytes]
 
 
