@@ -7,6 +7,7 @@ input, ``OSError`` for I/O). Every message names the file and the tensor it is a
 
 from __future__ import annotations
 
+import errno
 import os
 import reprlib
 
@@ -25,6 +26,7 @@ __all__ = [
     "ConversionError",
     "RoundTripError",
     "WriteError",
+    "OutputExistsError",
     "DecodeRouteError",
     "BindingError",
     "CLIError",
@@ -138,6 +140,18 @@ class RoundTripError(ConversionError):
 
 class WriteError(SzformatError, OSError):
     """Raised when an output cannot be written; no partial output is left behind."""
+
+
+class OutputExistsError(WriteError, FileExistsError):
+    """Raised when an output exists and may not be replaced (``overwrite`` is off), found before writing or at the
+    end, when another writer created it first."""
+
+    def __init__(self, path: str | os.PathLike):
+        super().__init__("exists; pass --overwrite (overwrite=True) to replace it", path=path)
+        self.errno, self.strerror, self.filename = errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path)
+
+    def __str__(self) -> str:  # OSError would format errno, strerror and filename instead of the message
+        return self.args[0]
 
 
 # LOADING ERRORS

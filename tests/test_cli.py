@@ -114,7 +114,7 @@ def test_sharded_checkpoint_and_folder_from_the_command_line(tmp_path, capsys):
     ("missing", "szconvert: error: no such file or folder: '{tmp}/missing.safetensors'"),
     ("bad header", "szconvert: error: file '{tmp}/bad.safetensors': header is not valid JSON"),
     ("bad dtype", "szconvert: error: file '{tmp}/q.safetensors', tensor 'w': dtype 'Q4_K' is not supported"),
-    ("exists", "szconvert: error: '{tmp}/taken.szt' exists; pass --overwrite to replace it"),
+    ("exists", "szconvert: error: file '{tmp}/taken.szt': exists; pass --overwrite (overwrite=True) to replace it"),
     ("folder without output", "szconvert: error: file '{tmp}/folder': a sharded checkpoint or a folder gives a "
                               "folder: name the output folder"),
     ("push flags without push", "szconvert: error: --private, --revision only apply to an upload: add "

@@ -6,7 +6,8 @@ the command, between positionals or after them (``szconvert -q m.safetensors m.s
 m.safetensors -q m.szt``). Errors szformat expects (malformed input, missing files, a full disk, refused Hub
 requests) print ``szconvert: error: ...`` on stderr; a traceback is shown only with ``SZFORMAT_DEBUG=1``, or for
 errors nobody expected (bugs). A reader that closes the pipe early (``szconvert info m.szt | head``) ends the
-command quietly.
+command quietly. Ctrl-C, SIGTERM and SIGHUP remove the temporary output and print one line (exit status 128 + the
+signal's number).
 
 The command modules import torch and huggingface_hub inside the functions that run a command, so ``--help`` and
 ``--version`` answer at once, and Ctrl-C while torch loads prints one line like any other interruption.
@@ -22,6 +23,7 @@ from typing import Sequence
 from .. import __version__
 from ..errors import SzformatError
 from . import convert, decompress, info, verify
+from ._signals import exit_status, termination_as_interrupt
 
 COMMANDS = {module.NAME: module for module in (convert, decompress, info, verify)}
 DEFAULT_COMMAND = convert.NAME
@@ -84,7 +86,8 @@ def _run(argv: list[str]) -> int:
     args = commands[command].parse_intermixed_args(rest)
     args.command = command
     try:
-        return args.run(args)
+        with termination_as_interrupt():
+            return args.run(args)
     except BrokenPipeError:
         raise
     except (SzformatError, OSError) as e:
@@ -92,11 +95,12 @@ def _run(argv: list[str]) -> int:
             raise
         print(f"szconvert: error: {describe_error(e)}", file=sys.stderr)
         return 1
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
-        print("szconvert: interrupted; no partial output was left", file=sys.stderr)
-        return 130
+        status, what = exit_status(e)
+        print(f"szconvert: {what}; no partial output was left", file=sys.stderr)
+        return status
 
 
 def split_command(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> tuple[str | None, list[str]]:
@@ -139,8 +143,6 @@ def describe_error(error: Exception) -> str:
     """One line for a known error: szformat's own messages name file and tensor; OS errors their path."""
     if isinstance(error, SzformatError):
         return str(error)
-    if isinstance(error, FileExistsError) and error.filename:
-        return f"{error.filename!r} exists; pass --overwrite to replace it"
     if isinstance(error, OSError) and error.filename:
         return f"{error.strerror or error}: {error.filename!r}"
     return " ".join(str(error).split()) or type(error).__name__  # other libraries' messages may span lines

@@ -59,7 +59,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
 
     Raises:
         FileNotFoundError: ``source`` does not exist.
-        FileExistsError: the output exists and ``overwrite`` is false.
+        OutputExistsError: the output exists and ``overwrite`` is false (a ``FileExistsError``).
         ConversionError: an input is malformed or holds something .szt cannot store.
         ShardIndexError: an index is malformed, or names a shard or tensor that is not there (nothing is written).
         RoundTripError: a tensor did not decode bit for bit (nothing is written).
@@ -84,8 +84,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
         with SafetensorsSource(src) as reader:
             cast_from = cast_dtypes(reader.header.tensors) if cast else set()
-            with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)),
-                           alignment=alignment) as writer:
+            with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)), alignment=alignment,
+                           overwrite=overwrite) as writer:
                 for tensor, raw in reader.tensors():
                     dtype = tensor.dtype
                     if dtype in cast_from:

@@ -35,7 +35,7 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
         `ConversionReport`: every tensor restored, with its stored and raw sizes, and the wall time.
 
     Raises:
-        FileNotFoundError, FileExistsError, WriteError: as in `convert`.
+        FileNotFoundError, OutputExistsError, WriteError: as in `convert`.
         FormatError (or a subclass): a .szt file is malformed or corrupted (nothing is written).
         ShardIndexError: an index is malformed or names a missing shard or tensor.
 

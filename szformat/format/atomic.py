@@ -1,28 +1,103 @@
 """Outputs that appear whole or not at all: a temporary beside the target, fsynced and renamed over it at the end.
 
 A failure, a full disk or Ctrl-C before the rename removes the temporary and leaves the target as it was. The
-temporaries are named ``.<target name>.<random>.tmp`` and created with the ordinary mode (the umask applies):
+temporaries are named ``.<target name>.<writer>.tmp`` and created with the ordinary mode (the umask applies):
 ``tempfile.mkstemp`` would make a file only its owner can read, and the rename would carry that over to the output.
+
+A writer killed outright (SIGKILL, a power cut) cannot remove its temporary, so ``<writer>`` says who wrote it: a
+digest of the host name, the process id, the process's start time (where the system tells it: it tells a reused
+process id from the writer) and a random part. The next writer to the same target removes the temporaries whose
+writer ran on this host and is gone; a live writer's, or another host's (a shared folder), are never touched.
+
+Publishing without replacing is one step too (:func:`rename_no_replace`): of two writers racing to create one
+output, exactly one succeeds and the other gets :class:`~szformat.errors.OutputExistsError`.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
+import functools
+import hashlib
 import os
+import re
 import secrets
 import shutil
+import socket
+import sys
 from pathlib import Path
 from typing import Callable, TypeVar
 
-from ..errors import SzformatError, WriteError
+from ..errors import OutputExistsError, SzformatError, WriteError
 
-__all__ = ["AtomicFile", "create_beside", "fsync_directory", "remove", "temporary_name"]
+__all__ = ["AtomicFile", "create_beside", "fsync_directory", "remove", "remove_stale_temporaries",
+           "publish", "rename_no_replace", "temporary_name"]
 
 T = TypeVar("T")
 
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.(?P<host>[0-9a-f]{8})-(?P<pid>[0-9]+)-(?P<start>[0-9]+)-[0-9a-f]{12}"
+                        r"\.tmp")
+"""``.<target name>.<host digest>-<pid>-<start time>-<random>.tmp``"""
+
 
 def temporary_name(target: Path) -> Path:
-    """A fresh ``.<name>.<random>.tmp`` path beside ``target``."""
-    return target.parent / f".{target.name}.{secrets.token_hex(6)}.tmp"
+    """A fresh ``.<name>.<writer>.tmp`` path beside ``target`` (see the module's docstring)."""
+    host, pid, start = _writer()
+    return target.parent / f".{target.name}.{host}-{pid}-{start}-{secrets.token_hex(6)}.tmp"
+
+
+def _writer() -> tuple[str, int, int]:
+    """This process as a temporary's name records it: host digest, process id, start time (0 where unknown)."""
+    pid = os.getpid()
+    return _host_digest(), pid, _start_time(pid) or 0
+
+
+@functools.lru_cache(maxsize=1)
+def _host_digest() -> str:
+    return hashlib.sha256(socket.gethostname().encode("utf-8", "surrogateescape")).hexdigest()[:8]
+
+
+def _start_time(pid: int) -> int | None:
+    """When process ``pid`` started, in clock ticks since boot (Linux ``/proc/<pid>/stat`` field 22); ``None`` when
+    the process does not exist or the system does not say."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+        return int(stat[stat.rindex(b")") + 2:].split()[19])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
+def _writer_is_gone(host: str, pid: int, start: int) -> bool:
+    """Whether the writer a temporary's name records is certainly no longer running. Unsure means no: another
+    host's writer, a system where a process cannot be probed without affecting it (Windows)."""
+    if host != _host_digest() or os.name != "posix" or pid <= 0:
+        return False
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    except OSError:
+        return False  # it exists (another user's process)
+    now = _start_time(pid)
+    return start != 0 and now is not None and now != start  # the id now belongs to a later process
+
+
+def remove_stale_temporaries(target: Path) -> list[Path]:
+    """Remove the temporaries beside ``target`` left by writers to it that were killed; returns what went."""
+    removed = []
+    try:
+        names = os.listdir(target.parent if str(target.parent) else ".")
+    except OSError:
+        return removed
+    for name in names:
+        match = _TEMPORARY.fullmatch(name)
+        if match is None or match["target"] != target.name:
+            continue
+        if _writer_is_gone(match["host"], int(match["pid"]), int(match["start"])):
+            remove(target.parent / name)
+            removed.append(target.parent / name)
+    return removed
 
 
 def create_beside(target: Path, make: Callable[[Path], T], *, kind: str = "file") -> tuple[Path, T]:
@@ -33,6 +108,7 @@ def create_beside(target: Path, make: Callable[[Path], T], *, kind: str = "file"
     Raises:
         WriteError: nothing can be created there (a missing folder, no permission, no free name).
     """
+    remove_stale_temporaries(target)
     for _ in range(100):
         tmp = temporary_name(target)
         try:
@@ -59,6 +135,54 @@ def fsync_directory(directory: Path) -> None:
         os.close(fd)
 
 
+RENAME_NOREPLACE = 1
+"""``renameat2`` flag (Linux >= 3.15): fail with EEXIST rather than replace the destination."""
+AT_FDCWD = -100
+
+
+@functools.lru_cache(maxsize=1)
+def _renameat2() -> Callable[..., int] | None:
+    """The C library's ``renameat2``, or ``None`` where there is none (not Linux, glibc < 2.28, musl < 1.2.1)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    function.restype = ctypes.c_int
+    return function
+
+
+def rename_no_replace(src: Path, dst: Path) -> None:
+    """Rename the file or folder ``src`` to ``dst`` in one step, unless ``dst`` exists (then FileExistsError).
+
+    ``renameat2(RENAME_NOREPLACE)`` where the system and file system have it; else a file is hard-linked to ``dst``
+    (which fails if it exists) and ``src`` unlinked, and a folder claims ``dst`` by creating it empty (which fails
+    if it exists) and is renamed over that empty folder. On Windows a rename never replaces anything.
+    """
+    if os.name == "nt":
+        os.rename(src, dst)
+        return
+    renameat2 = _renameat2()
+    if renameat2 is not None:
+        if renameat2(AT_FDCWD, os.fsencode(src), AT_FDCWD, os.fsencode(dst), RENAME_NOREPLACE) == 0:
+            return
+        code = ctypes.get_errno()
+        if code not in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):  # anything but "not here"
+            raise OSError(code, os.strerror(code), str(src), None, str(dst))
+    if src.is_dir() and not src.is_symlink():
+        os.mkdir(dst)
+        try:
+            os.rename(src, dst)
+        except BaseException:
+            os.rmdir(dst)
+            raise
+    else:
+        os.link(src, dst, follow_symlinks=False)
+        os.unlink(src)
+
+
 def remove(path: Path) -> None:
     """Remove a temporary file or folder, whatever it holds."""
     if path.is_dir() and not path.is_symlink():
@@ -68,7 +192,8 @@ def remove(path: Path) -> None:
 
 
 class AtomicFile:
-    """A binary file written under a temporary name and renamed over ``target`` by :meth:`commit`.
+    """A binary file written under a temporary name and renamed to ``target`` by :meth:`commit`: over what is there,
+    or, with ``overwrite=False``, only if nothing is (else :class:`OutputExistsError`, and the temporary goes).
 
     Used as a context manager, leaving the block with an exception (``KeyboardInterrupt`` too) removes the
     temporary; a write error (a full disk) raises WriteError and removes it as well.
@@ -79,8 +204,9 @@ class AtomicFile:
         ...     f.commit()
     """
 
-    def __init__(self, target: str | os.PathLike):
+    def __init__(self, target: str | os.PathLike, *, overwrite: bool = True):
         self.target = Path(target)
+        self.overwrite = overwrite
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
         self.tmp, fd = create_beside(self.target, lambda p: os.open(p, flags, 0o666))
         self._file = os.fdopen(fd, "wb")
@@ -135,6 +261,25 @@ class AtomicFile:
             self.tmp.unlink(missing_ok=True)
 
     def _move_into_place(self) -> None:
-        """Replace the target, a file or nothing, in one step."""
-        os.replace(self.tmp, self.target)
+        """Replace the target, a file or nothing, in one step (or refuse to, without ``overwrite``)."""
+        if self.overwrite:
+            os.replace(self.tmp, self.target)
+        else:
+            publish(self.tmp, self.target)
         fsync_directory(self.target.parent)
+
+
+def publish(tmp: Path, target: Path) -> None:
+    """Rename ``tmp`` to ``target`` unless something is there already.
+
+    Raises:
+        OutputExistsError: ``target`` exists (it may have appeared a moment ago: another writer won the race).
+    """
+    try:
+        rename_no_replace(tmp, target)
+    except FileExistsError:
+        raise OutputExistsError(target) from None
+    except OSError as e:
+        if e.errno != errno.ENOTEMPTY:  # a folder's rename onto a folder that is not empty
+            raise
+        raise OutputExistsError(target) from None

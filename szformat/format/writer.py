@@ -35,7 +35,8 @@ class SztWriter:
     """Write tensors to a .szt file, one at a time.
 
     Use as a context manager: leaving the block normally finishes the file, leaving it with an exception (a
-    ``KeyboardInterrupt`` too) removes the temporary file and leaves any existing target untouched.
+    ``KeyboardInterrupt`` too) removes the temporary file and leaves any existing target untouched. With
+    ``overwrite=False`` an existing target is never replaced: :meth:`finish` raises OutputExistsError instead.
 
     Example:
         >>> with SztWriter("model.szt", metadata={"format": "pt"}) as w:  # doctest: +SKIP
@@ -43,7 +44,7 @@ class SztWriter:
     """
 
     def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
-                 alignment: int = C.DEFAULT_ALIGNMENT):
+                 alignment: int = C.DEFAULT_ALIGNMENT, overwrite: bool = True):
         if type(alignment) is not int or not C.MIN_ALIGNMENT <= alignment <= C.MAX_ALIGNMENT \
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
@@ -58,7 +59,7 @@ class SztWriter:
         self.metadata = None if metadata is None else dict(metadata)
         self._entries: list[TensorEntry] = []
         self._names: set[str] = set()
-        self._file = AtomicFile(self.path)
+        self._file = AtomicFile(self.path, overwrite=overwrite)
         self._cursor = 0
         self.state = WriterState.OPEN
         self._write(bytes(C.PREAMBLE_SIZE))
