@@ -1,23 +1,29 @@
-"""Conversion outputs under contention: two writers racing to one output, a run stopped by a signal, a writer killed
-outright and the temporaries it leaves. Signals go to real ``szconvert`` processes, held mid-conversion by a
+"""Conversion under contention: two writers racing to one output, a run stopped by a signal, a writer killed
+outright and the temporaries it leaves, a source written to while it is converted. Signals go to real ``szconvert`` processes, held mid-conversion by a
 wrapper that reports each tensor it starts and then waits a little, so a signal lands while a temporary exists."""
 
 from __future__ import annotations
 
+import math
 import os
 import signal
 import subprocess
 import sys
 import textwrap
 import threading
+import time
 from pathlib import Path
 
 import pytest
+import torch
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
+from szformat.cli.main import main
+from szformat.codec import cpu
 from szformat.convert import convert, verify
-from szformat.errors import OutputExistsError
+from szformat.convert.sources import read_safetensors_header
+from szformat.errors import ConversionError, OutputExistsError
 from szformat.format.atomic import remove_stale_temporaries, rename_no_replace, temporary_name
 from test_convert import METADATA, assert_same_tensors, convert_module, listing, model_tensors, write_pipeline
 
@@ -191,3 +197,55 @@ def test_only_temporaries_of_dead_writers_on_this_host_are_removed(tmp_path):
         assert not dead.exists() and not reused_id.exists()
     finally:
         child.communicate("\n", timeout=60)
+
+
+# -- a source written to while it is converted -------------------------------------------------------------------
+
+
+def write_into_source_while_encoding(monkeypatch, source: Path, encoding: str, written: str, data: bytes) -> None:
+    """While tensor ``encoding`` is encoded (between its exponent count and its payload), write ``data`` over the
+    start of tensor ``written`` in the source file, as another process might."""
+    header = read_safetensors_header(source)
+    numel = {t.name: math.prod(t.shape) for t in header.tensors}[encoding]
+    offset = header.data_start + next(t.begin for t in header.tensors if t.name == written)
+    real = cpu.payload_layout
+    done = []
+
+    def payload_layout(histogram, codebook):
+        layout = real(histogram, codebook)
+        if layout.n == numel and not done:
+            time.sleep(0.02)  # file times advance by the kernel's clock tick
+            with open(source, "r+b") as f:
+                os.pwrite(f.fileno(), data, offset)
+            done.append(True)
+        return layout
+
+    monkeypatch.setattr(cpu, "payload_layout", payload_layout)
+
+
+HUGE = torch.full((4,), 2.0 ** 100, dtype=torch.bfloat16).view(torch.uint8).numpy().tobytes()
+"""Values with an exponent no tensor of the model has: escapes where the layout counted none."""
+
+
+@pytest.mark.parametrize("written, detail", [
+    ("layers.0.attn.q.weight", " (the codebook leaves 4 escapes, the layout expects 0)"),  # under the codec
+    ("layers.0.norm.bias", ""),  # another tensor: the bytes converted may mix old and new
+])
+def test_a_source_changed_during_conversion_is_one_error_naming_file_and_tensor(tmp_path, monkeypatch, capsys,
+                                                                                 written, detail):
+    source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
+    save_safetensors(model_tensors(), source, metadata=METADATA)
+    before = listing(tmp_path)
+    expected = (f"file {str(source)!r}, tensor 'layers.0.attn.q.weight': the file changed while it was converted"
+                f"{detail}; convert it again once nothing writes to it")
+    write_into_source_while_encoding(monkeypatch, source, "layers.0.attn.q.weight", written, HUGE)
+    with pytest.raises(ConversionError) as caught:
+        convert(source, target)
+    assert str(caught.value) == expected
+    assert listing(tmp_path) == before
+
+    save_safetensors(model_tensors(), source, metadata=METADATA)
+    write_into_source_while_encoding(monkeypatch, source, "layers.0.attn.q.weight", written, HUGE)
+    assert main([str(source), str(target)]) == 1
+    assert capsys.readouterr().err == f"szconvert: error: {expected}\n"
+    assert listing(tmp_path) == before

@@ -88,11 +88,13 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
                            overwrite=overwrite) as writer:
                 for tensor, raw in reader.tensors():
                     dtype = tensor.dtype
-                    if dtype in cast_from:
-                        raw, dtype = cast_to_bf16(raw, dtype), "BF16"
-                        cast_counts[tensor.dtype] += 1
-                    tensor_done(write_tensor(writer, tensor.name, dtype, tensor.shape, raw, backend=codec,
-                                             device=device))
+                    with reader.reading(tensor):
+                        if dtype in cast_from:
+                            raw, dtype = cast_to_bf16(raw, dtype), "BF16"
+                            cast_counts[tensor.dtype] += 1
+                        entry = write_tensor(writer, tensor.name, dtype, tensor.shape, raw, backend=codec,
+                                             device=device)
+                    tensor_done(entry)
 
     with _one_intra_op_thread():
         report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,

@@ -15,13 +15,14 @@ import mmap
 import os
 import struct
 import warnings
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConversionError
+from ..errors import ConversionError, SzformatError
 from ..format import constants as C
 from ..format.header import validate_metadata, validate_name, validate_shape
 from .pages import drop_pages
@@ -173,12 +174,17 @@ class SafetensorsSource:
         self.path = Path(path)
         self.header = read_safetensors_header(self.path)
         self._mmap: mmap.mmap | None = None
-        if self.header.tensors and self.header.tensors[-1].end:
-            with open(self.path, "rb") as f:
+        self._file = open(self.path, "rb")
+        try:
+            if self.header.tensors and self.header.tensors[-1].end:
                 try:
-                    self._mmap = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+                    self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
                 except ValueError:  # the file is empty now
                     raise ConversionError("file shrank while it was opened", path=self.path) from None
+            self._version = self._stat()
+        except BaseException:
+            self._file.close()
+            raise
 
     @property
     def metadata(self) -> dict[str, str] | None:
@@ -194,6 +200,32 @@ class SafetensorsSource:
         """Let go of the mapping. It is unmapped when the last yielded view is freed, not before: torch views hold a
         reference to the mapping but no buffer export, so ``mmap.close()`` would unmap memory they still point to."""
         self._mmap = None
+        self._file.close()
+
+    def _stat(self) -> tuple[int, int]:
+        st = os.fstat(self._file.fileno())
+        return st.st_size, st.st_mtime_ns
+
+    @contextmanager
+    def reading(self, tensor: SourceTensor) -> Iterator[None]:
+        """Wrap the use of one tensor's bytes, and raise ConversionError naming the file and the tensor if they may
+        have changed meanwhile: the file's size or modification time moved, or the codec failed as only bytes
+        changing under it make it fail (a plain ``ValueError``: the layout counted in one pass no longer fits the
+        next). Another process writing the file is the usual cause; what was read may mix old and new bytes, so
+        none of it may be kept.
+        """
+        try:
+            yield
+        except ValueError as e:
+            if isinstance(e, SzformatError) and self._stat() == self._version:
+                raise  # the tensor breaks a rule of the output, or the codec a promise: the source is not to blame
+            raise self._changed(tensor, f" ({e})" if not isinstance(e, SzformatError) else "") from e
+        if self._stat() != self._version:
+            raise self._changed(tensor, "")
+
+    def _changed(self, tensor: SourceTensor, detail: str) -> ConversionError:
+        return ConversionError(f"the file changed while it was converted{detail}; convert it again once nothing "
+                               "writes to it", path=self.path, tensor=tensor.name)
 
     def tensors(self) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
         """Yield each tensor with its raw bytes as a flat, read-only, zero-copy uint8 view.
