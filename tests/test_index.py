@@ -15,7 +15,7 @@ import torch
 import szformat
 from szformat.errors import FormatError, ShardIndexError, WriteError
 from szformat.format import index as index_module
-from szformat.format.index import (ShardIndex, check_shard, checkpoint_shards, index_problems, read_index,
+from szformat.format.index import (Shard, ShardIndex, check_shard, checkpoint_shards, index_problems, read_index,
                                    write_index)
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -108,26 +108,32 @@ def test_failed_index_write_leaves_the_old_file_and_no_temporary(tmp_path, monke
     assert not (tmp_path / "missing").exists()
 
 
-def test_index_problems_and_check_shard_name_what_is_missing(tmp_path):
-    index = ShardIndex({}, {"a": "s1.szt", "b": "s1.szt", "c": "s2.szt", "d": "s3.szt"})
-    shards = {"sub/s1.szt": {"a"}, "sub/s2.szt": None}  # s2 unreadable: reported on its own
+def test_index_problems_and_check_shard_name_what_is_missing_or_left_out(tmp_path):
+    index = ShardIndex({}, {"a": "s1.szt", "b": "s1.szt", "c": "s2.szt", "d": "s3.szt", "e": "s2.szt"})
+    shards = {"sub/s1.szt": ["a", "e", "f"], "sub/s2.szt": None}  # s2 unreadable: reported on its own
     assert list(index_problems(index, shards, "sub/model.szt.index.json")) == [
         ("b", "the index maps this tensor to shard 's1.szt', which does not hold it"),
-        ("d", "the index names shard 's3.szt', which is missing")]
-    check_shard(tmp_path / "s1.szt", None, {"a"})
-    check_shard(tmp_path / "s1.szt", ["a"], {"a", "z"})
-    with pytest.raises(ShardIndexError, match="maps this tensor to a shard that does not hold it") as caught:
-        check_shard(tmp_path / "s1.szt", ["a", "b"], {"a"})
-    assert caught.value.tensor == "b" and caught.value.path == str(tmp_path / "s1.szt")
+        ("d", "the index names shard 's3.szt', which is missing"),
+        ("e", "shard 's1.szt' holds this tensor, and the index's weight_map maps it to shard 's2.szt'"),
+        ("f", "shard 's1.szt' holds this tensor, and the index's weight_map omits it")]
+    index_path = tmp_path / "sub" / "model.szt.index.json"
+    check_shard(Shard(tmp_path / "s1.szt", None, None), {"a"})
+    check_shard(Shard(tmp_path / "sub" / "s1.szt", ["a"], index_path), ["a"])
+    with pytest.raises(ShardIndexError, match="maps this tensor to shard 's1.szt', which does not hold it") as caught:
+        check_shard(Shard(tmp_path / "sub" / "s1.szt", ["a", "b"], index_path), ["a"])
+    assert caught.value.tensor == "b" and caught.value.path == str(index_path)
+    with pytest.raises(ShardIndexError, match="'s1.szt' holds this tensor, and the index's weight_map does not") as caught:
+        check_shard(Shard(tmp_path / "sub" / "s1.szt", ["a"], index_path), ["a", "z"])
+    assert caught.value.tensor == "z" and caught.value.path == str(index_path)
 
 
 def test_checkpoint_shards_of_a_file_an_index_and_a_folder(tmp_path):
-    assert checkpoint_shards(tmp_path / "model.szt") == [(tmp_path / "model.szt", None)]
+    assert checkpoint_shards(tmp_path / "model.szt") == [(tmp_path / "model.szt", None, None)]
     (tmp_path / "b.szt").write_bytes(b"")
     (tmp_path / "a.szt").write_bytes(b"")
-    assert checkpoint_shards(tmp_path) == [(tmp_path / "a.szt", None), (tmp_path / "b.szt", None)]
+    assert checkpoint_shards(tmp_path) == [(tmp_path / "a.szt", None, tmp_path), (tmp_path / "b.szt", None, tmp_path)]
     path = forge(tmp_path, {"weight_map": {"x": "s2.szt", "y": "s1.szt", "z": "s2.szt"}})
-    expected = [(tmp_path / "s1.szt", ["y"]), (tmp_path / "s2.szt", ["x", "z"])]
+    expected = [(tmp_path / "s1.szt", ["y"], path), (tmp_path / "s2.szt", ["x", "z"], path)]
     assert checkpoint_shards(path) == expected and checkpoint_shards(tmp_path) == expected
     forge(tmp_path, {"weight_map": {}}, "other.szt.index.json")
     with pytest.raises(FormatError, match="folder holds several sharded indexes"):
@@ -156,3 +162,84 @@ def test_shards_linked_from_outside_the_folder_load(tmp_path):
         loaded = szformat.load_file(path)
         assert loaded.keys() == tensors.keys()
         assert all(torch.equal(loaded[k].view(torch.uint8), tensors[k].view(torch.uint8)) for k in tensors)
+
+
+# -- a broken sharded checkpoint: load_file refuses it, verify reports it, both naming index and shard or tensor --
+
+S1, S2 = "model-00001-of-00002.szt", "model-00002-of-00002.szt"
+
+
+def _sharded_checkpoint(folder: Path) -> dict:
+    folder.mkdir()
+    szformat.save_file({"a": torch.randn(8, 8).to(torch.bfloat16), "b": torch.arange(4)}, folder / S1)
+    szformat.save_file({"c": torch.randn(16).to(torch.bfloat16)}, folder / S2)
+    return {"metadata": {}, "weight_map": {"a": S1, "b": S1, "c": S2}}
+
+
+def _missing(folder, index):
+    (folder / S2).unlink()
+
+
+def _nul(folder, index):
+    index["weight_map"]["c"] = "model-0000\x002-of-00002.szt"
+
+
+def _too_long(folder, index):
+    index["weight_map"]["c"] = "x" * 300 + ".szt"
+
+
+def _loop(folder, index):
+    (folder / S2).unlink()
+    os.symlink(S2, folder / S2)
+
+
+def _omitted(folder, index):
+    del index["weight_map"]["b"]
+
+
+def _two_indexes(folder, index):
+    forge(folder, index, "other.szt.index.json")
+
+
+@pytest.mark.parametrize("damage, error, message, tensor, problem", [
+    (_missing, ShardIndexError, f"the index names shard '{S2}', which cannot be opened (No such file", "c",
+     ("model.szt.index.json", "c", f"the index names shard '{S2}', which is missing")),
+    (_nul, ShardIndexError, "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL character", "c",
+     ("model.szt.index.json", "c", "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL")),
+    (_too_long, ShardIndexError, f"the index names shard '{'x' * 300}.szt', which cannot be opened (File name too "
+     "long)", "c", ("model.szt.index.json", "c", f"the index names shard '{'x' * 300}.szt', which is missing")),
+    (_loop, ShardIndexError, f"the index names shard '{S2}', which cannot be opened (Too many levels of symbolic "
+     "links)", "c", (S2, None, "Too many levels of symbolic links")),
+    (_omitted, ShardIndexError, f"shard '{S1}' holds this tensor, and the index's weight_map does not map it", "b",
+     ("model.szt.index.json", "b", f"shard '{S1}' holds this tensor, and the index's weight_map omits it")),
+    (_two_indexes, FormatError, "folder holds several sharded indexes; pass the file or index to load", None,
+     (".", None, "folder holds several sharded indexes; pass the file or index to load (model.szt.index.json, "
+      "other.szt.index.json)")),
+])
+def test_a_broken_sharded_checkpoint_is_refused_by_load_and_reported_by_verify(tmp_path, capsys, damage, error,
+                                                                               message, tensor, problem):
+    from szformat.cli.main import main
+    from szformat.convert import verify
+
+    folder = tmp_path / "ckpt"
+    index = _sharded_checkpoint(folder)
+    try:
+        damage(folder, index)
+    except (OSError, NotImplementedError):
+        pytest.skip("this platform cannot create that file")
+    index_path = forge(folder, index)
+    targets = [folder] if damage is _two_indexes else [index_path, folder]
+    for target in targets:
+        with pytest.raises(error) as caught:
+            szformat.load_file(target)
+        assert message in caught.value.reason
+        assert caught.value.path == str(folder if damage is _two_indexes else index_path)
+        assert caught.value.tensor == tensor and str(caught.value).count("\n") == 0
+
+        report = verify(target)
+        expected = problem if target == folder or problem[0] != S2 else \
+            ("model.szt.index.json", "c", f"the index names shard '{S2}', which is missing")
+        assert [(p.file, p.tensor, p.message[: len(expected[2])]) for p in report.problems] == [expected]
+        assert main(["verify", str(target)]) == 1
+        err = capsys.readouterr().err
+        assert err.startswith("FAILED: 1 problem(s)") and expected[2] in err

@@ -735,7 +735,7 @@ def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):
         szformat.save_file({k: tensors[k] for k in keys}, tmp_path / shard)
     index = tmp_path / "model.szt.index.json"
     index.write_text(json.dumps({"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
-    assert [p.name for p, _ in checkpoint_shards(tmp_path)] == sorted(shards)
+    assert [shard.path.name for shard in checkpoint_shards(tmp_path)] == sorted(shards)
     for target in (index, tmp_path):
         with DeviceLoader("cpu", staging=StagingConfig(slot_bytes=8192, transport="staged"), ops=FakeOps(),
                           codec=ReferenceCodec()) as loader:

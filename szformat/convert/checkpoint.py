@@ -84,7 +84,7 @@ def find_files(path: str | os.PathLike, suffix: str, *, magic: bytes | None = No
     if not path.exists():
         raise FileNotFoundError(errno.ENOENT, "no such file or folder", str(path))
     if path.name.endswith(suffix + INDEX_TAIL):  # the shards present; a missing one is the index's problem
-        shards = sorted(s for s in read_index(path).shard_names() if (path.parent / s).is_file())
+        shards = sorted(s for s in read_index(path).shard_names() if _is_file(path.parent / s))
         return CheckpointFiles(path, path.parent, False, tuple(shards), (path.name,), ())
     if path.name.endswith(suffix) or (magic is not None and path.is_file() and _starts_with(path, magic)):
         return CheckpointFiles(path, path.parent, True, (path.name,), (), ())
@@ -105,18 +105,26 @@ def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
         subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
         for name in sorted(names):
             full = Path(directory, name)
-            if name.startswith(".") or name.endswith(OTHER_WEIGHT_FORMATS) or not full.is_file():
+            if name.startswith(".") or name.endswith(OTHER_WEIGHT_FORMATS):
                 continue
             rel = full.relative_to(folder).as_posix()
-            if name.endswith(suffix + INDEX_TAIL):
+            if name.endswith(suffix + INDEX_TAIL) and _is_file(full):
                 indexes.append(rel)
-            elif name.endswith(suffix):
+            elif name.endswith(suffix):  # a link to nowhere too: left out, a weight file would go missing unsaid
                 weights.append(rel)
-            else:
+            elif _is_file(full):
                 others.append(rel)
     if not weights:
         raise ConversionError(f"folder holds no {suffix} file", path=folder)
     return CheckpointFiles(folder, folder, False, tuple(weights), tuple(indexes), tuple(others))
+
+
+def _is_file(path: Path) -> bool:
+    """Whether ``path`` is a file; ``False`` for a name no file can have (too long) rather than an error."""
+    try:
+        return path.is_file()
+    except (OSError, ValueError):
+        return False
 
 
 def open_checkpoint(path: str | os.PathLike, suffix: str, read_sizes: Callable[[Path], dict[str, int]], *,

@@ -1,18 +1,22 @@
 """Check a .szt checkpoint end to end: headers, stored checksums, and every tensor decoded against its checksum.
 
 Unlike loading, verification does not stop at the first problem: it reports every bad file, every bad tensor and
-every index entry that points nowhere, so one run says everything that is wrong.
+every index entry that points nowhere, so one run says everything that is wrong. It holds indexes to the rules
+loading does (:func:`szformat.format.index.open_shard`): what ``load_file`` refuses, ``verify`` reports.
 """
 
 from __future__ import annotations
 
 import os
+import posixpath
 import time
+from collections import defaultdict
 from dataclasses import dataclass, field
+from pathlib import Path
 
-from ..errors import SzformatError
+from ..errors import ShardIndexError, SzformatError
 from ..format import constants as C
-from ..format.index import index_problems, read_index
+from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.reader import SztFile
 from .checkpoint import find_files
 from .expand import iter_raw_bytes
@@ -65,11 +69,15 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     Raises:
         FileNotFoundError: ``path`` does not exist.
         ConversionError: ``path`` is no .szt checkpoint at all.
-        ShardIndexError: ``path`` is an index, and it is malformed.
     """
     started = time.perf_counter()
-    files = find_files(path, C.FILE_SUFFIX, magic=C.MAGIC)
     report = VerifyReport()
+    try:
+        files = find_files(path, C.FILE_SUFFIX, magic=C.MAGIC)
+    except ShardIndexError as e:  # ``path`` is an index, and it is malformed: nothing else to check
+        report.problems.append(Problem(Path(path).name, e.tensor, e.reason))
+        report.seconds = time.perf_counter() - started
+        return report
     sizes: dict[str, dict[str, int] | None] = {}  # None: the file does not open
     for rel in files.weights:
         try:
@@ -78,11 +86,16 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         except (SzformatError, OSError) as e:
             sizes[rel] = None
             report.problems.append(Problem(rel, None, _reason(e)))
+    by_folder = defaultdict(list)
+    for rel in files.indexes:
+        by_folder[posixpath.dirname(rel)].append(posixpath.basename(rel))
+    report.problems += [Problem(folder or ".", None, f"{SEVERAL_INDEXES} ({', '.join(names)})")
+                        for folder, names in by_folder.items() if len(names) > 1]
     for rel in files.indexes:
         try:
             index = read_index(files.root / rel)
         except SzformatError as e:
-            report.problems.append(Problem(rel, None, e.reason))
+            report.problems.append(Problem(rel, e.tensor, e.reason))
             continue
         report.problems += [Problem(rel, tensor, problem) for tensor, problem in index_problems(index, sizes, rel)]
 

@@ -14,14 +14,15 @@ import os
 import posixpath
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
 
 from ..errors import FormatError, ShardIndexError, short_repr
 from . import constants as C
 from .atomic import AtomicFile
+from .reader import SztFile
 
-__all__ = ["INDEX_TAIL", "ShardIndex", "check_index", "check_shard", "checkpoint_shards", "index_problems",
-           "read_index", "shard_path", "write_index"]
+__all__ = ["INDEX_TAIL", "SEVERAL_INDEXES", "Shard", "ShardIndex", "check_index", "check_shard", "checkpoint_shards",
+           "index_problems", "open_shard", "read_index", "shard_path", "write_index"]
 
 INDEX_TAIL = ".index.json"
 """What follows the weight-file suffix in an index's name (``model.szt`` + ``.index.json``)."""
@@ -67,6 +68,9 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
         if not isinstance(shard, str) or not _is_relative_file(shard):
             raise ShardIndexError(f"weight_map names {short_repr(shard)}, not a file inside the index's folder", path=path,
                                   tensor=tensor)
+        if "\0" in shard:
+            raise ShardIndexError(f"weight_map names {shard!r}, which holds a NUL character: no file has such a name",
+                                  path=path, tensor=tensor)
     return ShardIndex(metadata, obj["weight_map"])
 
 
@@ -108,7 +112,9 @@ def shard_path(index_name: str, shard: str) -> str:
 
 def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str] | None],
                    index_name: str) -> Iterator[tuple[str, str]]:
-    """``(tensor, problem)`` for each tensor of the weight map that is not in the shard it names.
+    """``(tensor, problem)`` for each tensor of the weight map that is not in the shard it names, then for each
+    tensor a shard of the index holds that the weight map does not map to that shard (a loader following the index
+    would leave it out).
 
     ``shards`` maps the relative path of each shard present to the names of its tensors, or to ``None`` for a shard
     that could not be read (a problem reported on its own, so its tensors are not reported again).
@@ -119,6 +125,16 @@ def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str] | Non
             yield tensor, f"the index names shard {shard!r}, which is missing"
         elif shards[path] is not None and tensor not in shards[path]:
             yield tensor, f"the index maps this tensor to shard {shard!r}, which does not hold it"
+    for shard in index.shard_names():
+        for tensor in shards.get(shard_path(index_name, shard)) or ():
+            if index.weight_map.get(tensor) != shard:
+                yield tensor, _unmapped(index, shard, tensor)
+
+
+def _unmapped(index: ShardIndex, shard: str, tensor: str) -> str:
+    elsewhere = index.weight_map.get(tensor)
+    mapped = "omits it" if elsewhere is None else f"maps it to shard {elsewhere!r}"
+    return f"shard {shard!r} holds this tensor, and the index's weight_map {mapped}"
 
 
 def check_index(index: ShardIndex, index_path: str | os.PathLike, shards: Mapping[str, Collection[str]],
@@ -128,8 +144,28 @@ def check_index(index: ShardIndex, index_path: str | os.PathLike, shards: Mappin
         raise ShardIndexError(problem, path=index_path, tensor=tensor)
 
 
-def checkpoint_shards(path: str | os.PathLike) -> list[tuple[Path, list[str] | None]]:
-    """The .szt files of a checkpoint and the tensors to take from each (``None``: all of them).
+SEVERAL_INDEXES = "folder holds several sharded indexes; pass the file or index to load"
+
+
+class Shard(NamedTuple):
+    """One .szt file of a checkpoint to load: the tensors to take from it and what listed it.
+
+    ``names`` is ``None`` when every tensor is taken (the file is not named by an index); ``listed_by`` is the index
+    or folder that named the file, ``None`` when it was given itself.
+    """
+
+    path: Path
+    names: list[str] | None
+    listed_by: Path | None
+
+    def label(self) -> str:
+        """The file as the index or folder names it."""
+        base = self.listed_by.parent if self.names is not None else self.listed_by
+        return self.path.name if base is None else Path(os.path.relpath(self.path, base)).as_posix()
+
+
+def checkpoint_shards(path: str | os.PathLike) -> list[Shard]:
+    """The .szt files of a checkpoint and the tensors to take from each.
 
     ``path`` is a .szt file, a sharded index (``*.szt.index.json``), or a folder holding one index or else .szt
     files. Shards are checked by name only (see :func:`read_index`), not resolved: in the Hugging Face cache each
@@ -145,25 +181,62 @@ def checkpoint_shards(path: str | os.PathLike) -> list[tuple[Path, list[str] | N
         if len(indexes) == 1:
             return checkpoint_shards(indexes[0])
         files = sorted(path.glob("*" + C.FILE_SUFFIX))
-        if len(indexes) > 1 or not files:
-            found = "several sharded indexes" if indexes else f"no {C.FILE_SUFFIX} file"
-            raise FormatError(f"folder holds {found}; pass the file or index to load", path=path)
-        return [(f, None) for f in files]
+        if len(indexes) > 1:
+            raise FormatError(SEVERAL_INDEXES, path=path)
+        if not files:
+            raise FormatError(f"folder holds no {C.FILE_SUFFIX} file; pass the file or index to load", path=path)
+        return [Shard(f, None, path) for f in files]
     if not path.name.endswith(C.INDEX_SUFFIX):
-        return [(path, None)]
+        return [Shard(path, None, None)]
     shards: dict[str, list[str]] = {}
     for name, shard in read_index(path).weight_map.items():
         shards.setdefault(shard, []).append(name)
-    return [(path.parent / shard, names) for shard, names in sorted(shards.items())]
+    return [Shard(path.parent / shard, names, path) for shard, names in sorted(shards.items())]
 
 
-def check_shard(shard: str | os.PathLike, names: Sequence[str] | None, held: Collection[str]) -> None:
-    """Check that an opened shard holding ``held`` has the tensors :func:`checkpoint_shards` named for it.
+def open_shard(shard: Shard) -> SztFile:
+    """Open one file of :func:`checkpoint_shards` and check it holds what its index says, no more, no less.
 
     Raises:
-        ShardIndexError: the index maps a tensor to this shard, and the shard does not hold it.
+        ShardIndexError: the file an index names cannot be opened (missing, a loop of links, a name too long...),
+            lacks a tensor the index maps to it, or holds one the index does not map to it.
+        FormatError: a file a folder holds cannot be opened, or is not valid .szt.
+        OSError: the file given itself cannot be opened.
     """
-    for name in names or ():
+    try:
+        file = SztFile(shard.path)
+    except OSError as e:
+        if shard.listed_by is None:
+            raise
+        reason = f"{e.strerror or e}"
+        if shard.names is None:
+            raise FormatError(f"{shard.label()!r} in this folder cannot be opened ({reason})",
+                              path=shard.listed_by) from e
+        raise ShardIndexError(f"the index names shard {shard.label()!r}, which cannot be opened ({reason})",
+                              path=shard.listed_by, tensor=shard.names[0]) from e
+    try:
+        check_shard(shard, file.entries)
+    except BaseException:
+        file.close()
+        raise
+    return file
+
+
+def check_shard(shard: Shard, held: Collection[str]) -> None:
+    """Check that an opened shard holding ``held`` (in file order) has exactly the tensors its index maps to it.
+
+    Raises:
+        ShardIndexError: the index maps a tensor to this shard and the shard does not hold it, or the shard holds a
+            tensor the index does not map to it.
+    """
+    if shard.names is None:
+        return
+    wanted = set(shard.names)
+    for name in shard.names:
         if name not in held:
-            raise ShardIndexError("the sharded index maps this tensor to a shard that does not hold it", path=shard,
-                                  tensor=name)
+            raise ShardIndexError(f"the index maps this tensor to shard {shard.label()!r}, which does not hold it",
+                                  path=shard.listed_by, tensor=name)
+    for name in held:
+        if name not in wanted:
+            raise ShardIndexError(f"shard {shard.label()!r} holds this tensor, and the index's weight_map does not "
+                                  "map it to that shard", path=shard.listed_by, tensor=name)

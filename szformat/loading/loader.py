@@ -17,7 +17,7 @@ import torch
 
 from ..errors import DecodeRouteError, FormatError
 from ..format.header import TensorEntry
-from ..format.index import check_shard, checkpoint_shards
+from ..format.index import checkpoint_shards, open_shard
 from ..format.reader import SztFile, check_crc, check_escapes
 from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
@@ -230,16 +230,16 @@ def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, 
     ``load_shard(file, names)`` loads ``names`` (``None``: all) of one open shard, on whatever device it serves.
 
     Raises:
-        ShardIndexError: the index is malformed, or maps a tensor to a shard that does not hold it.
+        ShardIndexError: the index is malformed, names a shard that cannot be opened, or does not match what a
+            shard holds.
         FormatError: a shard is not valid .szt, or two shards hold one tensor.
     """
     tensors: dict[str, torch.Tensor] = {}
-    for file_path, names in checkpoint_shards(path):
-        with SztFile(file_path) as file:
-            check_shard(file_path, names, file.entries)
-            loaded = load_shard(file, names)
+    for shard in checkpoint_shards(path):
+        with open_shard(shard) as file:
+            loaded = load_shard(file, shard.names)
         for name, tensor in loaded.items():
             if name in tensors:
-                raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
+                raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
             tensors[name] = tensor
     return tensors

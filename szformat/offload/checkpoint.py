@@ -12,7 +12,7 @@ from pathlib import Path
 
 from ..errors import FormatError
 from ..format.header import TensorEntry
-from ..format.index import check_shard, checkpoint_shards
+from ..format.index import checkpoint_shards, open_shard
 from ..format.reader import SztFile, check_escapes
 
 __all__ = ["Checkpoint"]
@@ -25,7 +25,7 @@ class Checkpoint:
         path (`str` or `os.PathLike`): the file, index or folder.
 
     Raises:
-        ShardIndexError: the index is not valid, or maps a tensor to a shard that lacks it.
+        ShardIndexError: the index is not valid, or does not match what its shards hold.
         FormatError: a file is not valid .szt, or a tensor is held by two shards.
         PayloadError: an escape stream is out of range or out of order (the device kernels that decode it later
             check nothing; a few bytes per escape are read here, once).
@@ -37,17 +37,16 @@ class Checkpoint:
         self.entries: dict[str, TensorEntry] = {}
         self._file_of: dict[str, SztFile] = {}
         try:
-            for file_path, names in checkpoint_shards(path):
-                file = SztFile(file_path)
+            for shard in checkpoint_shards(path):
+                file = open_shard(shard)
                 self.files.append(file)
-                check_shard(file_path, names, file.entries)
-                for name in file.entries if names is None else names:
+                for name in file.entries:
                     if name in self.entries:
-                        raise FormatError("tensor appears in more than one shard", path=file_path, tensor=name)
+                        raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
                     self.entries[name] = entry = file.entries[name]
                     self._file_of[name] = file
                     if entry.layout is not None and entry.layout.n_esc:
-                        check_escapes(file.payload(name), entry.layout, path=file_path, tensor=name)
+                        check_escapes(file.payload(name), entry.layout, path=shard.path, tensor=name)
         except BaseException:
             self.close()
             raise
