@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable
 
+import numpy as np
 import torch
 
 from .codec import cpu as cpu_codec
@@ -136,12 +137,23 @@ class safe_open:
         """
         return TensorSlice(self, self._file.entry(name))
 
-    def _stored_bytes(self, entry: TensorEntry) -> torch.Tensor:
-        """The stored bytes of a tensor, CRC-checked the first time when ``verify`` is on."""
-        payload = self._file.payload(entry.name)
+    def _stored_bytes(self, entry: TensorEntry, ranges: list[tuple[int, int]]) -> torch.Tensor:
+        """A private copy of a tensor's ``entry.length`` stored bytes, holding at least the byte ``ranges``.
+
+        The bytes are read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
+        TruncatedFileError rather than SIGBUS. The first time with ``verify`` on, all of them are read and
+        CRC-checked; after that only ``ranges``, into zeroed memory whose other pages are never touched.
+        """
         if self.verify and entry.name not in self._verified:
+            payload = self._file.read(entry.name)
             check_crc(payload, entry.crc32, what="stored bytes", path=self.path, tensor=entry.name)
             self._verified.add(entry.name)
+            return payload
+        if ranges == [(0, entry.length)]:
+            return self._file.read(entry.name)
+        payload = torch.from_numpy(np.zeros(entry.length, dtype=np.uint8))  # calloc: untouched pages cost nothing
+        for begin, end in ranges:
+            self._file.read(entry.name, begin, end, out=payload[begin:end])
         return payload
 
     def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
@@ -151,10 +163,13 @@ class safe_open:
         row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
-        payload = self._stored_bytes(entry)
-        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes: checked above
+        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes (checked if verify is on)
             itemsize = C.itemsize(entry.dtype)
-            return payload[start * itemsize: stop * itemsize].clone().view(dtype).reshape(shape)
+            begin, end = start * itemsize, stop * itemsize
+            payload = self._stored_bytes(entry, [(begin, end)])
+            raw = payload if (begin, end) == (0, entry.length) else payload[begin:end].clone()
+            return raw.view(dtype).reshape(shape)
+        payload = self._stored_bytes(entry, entry.layout.byte_ranges(start, stop))
         out = torch.empty(stop - start, dtype=torch.bfloat16)
         try:
             cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import re
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -15,6 +18,8 @@ from szformat.api import tensor_bytes
 from szformat.errors import ChecksumMismatchError, ConversionError, FormatError, PayloadError, RoundTripError
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def bf16_weight(rows: int, cols: int, seed: int) -> torch.Tensor:
@@ -234,11 +239,12 @@ ROW_INDICES = [
 ]
 
 
+@pytest.mark.parametrize("verify", [True, False])  # without verify a slice reads only the bytes it decodes
 @pytest.mark.parametrize("name", ["weight", "bias", "noise"])
 @pytest.mark.parametrize("index", ROW_INDICES, ids=repr)
-def test_get_slice_matches_indexing_the_whole_tensor(model_file, name, index):
+def test_get_slice_matches_indexing_the_whole_tensor(model_file, name, index, verify):
     full = MODEL[name]
-    with safe_open(model_file, framework="pt") as f:
+    with safe_open(model_file, framework="pt", verify=verify) as f:
         sliced = f.get_slice(name)
         assert sliced.get_shape() == list(full.shape) and sliced.get_dtype() == C.TORCH_TO_DTYPE[full.dtype]
         try:
@@ -285,6 +291,25 @@ def test_get_slice_decodes_only_the_rows_it_needs(model_file, monkeypatch):
         assert same_bits(rows[-1], MODEL["weight"][-1])
         assert same_bits(rows[4:40:9], MODEL["weight"][4:40:9])
     assert ranges == [(10 * 301, 13 * 301), (299 * 301, 300 * 301), (4 * 301, 40 * 301)]
+
+
+def test_get_slice_without_verify_reads_only_the_bytes_of_its_rows(model_file, monkeypatch):
+    reads = []
+    real = SztFile.read
+
+    def spy(self, name, start=0, stop=None, **kwargs):
+        reads.append((name, start, stop))
+        return real(self, name, start, stop, **kwargs)
+
+    monkeypatch.setattr(SztFile, "read", spy)
+    with safe_open(model_file, framework="pt", verify=False) as f:
+        e = f.entry("weight")
+        assert same_bits(f.get_slice("weight")[10:13], MODEL["weight"][10:13])
+        assert same_bits(f.get_slice("bias")[7:9], MODEL["bias"][7:9])
+    layout = e.layout
+    assert reads == [("weight", 10 * 301 // 2, (13 * 301 + 1) // 2),
+                     ("weight", layout.off_sm + 10 * 301, layout.off_sm + 13 * 301),
+                     ("weight", layout.off_cid, layout.comp_bytes), ("bias", 7 * 4, 9 * 4)]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -354,3 +379,45 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         f.get_tensor("weight")
         f.get_tensor("bias")
     assert checked == [("weight", "stored bytes"), ("weight", "decoded bytes"), ("bias", "stored bytes")]
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a file truncated by another process while it is read
+# ---------------------------------------------------------------------------------------------------------------
+
+TRUNCATE_WHILE_READING = """
+import os, sys
+import szformat, szformat.api as api
+from szformat.errors import TruncatedFileError
+
+path, how = sys.argv[1], sys.argv[2]
+
+
+def truncating_first(real):
+    def call(*args, **kwargs):  # as another process would, just before the stored bytes are read
+        os.truncate(path, 4096)
+        return real(*args, **kwargs)
+    return call
+
+
+api.check_crc = truncating_first(api.check_crc)  # reads the bytes it checks
+if hasattr(os, "preadv"):
+    os.preadv = truncating_first(os.preadv)
+try:
+    if how == "load_file":
+        szformat.load_file(path)
+    with szformat.safe_open(path, framework="pt") as f:
+        f.get_tensor("weight") if how == "get_tensor" else f.get_slice("weight")[100:200]
+except TruncatedFileError as e:
+    print(type(e).__name__, e.tensor)
+"""
+
+
+@pytest.mark.parametrize("how", ["get_tensor", "get_slice", "load_file"])
+def test_a_file_truncated_while_it_is_read_is_an_error_not_a_signal(tmp_path, how):
+    path = tmp_path / "model.szt"
+    save_file({"weight": bf16_weight(1024, 1024, seed=5)}, path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", TRUNCATE_WHILE_READING, str(path), how], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert (run.returncode, run.stdout) == (0, "TruncatedFileError weight\n"), run.stderr  # SIGBUS: -7

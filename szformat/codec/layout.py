@@ -93,6 +93,12 @@ class PayloadLayout:
     def n_chunks(self) -> int:
         return -(-self.n // self.chunk_size)
 
+    def byte_ranges(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """The ``[begin, end)`` byte ranges of the payload that decoding elements ``[start, stop)`` reads: their
+        ``pk`` and ``sm`` bytes, and the escape streams whole (they are checked whole)."""
+        return [(self.off_pk + start // 2, self.off_pk + (stop + 1) // 2), (self.off_sm + start, self.off_sm + stop),
+                (self.off_cid, self.comp_bytes)]
+
     def stream_offsets(self) -> dict[str, int]:
         """The offsets as stored in a .szt header (redundant with n and n_esc, checked on read)."""
         return {"pk": self.off_pk, "sm": self.off_sm, "chunk_id": self.off_cid,

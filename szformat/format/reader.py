@@ -7,8 +7,11 @@ serves every payload through one bounds-checked slice helper. Payloads are expos
 decoding is the caller's choice of route.
 
 A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
-which no Python code can catch. The reader re-checks the file size before handing out each payload view, so a
-file that shrank is reported as :class:`TruncatedFileError`; views already handed out stay exposed. Replacing a
+which no Python code can catch. So the library's own reads copy the bytes out with ``pread``
+(:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`, and a copy
+costs about what touching the mapped pages costs (``tools/bench_reads.py``). Zero-copy views of the mapping
+(:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for routes that hand bytes to a device: the file size is
+re-checked before each view is handed out, but a view kept while the file is truncated stays exposed. Replacing a
 file (write elsewhere, then rename, as :class:`SztWriter` does) never affects an open reader.
 """
 
@@ -94,6 +97,7 @@ class SztFile:
                 self._mmap = mmap.mmap(f.fileno(), self.file_length, access=mmap.ACCESS_READ)
             except ValueError:  # the file is now shorter than the mapping would be
                 raise TruncatedFileError("file shrank while it was opened", path=path) from None
+            self._reads = open(os.dup(f.fileno()), "rb", buffering=0)  # for read(): closes itself when collected
         self.entries: dict[str, TensorEntry] = {t.name: t for t in self.header.tensors}
 
     def _read_preamble(self, f, size: int) -> tuple[int, int, int]:
@@ -151,6 +155,7 @@ class SztFile:
     def close(self) -> None:
         """Release the mapping. Payload views still alive keep it mapped until the last of them is freed."""
         if self._mmap is not None:
+            self._reads.close()
             try:
                 self._mmap.close()
             except BufferError:
@@ -179,13 +184,52 @@ class SztFile:
     def payload(self, name: str, *, verify: bool = False) -> torch.Tensor:
         """Zero-copy uint8 view of a tensor's stored bytes; valid while the file (or the view) is alive.
 
-        With ``verify`` the stored bytes are checked against the header's CRC-32 first.
+        With ``verify`` the stored bytes are checked against the header's CRC-32 first. Touching the view after
+        another process truncated the file kills this one with SIGBUS; :meth:`read` copies the bytes safely.
         """
         e = self.entry(name)
         view = self._slice(e.offset, e.length, tensor=name)
         if verify:
             check_crc(view, e.crc32, what="stored bytes", path=self.path, tensor=name)
         return view
+
+    def read(self, name: str, start: int = 0, stop: int | None = None, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+        """Stored bytes ``[start, stop)`` of tensor ``name`` (all of them by default), copied out of the file.
+
+        Read with ``pread`` into ``out`` (a flat contiguous uint8 CPU tensor of ``stop - start`` bytes) or a new
+        tensor, so a file truncated by another process meanwhile gives TruncatedFileError where reading its mapping
+        would kill the process with SIGBUS.
+
+        Raises:
+            TruncatedFileError: the file ends before those bytes.
+        """
+        e = self.entry(name)
+        stop = e.length if stop is None else stop
+        if not 0 <= start <= stop <= e.length:
+            raise ValueError(f"byte range [{start}, {stop}) is outside the {e.length} stored bytes of {name!r}")
+        if out is None:
+            out = torch.empty(stop - start, dtype=torch.uint8)
+        elif out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() != stop - start:
+            raise ValueError(f"out must be a flat contiguous uint8 tensor of {stop - start} bytes")
+        self._read_into(e.offset + start, out, tensor=name)
+        return out
+
+    def _read_into(self, offset: int, out: torch.Tensor, *, tensor: str) -> None:
+        if self._mmap is None:
+            raise ValueError(f"{self.path} is closed")
+        if not hasattr(os, "preadv"):  # Windows, where a file cannot be truncated while it is mapped
+            out.copy_(self._slice(offset, out.numel(), tensor=tensor))
+            return
+        view = memoryview(out.numpy()).cast("B")
+        done = 0
+        while done < len(view):
+            count = os.preadv(self._reads.fileno(), [view[done:]], offset + done)
+            if count == 0:
+                size = os.fstat(self._reads.fileno()).st_size
+                raise TruncatedFileError(f"file shrank to {size} bytes after it was opened ({self.file_length})",
+                                         path=self.path, tensor=tensor)
+            done += count
 
     @property
     def buffer(self) -> mmap.mmap:
