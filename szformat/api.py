@@ -9,6 +9,7 @@ from __future__ import annotations
 import math
 import operator
 import os
+import threading
 from pathlib import Path
 from typing import Any, Iterable
 
@@ -27,6 +28,9 @@ from .loading.loader import load_checkpoint
 from .paths import resolve_path
 
 __all__ = ["safe_open", "load_file", "save_file"]
+
+SCRATCH_BYTES = 256 << 20
+"""Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
 
 
 class safe_open:
@@ -75,6 +79,7 @@ class safe_open:
                 self._device_loader.close()
             raise
         self._verified: set[str] = set()
+        self._scratch = threading.local()
 
     @property
     def path(self) -> Path:
@@ -92,6 +97,7 @@ class safe_open:
         if self._device_loader is not None:
             self._device_loader.close()
         self._file.close()
+        self._scratch = threading.local()
 
     def keys(self) -> list[str]:
         """Tensor names in file order."""
@@ -137,24 +143,31 @@ class safe_open:
         """
         return TensorSlice(self, self._file.entry(name))
 
-    def _stored_bytes(self, entry: TensorEntry, ranges: list[tuple[int, int]]) -> torch.Tensor:
-        """A private copy of a tensor's ``entry.length`` stored bytes, holding at least the byte ``ranges``.
+    def _unchecked(self, entry: TensorEntry) -> bool:
+        return self.verify and entry.name not in self._verified
 
-        The bytes are read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
-        TruncatedFileError rather than SIGBUS. The first time with ``verify`` on, all of them are read and
-        CRC-checked; after that only ``ranges``, into zeroed memory whose other pages are never touched.
+    def _read_stored(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+        """Read all stored bytes of a tensor into ``out``, CRC-checked the first time when ``verify`` is on.
+
+        Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
+        TruncatedFileError rather than SIGBUS.
         """
-        if self.verify and entry.name not in self._verified:
-            payload = self._file.read(entry.name)
-            check_crc(payload, entry.crc32, what="stored bytes", path=self.path, tensor=entry.name)
+        self._file.read(entry.name, out=out)
+        if self._unchecked(entry):
+            check_crc(out, entry.crc32, what="stored bytes", path=self.path, tensor=entry.name)
             self._verified.add(entry.name)
-            return payload
-        if ranges == [(0, entry.length)]:
-            return self._file.read(entry.name)
-        payload = torch.from_numpy(np.zeros(entry.length, dtype=np.uint8))  # calloc: untouched pages cost nothing
-        for begin, end in ranges:
-            self._file.read(entry.name, begin, end, out=payload[begin:end])
-        return payload
+        return out
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        """A uint8 buffer to read stored bytes into and decode them from: up to :data:`SCRATCH_BYTES`, one this
+        thread keeps while the file is open (a fresh one costs a page fault and a zeroed page per 4 KiB, about as
+        much again as reading into it); larger, zeroed memory whose pages cost only when written."""
+        if nbytes > SCRATCH_BYTES:
+            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+        buffer = getattr(self._scratch, "buffer", None)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = self._scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes]
 
     def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
@@ -163,13 +176,22 @@ class safe_open:
         row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
-        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes (checked if verify is on)
+        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
-            payload = self._stored_bytes(entry, [(begin, end)])
-            raw = payload if (begin, end) == (0, entry.length) else payload[begin:end].clone()
+            if (begin, end) == (0, entry.length):
+                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8))
+            elif self._unchecked(entry):
+                raw = self._read_stored(entry, self._buffer(entry.length))[begin:end].clone()
+            else:
+                raw = self._file.read(entry.name, begin, end)
             return raw.view(dtype).reshape(shape)
-        payload = self._stored_bytes(entry, entry.layout.byte_ranges(start, stop))
+        if (start, stop) == (0, entry.numel) or self._unchecked(entry):
+            payload = self._read_stored(entry, self._buffer(entry.length))
+        else:  # only the bytes these rows need
+            payload = self._buffer(entry.length)
+            for begin, end in entry.layout.byte_ranges(start, stop):
+                self._file.read(entry.name, begin, end, out=payload[begin:end])
         out = torch.empty(stop - start, dtype=torch.bfloat16)
         try:
             cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
