@@ -1,7 +1,8 @@
 """``safe_open``, ``load_file``, ``save_file``: the safetensors-shaped API over .szt files.
 
-Reading is lazy: the file is mapped, the header validated, and a tensor is decoded only when asked for, straight
-from the mapping into its destination.
+Reading is lazy: the file is mapped, the header validated, and a tensor is decoded only when asked for, into its
+destination, from its stored bytes copied out of the file (``pread``: a file truncated meanwhile is an error, where
+touching the mapping would be SIGBUS).
 """
 
 from __future__ import annotations

@@ -13,7 +13,7 @@ than wall time; wall-time medians are printed beside them:
 - ``load_file verify=False``: the same without CRC-32s;
 - ``get_tensor``: every tensor again from a file already open (stored bytes already checked once).
 
-Checkpoints: all-MiniLM-L6-v2 in BF16 (``tools/fetch_minilm.py``; 87 MB) and a synthetic one of ``--synthetic-mb``
+Checkpoints: all-MiniLM-L6-v2 in BF16 (``tools/fetch_minilm.py``; 45 MB raw) and a synthetic one of ``--synthetic-mb``
 of BF16 weights in 64 MiB tensors (about 0.75 of that on disk). Every tensor of every path is compared bit for bit
 with the source before anything is timed.
 
