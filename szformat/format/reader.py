@@ -7,11 +7,12 @@ serves every payload through one bounds-checked slice helper. Payloads are expos
 decoding is the caller's choice of route.
 
 A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
-which no Python code can catch. So the library's own reads copy the bytes out with ``pread``
-(:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`, and a copy
-costs about what touching the mapped pages costs (``tools/bench_reads.py``). Zero-copy views of the mapping
-(:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for routes that hand bytes to a device: the file size is
-re-checked before each view is handed out, but a view kept while the file is truncated stays exposed. Replacing a
+which no Python code can catch. So ``safe_open`` and ``load_file`` on the CPU copy the bytes out with ``pread``
+(:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`; the copy
+costs 13-30 % more CPU time than decoding from the mapping (``tools/bench_reads.py``). Zero-copy views of the
+mapping (:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for the routes that stream or hand bytes to a
+device: the file size is re-checked before each view is handed out, but a view kept while the file is truncated
+stays exposed. Replacing a
 file (write elsewhere, then rename, as :class:`SztWriter` does) never affects an open reader.
 """
 
