@@ -1,6 +1,7 @@
 """Conversion under contention: two writers racing to one output, a run stopped by a signal, a writer killed
-outright and the temporaries it leaves, a source written to while it is converted. Signals go to real ``szconvert`` processes, held mid-conversion by a
-wrapper that reports each tensor it starts and then waits a little, so a signal lands while a temporary exists."""
+outright and the temporaries it leaves, a source written to while it is converted. Signals go to real ``szconvert``
+processes, held mid-conversion by a wrapper that reports each tensor it starts and then waits a little, so a signal
+lands while a temporary exists."""
 
 from __future__ import annotations
 
