@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from szformat import api
+from szformat.format.index import Shard
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -55,6 +56,6 @@ def test_the_file_target_notices_a_silently_wrong_tensor(tmp_path, monkeypatch):
 
 def test_the_index_target_notices_a_shard_outside_the_folder(tmp_path, monkeypatch):
     real = fuzz.checkpoint_shards
-    monkeypatch.setattr(fuzz, "checkpoint_shards", lambda path: [(Path("/elsewhere.szt"), None)] + real(path))
+    monkeypatch.setattr(fuzz, "checkpoint_shards", lambda path: [Shard(Path("/elsewhere.szt"), None, path)] + real(path))
     _, findings = fuzz.run_target("index", 20, rng_seed=None, tmp=tmp_path)
     assert len(findings) == 1 and "outside its folder" in findings[0]
