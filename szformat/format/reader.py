@@ -222,15 +222,7 @@ class SztFile:
         if not hasattr(os, "preadv"):  # Windows, where a file cannot be truncated while it is mapped
             out.copy_(self._slice(offset, out.numel(), tensor=tensor))
             return
-        view = memoryview(out.numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            count = os.preadv(self._reads.fileno(), [view[done:]], offset + done)
-            if count == 0:
-                size = os.fstat(self._reads.fileno()).st_size
-                raise TruncatedFileError(f"file shrank to {size} bytes after it was opened ({self.file_length})",
-                                         path=self.path, tensor=tensor)
-            done += count
+        pread_exactly(self._reads.fileno(), out, offset, path=self.path, tensor=tensor)
 
     @property
     def buffer(self) -> mmap.mmap:
@@ -259,6 +251,25 @@ class SztFile:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable
             return torch.frombuffer(memoryview(mm)[offset: offset + length], dtype=torch.uint8)
+
+
+def pread_exactly(fd: int, out: torch.Tensor, offset: int, *, path: str | os.PathLike,
+                  tensor: str | None = None) -> None:
+    """Fill ``out`` (a flat contiguous uint8 CPU tensor) with the bytes of file ``fd`` from ``offset``, by ``preadv``
+    (the GIL is released while the kernel copies; one call may return fewer bytes than asked, so it loops).
+
+    Raises:
+        TruncatedFileError: the file ends first: it shrank after it was opened.
+    """
+    view = memoryview(out.numpy()).cast("B")
+    done = 0
+    while done < len(view):
+        count = os.preadv(fd, [view[done:]], offset + done)
+        if count <= 0:
+            raise TruncatedFileError(f"file shrank to {os.fstat(fd).st_size} bytes after it was opened; bytes "
+                                     f"[{offset + done}, {offset + len(view)}) were to be read", path=path,
+                                     tensor=tensor)
+        done += count
 
 
 def check_crc(data: torch.Tensor, expected: int, *, what: str, path: str | os.PathLike, tensor: str) -> None:

@@ -23,6 +23,7 @@ from typing import Any, Callable, Sequence
 import torch
 
 from ..errors import TruncatedFileError
+from ..format.reader import pread_exactly
 from . import timeline
 
 __all__ = ["Staged", "FileReader", "RegisteredMapping", "default_threads"]
@@ -119,14 +120,7 @@ class FileReader:
                 warnings.simplefilter("ignore")  # read-only mapping: torch warns that the view is not writable
                 out.copy_(torch.frombuffer(self._mmap, dtype=torch.uint8, count=out.numel(), offset=offset))
             return
-        view = memoryview(out.numpy()).cast("B")
-        done = 0
-        while done < len(view):
-            got = os.preadv(self._fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise TruncatedFileError(f"file ends at {offset + done}, reading up to {offset + len(view)}",
-                                         path=self.path)
-            done += got
+        pread_exactly(self._fd, out, offset, path=self.path)
 
     def close(self) -> None:
         if self._mmap is not None:
