@@ -406,8 +406,9 @@ if hasattr(os, "preadv"):
 try:
     if how == "load_file":
         szformat.load_file(path)
-    with szformat.safe_open(path, framework="pt") as f:
-        f.get_tensor("weight") if how == "get_tensor" else f.get_slice("weight")[100:200]
+    else:
+        with szformat.safe_open(path, framework="pt") as f:
+            f.get_tensor("weight") if how == "get_tensor" else f.get_slice("weight")[100:200]
 except TruncatedFileError as e:
     print(type(e).__name__, e.tensor)
 """

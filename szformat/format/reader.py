@@ -9,7 +9,7 @@ decoding is the caller's choice of route.
 A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
 which no Python code can catch. So ``safe_open`` and ``load_file`` on the CPU copy the bytes out with ``pread``
 (:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`; the copy
-costs 13-30 % more CPU time than decoding from the mapping (``tools/bench_reads.py``). Zero-copy views of the
+costs 3-31 % more CPU time than decoding from the mapping (``tools/bench_reads.py``). Zero-copy views of the
 mapping (:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for the routes that stream or hand bytes to a
 device: the file size is re-checked before each view is handed out, but a view kept while the file is truncated
 stays exposed. Replacing a
