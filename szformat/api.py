@@ -20,10 +20,12 @@ import torch
 from .codec import cpu as cpu_codec
 from .codec.gate import RoundTripMismatch, encode_tensor
 from .errors import ConversionError, FormatError, PayloadError, RoundTripError
+from .format import at_rest
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile, check_crc
-from .format.writer import SztWriter
+from .format.at_rest import parse_at_rest_option as at_rest_level
+from .format.writer import SztWriter, writer_form
 from .loading import DeviceLoader, StagingConfig, load_to_device
 from .loading.loader import load_checkpoint
 from .paths import resolve_path
@@ -36,6 +38,9 @@ SCRATCH_BYTES = 256 << 20
 
 class safe_open:
     """Open a .szt file for lazy reading, like ``safetensors.safe_open``.
+
+    A file in the at-rest form (format 1.1) reads the same way: its zstd frames are inflated as tensors are read,
+    and a slice inflates only the frames it covers.
 
     Args:
         filename (`str` or `os.PathLike`): the .szt file.
@@ -94,7 +99,7 @@ class safe_open:
         self.close()
 
     def close(self) -> None:
-        """Release the mapping and, for a CUDA ``device``, the staging memory and reader threads."""
+        """Release the mapping, the read buffers and, for a CUDA ``device``, the staging memory and reader threads."""
         if self._device_loader is not None:
             self._device_loader.close()
         self._file.close()
@@ -159,16 +164,41 @@ class safe_open:
             self._verified.add(entry.name)
         return out
 
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        """A uint8 buffer to read stored bytes into and decode them from: up to :data:`SCRATCH_BYTES`, one this
-        thread keeps while the file is open (a fresh one costs a page fault and a zeroed page per 4 KiB, about as
-        much again as reading into it); larger, zeroed memory whose pages cost only when written."""
+    def _buffer(self, nbytes: int, role: str = "stored") -> torch.Tensor:
+        """A uint8 buffer to read stored bytes into (``role`` ``"stored"``) or inflate a payload stored at rest into
+        (``"memory"``) and decode them from: up to :data:`SCRATCH_BYTES`, one per role this thread keeps while the
+        file is open (a fresh one costs a page fault and a zeroed page per 4 KiB, about as much again as reading
+        into it); larger, zeroed memory whose pages cost only when written."""
         if nbytes > SCRATCH_BYTES:
             return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
-        buffer = getattr(self._scratch, "buffer", None)
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(role)
         if buffer is None or buffer.numel() < nbytes:
-            buffer = self._scratch.buffer = torch.empty(nbytes, dtype=torch.uint8)
+            buffer = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
         return buffer[:nbytes]
+
+    def _payload(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
+        """The in-memory payload of a SplitZip tensor, with at least what decoding elements ``[start, stop)`` reads
+        in place: read whole (and CRC-checked, the first time when ``verify`` is on) or only those bytes; for a
+        payload stored at rest, the stored bytes of the frames holding them, inflated."""
+        whole = (start, stop) == (0, entry.numel)
+        ranges = entry.layout.byte_ranges(start, stop)
+        stored = self._buffer(entry.length)
+        if whole or self._unchecked(entry):
+            self._read_stored(entry, stored)
+        else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
+            spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.layout, entry.at_rest, ranges)
+            for begin, end in spans:
+                self._file.read(entry.name, begin, end, out=stored[begin:end])
+        if entry.at_rest is None:
+            return stored
+        payload = self._buffer(entry.memory_length, "memory")
+        try:
+            if whole:
+                return at_rest.inflate(stored, entry.layout, entry.at_rest, payload)
+            return at_rest.inflate_ranges(stored, entry.layout, entry.at_rest, ranges, payload)
+        except at_rest.AtRestError as e:
+            raise PayloadError(str(e), path=self.path, tensor=entry.name) from None
 
     def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
@@ -187,12 +217,7 @@ class safe_open:
             else:
                 raw = self._file.read(entry.name, begin, end)
             return raw.view(dtype).reshape(shape)
-        if (start, stop) == (0, entry.numel) or self._unchecked(entry):
-            payload = self._read_stored(entry, self._buffer(entry.length))
-        else:  # only the bytes these rows need
-            payload = self._buffer(entry.length)
-            for begin, end in entry.layout.byte_ranges(start, stop):
-                self._file.read(entry.name, begin, end, out=payload[begin:end])
+        payload = self._payload(entry, start, stop)
         out = torch.empty(stop - start, dtype=torch.bfloat16)
         try:
             cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
@@ -279,18 +304,27 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
 
 
 def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, metadata: dict[str, str] | None = None,
-              *, alignment: int = C.DEFAULT_ALIGNMENT) -> None:
+              *, alignment: int = C.DEFAULT_ALIGNMENT, at_rest: str | None = None) -> None:
     """Save tensors to a .szt file, like ``safetensors.torch.save_file``.
 
     Each BF16 tensor is SplitZip-encoded when the coverage gate and size allow, checked bit for bit, then written;
     every other tensor is stored raw. The file appears atomically: on any error neither it nor a temporary file is
     left, and an existing file at ``filename`` is untouched.
 
+    ``at_rest`` (``"zstd"`` or ``"zstd:LEVEL"``) writes the smaller at-rest form (format 1.1): the packed exponent
+    codes (and large escape streams) of each SplitZip payload as zstd frames, payloads under 1 MiB packed at 16
+    bytes, the header through zstd; readers inflate it on load. ``None`` (default) writes the in-memory form, which
+    loads with no inflating.
+
     Raises:
         ConversionError: a name, value or dtype cannot be stored (checked before anything is written).
         RoundTripError: a tensor did not decode bit for bit to its source.
         WriteError: the file cannot be written.
     """
+    try:
+        level = at_rest_level(at_rest)
+    except ValueError as e:
+        raise ConversionError(str(e), path=filename) from None
     items = list(tensors.items())
     for name, t in items:
         try:
@@ -305,7 +339,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
         if t.layout is not torch.strided:
             raise ConversionError(f"tensor is {t.layout}; convert it with .to_dense() first", path=filename,
                                   tensor=name)
-    with SztWriter(filename, metadata=metadata, alignment=alignment) as writer:
+    with SztWriter(filename, metadata=metadata, alignment=alignment, **writer_form(level)) as writer:
         for name, t in items:
             write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))
 
@@ -317,9 +351,10 @@ def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor,
                  **encode_kw: Any) -> TensorEntry:
-    """Encode (with the round-trip check) and append one tensor; a mismatch aborts the whole file."""
+    """Encode (with the round-trip check, and the coverage gate of the writer's form) and append one tensor; a
+    mismatch aborts the whole file."""
     try:
-        encoded = encode_tensor(raw, dtype, **encode_kw)
+        encoded = encode_tensor(raw, dtype, gate=writer.coverage_gate, **encode_kw)
     except RoundTripMismatch as e:
         raise RoundTripError(str(e), path=writer.path, tensor=name) from None
     return writer.add(name, dtype, tuple(shape), encoded)

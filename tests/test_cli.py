@@ -16,6 +16,7 @@ from huggingface_hub import HfApi, constants
 from safetensors.torch import load_file as load_safetensors, save_file as save_safetensors
 
 import szformat
+from szformat.format.reader import SztFile
 from szformat.cli.main import main
 from szformat.convert.report import format_bytes
 from szformat.errors import ConversionError
@@ -565,10 +566,15 @@ def test_hub_repo_is_converted_and_pushed(hub, tmp_path, capsys):
     for name in listing(tmp_path / "out"):
         assert pushed[name] == (tmp_path / "out" / name).read_bytes(), name
     assert "README.md" in pushed
-    loaded = {}
+    loaded, staged = {}, []
     for shard in ("model-00001-of-00002.szt", "model-00002-of-00002.szt"):
         loaded.update(szformat.load_file(tmp_path / "out" / shard))
+        with SztFile(tmp_path / "out" / shard) as f:  # a push writes the at-rest form by default
+            assert f.version == (1, 1)
+            staged.append(f.at_rest)
+    assert any(staged)
     assert_same_tensors(loaded, tensors)
+    assert_same_tensors(szformat.load_file("hf://alice/converted@szt", token=OWNER_TOKEN), tensors)  # the pull
 
 
 def test_hub_source_needs_an_output(hub, capsys):

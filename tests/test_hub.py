@@ -197,7 +197,17 @@ def test_model_card_states_metadata_sizes_and_how_to_load(hub, tmp_path):
     assert "| Tensors encoded (SplitZip) | 1 |" in card.text
     assert "| Tensors stored raw | 1 |" in card.text
     assert f"| szformat version | {szformat.__version__} |" in card.text
+    assert "| Form | in memory (format 1.0)" in card.text
     assert 'szformat.load_file("hf://alice/tiny/model.szt", device="cuda")' in card.text
+
+
+def test_model_card_says_a_checkpoint_is_at_rest_and_how_to_repack_it(hub, tmp_path):
+    tensors = make_tensors(5)
+    szformat.save_file(tensors, tmp_path / "model.szt", metadata={"format": "pt"}, at_rest="zstd")
+    push_to_hub(tmp_path / "model.szt", "alice/rest", token=ALICE)
+    card = card_of(hub, "alice/rest")
+    assert "| Form | at rest (format 1.1" in card.text and "--at-rest none" in card.text
+    assert_same_tensors(szformat.load_file("hf://alice/rest/model.szt"), tensors)  # the pull inflates
 
 
 def test_checkpoint_stats_add_up_every_file(tmp_path):

@@ -28,8 +28,13 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")  # before the kernels are imported
 
 import szformat
+from szformat.api import tensor_bytes, write_tensor
+from szformat.codec import cpu as cpu_codec
+from szformat.codec.gate import EncodedTensor
 from szformat.errors import (ChecksumMismatchError, DecodeRouteError, FormatError, PayloadError, ShardIndexError,
                              TruncatedFileError)
+from szformat.format.constants import TORCH_TO_DTYPE
+from szformat.format.writer import SztWriter
 from szformat.format.reader import SztFile
 from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder, checkpoint_shards,
                               copy_and_expand)
@@ -1077,3 +1082,79 @@ def test_gpu_route_refuses_an_escape_stream_out_of_order_whatever_the_kernels_ch
             with pytest.raises(PayloadError, match="not strictly ascending") as info:
                 loader.load(f)
     assert info.value.tensor == "a" and "refuse_escape_order.szt" in str(info.value)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Files stored at rest (1.1): the readers inflate into the slots
+# ---------------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def at_rest_checkpoint(tmp_path_factory):
+    """The tensors of ``checkpoint`` plus one spanning many frames, at rest, in frames of the smallest size."""
+    path = tmp_path_factory.mktemp("at-rest") / "model.szt"
+    tensors = _tensors(random.randrange(1 << 30))
+    tensors["long.weight"] = _bf16_with_escapes(40000, torch.Generator().manual_seed(3), 50).reshape(400, 100)
+    with SztWriter(path, at_rest=1, frame_size=4096, small_alignment=16) as writer:
+        for name, t in tensors.items():
+            write_tensor(writer, name, TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
+    with SztFile(path) as f:
+        assert f.at_rest and max(len(e.at_rest.frames) for e in f.entries.values() if e.at_rest) > 4
+    return path, tensors
+
+
+@pytest.mark.parametrize("route", ["gpu", "cpu"])
+@pytest.mark.parametrize("slot_bytes", [4096, 1 << 20])
+def test_loader_inflates_files_stored_at_rest(at_rest_checkpoint, route, slot_bytes):
+    path, tensors = at_rest_checkpoint
+    staging = StagingConfig(slot_bytes=slot_bytes, slots=3, threads=2, transport="registered")
+    with DeviceLoader("cpu", route=route, staging=staging, ops=FakeOps((1,)), codec=ReferenceCodec()) as loader:
+        with SztFile(path) as file:
+            _assert_same(loader.load(file), tensors)
+            _assert_same(loader.load(file, ["long.weight"]), {"long.weight": tensors["long.weight"]})
+
+
+@pytest.mark.parametrize("route", ["gpu", "cpu"])
+def test_loader_checks_the_stored_bytes_of_files_at_rest(at_rest_checkpoint, tmp_path, route):
+    path, _ = at_rest_checkpoint
+    bad = tmp_path / "bad.szt"
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        entry = f.entries["long.weight"]
+        data[entry.offset + entry.at_rest.frames[0] // 2] ^= 0x10  # inside the first zstd frame
+    bad.write_bytes(bytes(data))
+    staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
+    # With verify the stored CRC or zstd's frame checksum, whichever runs first; without it, zstd's alone.
+    for verify, error in ((True, (ChecksumMismatchError, PayloadError)), (False, PayloadError)):
+        with DeviceLoader("cpu", route=route, staging=staging, verify=verify, ops=FakeOps(),
+                          codec=ReferenceCodec()) as loader, SztFile(bad) as f:
+            with pytest.raises(error, match="long.weight"):
+                loader.load(f)
+
+
+def test_gpu_route_checks_the_escape_streams_of_files_at_rest(tmp_path):
+    """The escape streams of a payload stored at rest are inflated alone and checked before the kernels run."""
+    g = torch.Generator().manual_seed(4)
+    exponent = torch.randint(110, 126, (40000,), generator=g, dtype=torch.int32)  # 16 common exponents
+    exponent[torch.randperm(40000, generator=g)[:1500]] = torch.randint(20, 60, (1500,), generator=g,
+                                                                        dtype=torch.int32)  # 1,500 escapes
+    bits = (torch.randint(0, 2, (40000,), generator=g, dtype=torch.int32) << 15) | (exponent << 7) | 0x35
+    x = bits.to(torch.int16).view(torch.bfloat16)  # escape streams past 4 KiB: they go through zstd too
+    payload, layout, codebook = cpu_codec.encode(x)
+    chunk_id = payload[layout.off_cid: layout.off_lpos].view(torch.int32)
+    local_pos = payload[layout.off_lpos: layout.off_lpos + 2 * layout.n_esc].view(torch.int16)
+    for stream in (chunk_id, local_pos):  # the first two escapes swapped: out of order
+        stream[[0, 1]] = stream[[1, 0]].clone()
+    raw = tensor_bytes(x)
+    encoded = EncodedTensor("splitzip", payload, raw.numel(), zlib.crc32(raw.numpy()), zlib.crc32(payload.numpy()),
+                            layout=layout, codebook=codebook)
+    path = tmp_path / "escapes.szt"
+    with SztWriter(path, at_rest=1, small_alignment=16) as writer:
+        writer.add("w", "BF16", x.shape, encoded)
+    staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2, transport="staged")
+    with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=UncheckedCodec()) as loader:
+        with SztFile(path) as f:
+            assert f.entry("w").at_rest.streams == ("pk", "chunk_id", "local_pos", "esc_val")
+            with pytest.raises(PayloadError, match="not strictly ascending") as info:
+                loader.load(f)
+    assert info.value.tensor == "w"

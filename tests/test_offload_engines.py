@@ -48,9 +48,10 @@ class Tiny(nn.Module):
         return self.head(x * self.scale + self.positions.to(x.dtype) * 0)
 
 
-@pytest.fixture()
-def stored(tmp_path):
-    """A seeded model in BF16, its reference output, and its .szt file."""
+@pytest.fixture(params=[None, "zstd"], ids=["in-memory", "at-rest"])
+def stored(tmp_path, request):
+    """A seeded model in BF16, its reference output, and its .szt file (in each form: an at-rest file is
+    inflated into host memory when the checkpoint opens)."""
     torch.manual_seed(11)
     model = Tiny().to(torch.bfloat16)
     with torch.no_grad():
@@ -60,7 +61,7 @@ def stored(tmp_path):
     with torch.no_grad():
         expected = model(ids)
     path = tmp_path / "tiny.szt"
-    szformat.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path)
+    szformat.save_file({k: v.contiguous() for k, v in model.state_dict().items()}, path, at_rest=request.param)
     return path, ids, expected
 
 
@@ -85,6 +86,19 @@ def test_the_checkpoint_is_stored_compressed(stored):
     with Checkpoint(path) as checkpoint:
         assert any(e.encoding == "splitzip" for e in checkpoint.entries.values())
         assert checkpoint.stored_bytes < checkpoint.raw_bytes
+
+
+def test_an_at_rest_checkpoint_is_held_in_its_in_memory_form_until_closed(tmp_path):
+    tensors = {"w": (torch.randn(256, 64) * 0.02).to(torch.bfloat16), "b": torch.zeros(3)}
+    path, memory = tmp_path / "rest.szt", tmp_path / "memory.szt"
+    szformat.save_file(tensors, path, at_rest="zstd")
+    szformat.save_file(tensors, memory)
+    checkpoint = Checkpoint(path)
+    (held,) = checkpoint.files
+    assert not held.at_rest and held.path != path and held.path.read_bytes() == memory.read_bytes()
+    assert checkpoint.entries["w"].at_rest is None
+    checkpoint.close()
+    assert not held.path.exists()
 
 
 def test_accelerate_hooks_compute_the_reference_output_from_the_checkpoint(stored):

@@ -21,9 +21,11 @@ import msgpack
 import numpy as np
 import pytest
 import torch
+import zstandard
 from safetensors.torch import load_file as st_load_file
 
 from szformat import SzformatError, load_file, safe_open
+from szformat.format.at_rest import DEFAULT_FRAME_SIZE
 from szformat.api import tensor_bytes
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -87,6 +89,20 @@ def test_the_cases_cover_what_the_spec_promises():
     assert any(not case["tensors"] for case in LISTING["cases"])
 
 
+def test_the_1_1_cases_cover_the_at_rest_form():
+    rest = [case for case in LISTING["cases"] if "at_rest" in case]
+    assert rest and all(case["version"] == "1.1" for case in rest)
+    assert all(case["version"] == "1.0" for case in LISTING["cases"] if "at_rest" not in case)
+    tensors = [t for case in rest for t in case["tensors"]]
+    assert any(t["at_rest_streams"] == ["pk"] and t["at_rest_frames"] > 1 for t in tensors)  # several frames
+    assert any(len(t["at_rest_streams"]) == 4 for t in tensors)  # escape streams through zstd too
+    assert any(t["encoding"] == "splitzip" and not t["at_rest_streams"] for t in tensors)  # no stage
+    assert any(t["offset"] % 16 == 0 and t["offset"] % case["alignment"] for case in rest for t in case["tensors"])
+    assert any(t["at_rest_frames"] and math.prod(t["shape"]) % 2 for t in tensors)
+    assert {"at_rest_codec", "at_rest_feature", "at_rest_frame_lengths", "at_rest_frame_corrupt", "at_rest_bomb",
+            "header_bomb"} <= set(REFUSALS)
+
+
 def test_the_forged_files_cover_what_the_spec_promises():
     assert {"minor_version", "unknown_keys", "omitted_configuration"} <= set(READS)
     assert {case["stage"] for case in REFUSALS.values()} == set(make_vectors.STAGES)
@@ -141,17 +157,22 @@ def test_sources_are_regenerated_bit_for_bit(name, tmp_path):
 def test_writer_reproduces_each_szt_file_byte_for_byte(name, tmp_path):
     listed = CASES[name]
     target = tmp_path / "out.szt"
-    make_vectors.convert(VECTORS / listed["source"]["file"], target, alignment=listed["alignment"])
+    form = {"at_rest": listed["at_rest"]["level"], "frame_size": listed["at_rest"]["frame_size"]} \
+        if "at_rest" in listed else {}
+    make_vectors.convert(VECTORS / listed["source"]["file"], target, alignment=listed["alignment"], **form)
     assert target.read_bytes() == (VECTORS / listed["szt"]["file"]).read_bytes()
 
 
-@pytest.mark.parametrize("name", CASES)
+@pytest.mark.parametrize("name", [name for name, case in CASES.items()  # the converter writes 1 MiB frames
+                                  if case.get("at_rest", {}).get("frame_size", DEFAULT_FRAME_SIZE)
+                                  == DEFAULT_FRAME_SIZE])
 def test_the_converter_reproduces_each_szt_file_byte_for_byte(name, tmp_path):
     from szformat.convert.convert import convert
 
     listed = CASES[name]
     target = tmp_path / "out.szt"
-    convert(VECTORS / listed["source"]["file"], target, alignment=listed["alignment"])
+    convert(VECTORS / listed["source"]["file"], target, alignment=listed["alignment"],
+            at_rest=listed["at_rest"]["level"] if "at_rest" in listed else None)
     assert target.read_bytes() == (VECTORS / listed["szt"]["file"]).read_bytes()
 
 
@@ -210,17 +231,25 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     _require(len(data) >= 64, "shorter than the preamble")
     magic, major, _minor, flags, h_off, h_len, h_crc, align, file_len = struct.unpack_from("<8sHHIQQIIQ", data)
     _require(magic == b"\x89SZT\r\n\x1a\n", "magic")
-    _require(major == 1 and flags == 0 and data[48:64] == bytes(16), "version, flags or reserved bytes")
+    _require(major == 1 and flags in (0, 1) and data[48:64] == bytes(16), "version, flags or reserved bytes")
     _require(1 <= h_len <= 100 * 2**20, "header length")
     _require(align & (align - 1) == 0 and 64 <= align <= 2**21, "alignment")
     _require(h_off >= 64 and h_off + h_len == file_len == len(data), "header position or file size")
     _require(zlib.crc32(data[h_off:]) == h_crc, "header checksum")
+    stored_header = data[h_off:]
+    if flags & 1:  # 1.1: the header through zstd, one frame with its size (bounded) and a checksum
+        stored_header = _spec_zstd_frame(stored_header, limit=min(100 << 20, 64 * h_len + (1 << 20)))
     try:
-        header = msgpack.unpackb(data[h_off:], raw=False, strict_map_key=True, object_pairs_hook=_no_repeats)
+        header = msgpack.unpackb(stored_header, raw=False, strict_map_key=True, object_pairs_hook=_no_repeats)
     except (ValueError, TypeError, msgpack.ExtraData) as e:  # invalid UTF-8 is a ValueError too
         raise Refused("open", f"msgpack: {e}") from None
     _require(isinstance(header, dict), "top level")
-    _require(header.get("required_features", []) == [], "required features")  # 1.0 defines none
+    features = header.get("required_features", [])
+    _require(isinstance(features, list) and set(features) <= {"at_rest_zstd", "small_alignment"},
+             "required features")  # those 1.1 defines; 1.0 defines none
+    small = header.get("small_alignment")
+    _require(("small_alignment" in features) == ("small_alignment" in header)
+             and (small is None or (_is_int(small, 16, align - 1) and small & (small - 1) == 0)), "small_alignment")
     metadata = header.get("metadata")
     _require("metadata" not in header or (isinstance(metadata, dict) and all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items())), "metadata")
@@ -245,10 +274,17 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
         if encoding["name"] == "raw":
             _require(e["length"] == e["raw_length"] and e["crc32"] == e["raw_crc32"], "raw lengths or checksums")
             _require(isinstance(config.get("reason", ""), str), "reason")
+            _require("at_rest" not in encoding, "at-rest stage of a raw tensor")
         else:
             _require(encoding["name"] == "splitzip" and dtype == "BF16", "encoding name or splitzip dtype")
-            _spec_splitzip_config(config, numel, e["length"])
-        _require(e["offset"] == -(-cursor // align) * align, "placement")
+            if "at_rest" in encoding:
+                _require("at_rest_zstd" in features, "at-rest stage not required")
+                _spec_splitzip_config(config, numel, None)
+                _spec_at_rest_config(encoding["at_rest"], config, e["length"])
+            else:
+                _spec_splitzip_config(config, numel, e["length"])
+        a = small if small is not None and e["length"] < 1 << 20 else align
+        _require(e["offset"] == -(-cursor // a) * a, "placement")
         cursor = e["offset"] + e["length"]
         _require(cursor <= h_off, "payload past the header")
         entries.append(e)
@@ -258,6 +294,8 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     for e in entries:
         stored = data[e["offset"]: e["offset"] + e["length"]]
         _require(not verify or zlib.crc32(stored) == e["crc32"], "stored bytes checksum", "verify")
+        if "at_rest" in e["encoding"]:
+            stored = _spec_inflate(stored, e["encoding"]["configuration"], e["encoding"]["at_rest"])
         raw = stored if e["encoding"]["name"] == "raw" else _spec_splitzip(stored, e["encoding"]["configuration"])
         _require(not verify or zlib.crc32(raw) == e["raw_crc32"], "decoded bytes checksum", "verify")
         out[e["name"]] = raw
@@ -276,13 +314,13 @@ def _spec_layout(n: int, n_esc: int) -> dict[str, int]:
             "esc_val": _align4(off_lpos + 2 * n_esc)}
 
 
-def _spec_splitzip_config(config: dict, numel: int, length: int) -> None:
-    """The splitzip configuration table of the spec."""
+def _spec_splitzip_config(config: dict, numel: int, length: int | None) -> None:
+    """The splitzip configuration table of the spec (``length`` None: an at-rest stage accounts for it)."""
     _require(_is_int(config.get("chunk_size")) and config["chunk_size"] == 1024, "chunk size")
     n, n_esc, n_used = config.get("n"), config.get("n_esc"), config.get("n_codes_used")
     _require(_is_int(n) and n == numel and n <= 2**41 and _is_int(n_esc) and n_esc <= n, "n or n_esc")
     streams = _spec_layout(n, n_esc)
-    _require(length == streams["esc_val"] + n_esc, "length")
+    _require(length is None or length == streams["esc_val"] + n_esc, "length")
     _require(isinstance(config.get("streams"), dict) and config["streams"] == streams
              and all(_is_int(v) for v in config["streams"].values()), "streams")
     codebook = config.get("codebook")
@@ -290,6 +328,68 @@ def _spec_splitzip_config(config: dict, numel: int, length: int) -> None:
              and all(_is_int(v, 0, 255) for v in codebook) and not any(codebook[n_used:])
              and len(set(codebook[:n_used])) == n_used, "codebook")
     _require(isinstance(config.get("coverage"), float) and 0 <= config["coverage"] <= 1, "coverage")
+
+
+STREAMS = ["pk", "sm", "chunk_id", "local_pos", "esc_val"]
+
+
+def _spec_extents(config: dict) -> list[tuple[str, int]]:
+    """Each stream of a splitzip payload with its extent: to the next stream's offset, the last to comp_bytes."""
+    s = config["streams"]
+    bounds = [s[name] for name in STREAMS] + [s["esc_val"] + config["n_esc"]]
+    return [(name, bounds[i + 1] - bounds[i]) for i, name in enumerate(STREAMS)]
+
+
+def _spec_at_rest_config(stage: object, config: dict, length: int) -> None:
+    """The at-rest table of the spec: codec, streams, frame size, one frame length per frame, the sum."""
+    _require(isinstance(stage, dict) and stage.get("name") == "zstd" and isinstance(stage.get("configuration"), dict),
+             "at-rest codec")
+    c = stage["configuration"]
+    streams, frame_size, frames = c.get("streams"), c.get("frame_size"), c.get("frames")
+    _require(isinstance(streams, list) and streams and all(s in STREAMS for s in streams)
+             and streams == sorted(set(streams), key=STREAMS.index), "at-rest streams")
+    _require(_is_int(frame_size, 4096, 1 << 26) and isinstance(frames, list)
+             and all(_is_int(f, 1) for f in frames), "frame size or frames")
+    extents = dict(_spec_extents(config))
+    _require(len(frames) == sum(-(-extents[s] // frame_size) for s in streams), "frame count")
+    _require(sum(frames) + sum(n for s, n in extents.items() if s not in streams) == length, "stored length")
+
+
+def _spec_zstd_frame(frame: bytes, *, limit: int, exact: bool = False) -> bytes:
+    """The content of one whole zstd frame that declares its size (at most ``limit``, or exactly it) and carries a
+    checksum; refused at ``open`` for a header, ``decode`` for a payload frame (``exact``)."""
+    stage = "decode" if exact else "open"
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError:
+        raise Refused(stage, "not a zstd frame") from None
+    size = params.content_size
+    _require(size != zstandard.CONTENTSIZE_UNKNOWN and (size == limit if exact else size <= limit)
+             and params.has_checksum, "frame size or checksum", stage)
+    inflater = zstandard.ZstdDecompressor().decompressobj()
+    try:
+        content = inflater.decompress(frame)
+    except zstandard.ZstdError:
+        raise Refused(stage, "corrupt zstd frame") from None
+    _require(inflater.eof and not inflater.unused_data and len(content) == size, "exactly one frame", stage)
+    return content
+
+
+def _spec_inflate(stored: bytes, config: dict, stage: dict) -> bytes:
+    """The in-memory payload from the stored bytes of an at-rest stage (spec: "At-rest stage (1.1)")."""
+    c = stage["configuration"]
+    payload, cursor, lengths = bytearray(), 0, iter(c["frames"])
+    for name, extent in _spec_extents(config):
+        if name not in c["streams"]:
+            payload += stored[cursor: cursor + extent]
+            cursor += extent
+            continue
+        for start in range(0, extent, c["frame_size"]):
+            length = next(lengths)
+            payload += _spec_zstd_frame(stored[cursor: cursor + length], limit=min(c["frame_size"], extent - start),
+                                        exact=True)
+            cursor += length
+    return bytes(payload)
 
 
 def _spec_splitzip(stored: bytes, config: dict) -> bytes:

@@ -9,7 +9,11 @@ resident set (``ru_maxrss``) and wall time:
 - ``safetensors load+save``: ``safetensors.torch.load_file`` then ``save_file`` of the same file (the anchor: what
   a naive converter holding the whole model costs);
 - ``file copy``: ``shutil.copyfile`` (the I/O anchor);
-- ``convert``, ``verify``, ``decompress``: szformat's converter, verifier and inverse converter.
+- ``convert``, ``verify``, ``decompress``: szformat's converter, verifier and inverse converter; then the same
+  three for the at-rest form (``convert --at-rest zstd``).
+
+"MB/cpu-s" divides by the step's CPU time (user + system, every thread): on a machine other jobs share, what the
+step costs a core, where wall time also counts their turns.
 
 The source file is read once before the runs, so every row starts with it in the page cache.
 
@@ -71,15 +75,18 @@ def generate(path: Path) -> None:
 
 
 STEP = """
-import json, re, sys, time
+import json, re, resource, sys, time
 sys.path.insert(0, {root!r})
 import torch, szformat, szformat.convert
 src, out = {src!r}, {out!r}
-start = time.perf_counter()
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+start, start_cpu = time.perf_counter(), cpu()
 {body}
-seconds = time.perf_counter() - start
+seconds, cpu_seconds = time.perf_counter() - start, cpu() - start_cpu
 peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
-print(json.dumps({{"seconds": seconds, "peak_rss": peak_kb * 1024}}))
+print(json.dumps({{"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_rss": peak_kb * 1024}}))
 """
 """One measured step. The peak is VmHWM, the high-water mark of this process image's resident set: ``ru_maxrss``
 would also count the parent's resident set at the fork (Linux carries it across ``exec``)."""
@@ -92,6 +99,9 @@ STEPS = {
     "convert": "szformat.convert.convert(src, out + '/model.szt')",
     "verify": "assert szformat.convert.verify(out + '/model.szt').ok",
     "decompress": "szformat.convert.decompress(out + '/model.szt', out + '/back.safetensors')",
+    "convert --at-rest zstd": "szformat.convert.convert(src, out + '/rest.szt', at_rest=1)",
+    "verify (at rest)": "assert szformat.convert.verify(out + '/rest.szt').ok",
+    "decompress (at rest)": "szformat.convert.decompress(out + '/rest.szt', out + '/back-rest.safetensors')",
 }
 
 
@@ -121,17 +131,18 @@ def main() -> None:
 
     print(f"source: {src.name}, {size / 1e9:.2f} GB, largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'peak RSS MB':>13}{'% of file':>11}")
+    print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'MB/cpu-s':>10}{'peak RSS MB':>13}{'% of file':>11}")
     for name, body in STEPS.items():
         result = run_step(body, src, out)
         rate = size / 1e6 / result["seconds"] if name != "import" else float("nan")
+        cpu_rate = size / 1e6 / result["cpu_seconds"] if name != "import" else float("nan")
         rss = result["peak_rss"]
-        print(f"{name:<24}{result['seconds']:>9.2f}{rate:>9.1f}{rss / 1e6:>13.0f}{100 * rss / size:>10.1f}%",
-              flush=True)
-    same = filecmp.cmp(out / "back.safetensors", src, shallow=False)
-    print(f"decompressed file byte-identical to the source: {same}")
-    print(f"compressed size: {(out / 'model.szt').stat().st_size / 1e9:.3f} GB "
-          f"(ratio {(out / 'model.szt').stat().st_size / size:.4f})")
+        print(f"{name:<24}{result['seconds']:>9.2f}{rate:>9.1f}{cpu_rate:>10.1f}{rss / 1e6:>13.0f}"
+              f"{100 * rss / size:>10.1f}%", flush=True)
+    for back in ("back.safetensors", "back-rest.safetensors"):
+        print(f"{back} byte-identical to the source: {filecmp.cmp(out / back, src, shallow=False)}")
+    for form in ("model.szt", "rest.szt"):
+        print(f"{form}: {(out / form).stat().st_size / 1e9:.3f} GB (ratio {(out / form).stat().st_size / size:.4f})")
     if not args.keep:
         shutil.rmtree(out)
 

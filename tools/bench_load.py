@@ -2,7 +2,7 @@
 
     PYTHONPATH=. python tools/bench_load.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
         [--synthetic-gb 4.2] [--json results.json] [--markdown table.md] [--timeline timeline.json] \
-        [--only REGEX] [--checkpoint REGEX] [--no-cold]
+        [--only REGEX] [--checkpoint REGEX] [--no-cold] [--at-rest]
     PYTHONPATH=. python tools/bench_load.py --peers all --out $OUT [--media disk,tmpfs,cold] [--peer-gb 4.0] \
         [--reps 3] [--work /tmp/szload]
 
@@ -22,6 +22,9 @@ kernel loading and pinned allocation included), then the median of ``--reps`` ca
 is emptied between calls so every call allocates its tensors. Cold: the page cache is dropped before one call
 (``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise(DONTNEED)``), and the share of the file still
 resident (``mincore``) is reported.
+
+With ``--at-rest`` every checkpoint is also repacked into its at-rest form (.szt 1.1: zstd frames, inflated by the
+reader threads into the staging slots) and timed as a checkpoint of its own, so both forms share one run.
 
 Rates are raw-equivalent: the checkpoint's raw tensor bytes over wall time from the call to its tensors being ready.
 Peak host RSS is the process's high-water mark during one extra call (reset through ``/proc/self/clear_refs``) minus
@@ -64,7 +67,7 @@ from szformat.loading.ops import CudaOps
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from copyrate import median_copy_seconds, pinned_h2d_gbps  # noqa: E402
-from gpu_load_check import Checkpoint, llama_shapes, prepare  # noqa: E402
+from gpu_load_check import Checkpoint, at_rest_copy, llama_shapes, prepare  # noqa: E402
 from peer_loaders import PEERS, available_peers  # noqa: E402
 from procstatus import memory_status  # noqa: E402
 
@@ -674,6 +677,9 @@ def main() -> int:
     parser.add_argument("--only", help="time only the paths whose label matches this regular expression "
                                            "(the safetensors anchor always runs)")
     parser.add_argument("--checkpoint", help="time only the checkpoints whose name matches this regular expression")
+    parser.add_argument("--at-rest", action="store_true",
+                        help="time each checkpoint in its at-rest form (.szt 1.1, zstd) too, in the same run: "
+                             "'<name>, at rest' rows beside the in-memory ones")
     parser.add_argument("--json", type=Path)
     parser.add_argument("--markdown", type=Path)
     parser.add_argument("--timeline", type=Path, help="record the TIMELINE paths on the largest checkpoint; "
@@ -694,8 +700,10 @@ def main() -> int:
         return 0
     methods = {label: load for label, load in METHODS.items()
                if args.only is None or label == "safetensors load_file" or re.search(args.only, label)}
-    checkpoints = [c for c in prepare(args.minilm, args.work, args.synthetic_gb)
-                   if args.checkpoint is None or re.search(args.checkpoint, c.name)]
+    checkpoints = prepare(args.minilm, args.work, args.synthetic_gb)
+    if args.at_rest:
+        checkpoints += [at_rest_copy(c) for c in checkpoints]
+    checkpoints = [c for c in checkpoints if args.checkpoint is None or re.search(args.checkpoint, c.name)]
     if args.timeline:  # first, so that a run cut short still says where the time goes
         largest = max((c for c in checkpoints if not c.szt.is_dir()), key=lambda c: c.raw_bytes)
         args.timeline.write_text(json.dumps(timelines(largest, TIMELINE)))

@@ -6,7 +6,8 @@ the golden vectors in ``spec/vectors/`` and are mutated, some without fixing any
 recomputed so they reach the checks behind them:
 
 - ``header``: ``parse_header`` on mutated header objects (values replaced by hostile ones, keys dropped or added),
-  on mutated msgpack bytes and on random bytes. A header it accepts must obey the placement rule.
+  on mutated msgpack bytes and on random bytes. A header it accepts must obey the placement rule. The 1.1 vectors
+  (the at-rest form) are seeds too: their headers are edited as msgpack and stored through zstd again.
 - ``file``: ``load_file`` and ``safe_open`` (``get_tensor``, ``get_slice``, with and without ``verify``) on whole
   files: random byte edits with no checksum fixed (then, with ``verify``, a file that loads must give the vector's
   own tensors: no silent wrong tensor), header edits and payload edits with the checksums recomputed (then every
@@ -42,6 +43,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
+import zstandard
 from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
@@ -53,7 +55,8 @@ from szformat import SzformatError, load_file, safe_open  # noqa: E402
 from szformat.api import tensor_bytes  # noqa: E402
 from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
-from szformat.format.header import parse_header  # noqa: E402
+from szformat.format.at_rest import compress_frame  # noqa: E402
+from szformat.format.header import parse_header, payload_alignment  # noqa: E402
 from szformat.format.index import checkpoint_shards, read_index  # noqa: E402
 
 VECTORS = ROOT / "spec" / "vectors"
@@ -65,7 +68,9 @@ VECTORS = ROOT / "spec" / "vectors"
 
 @dataclass(frozen=True, repr=False)
 class Seed:
-    """A valid file: its bytes, where its header is, its header object, and the tensors it decodes to."""
+    """A valid file: its bytes, where its header is, its header object (and its msgpack bytes, inflated when the
+    file stores its header through zstd: a 1.1 file, whose edited headers are stored that way again), and the
+    tensors it decodes to."""
 
     name: str
     data: bytes
@@ -73,6 +78,8 @@ class Seed:
     alignment: int
     header: dict
     tensors: dict[str, bytes]
+    header_bytes: bytes
+    header_zstd: bool
 
     def __repr__(self) -> str:  # Hypothesis prints failing examples: the file's name says which one
         return f"<{self.name}>"
@@ -85,9 +92,13 @@ def _seeds() -> list[Seed]:
     for file in files:
         data = (VECTORS / file).read_bytes()
         fields = C.PREAMBLE.unpack(data[: C.PREAMBLE_SIZE])
-        header_offset, alignment = fields[4], fields[7]
+        header_offset, alignment, header_zstd = fields[4], fields[7], bool(fields[3] & C.FLAG_HEADER_ZSTD)
+        header = data[header_offset:]
+        if header_zstd:
+            header = zstandard.ZstdDecompressor().decompress(header)
         tensors = {name: bytes(tensor_bytes(t).numpy()) for name, t in load_file(VECTORS / file).items()}
-        seeds.append(Seed(file, data, header_offset, alignment, msgpack.unpackb(data[header_offset:]), tensors))
+        seeds.append(Seed(file, data, header_offset, alignment, msgpack.unpackb(header), tensors, header,
+                          header_zstd))
     return seeds
 
 
@@ -195,8 +206,11 @@ def byte_edits(draw: st.DrawFn, data: bytes, regions: list[tuple[int, int]] | No
 
 def with_header(seed_file: Seed, header: bytes, body: bytes | None = None) -> bytes:
     """A file of the seed's preamble, ``body`` (the bytes from the preamble's end to the header; the seed's by
-    default) and ``header``, the preamble's header length, checksum and file length made to agree."""
+    default) and ``header`` (msgpack bytes, stored through zstd when the seed's is), the preamble's header length,
+    checksum and file length made to agree."""
     body = seed_file.data[C.PREAMBLE_SIZE: seed_file.header_offset] if body is None else body
+    if seed_file.header_zstd:
+        header = compress_frame(header)
     fields = list(C.PREAMBLE.unpack(seed_file.data[: C.PREAMBLE_SIZE]))
     fields[5], fields[6], fields[8] = len(header), zlib.crc32(header), C.PREAMBLE_SIZE + len(body) + len(header)
     fields[4] = C.PREAMBLE_SIZE + len(body)
@@ -236,7 +250,7 @@ def _header_inputs() -> st.SearchStrategy:
         return mutated_objects(s.header).map(lambda h: (s, msgpack.packb(h)))
 
     def mutated_bytes(s: Seed) -> st.SearchStrategy:
-        return byte_edits(s.data[s.header_offset:]).map(lambda b: (s, b))
+        return byte_edits(s.header_bytes).map(lambda b: (s, b))
 
     seeds = st.sampled_from(SEEDS)
     return st.one_of(seeds.flatmap(mutated_header), seeds.flatmap(mutated_bytes),
@@ -251,9 +265,10 @@ def _check_header(case: tuple[Seed, bytes], tmp: Path) -> None:
         return
     cursor = C.PREAMBLE_SIZE
     for entry in header.tensors:
-        if entry.offset != C.pad_to(cursor, s.alignment) or entry.length < 0:
+        alignment = payload_alignment(entry.length, s.alignment, header.small_alignment)
+        if entry.offset != C.pad_to(cursor, alignment) or entry.length < 0:
             raise Finding(f"accepted a misplaced payload: {entry}")
-        if entry.layout is not None and entry.layout.comp_bytes != entry.length:
+        if entry.layout is not None and entry.at_rest is None and entry.layout.comp_bytes != entry.length:
             raise Finding(f"accepted a splitzip length that is not its layout's: {entry}")
         cursor = entry.offset + entry.length
     if cursor != s.header_offset:

@@ -1,14 +1,17 @@
 """Check on a CUDA GPU that every device-loading path gives tensors bit-identical to the safetensors original.
 
     PYTHONPATH=. python tools/gpu_load_check.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
-        [--synthetic-gb 4.2]
+        [--synthetic-gb 4.2] [--at-rest]
 
 Builds the checkpoints (MiniLM as one file and as two shards, and a synthetic BF16 checkpoint of LLM-like shapes
 whose values are MiniLM's weights tiled, so the exponent statistics are real ones), converts them on the GPU, then
 loads each through every path and compares every tensor with ``safetensors.torch.load_file(..., device="cuda")``
 of the original, bit for bit. Paths: ``load_file`` with the registered page cache, with staged reads, with small
 slots (many packed and streamed transfers), with the host-decode route; ``safe_open(...).get_tensor`` one tensor at a
-time; the sharded index; the staging-pool decoder (both routes); the slot decoder. Exits 1 on any mismatch.
+time; the sharded index; the staging-pool decoder (both routes); the slot decoder. With ``--at-rest`` each
+checkpoint is also repacked into its at-rest form (.szt 1.1) and checked through the same paths, but the slot
+decoder, which takes a descriptor of stored bytes (refused for a tensor stored at rest, by design). Exits 1 on any
+mismatch.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Callable
 
@@ -28,12 +31,15 @@ from safetensors.torch import load_file as st_load_file
 from safetensors.torch import save_file as st_save_file
 
 import szformat
-from szformat.convert import convert
+from szformat.convert import convert, repack
+from szformat.format.at_rest import DEFAULT_LEVEL
 from szformat.errors import ChecksumMismatchError
 from szformat.format.reader import SztFile
 from szformat.loading import DeviceLoader, SlotDecoder, StagingConfig, StagingPoolDecoder
 
 DEVICE = torch.device("cuda")
+AT_REST = ", at rest"
+"""Suffix of the name of a checkpoint's at-rest copy (:func:`at_rest_copy`)."""
 SHAPES = {"hidden": 4096, "inter": 11008, "vocab": 32000}
 """Synthetic checkpoint shapes (a 7B-class decoder's)."""
 
@@ -78,6 +84,16 @@ def llama_shapes(target_bytes: int) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (hidden,)
     shapes["lm_head.weight"] = (vocab, hidden)
     return shapes
+
+
+def at_rest_copy(ckpt: Checkpoint) -> Checkpoint:
+    """``ckpt`` repacked into its at-rest form beside it (once), as a checkpoint of its own."""
+    suffix = ".szt" if ckpt.szt.is_file() else ""
+    target = ckpt.szt.with_name(ckpt.szt.name.removesuffix(".szt") + "-at-rest" + suffix)
+    if not target.exists():
+        repack(ckpt.szt, target, at_rest=DEFAULT_LEVEL)
+        os.sync()
+    return replace(ckpt, name=ckpt.name + AT_REST, szt=target, stored_bytes=_sizes(target)[1])
 
 
 def synthetic_tensors(source: dict[str, torch.Tensor], target_bytes: int, *, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -291,6 +307,8 @@ def check(checkpoints: list[Checkpoint], skip_slow_on_large: bool = True) -> lis
         for label, load in paths.items():
             if skip_slow_on_large and ckpt.raw_bytes > 1e9 and label in ("safe_open.get_tensor", "slot decoder"):
                 continue  # one synchronous call per tensor: covered on MiniLM
+            if label == "slot decoder" and ckpt.name.endswith(AT_REST):
+                continue  # descriptors of tensors stored at rest are refused
             started = time.perf_counter()
             try:
                 bad = compare(load(ckpt.szt), want)
@@ -314,9 +332,12 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/szload"))
     parser.add_argument("--synthetic-gb", type=float, default=4.2)
     parser.add_argument("--json", type=Path, help="write the rows here")
+    parser.add_argument("--at-rest", action="store_true", help="check each checkpoint in its at-rest form too")
     args = parser.parse_args()
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}", flush=True)
     checkpoints = prepare(args.minilm, args.work, args.synthetic_gb)
+    if args.at_rest:
+        checkpoints += [at_rest_copy(c) for c in checkpoints]
     rows = check(checkpoints) + [corrupted_copy_is_refused(checkpoints[0], args.work)]
     if args.json:
         args.json.write_text(json.dumps(rows, indent=1))

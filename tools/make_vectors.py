@@ -2,11 +2,12 @@
 
 Each case is a small ``.safetensors`` source, written byte for byte by this script from integer bit patterns of a
 SplitMix64 generator (no floating point, no library random stream that could change between versions), and the
-``.szt`` file szformat's writer makes from it. ``SHA256SUMS`` and ``vectors.json`` record the expected hashes;
-``vectors.json`` also lists each tensor's dtype, shape, encoding, escape count and the SHA-256 of its raw bytes.
-Forged files follow: a case's ``.szt`` file edited (:class:`Parts`) into one a reader must still read
-(``read_*.szt``) or must refuse (``refuse_*.szt``, with the stage, error class and reason). A new case is one more
-entry of :func:`cases` or :func:`forged_cases`.
+``.szt`` file szformat's writer makes from it: in the in-memory form (format 1.0), or for the ``at_rest`` cases in
+the at-rest form (format 1.1: zstd frames, small payloads packed, header through zstd). ``SHA256SUMS`` and
+``vectors.json`` record the expected hashes; ``vectors.json`` also lists each tensor's dtype, shape, encoding,
+escape count and the SHA-256 of its raw bytes. Forged files follow: a case's ``.szt`` file edited (:class:`Parts`)
+into one a reader must still read (``read_*.szt``) or must refuse (``refuse_*.szt``, with the stage, error class and
+reason). A new case is one more entry of :func:`cases` or :func:`forged_cases`.
 
 Usage:
     python tools/make_vectors.py            # (re)write spec/vectors/
@@ -28,6 +29,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
+import zstandard
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -39,9 +41,10 @@ import torch  # noqa: E402
 from szformat.api import load_file, safe_open, tensor_bytes, write_tensor  # noqa: E402
 from szformat.codec.layout import PayloadLayout  # noqa: E402
 from szformat.errors import SzformatError  # noqa: E402
+from szformat.format import at_rest as A  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.reader import SztFile  # noqa: E402
-from szformat.format.writer import SztWriter  # noqa: E402
+from szformat.format.writer import SztWriter, writer_form  # noqa: E402
 
 DEFAULT_OUT = ROOT / "spec" / "vectors"
 
@@ -122,6 +125,11 @@ class Case:
     alignment: int = C.DEFAULT_ALIGNMENT
     expect: dict[str, str] = field(default_factory=dict)
     """tensor name -> expected encoding: checked when generating, so a case keeps covering what it says."""
+    at_rest: int | None = None
+    """zstd level of the at-rest form (format 1.1); ``None``: the in-memory form (1.0)."""
+    frame_size: int = A.DEFAULT_FRAME_SIZE
+    expect_streams: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    """tensor name -> the streams its at-rest stage compresses (``()``: no stage), checked when generating."""
 
 
 def _sized(seed: int, dtype: str, shape: tuple[int, ...]) -> bytes:
@@ -180,6 +188,23 @@ def cases() -> list[Case]:
              alignment=64, expect={"a": "splitzip", "c": "splitzip"}),
         Case("no_tensors", "the smallest legal file: no tensors, the header right after the preamble",
              [], metadata={"format": "pt"}),
+        Case("at_rest_zstd", "1.1 at-rest form with the writer's defaults: pk as zstd frames, the escape streams too "
+             "where they hold 4 KiB (a tensor under the in-memory coverage gate, over the at-rest one), a SplitZip "
+             "payload too small for the stage, raw tensors, payloads packed at 16 bytes, the header through zstd",
+             [Tensor("w", "BF16", (40, 103), bf16_bits(18, 4120, WEIGHTS, rare=ESCAPES, rare_per_mille=4)),
+              Tensor("escapes", "BF16", (20000,), bf16_bits(19, 20000, WEIGHTS, rare=ESCAPES, rare_per_mille=40)),
+              Tensor("small", "BF16", (24,), bf16_bits(20, 24, WEIGHTS)),
+              Tensor("ids", "I64", (5,), random_bytes(21, 40)),
+              Tensor("norm", "F32", (7,), random_bytes(22, 28))],
+             metadata={"format": "pt"}, at_rest=A.DEFAULT_LEVEL,
+             expect={"w": "splitzip", "escapes": "splitzip", "small": "splitzip", "ids": "raw", "norm": "raw"},
+             expect_streams={"w": ("pk",), "escapes": ("pk", "chunk_id", "local_pos", "esc_val"), "small": ()}),
+        Case("at_rest_frames", "1.1 at-rest form in frames of 4 KiB (the smallest size): pk in 6 frames, the last "
+             "one shorter, and an odd element count",
+             [Tensor("long", "BF16", (45001,), bf16_bits(23, 45001, WEIGHTS, rare=ESCAPES, rare_per_mille=1,
+                                                          forced_rare=(45000,)))],
+             at_rest=A.DEFAULT_LEVEL, frame_size=A.MIN_FRAME_SIZE, expect={"long": "splitzip"},
+             expect_streams={"long": ("pk",)}),
     ]
 
 
@@ -213,10 +238,13 @@ def read_safetensors(path: Path) -> tuple[list[Tensor], dict[str, str] | None]:
     return tensors, metadata
 
 
-def convert(source: Path, target: Path, *, alignment: int = C.DEFAULT_ALIGNMENT) -> None:
-    """The .szt file of a safetensors file: its tensors in data order, each through szformat's encoder and gate."""
+def convert(source: Path, target: Path, *, alignment: int = C.DEFAULT_ALIGNMENT, at_rest: int | None = None,
+            frame_size: int = A.DEFAULT_FRAME_SIZE) -> None:
+    """The .szt file of a safetensors file: its tensors in data order, each through szformat's encoder and gate,
+    in the in-memory form, or in the at-rest form at zstd level ``at_rest`` in frames of ``frame_size``."""
     tensors, metadata = read_safetensors(source)
-    with SztWriter(target, metadata=metadata, alignment=alignment) as writer:
+    with SztWriter(target, metadata=metadata, alignment=alignment, frame_size=frame_size,
+                   **writer_form(at_rest)) as writer:
         for t in tensors:
             raw = torch.frombuffer(bytearray(t.raw), dtype=torch.uint8) if t.raw else torch.empty(0, dtype=torch.uint8)
             write_tensor(writer, t.name, t.dtype, t.shape, raw)
@@ -266,7 +294,10 @@ class Parts:
     def of(cls, data: bytes) -> "Parts":
         fields = dict(zip(PREAMBLE_FIELDS, C.PREAMBLE.unpack(data[: C.PREAMBLE_SIZE])))
         end = fields["header_offset"]
-        return cls(bytearray(data[:end]), msgpack.unpackb(data[end:]), fields)
+        header = data[end:]
+        if fields["flags"] & C.FLAG_HEADER_ZSTD:  # a 1.1 header stored through zstd: packed the same way again
+            header = zstandard.ZstdDecompressor().decompress(header)
+        return cls(bytearray(data[:end]), msgpack.unpackb(header), fields)
 
     def entry(self, name: str) -> dict:
         return next(e for e in self.header["tensors"] if e["name"] == name)
@@ -287,6 +318,8 @@ class Parts:
 
     def to_bytes(self) -> bytes:
         header = msgpack.packb(self.header) if self.header_bytes is None else self.header_bytes
+        if self.header_bytes is None and self.fields["flags"] & C.FLAG_HEADER_ZSTD:
+            header = A.compress_frame(header)
         fields = {**self.fields, "header_offset": len(self.body), "header_length": len(header),
                   "header_crc32": zlib.crc32(header), "file_length": len(self.body) + len(header), **self.preamble}
         reserved = fields.pop("reserved", bytes(C.PREAMBLE_SIZE - C.RESERVED_OFFSET))
@@ -428,6 +461,47 @@ def _flip_stored_byte(parts: Parts) -> None:
     parts.patch("c", parts.config("c")["streams"]["sm"], bytes([byte ^ 0x80]), fix_crc=False)
 
 
+def _at_rest(parts: Parts, tensor: str) -> dict:
+    """The ``at_rest`` map of ``tensor``'s encoding."""
+    return parts.entry(tensor)["encoding"]["at_rest"]
+
+
+def _frame_at(parts: Parts, tensor: str, index: int) -> tuple[int, int]:
+    """Where frame ``index`` of ``tensor``'s stage starts in its stored bytes, and its length (the frames of this
+    generator's cases start the stored bytes: ``pk`` is listed first)."""
+    frames = _at_rest(parts, tensor)["configuration"]["frames"]
+    return sum(frames[:index]), frames[index]
+
+
+def _at_rest_unknown_keys(parts: Parts) -> None:
+    """Keys no 1.1 reader knows, in an at-rest map and its configuration."""
+    stage = _at_rest(parts, "escapes")
+    stage["added_later"] = {"note": "ignored"}
+    stage["configuration"]["added_later"] = [1, None]
+
+
+def _move_a_frame_byte(parts: Parts) -> None:
+    """One byte of frame 0 counted in frame 1: every sum still right, each frame ending early or running on."""
+    frames = _at_rest(parts, "escapes")["configuration"]["frames"]
+    frames[0] -= 1
+    frames[1] += 1
+
+
+def _corrupt_frame(parts: Parts) -> None:
+    """A byte in the middle of a frame changed, the stored CRC-32 recomputed: zstd's checksum must catch it."""
+    start, length = _frame_at(parts, "escapes", 0)
+    (byte,) = parts.read("escapes", start + length // 2, "B")
+    parts.patch("escapes", start + length // 2, bytes([byte ^ 0x5A]))
+
+
+def _frame_bomb(parts: Parts) -> None:
+    """Frame 0 replaced by a frame (padded to the same length) that declares 64 MiB of zeros."""
+    start, length = _frame_at(parts, "escapes", 0)
+    bomb = A.compress_frame(bytes(64 << 20), level=19)
+    assert len(bomb) <= length
+    parts.patch("escapes", start, bomb + bytes(length - len(bomb)))
+
+
 def forged_cases() -> list[Forged]:
     """Files a reader must read although this writer never makes them, then files it must refuse (one broken rule
     each; every checksum but the one a case is about recomputed, so each file reaches the check it targets)."""
@@ -442,6 +516,8 @@ def forged_cases() -> list[Forged]:
         Forged("payload_not_canonical", "a payload that breaks the writer-only rules (padding bytes and the padding "
                "nibble set, escaped elements' nibbles set): decoding does not read them", "bf16_odd",
                _not_canonical),
+        Forged("at_rest_unknown_keys", "1.1: keys no reader knows in an at-rest map and its configuration",
+               "at_rest_zstd", _at_rest_unknown_keys),
     ]
     r = Refusal
     refusals = [
@@ -449,8 +525,8 @@ def forged_cases() -> list[Forged]:
                r("FormatError", "open", "bad magic")),
         Forged("major_2", "major version 2", "alignment_64", _set(major=2), r("UnsupportedVersionError", "open",
                                                                              "format version 2.0")),
-        Forged("flags", "a preamble flag set", "alignment_64", _set(flags=1),
-               r("UnsupportedVersionError", "open", "flags 0x1")),
+        Forged("flags", "a preamble flag no version defines (bit 1; 1.1 defines bit 0, the header through zstd)",
+               "alignment_64", _set(flags=2), r("UnsupportedVersionError", "open", "flags 0x2")),
         Forged("reserved", "a reserved preamble byte set", "alignment_64", _set(reserved=bytes(15) + b"\x01"),
                r("UnsupportedVersionError", "open", "reserved preamble bytes")),
         Forged("header_too_large", "header_length past 100 MiB", "alignment_64",
@@ -535,6 +611,26 @@ def forged_cases() -> list[Forged]:
                "alignment_64",
                lambda parts: parts.entry("c").update(raw_crc32=parts.entry("c")["raw_crc32"] ^ 1),
                r("ChecksumMismatchError", "verify", "CRC-32 of the decoded bytes")),
+        Forged("at_rest_codec", "1.1: an at-rest codec no reader knows", "at_rest_zstd",
+               lambda parts: _at_rest(parts, "w").update(name="example-unknown-codec"),
+               r("UnknownEncodingError", "open", "example-unknown-codec")),
+        Forged("at_rest_feature", "1.1: an at-rest stage in a file that does not require at_rest_zstd",
+               "at_rest_zstd", _top(required_features=[C.FEATURE_SMALL_ALIGNMENT]),
+               r("HeaderError", "open", "not among the required features")),
+        Forged("at_rest_frame_count", "1.1: a frame list one frame short", "at_rest_zstd",
+               lambda parts: _at_rest(parts, "escapes")["configuration"]["frames"].pop(),
+               r("HeaderError", "open", "lists 3 frames")),
+        Forged("at_rest_frame_lengths", "1.1: frame lengths that lie about where frames end (their sum right)",
+               "at_rest_zstd", _move_a_frame_byte, r("PayloadError", "decode", "zstd frame")),
+        Forged("at_rest_frame_corrupt", "1.1: a corrupt zstd frame whose stored CRC-32 is right", "at_rest_zstd",
+               _corrupt_frame, r("PayloadError", "decode", "zstd frame is corrupt")),
+        Forged("at_rest_bomb", "1.1: a frame that declares 64 MiB where the layout gives it 10 kB", "at_rest_zstd",
+               _frame_bomb, r("PayloadError", "decode", "declares 67108864 bytes")),
+        Forged("header_bomb", "1.1: a header through zstd that declares 64 MiB (past 64 times its size + 1 MiB)",
+               "at_rest_zstd", lambda parts: setattr(parts, "header_bytes", A.compress_frame(bytes(64 << 20), 19)),
+               r("HeaderError", "open", "more than the limit")),
+        Forged("small_alignment", "1.1: small_alignment 8, under the 16 the batched decoder needs", "at_rest_zstd",
+               _top(small_alignment=8), r("HeaderError", "open", "'small_alignment' must be")),
     ]
     return reads + refusals
 
@@ -571,7 +667,7 @@ def generate(out: Path) -> None:
     for case in cases():
         source, target = out / f"{case.name}.safetensors", out / f"{case.name}.szt"
         write_safetensors(source, case.tensors, case.metadata)
-        convert(source, target, alignment=case.alignment)
+        convert(source, target, alignment=case.alignment, at_rest=case.at_rest, frame_size=case.frame_size)
         listing.append(_describe(case, source, target))
         files += [source, target]
         written[case.name] = listing[-1]
@@ -597,21 +693,30 @@ def generate(out: Path) -> None:
 def _describe(case: Case, source: Path, target: Path) -> dict:
     """The case's record in vectors.json; also checks that the file decodes to its source and covers its case."""
     decoded = load_file(target)
+    with SztFile(target) as szt:
+        version = "{}.{}".format(*szt.version)
     tensors = []
     with safe_open(target, framework="pt") as f:
         assert f.metadata() == case.metadata, case.name
         assert f.keys() == [t.name for t in case.tensors], case.name
         for t in case.tensors:
             entry = f.entry(t.name)
+            streams = list(entry.at_rest.streams) if entry.at_rest else []
             assert bytes(tensor_bytes(decoded[t.name]).numpy()) == t.raw, (case.name, t.name)
             assert case.expect.get(t.name, entry.encoding) == entry.encoding, (case.name, t.name, entry.encoding)
-            tensors.append({
+            assert list(case.expect_streams.get(t.name, streams)) == streams, (case.name, t.name, streams)
+            record = {
                 "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "encoding": entry.encoding,
                 "n_esc": entry.layout.n_esc if entry.layout else None, "offset": entry.offset,
-                "length": entry.length, "raw_sha256": sha256(t.raw)})
+                "length": entry.length, "raw_sha256": sha256(t.raw)}
+            if case.at_rest is not None:
+                record["at_rest_streams"] = streams
+                record["at_rest_frames"] = len(entry.at_rest.frames) if entry.at_rest else 0
+            tensors.append(record)
+    form = {} if case.at_rest is None else {"at_rest": {"level": case.at_rest, "frame_size": case.frame_size}}
     return {
-        "name": case.name, "description": case.description, "alignment": case.alignment,
-        "metadata": case.metadata,
+        "name": case.name, "description": case.description, "version": version, "alignment": case.alignment,
+        **form, "metadata": case.metadata,
         "source": {"file": source.name, "sha256": sha256(source.read_bytes())},
         "szt": {"file": target.name, "sha256": sha256(target.read_bytes())},
         "tensors": tensors,

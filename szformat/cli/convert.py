@@ -7,7 +7,7 @@ import os
 from typing import TYPE_CHECKING
 
 from ..errors import CLIError
-from ._common import add_command, add_quiet, print_lines, show_progress
+from ._common import add_at_rest, add_command, add_quiet, at_rest_level, print_lines, show_progress
 
 if TYPE_CHECKING:
     from ..convert import ConversionReport
@@ -27,6 +27,7 @@ examples:
   szconvert model.safetensors --device cuda         encode on the GPU (the same bytes, faster)
   szconvert hf://user/model ./model-szt --push-to-hub user/model-szt
   szconvert model-fp32.safetensors --cast bf16      cast F32/F16 tensors to BF16, then compress (lossy)
+  szconvert model.safetensors --at-rest zstd        the smaller at-rest form (format 1.1), inflated on load
 
 The command 'convert' may be left out: 'szconvert IN OUT' is 'szconvert convert IN OUT'.
 Every tensor is decoded again and compared bit for bit before it is written; outputs appear whole or not at all.
@@ -53,6 +54,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     parser.add_argument("--cast", choices=CAST_CHOICES,
                         help="cast F16/F32/F64 tensors to this dtype before compressing (LOSSY: the output is not "
                              "bit-exact to the source; only BF16 compresses)")
+    add_at_rest(parser, default=None, help_default="none, or zstd with --push-to-hub (what people download)")
     hub = parser.add_argument_group("Hugging Face Hub")
     hub.add_argument("--push-to-hub", metavar="REPO_ID",
                      help="upload the result to this model repo (token and repo are checked before converting)")
@@ -93,10 +95,18 @@ def _convert(args: argparse.Namespace, source: str | os.PathLike) -> ConversionR
     from ..convert import convert
 
     report = convert(source, args.output, device=args.device, overwrite=args.overwrite, cast=args.cast,
-                     progress=show_progress(args))
+                     at_rest=at_rest_level(_form(args)), progress=show_progress(args))
     if not args.quiet:
         print_lines([f"Wrote {report.output}"] + report.summary())
     return report
+
+
+def _form(args: argparse.Namespace) -> str:
+    """The ``--at-rest`` value, or the default: the at-rest form for a push (what people download), the in-memory
+    form otherwise (what loads fastest)."""
+    if args.at_rest is not None:
+        return args.at_rest
+    return "zstd" if args.push_to_hub else "none"
 
 
 def _hub_module():

@@ -22,10 +22,10 @@ from typing import Sequence
 
 from .. import __version__
 from ..errors import SzformatError
-from . import convert, decompress, info, verify
+from . import convert, decompress, info, repack, verify
 from ._signals import exit_status, termination_as_interrupt
 
-COMMANDS = {module.NAME: module for module in (convert, decompress, info, verify)}
+COMMANDS = {module.NAME: module for module in (convert, decompress, info, repack, verify)}
 DEFAULT_COMMAND = convert.NAME
 DEBUG_VARIABLE = "SZFORMAT_DEBUG"
 CLOSED_PIPE_STATUS = 128 + 13
@@ -39,6 +39,7 @@ examples:
   szconvert model.safetensors --cast bf16        an F32/F16 checkpoint: cast to BF16 first (lossy), then compress
   szconvert decompress model.szt out.safetensors back to safetensors, bit for bit
   szconvert info model.szt                       sizes, ratio and encoding of every tensor
+  szconvert repack model.szt small.szt           the smaller at-rest form (or back, with --at-rest none)
   szconvert verify ./model-dir-szt               check every checksum and decode every tensor
 
 Only BF16 tensors compress (to about 75 % of their bytes); tensors of other dtypes are stored as they are.

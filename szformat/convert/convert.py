@@ -21,7 +21,7 @@ from ..api import write_tensor
 from ..codec.gate import CodecBackend
 from ..errors import ConversionError
 from ..format import constants as C
-from ..format.writer import SztWriter
+from ..format.writer import SztWriter, writer_form
 from .cast import CAST_TARGETS, cast_dtypes, cast_metadata, cast_to_bf16
 from .device import codec_for
 from .driver import TensorDone, run_pass
@@ -31,7 +31,8 @@ from .sources import SUFFIX, SafetensorsSource, read_safetensors_header
 
 def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, *,
             device: str | torch.device = "cpu", backend: CodecBackend | None = None, overwrite: bool = False,
-            alignment: int = C.DEFAULT_ALIGNMENT, cast: str | None = None, progress: bool = False) -> ConversionReport:
+            alignment: int = C.DEFAULT_ALIGNMENT, cast: str | None = None, at_rest: int | None = None,
+            progress: bool = False) -> ConversionReport:
     """Convert a safetensors checkpoint to szformat.
 
     Only BF16 tensors compress; every other tensor is stored as it is, bit for bit. For an F32 or F16 checkpoint,
@@ -52,6 +53,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
             rounding to nearest even as ``tensor.to(torch.bfloat16)`` does. Lossy: the output holds the cast values
             (its checksums and ``verify`` cover those), and its ``__metadata__`` records the cast under
             ``"szformat.cast"``. Other dtypes are left as they are.
+        at_rest (`int`, *optional*): a zstd level: write the at-rest form (format 1.1, smaller; inflated on load).
+            ``None`` (default): the in-memory form.
         progress (`bool`, *optional*): show a progress bar on stderr.
 
     Returns:
@@ -85,7 +88,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
         with SafetensorsSource(src) as reader:
             cast_from = cast_dtypes(reader.header.tensors) if cast else set()
             with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)), alignment=alignment,
-                           overwrite=overwrite) as writer:
+                           overwrite=overwrite, **writer_form(at_rest)) as writer:
                 for tensor, raw in reader.tensors():
                     dtype = tensor.dtype
                     with reader.reading(tensor):

@@ -4,7 +4,9 @@ as JSON.
 Two ratios are given. ``ratio`` is the true size ratio: the .szt file on disk (payloads, alignment padding, header)
 against the .safetensors file it decompresses to (the source file, for a file the ``safetensors`` package wrote).
 ``payload_ratio`` counts tensor bytes alone; for a checkpoint of many small tensors the two differ widely, since
-every payload starts on an aligned offset.
+every payload starts on an aligned offset. A file in the at-rest form (format 1.1) also gets ``memory_ratio``: its
+payloads once inflated (what loading moves and decodes) against the tensor bytes; ``payload_ratio`` is then the
+at-rest one.
 """
 
 from __future__ import annotations
@@ -27,8 +29,8 @@ from .sources import HEADER_LENGTH
 TABLE_HEADERS = ["name", "dtype", "shape", "encoding", "stored", "raw", "ratio", "coverage", "n_esc", "note"]
 RIGHT_ALIGNED = {4, 5, 6, 7, 8}
 METADATA_WIDTH = 116
-SIZE_KEYS = ("tensor_count", "encoded_count", "raw_count", "raw_bytes", "stored_bytes", "file_bytes",
-             "safetensors_bytes")
+SIZE_KEYS = ("tensor_count", "encoded_count", "raw_count", "at_rest_count", "raw_bytes", "memory_bytes",
+             "stored_bytes", "file_bytes", "safetensors_bytes")
 
 
 def describe(path: str | os.PathLike) -> dict[str, Any]:
@@ -99,20 +101,34 @@ def _counts(records: list[TensorRecord]) -> dict[str, Any]:
     return {"tensor_count": len(records),
             "encoded_count": sum(r.encoding == C.ENCODING_SPLITZIP for r in records),
             "raw_count": sum(r.encoding == C.ENCODING_RAW for r in records),
-            "raw_bytes": sum(r.raw_bytes for r in records), "stored_bytes": sum(r.stored_bytes for r in records)}
+            "at_rest_count": sum(r.memory_bytes is not None for r in records),
+            "raw_bytes": sum(r.raw_bytes for r in records),
+            "memory_bytes": sum(r.stored_bytes if r.memory_bytes is None else r.memory_bytes for r in records),
+            "stored_bytes": sum(r.stored_bytes for r in records)}
 
 
 def _ratios(sizes: dict[str, Any]) -> dict[str, float]:
-    return {"ratio": sizes["file_bytes"] / sizes["safetensors_bytes"],
-            "payload_ratio": sizes["stored_bytes"] / sizes["raw_bytes"] if sizes["raw_bytes"] else 1.0}
+    def of_raw(nbytes: int) -> float:
+        return nbytes / sizes["raw_bytes"] if sizes["raw_bytes"] else 1.0
+
+    return {"ratio": sizes["file_bytes"] / sizes["safetensors_bytes"], "payload_ratio": of_raw(sizes["stored_bytes"]),
+            "memory_ratio": of_raw(sizes["memory_bytes"])}
 
 
 def _summary_lines(counts: dict[str, Any]) -> list[str]:
+    """Sizes and ratios; a file with tensors at rest shows its payloads in memory (what loading moves and decodes)
+    and at rest (what is stored) apart."""
+    payloads = f"payloads {format_bytes(counts['raw_bytes'])} raw -> "
+    if counts["at_rest_count"]:
+        payloads += (f"{format_bytes(counts['memory_bytes'])} in memory (ratio {counts['memory_ratio']:.4f}) -> "
+                     f"{format_bytes(counts['stored_bytes'])} at rest (ratio {counts['payload_ratio']:.4f}, "
+                     f"{counts['at_rest_count']} tensors through zstd)")
+    else:
+        payloads += (f"{format_bytes(counts['stored_bytes'])} stored, ratio {counts['payload_ratio']:.4f} (tensor "
+                     "bytes alone)")
     return [f"{counts['tensor_count']} tensors ({counts['encoded_count']} encoded, {counts['raw_count']} raw), ratio "
             f"{counts['ratio']:.4f} on disk ({size_change(counts['ratio'])}): {format_bytes(counts['file_bytes'])} "
-            f"against {format_bytes(counts['safetensors_bytes'])} as .safetensors",
-            f"payloads {format_bytes(counts['raw_bytes'])} raw -> {format_bytes(counts['stored_bytes'])} stored, "
-            f"ratio {counts['payload_ratio']:.4f} (tensor bytes alone)"]
+            f"against {format_bytes(counts['safetensors_bytes'])} as .safetensors", payloads]
 
 
 def _shorten(text: str) -> str:

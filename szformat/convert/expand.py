@@ -36,7 +36,7 @@ def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int | None
         PayloadError: the escape stream of a SplitZip payload is inconsistent.
     """
     slice_bytes = slice_bytes or SLICE_BYTES
-    payload = file.payload(entry.name, verify=True)
+    payload = file.memory_payload(entry.name, verify=True)
     try:
         if entry.encoding == C.ENCODING_RAW:  # the header guarantees crc32 == raw_crc32 for raw payloads
             for start in range(0, entry.length, slice_bytes):

@@ -32,6 +32,8 @@ class TensorRecord:
     coverage: float | None = None
     n_esc: int | None = None
     reason: str | None = None
+    memory_bytes: int | None = None
+    """Bytes of the payload once inflated, for a tensor stored at rest (1.1); ``None``: stored as it is loaded."""
 
     @classmethod
     def from_entry(cls, file: str, entry: TensorEntry) -> "TensorRecord":
@@ -39,7 +41,8 @@ class TensorRecord:
         return cls(file=file, name=entry.name, dtype=entry.dtype, shape=entry.shape, encoding=entry.encoding,
                    raw_bytes=entry.raw_length, stored_bytes=entry.length,
                    coverage=entry.codebook.coverage if encoded and entry.codebook else None,
-                   n_esc=entry.layout.n_esc if encoded and entry.layout else None, reason=entry.raw_reason)
+                   n_esc=entry.layout.n_esc if encoded and entry.layout else None, reason=entry.raw_reason,
+                   memory_bytes=entry.memory_length if entry.at_rest is not None else None)
 
     @property
     def ratio(self) -> float:

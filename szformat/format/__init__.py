@@ -1,4 +1,4 @@
-"""The .szt container: constants, header schema, streaming writer, mmap reader."""
+"""The .szt container: constants, header schema, the at-rest stage (1.1), streaming writer, mmap reader."""
 
 from .header import Header, TensorEntry
 from .reader import PayloadDescriptor, SztFile

@@ -22,6 +22,7 @@ from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
                       UnsupportedVersionError, short_repr)
 from . import constants as C
+from .at_rest import AtRestError, ZstdStage, parse_at_rest
 
 _U32 = (1 << 32) - 1
 
@@ -32,7 +33,9 @@ class TensorEntry:
 
     ``offset`` and ``length`` locate the stored bytes in the file; ``raw_length`` is the size of the tensor's own
     bytes. ``crc32`` checks the stored bytes, ``raw_crc32`` the decoded bytes. For ``splitzip`` entries ``layout``
-    and ``codebook`` are set; for ``raw`` entries ``raw_reason`` may say why the codec did not take it.
+    and ``codebook`` are set, and ``at_rest`` when the payload is stored through the 1.1 at-rest stage (then
+    ``length`` counts the stored bytes and :attr:`memory_length` the in-memory payload's); for ``raw`` entries
+    ``raw_reason`` may say why the codec did not take it.
     """
 
     name: str
@@ -47,10 +50,16 @@ class TensorEntry:
     layout: PayloadLayout | None = None
     codebook: Codebook | None = None
     raw_reason: str | None = None
+    at_rest: ZstdStage | None = None
 
     @property
     def numel(self) -> int:
         return math.prod(self.shape)
+
+    @property
+    def memory_length(self) -> int:
+        """Bytes of the payload once inflated: what GPU routes move and decode (``length`` without a stage)."""
+        return self.layout.comp_bytes if self.at_rest is not None else self.length
 
     def torch_dtype(self, path: str | os.PathLike) -> torch.dtype:
         """The torch dtype to decode into.
@@ -77,6 +86,8 @@ class TensorEntry:
                 "coverage": float(self.codebook.coverage),
                 "streams": self.layout.stream_offsets(),
             }}
+            if self.at_rest is not None:
+                encoding["at_rest"] = self.at_rest.to_dict()
         else:
             encoding = {"name": C.ENCODING_RAW}
             if self.raw_reason:
@@ -90,11 +101,13 @@ class TensorEntry:
 
 @dataclass
 class Header:
-    """The parsed header: tensors in file order, the source ``__metadata__``, required features."""
+    """The parsed header: tensors in file order, the source ``__metadata__``, required features, and (1.1) the
+    alignment of payloads smaller than the file's alignment."""
 
     tensors: list[TensorEntry]
     metadata: dict[str, str] | None = None
     required_features: list[str] = field(default_factory=list)
+    small_alignment: int | None = None
 
     def to_bytes(self) -> bytes:
         obj: dict[str, Any] = {"tensors": [t.to_dict() for t in self.tensors]}
@@ -102,7 +115,16 @@ class Header:
             obj["metadata"] = dict(self.metadata)
         if self.required_features:
             obj["required_features"] = list(self.required_features)
+        if self.small_alignment is not None:
+            obj["small_alignment"] = self.small_alignment
         return msgpack.packb(obj, use_bin_type=True)
+
+
+def payload_alignment(length: int, alignment: int, small_alignment: int | None) -> int:
+    """Where a payload of ``length`` stored bytes may start: a multiple of the file's ``alignment``, or, in a file
+    with ``small_alignment`` (1.1), of that smaller one for a payload shorter than :data:`C.SMALL_PAYLOAD_LIMIT`
+    (the padding before a larger one costs at most ``alignment / SMALL_PAYLOAD_LIMIT`` = 0.4 % of it)."""
+    return small_alignment if small_alignment is not None and length < C.SMALL_PAYLOAD_LIMIT else alignment
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -184,6 +206,18 @@ def parse_header(
     if unknown:
         raise UnsupportedVersionError(
             f"file needs format features {unknown} that this reader does not implement; upgrade szformat", path=path)
+    small_alignment = obj.get("small_alignment")
+    if small_alignment is not None:
+        if C.FEATURE_SMALL_ALIGNMENT not in features:
+            raise HeaderError(f"'small_alignment' is set but {C.FEATURE_SMALL_ALIGNMENT!r} is not among the "
+                              "required features", path=path)
+        if (type(small_alignment) is not int or not C.MIN_SMALL_ALIGNMENT <= small_alignment < alignment
+                or small_alignment & (small_alignment - 1)):
+            raise HeaderError(f"'small_alignment' must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}),"
+                              f" got {small_alignment!r}", path=path)
+    elif C.FEATURE_SMALL_ALIGNMENT in features:
+        raise HeaderError(f"required feature {C.FEATURE_SMALL_ALIGNMENT!r} is listed without 'small_alignment'",
+                          path=path)
 
     metadata = obj.get("metadata")
     if "metadata" in obj:  # nil is not "no metadata": that is the key left out
@@ -201,12 +235,16 @@ def parse_header(
     entries: list[TensorEntry] = []
     seen: set[str] = set()
     cursor = C.PREAMBLE_SIZE
+    at_rest_allowed = C.FEATURE_AT_REST_ZSTD in features
     for index, item in enumerate(tensors):
         entry = _parse_entry(item, index=index, path=path)
+        if entry.at_rest is not None and not at_rest_allowed:
+            raise HeaderError(f"tensor has an at-rest stage but {C.FEATURE_AT_REST_ZSTD!r} is not among the "
+                              "required features", path=path, tensor=entry.name)
         if entry.name in seen:
             raise HeaderError("tensor name appears twice in the header", path=path, tensor=entry.name)
         seen.add(entry.name)
-        expected = C.pad_to(cursor, alignment)
+        expected = C.pad_to(cursor, payload_alignment(entry.length, alignment, small_alignment))
         if entry.offset != expected:
             raise InvalidOffsetError(
                 f"payload offset {entry.offset} is not where the placement rule puts it ({expected}): payloads "
@@ -220,7 +258,8 @@ def parse_header(
     if cursor != header_offset:
         raise InvalidOffsetError(
             f"{header_offset - cursor} bytes between the last payload and the header are not explained", path=path)
-    return Header(tensors=entries, metadata=metadata, required_features=list(features))
+    return Header(tensors=entries, metadata=metadata, required_features=list(features),
+                  small_alignment=small_alignment)
 
 
 def _unpack(raw: bytes | memoryview, *, path) -> Any:
@@ -313,20 +352,33 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         if crc32 != raw_crc32:
             raise HeaderError(f"raw payload has two different checksums (crc32 {crc32:#010x}, raw_crc32 "
                               f"{raw_crc32:#010x}) for the same bytes", path=path, tensor=name)
+        if "at_rest" in encoding:
+            raise HeaderError("a raw tensor has no at-rest stage", path=path, tensor=name)
         reason = config.get("reason")
         if "reason" in config and not isinstance(reason, str):
             raise HeaderError(f"raw 'reason' must be a string, got {short_repr(reason)}", path=path, tensor=name)
         return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, **common)
     if encoding["name"] == C.ENCODING_SPLITZIP:
-        layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=length, path=path, tensor=name)
-        return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, **common)
+        staged = "at_rest" in encoding
+        layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=None if staged else length,
+                                           path=path, tensor=name)
+        stage = None
+        if staged:
+            try:
+                stage = parse_at_rest(encoding["at_rest"], layout=layout, length=length)
+            except AtRestError as e:
+                error = UnknownEncodingError if e.unknown_codec else HeaderError
+                raise error(str(e), path=path, tensor=name) from None
+        return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, at_rest=stage, **common)
     raise UnknownEncodingError(
         f"encoding {short_repr(encoding['name'])} is not known to this reader "
         f"(known: {', '.join(map(repr, C.ENCODINGS))}); "
         "the file needs a newer szformat", path=path, tensor=name)
 
 
-def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, tensor: str):
+def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int | None, path, tensor: str):
+    """The layout and codebook of a ``splitzip`` configuration; ``length`` (the stored bytes, ``None`` when an
+    at-rest stage accounts for them) must be the layout's ``comp_bytes``."""
     if dtype != "BF16":
         raise HeaderError(f"splitzip encodes BF16 only, entry has dtype {dtype}", path=path, tensor=tensor)
     chunk_size = _int(config, "chunk_size", path=path, tensor=tensor, lo=1, hi=65536)
@@ -343,7 +395,7 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int, path, 
         raise HeaderError(f"splitzip n={n} is more than the {PayloadLayout.max_elements(chunk_size)} elements whose "
                           f"chunk ids fit an int32 (2^31 chunks of {chunk_size})", path=path, tensor=tensor)
     layout = PayloadLayout(n=n, n_esc=n_esc, chunk_size=chunk_size)
-    if length != layout.comp_bytes:
+    if length is not None and length != layout.comp_bytes:
         raise HeaderError(f"payload length {length} differs from the {layout.comp_bytes} bytes its layout needs "
                           f"(n={n}, n_esc={n_esc})", path=path, tensor=tensor)
     streams = config.get("streams")

@@ -24,6 +24,7 @@ import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Sequence
 
 import torch
 
@@ -31,8 +32,9 @@ from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
 from ..codec.cpu import escape_positions
 from ..codec.layout import PayloadLayout
-from ..errors import (ChecksumMismatchError, FormatError, HeaderError, HeaderTooLargeError, InvalidOffsetError,
-                      PayloadError, TruncatedFileError, UnsupportedVersionError)
+from ..errors import (ChecksumMismatchError, DecodeRouteError, FormatError, HeaderError, HeaderTooLargeError,
+                      InvalidOffsetError, PayloadError, TruncatedFileError, UnsupportedVersionError)
+from . import at_rest
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
 
@@ -92,6 +94,8 @@ class SztFile:
             if crc != header_crc:
                 raise ChecksumMismatchError(
                     f"header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})", path=path)
+            if self.flags & C.FLAG_HEADER_ZSTD:
+                raw_header = self._inflate_header(raw_header)
             self.header: Header = parse_header(raw_header, path=self.path, alignment=self.alignment,
                                                header_offset=header_offset)
             try:
@@ -119,9 +123,9 @@ class SztFile:
             raise UnsupportedVersionError(
                 f"format version {major}.{minor} is not supported (this reader knows major "
                 f"{', '.join(map(str, C.READER_SUPPORTED_MAJORS))}); upgrade szformat", path=path)
-        if flags != 0:
-            raise UnsupportedVersionError(f"file sets preamble flags {flags:#x} that this reader does not know; "
-                                          "upgrade szformat", path=path)
+        if flags & ~C.KNOWN_FLAGS:
+            raise UnsupportedVersionError(f"file sets preamble flags {flags & ~C.KNOWN_FLAGS:#x} that this reader "
+                                          "does not know; upgrade szformat", path=path)
         if preamble[C.RESERVED_OFFSET:] != bytes(C.PREAMBLE_SIZE - C.RESERVED_OFFSET):
             raise UnsupportedVersionError("reserved preamble bytes are set; the file needs a newer reader", path=path)
         if header_length > C.MAX_HEADER_BYTES:
@@ -141,9 +145,18 @@ class SztFile:
             raise InvalidOffsetError(f"{size - file_length} unexplained bytes after the end the preamble announces",
                                      path=path)
         self.version = (major, minor)
+        self.flags = flags
         self.alignment = alignment
         self.file_length = file_length
         return header_offset, header_length, header_crc
+
+    def _inflate_header(self, stored: bytes) -> bytes:
+        """The msgpack header held in a zstd-stored header (1.1), with its size bounded before it is allocated."""
+        limit = min(C.MAX_HEADER_BYTES, C.HEADER_INFLATE_FACTOR * len(stored) + (1 << 20))
+        try:
+            return bytes(at_rest.inflate_bounded(stored, limit))
+        except at_rest.AtRestError as e:
+            raise HeaderError(f"zstd-stored header: {e}", path=self.path) from None
 
     # -- access --------------------------------------------------------------------------------------------------
 
@@ -176,8 +189,17 @@ class SztFile:
             raise KeyError(f"tensor {name!r} is not in {self.path}") from None
 
     def descriptor(self, name: str) -> PayloadDescriptor:
-        """Where the stored bytes of tensor ``name`` are and how to expand them."""
+        """Where the stored bytes of tensor ``name`` are and how to expand them.
+
+        Raises:
+            DecodeRouteError: the tensor is stored through the at-rest stage, so its stored bytes are not what a
+                device expands (load it with ``load_file``/``safe_open``, or repack the file to its in-memory form).
+        """
         e = self.entry(name)
+        if e.at_rest is not None:
+            raise DecodeRouteError("stored through the at-rest stage (zstd): its stored bytes are not the payload a "
+                                   "device expands; load it with load_file or safe_open, or write the in-memory form "
+                                   "with 'szconvert repack FILE OUT --at-rest none'", path=self.path, tensor=name)
         return PayloadDescriptor(path=self.path, name=e.name, dtype=e.dtype, shape=e.shape, encoding=e.encoding,
                                  offset=e.offset, length=e.length, raw_length=e.raw_length, layout=e.layout,
                                  codebook=e.codebook, crc32=e.crc32, raw_crc32=e.raw_crc32)
@@ -223,6 +245,40 @@ class SztFile:
             out.copy_(self._slice(offset, out.numel(), tensor=tensor))
             return
         pread_exactly(self._reads.fileno(), out, offset, path=self.path, tensor=tensor)
+
+    def memory_payload(self, name: str, *, verify: bool = False, ranges: Sequence[tuple[int, int]] | None = None,
+                       out: torch.Tensor | None = None) -> torch.Tensor:
+        """The in-memory payload of a tensor: the stored bytes themselves (a zero-copy view) unless they went through
+        the at-rest stage, which is then undone (into ``out``, flat uint8 of the in-memory size, when given), for
+        ``ranges`` of the payload only when given (the rest of the buffer is left unwritten).
+
+        With ``verify`` the stored bytes are checked against the header's CRC-32 first.
+
+        Raises:
+            PayloadError: a zstd frame is corrupt or does not inflate to its size (naming file and tensor).
+        """
+        e = self.entry(name)
+        stored = self.payload(name, verify=verify)
+        if e.at_rest is None:
+            return stored
+        try:
+            if ranges is None:
+                return at_rest.inflate(stored, e.layout, e.at_rest, out)
+            return at_rest.inflate_ranges(stored, e.layout, e.at_rest, ranges, out)
+        except at_rest.AtRestError as error:
+            raise PayloadError(str(error), path=self.path, tensor=name) from None
+
+    def check_escapes(self, name: str) -> None:
+        """Raise PayloadError unless the escape stream of SplitZip tensor ``name`` is in range and strictly ascending
+        (see :func:`check_escapes`); of a payload stored at rest, only the escape streams are inflated for it."""
+        e = self.entry(name)
+        ranges = [(e.layout.off_cid, e.layout.comp_bytes)] if e.at_rest is not None else None
+        check_escapes(self.memory_payload(name, ranges=ranges), e.layout, path=self.path, tensor=name)
+
+    @property
+    def at_rest(self) -> bool:
+        """Whether any tensor of this file is stored through the at-rest stage."""
+        return any(e.at_rest is not None for e in self.header.tensors)
 
     @property
     def buffer(self) -> mmap.mmap:

@@ -1,7 +1,9 @@
 """Streaming, atomic writer of .szt files.
 
 Payloads are written one tensor at a time into a temporary file beside the target, each at the next aligned
-offset; the header goes after the last payload and the preamble is patched last. Only a finished file is fsynced
+offset (with ``small_alignment``, a 1.1 feature, payloads under 1 MiB at the next multiple of that);
+with ``at_rest`` (a zstd level, 1.1) SplitZip payloads are stored through the at-rest stage where it makes them
+smaller; the header goes after the last payload and the preamble is patched last. Only a finished file is fsynced
 and renamed over the target, so a failed or interrupted write leaves neither an output file nor a temporary one.
 """
 
@@ -11,16 +13,18 @@ import enum
 import operator
 import os
 from pathlib import Path
-from typing import Sequence
+from typing import Any, Sequence
 
 import torch
 
 from ..checksum import crc32
+from ..codec.codebook import COVERAGE_GATE
 from ..codec.gate import EncodedTensor
 from ..errors import ConversionError, WriteError
+from . import at_rest as at_rest_stage
 from . import constants as C
 from .atomic import AtomicFile
-from .header import Header, TensorEntry, validate_metadata, validate_name, validate_shape
+from .header import Header, TensorEntry, payload_alignment, validate_metadata, validate_name, validate_shape
 
 
 class WriterState(enum.Enum):
@@ -38,17 +42,36 @@ class SztWriter:
     ``KeyboardInterrupt`` too) removes the temporary file and leaves any existing target untouched. With
     ``overwrite=False`` an existing target is never replaced: :meth:`finish` raises OutputExistsError instead.
 
+    Args:
+        path (`str` or `os.PathLike`): the file to write.
+        metadata (`dict[str, str]`, *optional*): the source's ``__metadata__``, carried unchanged.
+        alignment (`int`, *optional*): where payloads start (4096 by default).
+        at_rest (`int`, *optional*): a zstd level: SplitZip payloads go through the at-rest stage (format 1.1) where
+            it makes them smaller. :func:`writer_form` gives the options of each form.
+        frame_size (`int`, *optional*): in-memory bytes per zstd frame of the at-rest stage (1 MiB by default).
+        small_alignment (`int`, *optional*): 1.1: where payloads under 1 MiB start (16 in the at-rest form).
+        compress_header (`bool`, *optional*): 1.1: store the header through zstd when that makes it smaller.
+
     Example:
         >>> with SztWriter("model.szt", metadata={"format": "pt"}) as w:  # doctest: +SKIP
         ...     w.add("weight", "BF16", (4, 4), encode_tensor(raw_bytes, "BF16"))
     """
 
     def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
-                 alignment: int = C.DEFAULT_ALIGNMENT, overwrite: bool = True):
+                 alignment: int = C.DEFAULT_ALIGNMENT, overwrite: bool = True, at_rest: int | None = None,
+                 frame_size: int = at_rest_stage.DEFAULT_FRAME_SIZE, small_alignment: int | None = None,
+                 compress_header: bool = False):
         if type(alignment) is not int or not C.MIN_ALIGNMENT <= alignment <= C.MAX_ALIGNMENT \
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
                              f"got {alignment!r}")
+        if small_alignment is not None and (type(small_alignment) is not int or small_alignment & (small_alignment - 1)
+                                            or not C.MIN_SMALL_ALIGNMENT <= small_alignment < alignment):
+            raise ValueError(f"small_alignment must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}), "
+                             f"got {small_alignment!r}")
+        if not at_rest_stage.MIN_FRAME_SIZE <= frame_size <= at_rest_stage.MAX_FRAME_SIZE:
+            raise ValueError(f"frame_size must be in [{at_rest_stage.MIN_FRAME_SIZE}, "
+                             f"{at_rest_stage.MAX_FRAME_SIZE}], got {frame_size!r}")
         if metadata is not None:
             try:
                 validate_metadata(metadata)
@@ -56,6 +79,10 @@ class SztWriter:
                 raise ConversionError(f"{e}, as in safetensors", path=path) from None
         self.path = Path(path)
         self.alignment = alignment
+        self.at_rest = at_rest
+        self.frame_size = frame_size
+        self.small_alignment = small_alignment
+        self.compress_header = compress_header
         self.metadata = None if metadata is None else dict(metadata)
         self._entries: list[TensorEntry] = []
         self._names: set[str] = set()
@@ -83,16 +110,42 @@ class SztWriter:
         self._expect_open()
         payload = encoded.payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         shape = self._check_entry(name, dtype, shape, encoded, payload.numel())
-        self._write(bytes(C.pad_to(self._cursor, self.alignment) - self._cursor))
+        parts, length, crc, stage = self._stored(encoded, payload)
+        start = C.pad_to(self._cursor, payload_alignment(length, self.alignment, self.small_alignment))
+        self._write(bytes(start - self._cursor))
         entry = TensorEntry(
             name=name, dtype=dtype, shape=shape, encoding=encoded.encoding,
-            offset=self._cursor, length=payload.numel(), raw_length=encoded.raw_length,
-            crc32=encoded.crc32, raw_crc32=encoded.raw_crc32, layout=encoded.layout, codebook=encoded.codebook,
-            raw_reason=encoded.raw_reason)
-        self._write(memoryview(payload.numpy()))
+            offset=self._cursor, length=length, raw_length=encoded.raw_length,
+            crc32=crc, raw_crc32=encoded.raw_crc32, layout=encoded.layout, codebook=encoded.codebook,
+            raw_reason=encoded.raw_reason, at_rest=stage)
+        for part in parts:
+            self._write(part)
         self._entries.append(entry)
         self._names.add(name)
         return entry
+
+    @property
+    def coverage_gate(self) -> float:
+        """The coverage under which a BF16 tensor is stored raw in this file's form (see ``at_rest.py``)."""
+        return COVERAGE_GATE if self.at_rest is None else at_rest_stage.AT_REST_COVERAGE_GATE
+
+    def _stored(self, encoded: EncodedTensor, payload: torch.Tensor
+                ) -> tuple[list, int, int, at_rest_stage.ZstdStage | None]:
+        """The bytes to store (as pieces, in order), their length, their CRC-32 and their at-rest stage: a SplitZip
+        payload through the zstd stage when this writer has one and it makes the payload smaller; the payload as it
+        is otherwise."""
+        whole = [memoryview(payload.numpy())]
+        if self.at_rest is None or encoded.encoding != C.ENCODING_SPLITZIP or not payload.numel():
+            return whole, payload.numel(), encoded.crc32, None
+        parts, stage = at_rest_stage.compress(payload, encoded.layout, level=self.at_rest,
+                                              frame_size=self.frame_size)
+        length = sum(len(part) for part in parts)
+        if length >= payload.numel():
+            return whole, payload.numel(), encoded.crc32, None
+        crc = 0
+        for part in parts:
+            crc = crc32(part, crc)
+        return parts, length, crc, stage
 
     def _check_entry(self, name: str, dtype: str, shape: Sequence[int], encoded: EncodedTensor,
                      length: int) -> tuple[int, ...]:
@@ -136,13 +189,21 @@ class SztWriter:
         """Write header and preamble, fsync, and move the file into place atomically."""
         self._expect_open()
         try:
-            header = Header(tensors=self._entries, metadata=self.metadata).to_bytes()
+            features = self._features()
+            header = Header(tensors=self._entries, metadata=self.metadata, required_features=features,
+                            small_alignment=self.small_alignment).to_bytes()
             if len(header) > C.MAX_HEADER_BYTES:
                 raise WriteError(f"header of {len(header)} bytes exceeds the format's limit of {C.MAX_HEADER_BYTES}",
                                  path=self.path)
+            flags = 0
+            if self.compress_header:
+                stored = at_rest_stage.compress_frame(header)
+                if len(stored) < len(header):
+                    header, flags = stored, C.FLAG_HEADER_ZSTD
             header_offset = self._cursor
             self._write(header)
-            preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, C.VERSION_MINOR, 0, header_offset, len(header),
+            minor = C.VERSION_MINOR if features or flags else 0
+            preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, minor, flags, header_offset, len(header),
                                        crc32(header), self.alignment, self._cursor)
             self._file.write(preamble, at=0)
             self._file.commit()
@@ -151,6 +212,15 @@ class SztWriter:
             raise
         self.state = WriterState.FINISHED
         return self.path
+
+    def _features(self) -> list[str]:
+        """The 1.1 features this file uses (none: it is a 1.0 file, which every 1.x reader reads)."""
+        features = []
+        if any(entry.at_rest is not None for entry in self._entries):
+            features.append(C.FEATURE_AT_REST_ZSTD)
+        if self.small_alignment is not None:
+            features.append(C.FEATURE_SMALL_ALIGNMENT)
+        return features
 
     def abort(self) -> None:
         """Drop everything written so far; the target path is left as it was."""
@@ -176,3 +246,12 @@ class SztWriter:
             raise
         self._cursor += len(data) if not isinstance(data, memoryview) else data.nbytes
 
+
+def writer_form(at_rest: int | None) -> dict[str, Any]:
+    """The :class:`SztWriter` options of a form: the in-memory form (``None``: a 1.0 file) or the at-rest form at
+    zstd level ``at_rest``, whose small payloads are also packed at ``DEFAULT_SMALL_ALIGNMENT`` and whose header is
+    stored through zstd (the file is 1.1 anyway, and on a checkpoint of many small tensors page padding and the
+    header would otherwise cost a few percent of the file)."""
+    if at_rest is None:
+        return {"at_rest": None, "small_alignment": None, "compress_header": False}
+    return {"at_rest": at_rest, "small_alignment": C.DEFAULT_SMALL_ALIGNMENT, "compress_header": True}

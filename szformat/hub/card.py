@@ -33,6 +33,8 @@ class CheckpointStats:
     """Sum of the .szt file sizes, headers and alignment padding included."""
     tensors_encoded: int
     tensors_raw: int
+    files_at_rest: int = 0
+    """Files in the at-rest form (format 1.1: zstd frames, inflated on load)."""
 
     @property
     def ratio(self) -> float | None:
@@ -46,16 +48,17 @@ def checkpoint_stats(paths: Iterable[str | os.PathLike]) -> CheckpointStats:
     Raises:
         FormatError (or a subclass): a file is not a valid .szt file.
     """
-    files = original = converted = encoded = raw = 0
+    files = original = converted = encoded = raw = at_rest = 0
     for path in paths:
         with SztFile(path) as szt:
             entries = list(szt.entries.values())
+            at_rest += szt.at_rest
         files += 1
         converted += os.path.getsize(path)
         original += sum(e.raw_length for e in entries)
         encoded += sum(e.encoding == C.ENCODING_SPLITZIP for e in entries)
         raw += sum(e.encoding == C.ENCODING_RAW for e in entries)
-    return CheckpointStats(files, original, converted, encoded, raw)
+    return CheckpointStats(files, original, converted, encoded, raw, at_rest)
 
 
 def carried_metadata(source_card: str | os.PathLike | None) -> dict[str, str]:
@@ -112,12 +115,21 @@ original, from `.szt` files that are smaller than the source weights and fast to
 | Tensors encoded (SplitZip) | {stats.tensors_encoded:,} |
 | Tensors stored raw | {stats.tensors_raw:,} |
 | `.szt` files | {stats.files:,} |
+| Form | {_form_text(stats)} |
 | szformat version | {szformat_version} |
 
 ## How to load
 {_loading_section(load_ref, integration, repo_ref)}
 Files come through the Hugging Face cache, so later loads (offline too, with `HF_HUB_OFFLINE=1`) read them from disk.
 """
+
+
+def _form_text(stats: CheckpointStats) -> str:
+    """Which form the files are in, and for the at-rest form how to get the one that loads with no inflating."""
+    if not stats.files_at_rest:
+        return "in memory (format 1.0): loads with no inflating"
+    return ("at rest (format 1.1: zstd frames, inflated on load); `szconvert repack DIR OUT --at-rest none` writes "
+            "the in-memory form once, for the fastest loads")
 
 
 INTEGRATIONS = ("transformers", "diffusers")

@@ -18,9 +18,10 @@ import torch
 from ..errors import DecodeRouteError, FormatError
 from ..format.header import TensorEntry
 from ..format.index import checkpoint_shards, open_shard
-from ..format.reader import SztFile, check_crc, check_escapes
+from ..format.reader import SztFile, check_crc
 from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
+from .inflate import InflatingSource
 from .ops import DeviceOps, cuda_ops
 from .pipeline import DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource, TransferLoop
 from .ring import StagingRing
@@ -53,6 +54,7 @@ class StagingConfig:
             Pinning and unpinning pages cost more than the reads they save for a one-time load (measured on the
             H200 host: about 18 GB/s to pin, 35 GB/s to unpin, against 40 GB/s to read), so registration pays only
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
+            A file in the at-rest form (format 1.1) is always staged: the reader threads inflate it into the slots.
     """
 
     slot_bytes: int = 128 << 20
@@ -121,12 +123,16 @@ class DeviceLoader:
             if self.route == "gpu":
                 checks = self._start_escape_checks(file, entries)
                 source = self._source(file)
-                if self.verify and source.host_writes:  # the reader threads check what they have just read
+                moved = entries
+                if isinstance(source, InflatingSource):  # the route moves the in-memory form the readers make
+                    moved = source.memory_entries(entries)
+                    checks += self._start_verify(file, entries) if self.verify else []
+                elif self.verify and source.host_writes:  # the reader threads check what they have just read
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
                     checks += self._start_verify(file, entries)
-                route = self._route_for(entries, host=source.host_writes)
-                flat = route.load(entries, source, verify=inline)
+                route = self._route_for(moved, host=source.host_writes)
+                flat = route.load(moved, source, verify=inline)
             else:
                 checks = self._start_verify(file, entries) if self.verify else []
                 route = self._route_for(entries, host=True)
@@ -194,6 +200,8 @@ class DeviceLoader:
         return source
 
     def _open_source(self, file: SztFile) -> HostSource:
+        if file.at_rest:  # stored bytes are not what the device decodes, whatever the transport
+            return InflatingSource(file, self._pool)
         if self.staging.transport == "registered":
             mapping = RegisteredMapping.open(file.path, self.ops.device)
             if mapping is None:
@@ -212,8 +220,7 @@ class DeviceLoader:
         """Check the escape streams on the reader threads, beside the transfer (they read a few bytes per escape):
         the device kernels skip an escape outside its tensor but check nothing else, so escapes out of order would
         decode to wrong values, CRC-32s on or off."""
-        return [self._pool.submit(check_escapes, file.payload(e.name), e.layout, path=file.path, tensor=e.name)
-                for e in entries if e.layout is not None and e.layout.n_esc]
+        return [self._pool.submit(file.check_escapes, e.name) for e in entries if e.layout is not None and e.layout.n_esc]
 
 
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",

@@ -457,12 +457,14 @@ class HostDecodeRoute:
         for piece in transfer.pieces:
             entry = entries[piece.item]
             out = host[piece.slot_offset: piece.slot_offset + piece.length]
-            payload = file.payload(entry.name)
             if entry.encoding != ENCODING_SPLITZIP:
-                out.copy_(payload[piece.offset: piece.offset + piece.length])
+                out.copy_(file.payload(entry.name)[piece.offset: piece.offset + piece.length])
                 continue
+            start, stop = piece.offset // 2, (piece.offset + piece.length) // 2
+            ranges = entry.layout.byte_ranges(start, stop) if entry.at_rest is not None else None
+            payload = file.memory_payload(entry.name, ranges=ranges)  # at rest: inflates what the piece needs
             try:
-                cpu_codec.decode(payload, entry.layout, entry.codebook, start=piece.offset // 2,
-                                 stop=(piece.offset + piece.length) // 2, out=out.view(torch.bfloat16))
+                cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop,
+                                 out=out.view(torch.bfloat16))
             except ValueError as e:
                 raise PayloadError(str(e), path=file.path, tensor=entry.name) from None

@@ -77,7 +77,7 @@ def stage_entry(source: SztFile, name: str, host: torch.Tensor, offset: int, *, 
         PayloadError: the payload does not decode (host decode only).
     """
     entry = source.entry(name)
-    payload = source.payload(name)
+    payload = source.memory_payload(name)
     staged = describe_entry(source, name, offset, decode_on_host=decode_on_host)
     if offset + staged.reserved > host.numel():
         raise DecodeRouteError(
@@ -100,7 +100,7 @@ def describe_entry(source: SztFile, name: str, offset: int, *, decode_on_host: b
     entry = source.entry(name)
     expand_on_device = entry.encoding == ENCODING_SPLITZIP and not decode_on_host
     return StagedEntry(name=name, path=source.path, offset=offset, raw_length=entry.raw_length,
-                       payload_bytes=entry.length if expand_on_device else entry.raw_length,
+                       payload_bytes=entry.memory_length if expand_on_device else entry.raw_length,
                        layout=entry.layout if expand_on_device else None,
                        codebook=entry.codebook if expand_on_device else None)
 

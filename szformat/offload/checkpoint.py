@@ -3,15 +3,22 @@
 An offloader streams from whichever shard holds a tensor, so a sharded checkpoint is opened whole (every file
 mapped, every header validated, every escape stream checked) before anything is bound, and stays open while the
 runtime uses it.
+
+A shard stored in the at-rest form (.szt 1.1) is inflated once, at opening, into its in-memory form in host memory
+(a file in ``/dev/shm`` where there is one), which the routes then map, register and stream from as from any
+in-memory file: the runtime's transfers and decodes stay as they are, and the zstd work is paid once, not per use.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+import tempfile
 from pathlib import Path
 
 from ..errors import FormatError
 from ..format.header import TensorEntry
+from ..format.forms import rewrite_form
 from ..format.index import checkpoint_shards, open_shard
 from ..format.reader import SztFile, check_escapes
 
@@ -36,9 +43,12 @@ class Checkpoint:
         self.files: list[SztFile] = []
         self.entries: dict[str, TensorEntry] = {}
         self._file_of: dict[str, SztFile] = {}
+        self._host_copies: list[Path] = []
         try:
             for shard in checkpoint_shards(path):
                 file = open_shard(shard)
+                if file.at_rest:
+                    file = self._in_host_memory(file)
                 self.files.append(file)
                 for name in file.entries:
                     if name in self.entries:
@@ -51,6 +61,16 @@ class Checkpoint:
             self.close()
             raise
 
+    def _in_host_memory(self, file: SztFile) -> SztFile:
+        """The in-memory form of an at-rest shard, written once into host memory and opened (``file`` is closed)."""
+        base = Path("/dev/shm")
+        folder = Path(tempfile.mkdtemp(prefix="szformat-", dir=base if base.is_dir() and os.access(base, os.W_OK)
+                                       else None))
+        self._host_copies.append(folder)
+        with file:
+            copy = rewrite_form(file, folder / file.path.name, at_rest=None)
+        return SztFile(copy)
+
     def file(self, name: str) -> SztFile:
         """The open file that holds entry ``name``."""
         try:
@@ -60,7 +80,7 @@ class Checkpoint:
 
     @property
     def stored_bytes(self) -> int:
-        """Bytes of every payload as stored (what stays in host memory)."""
+        """Bytes of every payload as held (what stays in host memory: the in-memory form of at-rest shards)."""
         return sum(entry.length for entry in self.entries.values())
 
     @property
@@ -71,6 +91,9 @@ class Checkpoint:
     def close(self) -> None:
         for file in self.files:
             file.close()
+        for folder in self._host_copies:  # pages still mapped stay valid until unmapped
+            shutil.rmtree(folder, ignore_errors=True)
+        self._host_copies.clear()
 
     def __enter__(self) -> "Checkpoint":
         return self

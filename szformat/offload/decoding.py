@@ -73,7 +73,7 @@ class CheckpointDecoder:
 def decode_on_cpu(file: SztFile, entry: TensorEntry) -> torch.Tensor:
     """Entry ``entry`` of ``file`` as a new CPU tensor, by the reference decoder, straight from the mapping."""
     out = torch.empty(entry.shape, dtype=entry.torch_dtype(file.path))
-    payload = file.payload(entry.name)
+    payload = file.memory_payload(entry.name)
     if entry.encoding != ENCODING_SPLITZIP:
         out.view(-1).view(torch.uint8).copy_(payload)
         return out

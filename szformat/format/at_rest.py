@@ -1,0 +1,419 @@
+"""The at-rest stage of .szt 1.1: streams of a SplitZip payload stored as independent zstd frames.
+
+The in-memory SplitZip payload is what GPU kernels, in-place decoding and the offload routes consume; it stays
+exactly as it is. At rest (on disk, on the Hub) some of its streams (``pk``, the packed 4-bit exponent codes, is the
+one that pays: ``sm`` is sign and mantissa bits, close to random) are cut into frames of ``frame_size`` in-memory
+bytes, each compressed on its own, so that several threads can inflate one tensor and a slice inflates only the
+frames it covers. Inflating gives back the in-memory payload byte for byte.
+
+The payload's five streams, each extended to the next stream's offset (so the ``align4`` padding belongs to the
+stream before it), tile ``[0, comp_bytes)``. The stored bytes are those extents in payload order: a compressed
+stream as its frames, one after another; any other stream verbatim.
+
+Every frame is checked before it is inflated: its length in the header, the zstd frame that length holds (walked
+block by block, so a frame that ends early or runs on is refused), its declared content size (exactly the in-memory
+bytes it stands for: a frame that claims more is refused before any memory is allocated for it), and zstd's own
+content checksum, which every frame carries. Inflating writes into the caller's buffer; nothing larger than a
+frame's in-memory size is allocated.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+import torch
+import zstandard
+
+from ..codec.layout import PayloadLayout
+
+__all__ = ["AT_REST_ZSTD", "FEATURE_AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
+           "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
+           "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "parse_at_rest", "parse_at_rest_option",
+           "stream_extents", "segments", "writer_streams", "compress", "inflate", "inflate_ranges", "stored_ranges",
+           "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
+
+AT_REST_ZSTD = "zstd"
+"""The one at-rest codec of 1.1."""
+
+FEATURE_AT_REST_ZSTD = "at_rest_zstd"
+"""The ``required_features`` name a file with any at-rest stage lists, so a 1.0 reader refuses it by name."""
+
+STREAMS = ("pk", "sm", "chunk_id", "local_pos", "esc_val")
+"""The streams of a SplitZip payload, in payload order."""
+
+DEFAULT_STREAMS = ("pk",)
+"""Streams the writer compresses: on real BF16 weights ``pk`` shrinks to ~0.65 and ``sm`` not at all (1.0000);
+the escape streams are usually a fraction of a per mille of the payload (``tools/bench_at_rest.py``)."""
+
+ESCAPE_STREAMS = ("chunk_id", "local_pos", "esc_val")
+ESCAPE_STREAMS_MIN_BYTES = 4096
+"""The writer compresses the escape streams too when they hold at least this many bytes (about 585 escapes): then
+they shrink to about half (chunk ids are sorted, positions and exponents few-valued); below it a frame's own
+header and tables would cost more than it saves."""
+
+AT_REST_COVERAGE_GATE = 0.90
+"""The writer's coverage gate for the at-rest form. The in-memory form stores tensors under 0.99 raw (escapes cost
+7 bytes each there); at rest their escape streams go through zstd, so a tensor down to about 0.93 (below that its
+in-memory payload is no smaller than raw, and the size gate stores it raw) still ends near 0.7 of raw instead of
+1.0. On CRAFT's 12 such tensors (5.5 % of it): 0.68-0.78."""
+
+DEFAULT_LEVEL = 1
+"""zstd level: level 1 stores ``pk`` smaller than 3 or 6 on real weights, and compresses 2-6x faster."""
+
+DEFAULT_FRAME_SIZE = 1 << 20
+"""In-memory bytes per frame: small enough that a slice inflates little more than it needs and that many threads
+share one large tensor, large enough that the per-frame cost (header, checksum, a call) stays under 1 %."""
+
+MIN_FRAME_SIZE = 1 << 12
+MAX_FRAME_SIZE = 1 << 26
+"""Bounds on ``frame_size``: they bound both the header's frame list and the memory one frame may claim."""
+
+_MAX_WINDOW = MAX_FRAME_SIZE
+"""A frame never needs a window larger than its content; a hostile frame asking for more is refused by zstd."""
+
+
+class AtRestError(ValueError):
+    """An at-rest configuration or a stored frame breaks a rule; callers add the file and tensor.
+
+    ``unknown_codec`` says the file names an at-rest codec this reader does not implement (it needs a newer one)."""
+
+    def __init__(self, message: str, *, unknown_codec: bool = False):
+        super().__init__(message)
+        self.unknown_codec = unknown_codec
+
+
+@dataclass(frozen=True)
+class ZstdStage:
+    """How a tensor's SplitZip payload is stored at rest: which streams are zstd frames, of what size.
+
+    ``frames`` lists the stored length of every frame, streams in payload order, frames in order within a stream.
+    ``level`` is informational (what the writer used); a reader does not need it.
+    """
+
+    streams: tuple[str, ...]
+    frame_size: int
+    frames: tuple[int, ...]
+    level: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        configuration: dict[str, Any] = {"streams": list(self.streams), "frame_size": self.frame_size,
+                                         "frames": list(self.frames)}
+        if self.level is not None:
+            configuration["level"] = self.level
+        return {"name": AT_REST_ZSTD, "configuration": configuration}
+
+
+@dataclass(frozen=True)
+class Segment:
+    """One piece of a payload: in-memory bytes ``[memory, memory + memory_length)`` stored at ``[stored,
+    stored + stored_length)`` of the stored bytes, as one zstd frame or (``compressed`` false) verbatim."""
+
+    memory: int
+    memory_length: int
+    stored: int
+    stored_length: int
+    compressed: bool
+
+
+def stream_extents(layout: PayloadLayout) -> list[tuple[str, int, int]]:
+    """``(stream, start, stop)`` of each stream with the padding after it: together they tile ``[0, comp_bytes)``."""
+    offsets = layout.stream_offsets()
+    bounds = [offsets[name] for name in STREAMS] + [layout.comp_bytes]
+    return [(name, bounds[i], bounds[i + 1]) for i, name in enumerate(STREAMS)]
+
+
+def _frame_count(length: int, frame_size: int) -> int:
+    return -(-length // frame_size)
+
+
+def segments(layout: PayloadLayout, stage: ZstdStage) -> list[Segment]:
+    """The pieces of a payload stored with ``stage``, in order.
+
+    Raises:
+        AtRestError: the stage does not fit the layout (frame count, a frame length of 0).
+    """
+    expected = sum(_frame_count(stop - start, stage.frame_size)
+                   for name, start, stop in stream_extents(layout) if name in stage.streams)
+    if len(stage.frames) != expected:
+        raise AtRestError(f"zstd stage lists {len(stage.frames)} frames; streams {list(stage.streams)} of this "
+                          f"layout in frames of {stage.frame_size} bytes make {expected}")
+    result: list[Segment] = []
+    stored = 0
+    frames = iter(stage.frames)
+    for name, start, stop in stream_extents(layout):
+        if name not in stage.streams:
+            if stop > start:
+                result.append(Segment(start, stop - start, stored, stop - start, False))
+                stored += stop - start
+            continue
+        for memory in range(start, stop, stage.frame_size):
+            length = next(frames)
+            result.append(Segment(memory, min(stage.frame_size, stop - memory), stored, length, True))
+            stored += length
+    return result
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Header form
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdStage:
+    """Validate an encoding's ``at_rest`` map against the payload layout and the entry's stored ``length``.
+
+    Raises:
+        AtRestError: a malformed map, an unknown codec (its message says so), or frames that do not add up.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
+    if obj["name"] != AT_REST_ZSTD:
+        raise AtRestError(f"at-rest codec {obj['name']!r} is not known to this reader (known: {AT_REST_ZSTD!r}); "
+                          "the file needs a newer szformat", unknown_codec=True)
+    config = obj.get("configuration")
+    if not isinstance(config, dict):
+        raise AtRestError("zstd 'configuration' must be a map")
+    streams = config.get("streams")
+    if (not isinstance(streams, list) or not streams or not all(isinstance(s, str) for s in streams)
+            or any(s not in STREAMS for s in streams) or len(set(streams)) != len(streams)
+            or streams != sorted(streams, key=STREAMS.index)):
+        raise AtRestError(f"zstd 'streams' must be distinct stream names in payload order {list(STREAMS)}, "
+                          f"got {streams!r}")
+    frame_size = config.get("frame_size")
+    if type(frame_size) is not int or not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
+        raise AtRestError(f"zstd 'frame_size' must be an integer in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], "
+                          f"got {frame_size!r}")
+    frames = config.get("frames")
+    if not isinstance(frames, list) or any(type(f) is not int or f <= 0 for f in frames):
+        raise AtRestError("zstd 'frames' must be a list of positive integers (stored frame lengths)")
+    level = config.get("level")
+    if level is not None and type(level) is not int:
+        raise AtRestError(f"zstd 'level' must be an integer, got {level!r}")
+    stage = ZstdStage(tuple(streams), frame_size, tuple(frames), level)
+    pieces = segments(layout, stage)
+    stored = pieces[-1].stored + pieces[-1].stored_length if pieces else 0
+    if stored != length:
+        raise AtRestError(f"frames and verbatim streams add up to {stored} stored bytes, the entry records {length}")
+    return stage
+
+
+def parse_at_rest_option(option: str | None) -> int | None:
+    """``"zstd"`` or ``"zstd:LEVEL"`` (the ``--at-rest`` form) as a zstd level; ``None`` or ``"none"``: no stage.
+
+    Raises:
+        ValueError: anything else, saying what is accepted.
+    """
+    if option is None or option == "none":
+        return None
+    name, _, level = option.partition(":")
+    if name != AT_REST_ZSTD:
+        raise ValueError(f"at-rest codec {name!r} is not supported; use 'zstd', 'zstd:LEVEL' or 'none'")
+    if not level:
+        return DEFAULT_LEVEL
+    try:
+        value = int(level)
+    except ValueError:
+        raise ValueError(f"zstd level {level!r} is not an integer") from None
+    lo, hi = -7, zstandard.MAX_COMPRESSION_LEVEL
+    if not lo <= value <= hi or value == 0:
+        raise ValueError(f"zstd level must be in [{lo}, -1] or [1, {hi}], got {value}")
+    return value
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Compressing and inflating
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def writer_streams(layout: PayloadLayout) -> tuple[str, ...]:
+    """The streams a writer compresses for a payload of this layout: ``pk``, and the escape streams when they hold
+    :data:`ESCAPE_STREAMS_MIN_BYTES` or more."""
+    many_escapes = layout.comp_bytes - layout.off_cid >= ESCAPE_STREAMS_MIN_BYTES
+    return DEFAULT_STREAMS + ESCAPE_STREAMS if many_escapes else DEFAULT_STREAMS
+
+
+def compress(payload: torch.Tensor, layout: PayloadLayout, *, level: int = DEFAULT_LEVEL,
+             frame_size: int = DEFAULT_FRAME_SIZE,
+             streams: Sequence[str] | None = None) -> tuple[list[memoryview | bytes], ZstdStage]:
+    """The stored bytes of an in-memory payload (flat uint8 CPU tensor of ``layout.comp_bytes``) and their stage.
+
+    The stored bytes come as their pieces, in order: views of the payload's verbatim streams and the frames, so
+    nothing is copied before it is written (joining them cost more than compressing, on MiniLM). ``streams``
+    defaults to :func:`writer_streams`.
+    """
+    if not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
+        raise ValueError(f"frame size must be in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], got {frame_size}")
+    streams = writer_streams(layout) if streams is None else tuple(s for s in STREAMS if s in streams)
+    data = memoryview(payload.numpy())
+    compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
+    parts: list[memoryview | bytes] = []
+    frames: list[int] = []
+    for name, start, stop in stream_extents(layout):
+        if name not in streams:
+            if stop > start:
+                parts.append(data[start:stop])
+            continue
+        for memory in range(start, stop, frame_size):
+            frame = compressor.compress(data[memory: min(memory + frame_size, stop)])
+            parts.append(frame)
+            frames.append(len(frame))
+    return parts, ZstdStage(streams, frame_size, tuple(frames), level)
+
+
+def frame_compressed_size(frame: memoryview) -> int:
+    """The length of the zstd frame at the start of ``frame``, walked block by block (zstd's
+    ``ZSTD_findFrameCompressedSize``).
+
+    Raises:
+        AtRestError: not a zstd frame, or it ends before its last block (and checksum).
+    """
+    try:
+        cursor = zstandard.frame_header_size(frame)
+        has_checksum = zstandard.get_frame_parameters(frame).has_checksum
+    except zstandard.ZstdError as e:
+        raise AtRestError(f"not a zstd frame ({e})") from None
+    size = len(frame)
+    while True:
+        if cursor + 3 > size:
+            raise AtRestError("zstd frame ends inside a block header")
+        header = frame[cursor] | frame[cursor + 1] << 8 | frame[cursor + 2] << 16
+        last, kind, block = header & 1, (header >> 1) & 3, header >> 3
+        if kind == 3:
+            raise AtRestError("zstd frame holds a reserved block type")
+        cursor += 3 + (1 if kind == 1 else block)  # an RLE block stores one byte
+        if cursor > size:
+            raise AtRestError("zstd frame ends inside a block")
+        if last:
+            break
+    cursor += 4 if has_checksum else 0
+    if cursor > size:
+        raise AtRestError("zstd frame ends inside its checksum")
+    return cursor
+
+
+def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecompressor) -> None:
+    """Inflate one stored frame into ``out``, which it must fill exactly; every check first."""
+    try:
+        params = zstandard.get_frame_parameters(frame)
+    except zstandard.ZstdError as e:
+        raise AtRestError(f"not a zstd frame ({e})") from None
+    if params.content_size != len(out):
+        raise AtRestError(
+            "zstd frame does not declare its content size" if params.content_size == zstandard.CONTENTSIZE_UNKNOWN
+            else f"zstd frame declares {params.content_size} bytes, the layout gives it {len(out)}")
+    if not params.has_checksum:
+        raise AtRestError("zstd frame carries no content checksum")
+    if frame_compressed_size(frame) != len(frame):
+        raise AtRestError(f"zstd frame is {frame_compressed_size(frame)} bytes long, the header records "
+                          f"{len(frame)}")
+    try:
+        reader = dctx.stream_reader(frame)
+        filled = reader.readinto(out) if len(out) else 0
+        trailing = reader.read(1)  # reads the checksum, which zstd then checks
+    except zstandard.ZstdError as e:
+        raise AtRestError(f"zstd frame is corrupt ({e})") from None
+    if filled != len(out) or trailing:
+        raise AtRestError(f"zstd frame inflates to {filled + len(trailing)}+ bytes, not {len(out)}")
+
+
+def inflate_bounded(frame: bytes | memoryview, limit: int) -> bytearray:
+    """The content of one whole zstd frame that declares its size (at most ``limit`` bytes) and carries a
+    checksum: what a 1.1 header stored through zstd holds. Nothing is allocated before the declared size is checked.
+
+    Raises:
+        AtRestError: not such a frame, a size over ``limit``, or a corrupt frame.
+    """
+    frame = memoryview(frame)
+    try:
+        size = zstandard.get_frame_parameters(frame).content_size
+    except zstandard.ZstdError as e:
+        raise AtRestError(f"not a zstd frame ({e})") from None
+    if size == zstandard.CONTENTSIZE_UNKNOWN or size > limit:
+        raise AtRestError("zstd frame does not declare its content size" if size == zstandard.CONTENTSIZE_UNKNOWN
+                          else f"zstd frame declares {size} bytes, more than the limit of {limit}")
+    out = bytearray(size)
+    _inflate_frame(frame, memoryview(out), decompressor())
+    return out
+
+
+def compress_frame(data: bytes, level: int = DEFAULT_LEVEL) -> bytes:
+    """One zstd frame holding ``data``, with its content size and checksum (what every reader check expects)."""
+    return zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True).compress(data)
+
+
+_contexts = threading.local()
+
+
+def decompressor() -> zstandard.ZstdDecompressor:
+    """This thread's zstd decompression context: one per thread (a context serves one call at a time), reused by
+    every frame the thread inflates instead of set up again for each."""
+    dctx = getattr(_contexts, "dctx", None)
+    if dctx is None:
+        dctx = _contexts.dctx = zstandard.ZstdDecompressor(max_window_size=_MAX_WINDOW)
+    return dctx
+
+
+def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: torch.Tensor | None = None, *,
+            start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """In-memory payload bytes ``[start, stop)`` (default: all of them) from the stored bytes.
+
+    Only the segments overlapping the range are read; a frame partly inside it is inflated whole into a scratch
+    buffer of one frame. ``out`` (flat uint8, ``stop - start`` bytes) receives the bytes when given.
+
+    Raises:
+        AtRestError: a frame is corrupt, truncated, or does not inflate to exactly its in-memory size.
+    """
+    stop = layout.comp_bytes if stop is None else stop
+    if not 0 <= start <= stop <= layout.comp_bytes:
+        raise ValueError(f"range [{start}, {stop}) is outside the payload of {layout.comp_bytes} bytes")
+    if out is None:
+        out = torch.empty(stop - start, dtype=torch.uint8)
+    elif out.numel() != stop - start:
+        raise ValueError(f"output holds {out.numel()} bytes, the range {stop - start}")
+    dctx = decompressor()
+    source = memoryview(stored.numpy()) if stored.numel() else memoryview(b"")
+    target = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
+    scratch: memoryview | None = None
+    for seg in segments(layout, stage):
+        lo, hi = max(start, seg.memory), min(stop, seg.memory + seg.memory_length)
+        if lo >= hi and seg.memory_length:
+            continue
+        if seg.stored + seg.stored_length > len(source):
+            raise AtRestError(f"segment at stored byte {seg.stored} runs past the {len(source)} stored bytes")
+        piece = source[seg.stored: seg.stored + seg.stored_length]
+        if not seg.compressed:
+            target[lo - start: hi - start] = piece[lo - seg.memory: hi - seg.memory]
+        elif lo == seg.memory and hi == seg.memory + seg.memory_length:
+            _inflate_frame(piece, target[lo - start: hi - start], dctx)
+        else:
+            if scratch is None:
+                scratch = memoryview(bytearray(stage.frame_size))
+            _inflate_frame(piece, scratch[: seg.memory_length], dctx)
+            target[lo - start: hi - start] = scratch[lo - seg.memory: hi - seg.memory]
+    return out
+
+
+def stored_ranges(layout: PayloadLayout, stage: ZstdStage, ranges: Sequence[tuple[int, int]]
+                  ) -> list[tuple[int, int]]:
+    """The stored byte ranges (frames whole, verbatim pieces in part) that inflating in-memory ``ranges`` reads:
+    what a reader must fetch from the file to inflate only them."""
+    spans = []
+    for seg in segments(layout, stage):
+        for lo, hi in ranges:
+            lo, hi = max(lo, seg.memory), min(hi, seg.memory + seg.memory_length)
+            if lo < hi:
+                spans.append((seg.stored, seg.stored + seg.stored_length) if seg.compressed
+                             else (seg.stored + lo - seg.memory, seg.stored + hi - seg.memory))
+    return spans
+
+
+def inflate_ranges(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage,
+                   ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
+    """A buffer of the payload's in-memory size (``out`` when given) where only ``ranges`` are inflated (the rest
+    is left unwritten: a new buffer's pages are never touched, so a slice of a large tensor costs memory for what
+    it reads)."""
+    payload = torch.empty(layout.comp_bytes, dtype=torch.uint8) if out is None else out
+    for lo, hi in ranges:
+        inflate(stored, layout, stage, payload[lo:hi], start=lo, stop=hi)
+    return payload

