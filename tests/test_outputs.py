@@ -40,12 +40,7 @@ def test_two_conversions_racing_to_one_output_leave_one_winner_and_one_complete_
                                                                                        layout, renameat2):
     if renameat2 != "renameat2":
         monkeypatch.setattr(atomic, "_renameat2", lambda: None)
-    if layout == "file":
-        save_safetensors(model_tensors(), tmp_path / "model.safetensors", metadata=METADATA)
-        source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
-    else:
-        write_pipeline(tmp_path / "pipe")
-        source, target = tmp_path / "pipe", tmp_path / "out"
+    source, target = conversion_case(tmp_path, layout)
     real = convert_module.write_tensor
     both_started = threading.Barrier(2, timeout=60)
     started: set[int] = set()
@@ -132,16 +127,22 @@ def stop_mid_conversion(process: subprocess.Popen, signum: int) -> tuple[int, st
     return process.returncode, err
 
 
-@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
-@pytest.mark.parametrize("layout", ["file", "folder"])
-def test_a_stopping_signal_removes_the_temporaries_and_prints_one_line(tmp_path, signum, layout):
+def conversion_case(tmp_path, layout: str):
+    """A source to convert and its target: one safetensors file, or a pipeline folder."""
     if layout == "file":
         save_safetensors(model_tensors(), tmp_path / "model.safetensors", metadata=METADATA)
         source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
     else:
         write_pipeline(tmp_path / "pipe")
         source, target = tmp_path / "pipe", tmp_path / "out"
+    return source, target
+
+
+@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGHUP, signal.SIGINT])
+@pytest.mark.parametrize("layout", ["file", "folder"])
+def test_a_stopping_signal_removes_the_temporaries_and_prints_one_line(tmp_path, signum, layout):
+    source, target = conversion_case(tmp_path, layout)
     before = listing(tmp_path)
     status, err = stop_mid_conversion(start_szconvert(source, target), signum)
     what = "interrupted" if signum == signal.SIGINT else f"stopped by {signal.Signals(signum).name}"
@@ -152,12 +153,7 @@ def test_a_stopping_signal_removes_the_temporaries_and_prints_one_line(tmp_path,
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process probing through /proc")
 @pytest.mark.parametrize("layout", ["file", "folder"])
 def test_the_next_run_removes_what_a_killed_writer_left(tmp_path, layout):
-    if layout == "file":
-        save_safetensors(model_tensors(), tmp_path / "model.safetensors", metadata=METADATA)
-        source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
-    else:
-        write_pipeline(tmp_path / "pipe")
-        source, target = tmp_path / "pipe", tmp_path / "out"
+    source, target = conversion_case(tmp_path, layout)
     before = listing(tmp_path)
     status, _ = stop_mid_conversion(start_szconvert(source, target), signal.SIGKILL)
     assert status == -signal.SIGKILL
