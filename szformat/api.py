@@ -27,6 +27,7 @@ from .format.reader import PayloadDescriptor, SztFile, check_crc
 from .format.at_rest import parse_at_rest_option as at_rest_level
 from .format.writer import SztWriter, writer_form
 from .loading import DeviceLoader, StagingConfig, load_to_device
+from .loading.host_decode import decode_entries
 from .loading.loader import load_checkpoint
 from .paths import resolve_path
 
@@ -137,8 +138,16 @@ class safe_open:
         """
         if self._device_loader is not None:
             return self._device_loader.load(self._file, [name])[name]
-        entry = self._file.entry(name)
-        return self._read(entry, 0, entry.shape[0] if entry.shape else 1).to(self.device)
+        return self._decode_all([name])[0]
+
+    def _decode_all(self, names: list[str]) -> list[torch.Tensor]:
+        """Tensors ``names``, decoded on the CPU (several threads; see :mod:`szformat.loading.host_decode`)."""
+        entries = [self._file.entry(name) for name in names]
+        check_stored = [self.verify and name not in self._verified for name in names]
+        tensors = decode_entries(self._file, entries, check_stored=check_stored, check_decoded=self.verify)
+        if self.verify:
+            self._verified.update(names)
+        return tensors
 
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers.
@@ -297,8 +306,10 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
         return load_to_device(path, device, route=route, staging=staging, verify=verify)
 
     def load_shard(file: SztFile, names: list[str] | None) -> dict[str, torch.Tensor]:
-        with safe_open(file.path, framework="pt", device=device, verify=verify) as f:
-            return {name: f.get_tensor(name) for name in (f.keys() if names is None else names)}
+        names = list(file.entries) if names is None else names
+        entries = [file.entry(name) for name in names]
+        tensors = decode_entries(file, entries, check_stored=[verify] * len(entries), check_decoded=verify)
+        return dict(zip(names, tensors))
 
     return load_checkpoint(load_shard, path)
 

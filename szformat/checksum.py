@@ -8,10 +8,12 @@ pieces in parallel; it also joins the CRCs of adjacent pieces (:func:`crc32_comb
 
 from __future__ import annotations
 
+from typing import Iterable
+
 import torch
 from zlib_ng import zlib_ng
 
-__all__ = ["crc32", "crc32_combine", "tensor_crc32"]
+__all__ = ["crc32", "crc32_combine", "crc32_join", "tensor_crc32"]
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -29,3 +31,11 @@ def crc32_combine(crc_a: int, crc_b: int, length_b: int) -> int:
     if length_b < 0:  # zlib-ng would read it as a huge unsigned length and loop for a very long time
         raise ValueError(f"length must not be negative, got {length_b}")
     return zlib_ng.crc32_combine(crc_a, crc_b, length_b)
+
+
+def crc32_join(parts: Iterable[tuple[int, int]]) -> int:
+    """The CRC-32 of consecutive pieces of bytes from ``(crc, length)`` of each piece, in order."""
+    crc = 0
+    for part, length in parts:
+        crc = crc32_combine(crc, part, length)
+    return crc

@@ -18,6 +18,7 @@ from szformat.api import tensor_bytes
 from szformat.errors import ChecksumMismatchError, ConversionError, FormatError, PayloadError, RoundTripError
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
+from szformat.loading import host_decode
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -372,11 +373,19 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         checked.append((kwargs["tensor"], kwargs["what"]))
         return real(*args, **kwargs)
 
+    real_compare = host_decode._compare
+
+    def compare_spy(actual, expected, what, path, tensor):
+        checked.append((tensor, what))
+        return real_compare(actual, expected, what, path, tensor)
+
     monkeypatch.setattr(api, "check_crc", spy)
+    monkeypatch.setattr(host_decode, "_compare", compare_spy)
     with safe_open(model_file, framework="pt") as f:
         f.get_slice("weight")[0:2]
         f.get_slice("weight")[5]
         f.get_tensor("weight")
+        f.get_tensor("bias")
         f.get_tensor("bias")
     assert checked == [("weight", "stored bytes"), ("weight", "decoded bytes"), ("bias", "stored bytes")]
 

@@ -30,10 +30,14 @@ views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 from __future__ import annotations
 
 import functools
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Iterator, Sequence
 
 import numpy as np
 import torch
 
+from ..checksum import crc32, crc32_combine, crc32_join
 from .codebook import Codebook, codebook_from_histogram
 from .layout import ESCAPE_CODE, PayloadLayout
 
@@ -448,6 +452,110 @@ def _decode_one(payload: torch.Tensor, layout: PayloadLayout, dec_lut: tuple[int
     return bits - 0x10000 if bits & 0x8000 else bits
 
 
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Run PyTorch's CPU ops of the calling thread on one intra-op thread, and restore the setting after.
+
+    The codec's ops are short and many; with intra-op threads each of them forks and joins a team, and when another
+    process holds a core every join waits for a descheduled thread (decoding fell from 1 GB/s to 11 MB/s with two
+    busy processes on 2 cores). One thread per op never waits; parallelism, where wanted, comes from independent
+    threads each running whole ranges (``szformat.loading.host_decode``).
+
+    ``torch.set_num_threads`` is process-wide with some backends and per thread with OpenMP (new threads start from
+    the last value set). So a thread already at one thread changes nothing, and a thread that changes it puts back
+    its own value: nested uses, and threads that enter while another is inside, never leave the setting at one.
+    """
+    threads = torch.get_num_threads()
+    if threads == 1:
+        yield
+        return
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+@dataclass(frozen=True)
+class RangeChecksums:
+    """CRC-32s of what decoding one range of elements read and wrote: its ``pk`` bytes, its ``sm`` bytes, and the
+    decoded (raw) bytes. :meth:`PayloadDecoder.stored_crc` joins those of consecutive ranges into the CRC-32 of the
+    whole payload, so the stored bytes are checked while each range is in cache, not in a pass of their own."""
+
+    pk: int
+    sm: int
+    raw: int
+
+
+class PayloadDecoder:
+    """A SplitZip payload whose escape streams are validated once, decoded range by range, from any thread.
+
+    Args:
+        payload (`torch.Tensor`): a flat contiguous uint8 CPU tensor of at least ``layout.comp_bytes`` (a zero-copy
+            view of an mmap is fine).
+        layout (`PayloadLayout`), codebook (`Codebook`): the tensor's layout and codebook.
+
+    Raises:
+        ValueError: a short payload or an inconsistent escape stream.
+    """
+
+    def __init__(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook):
+        _check_payload(payload, layout)
+        self.payload, self.layout, self.codebook = payload, layout, codebook
+        self.position, self.esc_val = _validated_escapes(payload, layout)
+        self.table = _pair_exponent_table(codebook.dec_lut)
+
+    def decode(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """Decode elements ``[start, stop)`` into ``out``, a contiguous bfloat16 tensor of ``stop - start``."""
+        if not 0 <= start <= stop <= self.layout.n:
+            raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
+        if out.dtype != torch.bfloat16 or out.numel() != stop - start or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bfloat16 tensor of {stop - start} elements")
+        payload, layout, lut = self.payload, self.layout, self.codebook.dec_lut
+        bits = out.view(-1).view(torch.int16)
+        first, last = start + start % 2, stop - stop % 2  # the whole pairs inside the range
+        with one_intra_op_thread():
+            if start % 2 and start < stop:
+                bits[0] = _decode_one(payload, layout, lut, start)
+            if stop % 2 and stop - 1 >= start:
+                bits[stop - 1 - start] = _decode_one(payload, layout, lut, stop - 1)
+            if first < last:
+                _decode_pairs(payload[layout.off_pk + first // 2: layout.off_pk + last // 2],
+                              payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8), self.table,
+                              bits if (first, last) == (start, stop) else bits[first - start: last - start])
+        _patch_escapes(self.position, self.esc_val, start, stop, bits)
+
+    def decode_checked(self, start: int, stop: int, out: torch.Tensor) -> RangeChecksums:
+        """:meth:`decode`, and the CRC-32s of the stored bytes it reads and of the bytes it writes.
+
+        The stored bytes are checksummed just before they are decoded and the decoded ones just after, while each
+        is in cache. ``start`` is even, so consecutive ranges read consecutive ``pk`` bytes.
+        """
+        if start % 2:
+            raise ValueError(f"a checked range starts at an even element, not {start}")
+        data, layout = self.payload.numpy(), self.layout
+        pk = crc32(data[layout.off_pk + start // 2: layout.off_pk + (stop + 1) // 2])
+        sm = crc32(data[layout.off_sm + start: layout.off_sm + stop])
+        self.decode(start, stop, out)
+        return RangeChecksums(pk, sm, crc32(out.view(torch.uint8).numpy()))
+
+    def stored_crc(self, ranges: Sequence[tuple[int, int, RangeChecksums]]) -> int:
+        """The CRC-32 of the whole payload from the checksums of ranges ``(start, stop, checksums)`` that cover
+        ``[0, n)`` in order, and the bytes between and after the streams (padding, escape streams)."""
+        layout, data = self.layout, self.payload.numpy()
+        cursor = 0
+        for start, stop, _ in ranges:
+            if start != cursor:
+                raise ValueError(f"checked ranges leave a gap or overlap at element {cursor}")
+            cursor = stop
+        if cursor != layout.n:
+            raise ValueError(f"checked ranges cover {cursor} of {layout.n} elements")
+        crc = crc32_join((c.pk, (stop + 1) // 2 - start // 2) for start, stop, c in ranges)
+        crc = crc32(data[layout.off_pk + layout.n_pairs: layout.off_sm], crc)
+        crc = crc32_combine(crc, crc32_join((c.sm, stop - start) for start, stop, c in ranges), layout.n)
+        return crc32(data[layout.off_sm + layout.n:], crc)
+
+
 def decode(
     payload: torch.Tensor,
     layout: PayloadLayout,
@@ -460,8 +568,9 @@ def decode(
     """Decode elements ``[start, stop)`` of a SplitZip payload into a flat bfloat16 tensor.
 
     ``payload`` is a flat uint8 CPU tensor of at least ``layout.comp_bytes`` (a zero-copy view of an mmap is fine).
-    ``out``, when given, is a contiguous bfloat16 tensor of ``stop - start`` elements written in place. Runs on
-    PyTorch's intra-op threads (``torch.set_num_threads``).
+    ``out``, when given, is a contiguous bfloat16 tensor of ``stop - start`` elements written in place. Runs on the
+    calling thread, with one PyTorch intra-op thread (:func:`one_intra_op_thread`); to use several cores, decode
+    ranges of a :class:`PayloadDecoder` from several threads.
 
     Raises:
         ValueError: a bad range, a short payload, a wrong ``out`` or an inconsistent escape stream; nothing has been
@@ -471,26 +580,11 @@ def decode(
     if not 0 <= start <= stop <= layout.n:
         raise ValueError(f"element range [{start}, {stop}) is outside 0..{layout.n}")
     _check_payload(payload, layout)
-    count = stop - start
     if out is None:
-        out = torch.empty(count, dtype=torch.bfloat16)
-    elif out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
-    position, esc_val = _validated_escapes(payload, layout)
-    bits = out.view(-1).view(torch.int16)
-
-    first, last = start + start % 2, stop - stop % 2  # the whole pairs inside the range
-    if start % 2 and start < stop:
-        bits[0] = _decode_one(payload, layout, codebook.dec_lut, start)
-    if stop % 2 and stop - 1 >= start:
-        bits[stop - 1 - start] = _decode_one(payload, layout, codebook.dec_lut, stop - 1)
-    if first < last:
-        _decode_pairs(payload[layout.off_pk + first // 2: layout.off_pk + last // 2],
-                      payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8),
-                      _pair_exponent_table(codebook.dec_lut),
-                      bits if (first, last) == (start, stop) else bits[first - start: last - start])
-
-    _patch_escapes(position, esc_val, start, stop, bits)
+        out = torch.empty(stop - start, dtype=torch.bfloat16)
+    elif out.dtype != torch.bfloat16 or out.numel() != stop - start or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 tensor of {stop - start} elements")
+    PayloadDecoder(payload, layout, codebook).decode(start, stop, out)
     return out
 
 
