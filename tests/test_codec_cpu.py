@@ -8,11 +8,13 @@ from __future__ import annotations
 import os
 import random
 import struct
+import zlib
 from pathlib import Path
 
 import pytest
 import torch
 
+from szformat.checksum import crc32_join
 from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
 
 pytestmark = pytest.mark.filterwarnings("error")  # e.g. PyTorch resizing an `out=` view: a slicing bug
@@ -360,6 +362,67 @@ def test_decode_from_a_payload_at_an_odd_offset(rng):
     shifted[1:] = payload
     decoded = cpu.decode(shifted[1:], layout, codebook)
     assert torch.equal(decoded.view(torch.int16), x.view(torch.int16))
+
+
+def test_decode_runs_its_torch_ops_on_one_intra_op_thread_and_restores_the_setting(rng, monkeypatch):
+    seen = []
+    real = torch.index_select
+
+    def spy(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return real(*args, **kwargs)
+
+    x = weight_like(rng, 5000)
+    payload, layout, codebook = cpu.encode(x)
+    monkeypatch.setattr(torch, "index_select", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        decoded = cpu.decode(payload, layout, codebook)
+        assert torch.get_num_threads() == 2
+    finally:
+        torch.set_num_threads(before)
+    assert seen and set(seen) == {1}
+    assert torch.equal(decoded.view(torch.int16), x.view(torch.int16))
+
+
+def test_one_intra_op_thread_nests_and_leaves_a_single_thread_setting_alone():
+    before = torch.get_num_threads()
+    try:
+        torch.set_num_threads(2)
+        with cpu.one_intra_op_thread():
+            assert torch.get_num_threads() == 1
+            with cpu.one_intra_op_thread():
+                assert torch.get_num_threads() == 1
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 2
+        torch.set_num_threads(1)
+        with cpu.one_intra_op_thread():
+            assert torch.get_num_threads() == 1
+        assert torch.get_num_threads() == 1
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 2 * CHUNK_SIZE + 1, 9001])
+def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n, rng, slicing):
+    x = weight_like(rng, n, scale=0.5)
+    specials = from_bits(special_values())[: n]
+    x[: specials.numel()] = specials  # subnormals, NaN, Inf: escapes, most of them
+    payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
+    decoder = cpu.PayloadDecoder(payload, layout, codebook)
+    cuts = sorted({0, n} | {2 * rng.randrange(n // 2 + 1) for _ in range(5)})
+    out = torch.empty(n, dtype=torch.bfloat16)
+    ranges = [(a, b, decoder.decode_checked(a, b, out[a:b])) for a, b in zip(cuts, cuts[1:])] or \
+        [(0, 0, decoder.decode_checked(0, 0, out))]
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    assert decoder.stored_crc(ranges) == zlib.crc32(payload.numpy().tobytes())
+    assert crc32_join((c.raw, 2 * (b - a)) for a, b, c in ranges) == zlib.crc32(x.view(torch.uint8).numpy().tobytes())
+    if len(ranges) > 1:
+        with pytest.raises(ValueError, match="gap or overlap"):
+            decoder.stored_crc(ranges[1:])
+    with pytest.raises(ValueError, match="even element"):
+        decoder.decode_checked(1, n, torch.empty(max(0, n - 1), dtype=torch.bfloat16))
 
 
 def test_decode_rejects_bad_arguments(rng):

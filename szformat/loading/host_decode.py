@@ -116,8 +116,12 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
 
 
 def _run(units: list[tuple[_Job, int]], threads: int) -> None:
-    """Run every unit, on ``threads`` threads (the caller's and ``threads - 1`` started here) that each take the
-    next unit until none is left. The first error stops them all and is raised here."""
+    """Run every unit on ``threads`` threads (the caller's and ``threads - 1`` started here), each taking the next
+    unit until none is left; the first error stops them all and is raised here.
+
+    The caller's thread drops to one intra-op thread before the others start, so they start with one too (with
+    OpenMP a new thread takes the last value set) and nothing they do changes the caller's setting.
+    """
     lock = threading.Lock()
     cursor = iter(range(len(units)))
     errors: list[BaseException] = []
@@ -135,12 +139,13 @@ def _run(units: list[tuple[_Job, int]], threads: int) -> None:
         except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
             errors.append(e)
 
-    helpers = [threading.Thread(target=work, name="szformat-decode", daemon=True) for _ in range(threads - 1)]
-    for helper in helpers:
-        helper.start()
-    work()
-    for helper in helpers:
-        helper.join()
+    with one_intra_op_thread():
+        helpers = [threading.Thread(target=work, name="szformat-decode", daemon=True) for _ in range(threads - 1)]
+        for helper in helpers:
+            helper.start()
+        work()
+        for helper in helpers:
+            helper.join()
     if errors:
         raise errors[0]
 

@@ -1,0 +1,132 @@
+"""CPU loading on independent threads: ranges decoded in parallel are bit for bit the reference decode, every torch
+op runs on one intra-op thread, the caller's setting survives, and an error on any thread ends the load."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from szformat import load_file, safe_open, save_file
+from szformat.codec import cpu
+from szformat.errors import ChecksumMismatchError
+from szformat.loading import host_decode
+
+SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7FFF, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x7F7F]
+"""+-0, +-Inf, NaNs, subnormals, the extremes of the normal range."""
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1).view(torch.uint8)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(7)
+    big = (torch.randn(20_001, generator=gen) * 0.02).to(torch.bfloat16)  # odd: the last range ends mid-pair
+    positions = torch.randperm(big.numel(), generator=gen)[: 13 * 40]
+    specials = torch.tensor([b - 0x10000 if b & 0x8000 else b for b in SPECIALS] * 40, dtype=torch.int16)
+    big.view(torch.int16)[positions] = specials  # escapes, in many ranges
+    return {
+        "big": big.reshape(3, 6667),
+        "wide": (torch.randn(64, 513, generator=gen) * 3).to(torch.bfloat16),
+        "tiny": torch.tensor([1.5, -0.0, float("inf")], dtype=torch.bfloat16),
+        "scalar": torch.tensor(2.25, dtype=torch.bfloat16),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+        "raw_f32": torch.randn(1001, generator=gen),  # stored raw, copied in ranges of RAW_RANGE_BYTES
+    }
+
+
+@pytest.fixture
+def small_ranges(monkeypatch):
+    """Ranges of 1,024 elements (and 1,000 raw bytes), so a small file has dozens of them."""
+    monkeypatch.setattr(host_decode, "RANGE_ELEMENTS", 1024)
+    monkeypatch.setattr(host_decode, "RAW_RANGE_BYTES", 1000)
+
+
+@pytest.fixture
+def two_threads():
+    before = torch.get_num_threads()
+    torch.set_num_threads(2)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_ranges, two_threads, monkeypatch,
+                                                                 verify):
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    calls: list[tuple[int, int]] = []  # (thread, its intra-op threads) for every range decoded
+    method = "decode_checked" if verify else "decode"
+    real = getattr(cpu.PayloadDecoder, method)
+
+    def spy(self, start, stop, out):
+        calls.append((threading.get_ident(), torch.get_num_threads()))
+        time.sleep(0.001)  # lets the other thread take ranges too
+        return real(self, start, stop, out)
+
+    monkeypatch.setattr(cpu.PayloadDecoder, method, spy)
+    loaded = load_file(path, verify=verify)
+    assert torch.get_num_threads() == 2  # the caller's setting is back
+    assert {threads for _, threads in calls} == {1}
+    assert len({thread for thread, _ in calls}) == 2
+    assert len(calls) > 20 + 13  # "big" alone spans 20 ranges, "wide" 33
+    with safe_open(path, framework="pt") as f:
+        for name, tensor in source.items():
+            got = loaded[name]
+            assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
+            assert torch.equal(_bits(got), _bits(tensor)), name
+            entry = f.entry(name)
+            if entry.encoding == "splitzip":  # and equal to the reference codec's own decode of the same payload
+                reference = cpu.decode(f.payload(name), entry.layout, entry.codebook)
+                assert torch.equal(_bits(got), _bits(reference)), name
+
+
+def test_get_tensor_decodes_a_large_tensor_in_ranges(tmp_path, small_ranges, two_threads, monkeypatch):
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    ranges = []
+    real = cpu.PayloadDecoder.decode_checked
+    monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked",
+                        lambda self, start, stop, out: ranges.append((start, stop)) or real(self, start, stop, out))
+    with safe_open(path, framework="pt") as f:
+        assert torch.equal(_bits(f.get_tensor("big")), _bits(source["big"]))
+    assert sorted(ranges) == [(a, min(a + 1024, 20_001)) for a in range(0, 20_001, 1024)]
+
+
+def test_an_error_on_any_thread_ends_the_load(tmp_path, small_ranges, two_threads, monkeypatch):
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path)
+    real = cpu.PayloadDecoder.decode_checked
+    count = iter(range(1_000_000))
+
+    def failing(self, start, stop, out):
+        if next(count) == 9:
+            raise MemoryError("range 9")
+        time.sleep(0.001)
+        return real(self, start, stop, out)
+
+    monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", failing)
+    with pytest.raises(MemoryError, match="range 9"):
+        load_file(path)
+    assert torch.get_num_threads() == 2
+    assert not [t for t in threading.enumerate() if t.name == "szformat-decode"]
+
+
+def test_a_corrupt_range_is_reported_after_a_parallel_decode(tmp_path, small_ranges, two_threads):
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path)
+    with safe_open(path, framework="pt") as f:
+        e = f.entry("big")
+        at = e.offset + e.layout.off_sm + 15_000  # in the 15th range
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x01
+    path.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
+        load_file(path)
+    assert info.value.tensor == "big"
+    assert torch.equal(_bits(load_file(path, verify=False)["wide"]), _bits(_tensors()["wide"]))
