@@ -11,13 +11,12 @@ from __future__ import annotations
 
 import os
 from collections import Counter
-from contextlib import contextmanager
 from pathlib import Path
-from typing import Iterator
 
 import torch
 
 from ..api import write_tensor
+from ..codec.cpu import one_intra_op_thread
 from ..codec.gate import CodecBackend
 from ..errors import ConversionError
 from ..format import constants as C
@@ -99,25 +98,12 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
                                              device=device)
                     tensor_done(entry)
 
-    with _one_intra_op_thread():
+    # The codec's ops on one intra-op thread, and the CRC-32s on a thread of their own beside it (codec/gate.py):
+    # sharing the cores with PyTorch's intra-op threads too made every elementwise op wait for a descheduled thread
+    # (tools/bench_convert.py: 2 cores, 11-13 s against 9 s).
+    with one_intra_op_thread():
         report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,
                           write_file=write_file, overwrite=overwrite, progress=progress, description="converting")
     report.cast_from = dict(sorted(cast_counts.items()))
     report.cast = cast
     return report
-
-
-@contextmanager
-def _one_intra_op_thread() -> Iterator[None]:
-    """Run PyTorch's CPU ops on one thread while converting, and restore the setting after.
-
-    The codec's costly ops (``bincount``, ``index_select``) run on one thread anyway, and the CRC-32s run on a
-    thread of their own beside it (``codec/gate.py``): sharing the cores with PyTorch's intra-op threads too made
-    every elementwise op wait for a descheduled thread (``tools/bench_convert.py``: 2 cores, 11-13 s against 9 s).
-    """
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        yield
-    finally:
-        torch.set_num_threads(threads)
