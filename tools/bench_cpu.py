@@ -13,6 +13,18 @@ Rows, all on the same bytes, in the same run:
   bytes so every byte is read (``load_file`` maps the file; pages are read when touched).
 - ``zipnn decompress``: ZipNN (byte-grouped BF16 mode with its Huffman coder) decompressing each tensor.
 
+Loading rows (``--sections load``), on MiniLM and on a TinyLlama-shaped synthetic BF16 checkpoint (2.2 GB,
+``tools/bench_convert.py``'s, written to ``--work`` once), both files page-cached:
+
+- ``safetensors load_file + clone`` (the anchor): ``safetensors.torch.load_file`` then ``clone()`` of every tensor,
+  so every byte is read and lands in memory of its own, as ``szformat.load_file`` delivers it.
+- ``szformat load_file`` with ``verify=True`` (the default) and ``verify=False``, and ``szformat verify`` (what
+  ``szconvert verify`` runs: every checksum, every tensor decoded, in slices).
+
+each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and with the default threads while
+one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
+``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor).
+
 Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
 ``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
 source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
@@ -20,16 +32,19 @@ threads" uses every core for both.
 
 Usage::
 
-    PYTHONPATH=. python tools/bench_cpu.py [--model model.safetensors] [--tile-mb 512] [--repeats 5]
+    PYTHONPATH=. python tools/bench_cpu.py [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
+        [--sections codec,load] [--work /tmp/szbench]
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import mmap
 import os
 import platform
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -41,9 +56,12 @@ from typing import Callable, Iterator
 import torch
 from safetensors.torch import load_file, save_file
 
+import szformat
 from szformat.codec import cpu
+from szformat.convert import convert, verify
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_convert import generate  # noqa: E402
 from fetch_minilm import default_dest, fetch  # noqa: E402
 
 PAYLOAD_ALIGNMENT = 4096
@@ -213,21 +231,127 @@ def print_table(rows: list[Row]) -> None:
         print(f"| {r.dataset} | {r.method} | {r.threads} | {ratio} | {r.best_gbps:.2f} | {r.median_gbps:.2f} |")
 
 
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: szformat.load_file against safetensors load-and-materialize
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_checkpoints(model: Path, work: Path) -> list[tuple[str, Path, Path]]:
+    """``(label, safetensors, szt)`` for MiniLM and the synthetic checkpoint, converted once into ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    synthetic = work / "tinyllama-shapes-bf16.safetensors"
+    if not synthetic.exists():
+        print(f"generating {synthetic} ...", flush=True)
+        generate(synthetic)
+    made = []
+    for label, source, target in (("MiniLM", model, work / "minilm.szt"),
+                                  ("synthetic 2.2 GB", synthetic, work / "tinyllama-shapes-bf16.szt")):
+        if not target.exists():
+            convert(source, target)
+        made.append((label, source, target))
+    return made
+
+
+def read_through(*paths: Path) -> None:
+    """Bring the files into the page cache."""
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+class BusyProcess:
+    """One process spinning on a core (``python -c "while True: pass"``) while the block runs."""
+
+    def __enter__(self) -> "BusyProcess":
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)  # let it start spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+    """Time each loading method round-robin under each condition; check szformat's tensors first."""
+    anchor = {k: v.clone() for k, v in load_file(st_path).items()}
+    loaded = szformat.load_file(szt_path)
+    assert anchor.keys() == loaded.keys() and all(bits_equal(anchor[k], loaded[k]) for k in anchor if
+                                                  anchor[k].dtype == torch.bfloat16), "load_file is not bit-exact"
+    raw_bytes = sum(t.numel() * t.element_size() for t in anchor.values())
+    del anchor, loaded
+    assert verify(szt_path).ok
+    methods: list[tuple[str, Callable[[], object]]] = [
+        ("safetensors load_file + clone (anchor)", lambda: {k: v.clone() for k, v in load_file(st_path).items()}),
+        ("szformat load_file (verify on)", lambda: szformat.load_file(szt_path)),
+        ("szformat load_file (verify off)", lambda: szformat.load_file(szt_path, verify=False)),
+        ("szformat verify (szconvert verify)", lambda: verify(szt_path)),
+    ]
+    all_threads = os.cpu_count() or 1
+    conditions = [("1 thread", 1, False), (f"{all_threads} threads", all_threads, False),
+                  (f"{all_threads} threads, 1 busy process", all_threads, True)]
+    rows = []
+    for condition, threads, busy in conditions:
+        torch.set_num_threads(threads)
+        read_through(st_path, szt_path)
+        seconds: dict[str, list[float]] = {name: [] for name, _ in methods}
+        with BusyProcess() if busy else contextlib.nullcontext():
+            for name, fn in methods:
+                fn()  # warm-up
+            for _ in range(repeats):
+                for name, fn in methods:
+                    start = time.perf_counter()
+                    result = fn()
+                    seconds[name].append(time.perf_counter() - start)
+                    del result
+        anchor_median = statistics.median(seconds[methods[0][0]])
+        for name, _ in methods:
+            median = statistics.median(seconds[name])
+            rows.append({"data": label, "method": name, "condition": condition, "median_s": median,
+                         "best_s": min(seconds[name]), "median_gbps": raw_bytes / median / 1e9,
+                         "vs_anchor": anchor_median / median, "load": os.getloadavg()[0]})
+            print(f"  {label:18s} {condition:28s} {name:40s} {median * 1e3:9.1f} ms  "
+                  f"{raw_bytes / median / 1e9:6.2f} GB/s  x{anchor_median / median:.2f}", flush=True)
+    torch.set_num_threads(all_threads)
+    return rows
+
+
+def print_loading_table(rows: list[dict]) -> None:
+    print()
+    print("| data | condition | method | median ms | best ms | median GB/s | x anchor | load avg |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['data']} | {r['condition']} | {r['method']} | {r['median_s'] * 1e3:.1f} | {r['best_s'] * 1e3:.1f} "
+              f"| {r['median_gbps']:.2f} | {r['vs_anchor']:.2f} | {r['load']:.1f} |")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a BF16 model.safetensors (default: MiniLM, fetched if absent)")
     parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
+    parser.add_argument("--sections", default="codec,load", help="codec, load, or both (default)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
+                        help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
     args = parser.parse_args(argv)
     model = args.model or fetch(default_dest()) / "model.safetensors"
+    sections = set(args.sections.split(","))
 
-    print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}")
-    rows = []
-    with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
-        for label, tensors in datasets(model, args.tile_mb):
-            rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
-            del tensors
-    print_table(rows)
+    print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if "codec" in sections:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
+            for label, tensors in datasets(model, args.tile_mb):
+                rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
+                del tensors
+        print_table(rows)
+    if "load" in sections:
+        rows = []
+        for label, st_path, szt_path in load_checkpoints(model, args.work):
+            rows.extend(bench_loading(label, st_path, szt_path, args.repeats))
+        print_loading_table(rows)
     return 0
 
 
