@@ -48,10 +48,10 @@ class safe_open:
         framework (`str`): ``"pt"`` (the only framework).
         device (`str` or `torch.device`, *optional*): where tensors are returned; defaults to ``"cpu"``.
         verify (`bool`, *optional*): check CRC-32s (default). The stored bytes of a tensor are checked once per
-            open file, before any of them is used (a slice reads the whole payload once for that); a tensor read
-            whole is checked again after decoding. A slice is not: the decoded bytes' CRC-32 covers the whole
-            tensor. Structural checks (offsets, escape streams) always run. CRC-32s catch accidental corruption,
-            not deliberate edits (whoever edits a file can recompute them).
+            open file: while a whole tensor is decoded (it is returned only if they match), or in a pass of their
+            own before a slice is decoded; a tensor read whole has its decoded bytes checked too. A slice is not:
+            the decoded bytes' CRC-32 covers the whole tensor. Structural checks (offsets, escape streams) always
+            run. CRC-32s catch accidental corruption, not deliberate edits (whoever edits a file can recompute them).
         route (`str`, *optional*): for a CUDA ``device``: ``"gpu"`` (default, via ``"auto"``) copies the stored bytes
             and decodes on the GPU (needs Triton); ``"cpu"`` decodes on the host and copies raw bytes.
         staging (`StagingConfig`, *optional*): for a CUDA ``device``: pinned slot size and count, reader threads,
@@ -295,7 +295,8 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
     ``filename`` is a .szt file, a sharded index (``model.szt.index.json``), a converted model folder, or a Hub
     reference to any of them (``hf://user/repo``; Hub keywords as for :class:`safe_open`). With a CUDA ``device``
     the stored bytes stream through a pinned staging ring and are decoded on the GPU (``route`` and ``staging`` as
-    for :class:`safe_open`).
+    for :class:`safe_open`). On the CPU, tensors are decoded in ranges by ``torch.get_num_threads()`` threads
+    (at most the host's cores), each running PyTorch on one intra-op thread.
 
     Example:
         >>> weights = load_file("hf://user/model-szt", device="cuda")  # doctest: +SKIP

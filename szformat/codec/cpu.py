@@ -20,6 +20,11 @@ choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
   patches the escaped ones. The escape streams are small, so they are read, checked and written with NumPy, whose
   calls cost a fraction of PyTorch's on small arrays, through explicitly little-endian views.
 
+- **One intra-op thread.** A decode runs its ops on one PyTorch thread (:func:`one_intra_op_thread`): they are
+  short, and forking and joining a team around each of them stalls on any descheduled thread when other processes
+  share the cores. Several cores decode ranges of one :class:`PayloadDecoder` from threads of their own
+  (``szformat.loading.host_decode``), which also checksum what they read and write while it is in cache
+  (:meth:`PayloadDecoder.decode_checked`).
 - **Small tensors in NumPy.** A tensor under half a slice (LayerNorm weights, biases) is counted and encoded with
   a few NumPy calls over single elements: there the fixed cost of each call, not the work, sets the speed.
 
