@@ -35,6 +35,7 @@ views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 from __future__ import annotations
 
 import functools
+import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator, Sequence
@@ -424,6 +425,23 @@ def _pair_exponent_table(dec_lut: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy((first | second).reshape(-1))
 
 
+_thread_scratch = threading.local()
+
+
+def _decode_scratch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """This thread's index (int32) and sign+mantissa (int16) buffers for slices of up to ``size`` pairs.
+
+    Kept between calls (at most 1.5 :data:`SLICE_PAIRS` pairs, 0.75 MiB), so decoding a tensor range by range
+    allocates nothing per range: buffers of a few hundred kB are fresh pages from ``mmap`` each time, and their page
+    faults cost as much as the decode that uses them.
+    """
+    index = getattr(_thread_scratch, "index", None)
+    if index is None or index.numel() < size:
+        _thread_scratch.index = index = torch.empty(size, dtype=torch.int32)
+        _thread_scratch.fields = torch.empty(2 * size, dtype=torch.int16)
+    return index, _thread_scratch.fields
+
+
 def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, bits: torch.Tensor) -> None:
     """Decode whole pairs into ``bits`` (int16, ``2 * len(pk)``) from their ``pk`` bytes and ``sm`` bytes (int8).
 
@@ -433,8 +451,7 @@ def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, bits:
     """
     n_pairs = pk.numel()
     length = _slice_length(n_pairs)
-    size = min(length, n_pairs)
-    index, fields = torch.empty(size, dtype=torch.int32), torch.empty(2 * size, dtype=torch.int16)
+    index, fields = _decode_scratch(min(length, n_pairs))
     aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
     words = bits.view(torch.int32) if aligned else torch.empty(n_pairs, dtype=torch.int32)
     slices = ((pk, sm, words),) if n_pairs <= length else zip(pk.split(length), sm.split(2 * length),
