@@ -12,6 +12,7 @@ import torch
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
 from szformat.errors import ChecksumMismatchError
+from szformat.format.reader import SztFile
 from szformat.loading import host_decode
 
 SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7FFF, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x7F7F]
@@ -53,12 +54,13 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+@pytest.mark.parametrize("at_rest", [None, "zstd"])
 @pytest.mark.parametrize("verify", [True, False])
 def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_ranges, two_threads, monkeypatch,
-                                                                 verify):
+                                                                 verify, at_rest):
     source = _tensors()
     path = tmp_path / "m.szt"
-    save_file(source, path)
+    save_file(source, path, at_rest=at_rest)
     calls: list[tuple[int, int]] = []  # (thread, its intra-op threads) for every range decoded
     method = "decode_checked" if verify else "decode"
     real = getattr(cpu.PayloadDecoder, method)
@@ -74,14 +76,17 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
     assert {threads for _, threads in calls} == {1}
     assert len({thread for thread, _ in calls}) == 2
     assert len(calls) > 20 + 13  # "big" alone spans 20 ranges, "wide" 33
-    with safe_open(path, framework="pt") as f:
+    if at_rest:
+        with safe_open(path, framework="pt") as f:
+            assert f.entry("big").at_rest is not None
+    with SztFile(path) as f:
         for name, tensor in source.items():
             got = loaded[name]
             assert got.dtype == tensor.dtype and got.shape == tensor.shape, name
             assert torch.equal(_bits(got), _bits(tensor)), name
             entry = f.entry(name)
             if entry.encoding == "splitzip":  # and equal to the reference codec's own decode of the same payload
-                reference = cpu.decode(f.payload(name), entry.layout, entry.codebook)
+                reference = cpu.decode(f.memory_payload(name), entry.layout, entry.codebook)
                 assert torch.equal(_bits(got), _bits(reference)), name
 
 

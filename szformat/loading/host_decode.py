@@ -13,7 +13,13 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Three 
 - **Checksums in cache.** Each range's stored bytes are checksummed just before they are decoded, its decoded bytes
   just after (:meth:`PayloadDecoder.decode_checked`), and the pieces' CRC-32s are joined at the end: separate passes
   over the stored and the decoded bytes read both from memory again, which cost a quarter of the load.
+- **Reads by the threads, range by range.** Each range's stored bytes are read (``pread``, through
+  :meth:`SztFile.read`) by the thread that decodes them, just before, into the tensor's payload buffer: the reads run
+  in parallel, land in cache, and a file truncated meanwhile is a TruncatedFileError, never SIGBUS. A tensor stored
+  raw is read straight into its output. A payload stored at rest (format 1.1) is read whole and inflated first.
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
+  Tensors are taken in groups of about :data:`GROUP_BYTES` of payload, so payload buffers never hold a whole
+  checkpoint.
 
 A tensor's CRC-32s are compared once all its ranges are decoded; a mismatch raises and no tensor is returned.
 """
@@ -31,6 +37,7 @@ import torch
 from ..checksum import crc32, crc32_join, tensor_crc32
 from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
 from ..errors import ChecksumMismatchError, PayloadError
+from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
@@ -42,29 +49,43 @@ RANGE_ELEMENTS = 1 << 19
 cache when they are checksummed; and enough work (about 0.3 ms) that taking a range costs little."""
 
 RAW_RANGE_BYTES = 2 * RANGE_ELEMENTS
-"""Bytes copied per range of a tensor stored raw."""
+"""Bytes read per range of a tensor stored raw."""
+
+GROUP_BYTES = 256 << 20
+"""Payload bytes (in memory) of the tensors decoded together: the payload buffers alive at once."""
 
 
 @dataclass
 class _Job:
-    """One tensor: where its bytes are, where they go, and the checksums of its ranges once decoded."""
+    """One tensor: where its bytes come from, where they go, and the checksums of its ranges once decoded."""
 
+    file: SztFile
     entry: TensorEntry
     dtype: torch.dtype
-    payload: torch.Tensor
     out: torch.Tensor  # flat: bfloat16 for SplitZip, uint8 for raw
-    decoder: PayloadDecoder | None
+    decoder: PayloadDecoder | None  # None: stored raw
+    reads: bool  # each range reads its own stored bytes (raw, or SplitZip in the in-memory form)
     checked: bool  # take checksums while decoding
     ranges: list[tuple[int, int]]
     sums: list[RangeChecksums | int | None] = field(default_factory=list)
 
+    def __post_init__(self) -> None:
+        self.sums = [None] * len(self.ranges)
+
     def run(self, k: int) -> None:
         start, stop = self.ranges[k]
         out = self.out[start:stop]
+        name = self.entry.name
         if self.decoder is None:
-            out.copy_(self.payload[start:stop])
+            self.file.read(name, start, stop, out=out)
             self.sums[k] = crc32(out.numpy()) if self.checked else None
-        elif self.checked:
+            return
+        if self.reads:  # this range's pk and sm bytes, into the payload buffer where the decoder reads them
+            layout, payload = self.entry.layout, self.decoder.payload
+            for lo, hi in ((layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
+                           (layout.off_sm + start, layout.off_sm + stop)):
+                self.file.read(name, lo, hi, out=payload[lo:hi])
+        if self.checked:
             self.sums[k] = self.decoder.decode_checked(start, stop, out)
         else:
             self.decoder.decode(start, stop, out)
@@ -86,33 +107,65 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         ChecksumMismatchError: stored or decoded bytes differ from their checksums.
         PayloadError: an escape stream is inconsistent (and the stored bytes match their checksum, if checked).
     """
-    jobs = [_job(file, entry, stored, check_decoded) for entry, stored in zip(entries, check_stored)]
-    units = [(job, k) for job in jobs for k in range(len(job.ranges))]
-    threads = max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units)))
-    _run(units, threads)
-    for job, stored in zip(jobs, check_stored):
-        _check(file.path, job, stored, check_decoded)
-    return [job.out.view(job.dtype).reshape(job.entry.shape) for job in jobs]
+    tensors: list[torch.Tensor] = []
+    for group in _groups(entries):
+        jobs = [_job(file, entries[i], check_stored[i], check_decoded) for i in group]
+        units = [(job, k) for job in jobs for k in range(len(job.ranges))]
+        _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))
+        for job, i in zip(jobs, group):
+            _check(file.path, job, check_stored[i], check_decoded)
+            tensors.append(job.out.view(job.dtype).reshape(job.entry.shape))
+    return tensors
+
+
+def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
+    """Indices of ``entries`` in order, cut where the payloads of a group pass :data:`GROUP_BYTES`."""
+    groups: list[list[int]] = [[]]
+    size = 0
+    for i, entry in enumerate(entries):
+        if groups[-1] and size + entry.memory_length > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(i)
+        size += entry.memory_length
+    return groups if groups[0] else []
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool) -> _Job:
+    """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
+    bytes around the streams (padding, escape streams) read now and the streams left to the ranges; at rest, the
+    stored bytes read whole, checked, and inflated."""
     dtype = entry.torch_dtype(file.path)
-    payload = file.payload(entry.name)
     if entry.encoding == ENCODING_RAW:
-        size, step, decoder = entry.length, RAW_RANGE_BYTES, None
-        out = torch.empty(size, dtype=torch.uint8)
+        out = torch.empty(entry.length, dtype=torch.uint8)
+        return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
+    layout, reads = entry.layout, entry.at_rest is None
+    if reads:
+        payload = torch.empty(entry.length, dtype=torch.uint8)
+        for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
+            file.read(entry.name, lo, hi, out=payload[lo:hi])
     else:
+        stored = file.read(entry.name)
+        if check_stored:
+            _compare(tensor_crc32(stored), entry.crc32, "stored bytes", file.path, entry.name)
         try:
-            decoder = PayloadDecoder(payload, entry.layout, entry.codebook)
-        except ValueError as e:
-            if check_stored:  # corrupt bytes are reported as such, whatever they broke
-                _compare(tensor_crc32(payload), entry.crc32, "stored bytes", file.path, entry.name)
+            payload = at_rest.inflate(stored, layout, entry.at_rest)
+        except at_rest.AtRestError as e:
             raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
-        size, step = entry.layout.n, RANGE_ELEMENTS
-        out = torch.empty(size, dtype=torch.bfloat16)
-    ranges = [(start, min(start + step, size)) for start in range(0, size, step)] or [(0, 0)]
-    checked = check_stored or (check_decoded and decoder is not None)
-    return _Job(entry, dtype, payload, out, decoder, checked, ranges, [None] * len(ranges))
+        del stored
+    try:
+        decoder = PayloadDecoder(payload, layout, entry.codebook)
+    except ValueError as e:
+        if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke
+            _compare(tensor_crc32(file.read(entry.name)), entry.crc32, "stored bytes", file.path, entry.name)
+        raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
+    out = torch.empty(layout.n, dtype=torch.bfloat16)
+    return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
+                _ranges(layout.n, RANGE_ELEMENTS))
+
+
+def _ranges(size: int, step: int) -> list[tuple[int, int]]:
+    return [(start, min(start + step, size)) for start in range(0, size, step)] or [(0, 0)]
 
 
 def _run(units: list[tuple[_Job, int]], threads: int) -> None:
@@ -151,6 +204,7 @@ def _run(units: list[tuple[_Job, int]], threads: int) -> None:
 
 
 def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> None:
+    """Compare a decoded tensor's joined CRC-32s with its header's (stored bytes read at rest: checked already)."""
     entry = job.entry
     if job.decoder is None:
         if check_stored:
@@ -158,7 +212,7 @@ def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> No
                      "stored bytes", path, entry.name)
         return
     sums = [(start, stop, s) for (start, stop), s in zip(job.ranges, job.sums)]
-    if check_stored:
+    if check_stored and job.reads:
         _compare(job.decoder.stored_crc(sums), entry.crc32, "stored bytes", path, entry.name)
     if check_decoded:
         _compare(crc32_join((s.raw, 2 * (stop - start)) for start, stop, s in sums), entry.raw_crc32,
