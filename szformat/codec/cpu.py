@@ -51,6 +51,12 @@ SLICE_PAIRS = 1 << 16
 """Pairs processed per step (a multiple of 8): each temporary of a step (64 to 256 KiB) stays in a core's L2 cache,
 and the fixed cost of a PyTorch call stays small next to its work."""
 
+DECODE_SLICES = 8
+"""A decode's slices are this many :data:`SLICE_PAIRS` long. Each PyTorch call releases the GIL only while it
+runs, so threads decoding side by side wait on each other between calls: with slices of 64 Ki pairs two threads
+decoded no faster than one (the GIL handed back and forth every few microseconds), with 512 Ki pairs 1.77x faster,
+and one thread as fast as before."""
+
 _SIGN_AND_MANTISSA = -0x7F81
 """``0x807F`` as int16: the sign and mantissa bits of one BF16 element."""
 
@@ -90,10 +96,11 @@ def _bf16_bits(x: torch.Tensor) -> torch.Tensor:
     return x.detach().contiguous().reshape(-1).view(torch.int16)
 
 
-def _slice_length(n_pairs: int) -> int:
-    """Pairs per slice for a range of ``n_pairs``: about equal slices of 2/3 to 3/2 :data:`SLICE_PAIRS`, a multiple
-    of 8. (A tensor a little over one slice is not cut into a full slice and a tiny one: each call costs.)"""
-    count = max(1, round(n_pairs / SLICE_PAIRS))
+def _slice_length(n_pairs: int, target: int | None = None) -> int:
+    """Pairs per slice for a range of ``n_pairs``: about equal slices of 2/3 to 3/2 ``target`` (default
+    :data:`SLICE_PAIRS`), a multiple of 8. (A tensor a little over one slice is not cut into a full slice and a tiny
+    one: each call costs.)"""
+    count = max(1, round(n_pairs / (target or SLICE_PAIRS)))
     return max(8, -(-n_pairs // (8 * count)) * 8)
 
 
@@ -431,9 +438,9 @@ _thread_scratch = threading.local()
 def _decode_scratch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     """This thread's index (int32) and sign+mantissa (int16) buffers for slices of up to ``size`` pairs.
 
-    Kept between calls (at most 1.5 :data:`SLICE_PAIRS` pairs, 0.75 MiB), so decoding a tensor range by range
-    allocates nothing per range: buffers of a few hundred kB are fresh pages from ``mmap`` each time, and their page
-    faults cost as much as the decode that uses them.
+    Kept between calls (at most 1.5 slices of :data:`DECODE_SLICES` x :data:`SLICE_PAIRS` pairs, 6 MiB), so
+    decoding a tensor range by range allocates nothing per range: buffers this large are fresh pages from ``mmap``
+    each time, and their page faults cost as much as the decode that uses them.
     """
     index = getattr(_thread_scratch, "index", None)
     if index is None or index.numel() < size:
@@ -450,7 +457,7 @@ def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, bits:
     exponent bits, which the mask clears).
     """
     n_pairs = pk.numel()
-    length = _slice_length(n_pairs)
+    length = _slice_length(n_pairs, DECODE_SLICES * SLICE_PAIRS)
     index, fields = _decode_scratch(min(length, n_pairs))
     aligned = bits.storage_offset() % 2 == 0  # else `out` starts at an odd element: decode to scratch, then copy
     words = bits.view(torch.int32) if aligned else torch.empty(n_pairs, dtype=torch.int32)

@@ -44,9 +44,10 @@ from ..format.reader import SztFile
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
 
-RANGE_ELEMENTS = 1 << 19
-"""Elements decoded per range: 1 MiB of BF16 out, 0.75 MiB in, so a range's bytes are still in the core's 2 MiB L2
-cache when they are checksummed; and enough work (about 0.3 ms) that taking a range costs little."""
+RANGE_ELEMENTS = 1 << 21
+"""Elements decoded per range: two decode slices (``codec.cpu.DECODE_SLICES``), 4 MiB of BF16 out and 3 MiB in,
+checksummed right before and after they are decoded, while in the L2 or L3 cache; about 2 ms of work, so the last
+range a thread takes holds the others back little."""
 
 RAW_RANGE_BYTES = 2 * RANGE_ELEMENTS
 """Bytes read per range of a tensor stored raw."""
