@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointMismatchError, HubReferenceError, MissingDependencyError, ModelFolderError
+from .errors import CheckpointMismatchError, FormatError, HubReferenceError, MissingDependencyError, ModelFolderError
 from .format import constants as C
-from .format.index import INDEX_TAIL
+from .format.index import INDEX_TAIL, checkpoint_shards, open_shard
 
 SAFETENSORS_SUFFIX = ".safetensors"
 LISTED = 10
@@ -181,15 +181,20 @@ def plan_weights(expected: Mapping[str, torch.Tensor], entries: Mapping[str, Any
 
 
 def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
-    """The entries (name, dtype, shape) of a .szt checkpoint (see `weights_in`), headers only: nothing is decoded.
+    """The entries (name, dtype, shape) of a .szt checkpoint (see `weights_in`), headers only: nothing is decoded,
+    inflated or checked beyond the headers (the load that follows checks each payload as it decodes it).
 
     Raises:
-        FormatError, ShardIndexError: a file or the index is not valid.
+        FormatError, ShardIndexError: a file or the index is not valid, or two shards hold one tensor.
     """
-    from .offload.checkpoint import Checkpoint
-
-    with Checkpoint(checkpoint) as opened:
-        return dict(opened.entries)
+    entries: dict[str, Any] = {}
+    for shard in checkpoint_shards(checkpoint):
+        with open_shard(shard) as file:
+            for name, entry in file.entries.items():
+                if name in entries:
+                    raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
+                entries[name] = entry
+    return entries
 
 
 def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *, strict: bool) -> None:

@@ -10,10 +10,11 @@ used; needs ``pip install 'szformat[transformers]'``.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import re
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -197,13 +198,34 @@ def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: d
     _set_config_dtype(config, dtype)
     build = model_class._from_config if hasattr(model_class, "_from_config") else model_class.from_config
     try:
-        with parameters_on_meta(dtype):
+        with parameters_on_meta(dtype), _meta_parameters_marked_initialized():
             return build(config, **model_kwargs)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise UnknownArchitectureError(f"{getattr(model_class, '__name__', model_class)} cannot build a "
                                            f"{type(config).__name__} ({_first_line(e)})", path=folder) from None
         raise
+
+
+@contextlib.contextmanager
+def _meta_parameters_marked_initialized() -> Iterator[None]:
+    """Mark each parameter registered on ``meta`` with ``_is_hf_initialized``, the flag transformers sets on loaded
+    weights so that ``post_init`` skips them (transformers >= 5): drawing random values into a tensor that holds
+    none costs about a millisecond a tensor, most of the build. Buffers are still initialized as before; a tensor
+    that replaces one of these (decoded, or initialized because the checkpoint lacks it) carries no flag."""
+    register = torch.nn.Module.register_parameter
+
+    def register_marked(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
+        register(module, name, param)
+        registered = module._parameters.get(name)
+        if registered is not None and registered.device.type == "meta":
+            registered._is_hf_initialized = True
+
+    torch.nn.Module.register_parameter = register_marked
+    try:
+        yield
+    finally:
+        torch.nn.Module.register_parameter = register
 
 
 def _config_class(transformers, config, folder: Path):
