@@ -198,7 +198,7 @@ def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: d
     _set_config_dtype(config, dtype)
     build = model_class._from_config if hasattr(model_class, "_from_config") else model_class.from_config
     try:
-        with parameters_on_meta(dtype), _meta_parameters_marked_initialized():
+        with parameters_on_meta(dtype), _meta_parameters_left_uninitialized():
             return build(config, **model_kwargs)
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
@@ -208,11 +208,17 @@ def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: d
 
 
 @contextlib.contextmanager
-def _meta_parameters_marked_initialized() -> Iterator[None]:
+def _meta_parameters_left_uninitialized() -> Iterator[None]:
     """Mark each parameter registered on ``meta`` with ``_is_hf_initialized``, the flag transformers sets on loaded
-    weights so that ``post_init`` skips them (transformers >= 5): drawing random values into a tensor that holds
-    none costs about a millisecond a tensor, most of the build. Buffers are still initialized as before; a tensor
-    that replaces one of these (decoded, or initialized because the checkpoint lacks it) carries no flag."""
+    weights, and have ``torch.nn.init`` honour it as ``post_init`` does (transformers >= 5): then neither the
+    modules' own ``reset_parameters`` nor the model's ``_init_weights`` draws random values into tensors that hold
+    none, which cost about a millisecond a tensor, most of the build. Buffers and every tensor without the flag are
+    initialized as before; a tensor that later replaces a marked one (decoded, or initialized because the checkpoint
+    lacks it) carries no flag. Older transformers ignore the flag and initialize as before."""
+    try:
+        from transformers.initialization import guard_torch_init_functions as guard
+    except ImportError:  # transformers < 5
+        guard = contextlib.nullcontext
     register = torch.nn.Module.register_parameter
 
     def register_marked(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:
@@ -223,7 +229,8 @@ def _meta_parameters_marked_initialized() -> Iterator[None]:
 
     torch.nn.Module.register_parameter = register_marked
     try:
-        yield
+        with guard():
+            yield
     finally:
         torch.nn.Module.register_parameter = register
 

@@ -308,6 +308,84 @@ def table(rows: list[dict], offloads: list[dict]) -> str:
     return "\n".join(lines)
 
 
+# -- --profile-cpu ---------------------------------------------------------------------------------------------------
+
+INTEGRATION_FILES = ("szformat/transformers.py", "szformat/model_folder.py")
+"""The code around the decode: what ``--profile-cpu`` breaks down, by the calls it makes into everything else."""
+
+
+def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
+    """Stands in for ``szformat.api.load_file``: opens each shard as the load does (headers read and checked), and
+    gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the decode is measured
+    alone."""
+    from szformat.format import constants as C
+    from szformat.format.index import checkpoint_shards, open_shard
+
+    tensors = {}
+    for shard in checkpoint_shards(checkpoint):
+        with open_shard(shard) as file:
+            tensors.update({name: torch.empty(tuple(e.shape), dtype=C.DTYPES[e.dtype][0])
+                            for name, e in file.entries.items()})
+    return tensors
+
+
+def call_breakdown(profiler) -> list[tuple[str, float, int]]:
+    """(call, cumulative seconds, calls) of each call the integration code makes into other code, and its own time:
+    together the whole of ``from_pretrained`` (the profiler's overhead included)."""
+    import pstats
+
+    stats = pstats.Stats(profiler).stats
+    ours = lambda key: key[0].replace(os.sep, "/").endswith(INTEGRATION_FILES)  # noqa: E731
+    label = lambda key: f"{Path(key[0]).stem}.{key[2]}" if key[0] != "~" else key[2]  # noqa: E731
+    rows = [(f"{label(caller)} -> {label(callee)}", cumulative, calls)
+            for callee, (_, _, _, _, callers) in stats.items() if not ours(callee)
+            for caller, (calls, _, _, cumulative) in callers.items() if ours(caller)]
+    rows.append(("integration code itself", sum(s[2] for key, s in stats.items() if ours(key)), 0))
+    return sorted(rows, key=lambda row: -row[1])
+
+
+def profile_cpu(work: Path, reps: int, tiny: bool) -> str:
+    """Where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time besides decoding, on the CPU:
+    the decode is replaced by empty tensors of the checkpoint's shapes (:func:`empty_weights`), everything else runs
+    as on the GPU. Prints the first call (imports included), the warm median, transformers' own CPU load of the
+    safetensors original as the same-run anchor, and a cProfile breakdown of one warm call."""
+    import cProfile
+    import pstats
+
+    import transformers
+
+    import szformat.api
+    import szformat.transformers
+
+    folder = work / "llm"
+    if not Path(f"{folder}-szt").is_dir():
+        print(f"building llm in {folder} ...", flush=True)
+        build("llm", folder, tiny)
+    load = lambda: szformat.transformers.from_pretrained(f"{folder}-szt", transformers.AutoModelForCausalLM,  # noqa
+                                                         device="cpu")
+    decode, szformat.api.load_file = szformat.api.load_file, empty_weights
+    try:
+        _, first = timed(lambda _: load(), folder)
+        warm = [timed(lambda _: load(), folder)[1] for _ in range(reps)]
+        profiler = cProfile.Profile()
+        profiler.runcall(load)
+        profiled = sum(s[2] for s in pstats.Stats(profiler).stats.values())
+    finally:
+        szformat.api.load_file = decode
+    anchor = [timed(lambda f: transformers.AutoModelForCausalLM.from_pretrained(f, dtype=torch.bfloat16), folder)[1]
+              for _ in range(reps)]
+    lines = [f"szformat.transformers.from_pretrained(llm, device='cpu'), decode replaced by empty tensors: first call "
+             f"{first * 1e3:.1f} ms, warm median {statistics.median(warm) * 1e3:.1f} ms "
+             f"(all: {', '.join(f'{t * 1e3:.1f}' for t in warm)});",
+             f"anchor, transformers' own from_pretrained of the safetensors original on the CPU (bfloat16, weights "
+             f"read): warm median {statistics.median(anchor) * 1e3:.1f} ms",
+             f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
+             "| call | ms | calls |", "|---|---:|---:|"]
+    lines += [f"| {call} | {seconds * 1e3:.1f} | {calls or ''} |" for call, seconds, calls in call_breakdown(profiler)
+              if seconds >= 0.0005]
+    return "\n".join(lines)
+
+
 def main() -> None:
     global DEVICE
     if sys.argv[1:2] == ["offload-child"]:
@@ -322,11 +400,17 @@ def main() -> None:
     parser.add_argument("--offload", default="", help="routes to check on the pipeline (native,staging)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: a smoke test of this tool")
+    parser.add_argument("--profile-cpu", action="store_true",
+                        help="break down the time of szformat.transformers.from_pretrained(llm) around the decode, "
+                             "on the CPU (the model is built on the CPU when missing)")
     args = parser.parse_args()
-    if args.tiny:
+    if args.tiny or args.profile_cpu:
         DEVICE = "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
+    if args.profile_cpu:
+        print(profile_cpu(work, args.reps, args.tiny))
+        return
     rows = []
     for model in args.models.split(","):
         rows += bench_model(model, work, args.reps, not args.no_cold and not args.tiny, args.tiny)
