@@ -7,6 +7,7 @@ forward. Also through the loopback Hub, and the real all-MiniLM-L6-v2 weights wh
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import os
 import logging
@@ -159,6 +160,24 @@ def test_dtype_casts_on_the_device(llama):
     model = szt.from_pretrained(llama[1], dtype=torch.float32)
     expected = reference(transformers.AutoModelForCausalLM, llama[0], dtype=torch.float32)
     assert_same_model(model, expected)
+
+
+@pytest.mark.skipif(importlib.util.find_spec("transformers.initialization") is None,
+                    reason="transformers < 5 has no flag for initialized weights")
+def test_the_build_draws_no_values_into_parameters_on_meta(llama, monkeypatch):
+    """Filling a tensor on meta stores nothing and costs about a millisecond a tensor: the build leaves the
+    parameters to the checkpoint (buffers, computed as before, are checked by the bit-identical loads)."""
+    filled = []
+    for fill in ("normal_", "uniform_", "fill_", "zero_"):  # what torch.nn.init and _init_weights end in
+        def recording(tensor, *args, _fill=getattr(torch.Tensor, fill), _name=fill, **kwargs):
+            if tensor.device.type == "meta":
+                filled.append(_name)
+            return _fill(tensor, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, fill, recording)
+    model = szt.from_pretrained(llama[1])
+    assert filled == []
+    assert_same_model(model, reference(transformers.AutoModelForCausalLM, llama[0]))
 
 
 def test_variant_picks_its_file_and_the_default_leaves_variants_out(bert, tmp_path):
