@@ -3,6 +3,7 @@ own ``from_pretrained`` of the safetensors originals, in one run, and check the 
 
     PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--reps 5]
 
 Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
 with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
@@ -25,6 +26,12 @@ and so does the output (LLM logits of 4 x 128 tokens; a 2-step 256 x 256 pipelin
 ``offload=ROUTE`` (its transformer behind DDO, the rest on the GPU) must produce the same image tensor as without
 offloading. Each route runs in a child process (``native`` through DDO's bootstrap, which must own CUDA from the
 first statement).
+
+``--profile cpu|cuda``: where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time (first call,
+warm median, transformers' own load on that device as the anchor, and one warm call under cProfile, broken down by
+the calls ``szformat/transformers.py`` and ``szformat/model_folder.py`` make). On the CPU the decode is replaced by
+empty tensors of the checkpoint's shapes (everything around it runs as on the GPU), and the model is built and
+converted on the CPU when the ``--work`` folder lacks it.
 """
 
 from __future__ import annotations
@@ -308,16 +315,16 @@ def table(rows: list[dict], offloads: list[dict]) -> str:
     return "\n".join(lines)
 
 
-# -- --profile-cpu ---------------------------------------------------------------------------------------------------
+# -- --profile ---------------------------------------------------------------------------------------------------
 
 INTEGRATION_FILES = ("szformat/transformers.py", "szformat/model_folder.py")
-"""The code around the decode: what ``--profile-cpu`` breaks down, by the calls it makes into everything else."""
+"""The code around the decode: what ``--profile`` breaks down, by the calls it makes into everything else."""
 
 
 def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
-    """Stands in for ``szformat.api.load_file``: opens each shard as the load does (headers read and checked), and
-    gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the decode is measured
-    alone."""
+    """Stands in for ``szformat.api.load_file`` with ``--profile cpu``: opens each shard as the load does (headers
+    read and checked), and gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the
+    decode is measured alone (the CPU decode of the ``llm`` takes most of a minute)."""
     from szformat.format import constants as C
     from szformat.format.index import checkpoint_shards, open_shard
 
@@ -344,41 +351,39 @@ def call_breakdown(profiler) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])
 
 
-def profile_cpu(work: Path, reps: int, tiny: bool) -> str:
-    """Where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time besides decoding, on the CPU:
-    the decode is replaced by empty tensors of the checkpoint's shapes (:func:`empty_weights`), everything else runs
-    as on the GPU. Prints the first call (imports included), the warm median, transformers' own CPU load of the
-    safetensors original as the same-run anchor, and a cProfile breakdown of one warm call."""
+def profile(work: Path, reps: int, tiny: bool) -> str:
+    """Where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time on ``DEVICE``: the first call
+    (imports included), the warm median, transformers' own load of the safetensors original as the same-run anchor,
+    and a cProfile breakdown of one warm call. On the CPU the decode is replaced by :func:`empty_weights`, so what
+    is timed is everything around it, which runs there as on the GPU; on CUDA the decode is real."""
     import cProfile
     import pstats
 
-    import transformers
-
     import szformat.api
-    import szformat.transformers
 
     folder = work / "llm"
     if not Path(f"{folder}-szt").is_dir():
         print(f"building llm in {folder} ...", flush=True)
         build("llm", folder, tiny)
-    load = lambda: szformat.transformers.from_pretrained(f"{folder}-szt", transformers.AutoModelForCausalLM,  # noqa
-                                                         device="cpu")
-    decode, szformat.api.load_file = szformat.api.load_file, empty_weights
+    ours, anchor = loaders("llm")["szformat"], loaders("llm")["transformers"]
+    decode = szformat.api.load_file
+    if DEVICE == "cpu":
+        szformat.api.load_file = empty_weights
     try:
-        _, first = timed(lambda _: load(), folder)
-        warm = [timed(lambda _: load(), folder)[1] for _ in range(reps)]
+        first = timed(ours, folder)[1]
+        warm = [timed(ours, folder)[1] for _ in range(reps)]
+        release()
         profiler = cProfile.Profile()
-        profiler.runcall(load)
-        profiled = sum(s[2] for s in pstats.Stats(profiler).stats.values())
+        profiler.runcall(lambda: (ours(folder), synchronize()))
     finally:
         szformat.api.load_file = decode
-    anchor = [timed(lambda f: transformers.AutoModelForCausalLM.from_pretrained(f, dtype=torch.bfloat16), folder)[1]
-              for _ in range(reps)]
-    lines = [f"szformat.transformers.from_pretrained(llm, device='cpu'), decode replaced by empty tensors: first call "
-             f"{first * 1e3:.1f} ms, warm median {statistics.median(warm) * 1e3:.1f} ms "
-             f"(all: {', '.join(f'{t * 1e3:.1f}' for t in warm)});",
-             f"anchor, transformers' own from_pretrained of the safetensors original on the CPU (bfloat16, weights "
-             f"read): warm median {statistics.median(anchor) * 1e3:.1f} ms",
+    profiled = sum(s[2] for s in pstats.Stats(profiler).stats.values())
+    anchored = [timed(anchor, folder)[1] for _ in range(reps + 1)][1:]
+    stub = ", decode replaced by empty tensors" if DEVICE == "cpu" else ""
+    lines = [f"szformat.transformers.from_pretrained(llm, device={DEVICE!r}){stub}: first call {first * 1e3:.1f} ms, "
+             f"warm median {statistics.median(warm) * 1e3:.1f} ms (all: {', '.join(f'{t * 1e3:.1f}' for t in warm)})",
+             f"anchor, transformers' own from_pretrained of the safetensors original (bfloat16, device_map="
+             f"{DEVICE!r}, weights read): warm median {statistics.median(anchored) * 1e3:.1f} ms",
              f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
              "| call | ms | calls |", "|---|---:|---:|"]
     lines += [f"| {call} | {seconds * 1e3:.1f} | {calls or ''} |" for call, seconds, calls in call_breakdown(profiler)
@@ -400,16 +405,16 @@ def main() -> None:
     parser.add_argument("--offload", default="", help="routes to check on the pipeline (native,staging)")
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: a smoke test of this tool")
-    parser.add_argument("--profile-cpu", action="store_true",
-                        help="break down the time of szformat.transformers.from_pretrained(llm) around the decode, "
-                             "on the CPU (the model is built on the CPU when missing)")
+    parser.add_argument("--profile", choices=("cpu", "cuda"),
+                        help="break down the time of szformat.transformers.from_pretrained(llm) on this device (cpu: "
+                             "the decode replaced by empty tensors, the model built on the CPU when missing)")
     args = parser.parse_args()
-    if args.tiny or args.profile_cpu:
+    if args.tiny or args.profile == "cpu":
         DEVICE = "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
-    if args.profile_cpu:
-        print(profile_cpu(work, args.reps, args.tiny))
+    if args.profile:
+        print(profile(work, args.reps, args.tiny))
         return
     rows = []
     for model in args.models.split(","):
