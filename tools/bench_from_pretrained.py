@@ -383,9 +383,14 @@ def profile(work: Path, reps: int, tiny: bool) -> str:
     lines = [f"szformat.transformers.from_pretrained(llm, device={DEVICE!r}){stub}: first call {first * 1e3:.1f} ms, "
              f"warm median {statistics.median(warm) * 1e3:.1f} ms (all: {', '.join(f'{t * 1e3:.1f}' for t in warm)})",
              f"anchor, transformers' own from_pretrained of the safetensors original (bfloat16, device_map="
-             f"{DEVICE!r}, weights read): warm median {statistics.median(anchored) * 1e3:.1f} ms",
-             f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
-             "| call | ms | calls |", "|---|---:|---:|"]
+             f"{DEVICE!r}, weights read): warm median {statistics.median(anchored) * 1e3:.1f} ms"]
+    if DEVICE != "cpu":  # the decode alone, with the same emptied caching allocator before each call
+        alone = [timed(lambda f: szformat.api.load_file(f"{f}-szt", device=DEVICE), folder)[1]
+                 for _ in range(reps + 1)][1:]
+        lines.append(f"szformat.load_file(llm, device={DEVICE!r}) alone: warm median "
+                     f"{statistics.median(alone) * 1e3:.1f} ms")
+    lines += [f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
+              "| call | ms | calls |", "|---|---:|---:|"]
     lines += [f"| {call} | {seconds * 1e3:.1f} | {calls or ''} |" for call, seconds, calls in call_breakdown(profiler)
               if seconds >= 0.0005]
     return "\n".join(lines)
