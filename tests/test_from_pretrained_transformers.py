@@ -30,6 +30,7 @@ import szformat.api
 import szformat.transformers as szt
 from szformat.cli.main import main as szconvert
 from szformat.errors import (CheckpointMismatchError, ModelFolderError, SzformatError, UnknownArchitectureError)
+from szformat.format.reader import SztFile
 from szformat.offload import OffloadEnvironment
 from szformat.offload import loader as offload_loader
 
@@ -178,6 +179,21 @@ def test_the_build_draws_no_values_into_parameters_on_meta(llama, monkeypatch):
     model = szt.from_pretrained(llama[1])
     assert filled == []
     assert_same_model(model, reference(transformers.AutoModelForCausalLM, llama[0]))
+
+
+def test_the_model_is_matched_to_the_checkpoint_from_its_headers_alone(llama, tmp_path, monkeypatch):
+    """Names and shapes are all the match needs: no payload is read (nor, at rest, inflated) before the load."""
+    assert szconvert([str(llama[0]), str(tmp_path / "at-rest"), "--at-rest", "zstd", "--quiet"]) == 0
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("a payload was read")
+
+    monkeypatch.setattr(SztFile, "payload", refuse)
+    monkeypatch.setattr(SztFile, "memory_payload", refuse)
+    prepared = szt.prepare_model(tmp_path / "at-rest")
+    assert set(prepared.plan.sources) == set(prepared.expected) - {"lm_head.weight"}  # tied to the embedding
+    monkeypatch.undo()
+    assert_same_model(szt.finish_model(prepared)[0], reference(transformers.AutoModelForCausalLM, llama[0]))
 
 
 def test_variant_picks_its_file_and_the_default_leaves_variants_out(bert, tmp_path):
