@@ -84,6 +84,8 @@ class FakeOps:
         self.streams = [FakeStream(0, 0 in self._eager)]
         self.log: list[tuple] = []
         self.lock = threading.RLock()  # the loop calls in from two threads, as it may on a real device
+        self.allocated = 0
+        self.reserved: list[tuple[int, int]] = []  # (bytes reserved, bytes allocated before)
         self.callers: list[str] = []
         """The thread that made each step of ``log``."""
 
@@ -139,7 +141,13 @@ class FakeOps:
         return torch.full((nbytes,), POISON, dtype=torch.uint8)
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            self.allocated += nbytes
         return torch.full((nbytes,), POISON ^ 0xFF, dtype=torch.uint8)
+
+    def reserve(self, nbytes: int) -> None:
+        with self.lock:
+            self.reserved.append((nbytes, self.allocated))
 
 
 class NoWaitOps(FakeOps):
@@ -870,6 +878,17 @@ def test_staging_pool_refuses_a_group_larger_than_its_slot(checkpoint):
     assert info.value.tensor == "big.weight"
     with pytest.raises(RuntimeError, match="begin_upload"):
         pool.begin_upload()
+
+
+def test_a_device_load_reserves_its_destinations_at_once_before_allocating_them(checkpoint):
+    path, tensors = checkpoint
+    ops = FakeOps()
+    staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
+    with DeviceLoader("cpu", staging=staging, ops=ops, codec=ReferenceCodec()) as loader, SztFile(path) as f:
+        _assert_same(loader.load(f), tensors)
+    raw = sum(t.numel() * t.element_size() for t in tensors.values())
+    (reserved, allocated_before), = ops.reserved
+    assert allocated_before == 0 and raw <= reserved <= raw + 1024 * len(tensors)
 
 
 def test_slot_decoder_expands_in_place_and_refuses_small_slots(checkpoint):

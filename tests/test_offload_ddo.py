@@ -93,6 +93,9 @@ class FakeOps:
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.full((nbytes,), 0x5A, dtype=torch.uint8)
 
+    def reserve(self, nbytes: int) -> None:
+        pass
+
 
 # -- checkpoint --------------------------------------------------------------------------------------------------
 

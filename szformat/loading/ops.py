@@ -47,6 +47,9 @@ class DeviceOps(Protocol):
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         """A flat uint8 buffer on the device."""
 
+    def reserve(self, nbytes: int) -> None:
+        """Prepare for :meth:`device_buffer` calls of ``nbytes`` in all (a hint: nothing is promised)."""
+
 
 class CudaOps:
     """:class:`DeviceOps` on a CUDA device through PyTorch streams and events.
@@ -99,6 +102,16 @@ class CudaOps:
 
     def device_buffer(self, nbytes: int) -> torch.Tensor:
         return torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+
+    def reserve(self, nbytes: int) -> None:
+        """Have PyTorch's caching allocator hold ``nbytes`` in one segment, by allocating and freeing them: the
+        buffers allocated next are carved out of it, instead of each asking the driver for memory (a model's
+        hundreds of tensors, each a ``cudaMalloc``, cost a load more than its copies). transformers' loader does the
+        same. Where the device has no room for one segment that large, the buffers are allocated one by one."""
+        try:
+            torch.empty(nbytes, dtype=torch.uint8, device=self.device)
+        except torch.cuda.OutOfMemoryError:
+            pass
 
 
 def cuda_ops(device: str | torch.device) -> CudaOps:

@@ -273,6 +273,15 @@ class TransferLoop:
 
 ARENA_ALIGNMENT = 256
 """Tensors sharing a packed transfer's output allocation start at multiples of this many bytes."""
+ALLOCATION_GRANULE = 512
+"""PyTorch's caching allocator rounds every block up to a multiple of this many bytes: what one reserved segment
+must hold for a load's allocations to be carved out of it."""
+
+
+def allocate(ops: DeviceOps, sizes: Sequence[int]) -> list[torch.Tensor]:
+    """A device buffer of each size, reserved together first (:meth:`DeviceOps.reserve`)."""
+    ops.reserve(sum(-(-size // ALLOCATION_GRANULE) * ALLOCATION_GRANULE for size in sizes))
+    return [ops.device_buffer(size) for size in sizes]
 
 
 def destination_bytes(entry: TensorEntry) -> int:
@@ -342,28 +351,33 @@ class DeviceDecodeRoute:
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
         """Every destination, before the first transfer is copied, so that the loop only enqueues device work: one
         allocation per streamed tensor, one per packed transfer (its tensors are views of it at ``ARENA_ALIGNMENT``
-        offsets, decoded by one batched launch), one per tensor with nothing stored. Returns the destinations in
+        offsets, decoded by one batched launch), one per tensor with nothing stored; all of them reserved together
+        first (:meth:`DeviceOps.reserve`). Returns the destinations in
         the order of ``entries`` and, per packed transfer, its allocation and the offsets in it."""
         record = timeline.current()
         began = record.now() if record is not None else 0.0
-        device_buffer = self.loop.ops.device_buffer
-        dests: list[torch.Tensor | None] = [None] * len(entries)
-        arenas: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        sizes: dict[int, int] = {}  # allocation -> bytes: -1 - k for packed transfer k, the entry's index otherwise
+        offsets_of: dict[int, list[int]] = {}
         for k, transfer in enumerate(transfers):
             if transfer.packed:
                 offsets, cursor = [], 0
                 for piece in transfer.pieces:
                     offsets.append(cursor)
                     cursor += -(-entries[piece.item].raw_length // ARENA_ALIGNMENT) * ARENA_ALIGNMENT
-                arena = arenas[k] = (device_buffer(cursor), offsets)
-                for piece, offset in zip(transfer.pieces, offsets):
-                    dests[piece.item] = arena[0][offset: offset + entries[piece.item].raw_length]
+                sizes[-1 - k], offsets_of[k] = cursor, offsets
             elif transfer.pieces[0].offset == 0:
-                item = transfer.pieces[0].item
-                dests[item] = device_buffer(destination_bytes(entries[item]))
-        for i, dest in enumerate(dests):
-            if dest is None:  # nothing stored: an empty tensor
-                dests[i] = device_buffer(entries[i].raw_length)
+                sizes[transfer.pieces[0].item] = destination_bytes(entries[transfer.pieces[0].item])
+        covered = {piece.item for k in offsets_of for piece in transfers[k].pieces}
+        for i, entry in enumerate(entries):
+            if i not in covered and i not in sizes:  # nothing stored: an empty tensor
+                sizes[i] = entry.raw_length
+        buffers = dict(zip(sizes, allocate(self.loop.ops, list(sizes.values()))))
+        dests: list[torch.Tensor | None] = [buffers.get(i) for i in range(len(entries))]
+        arenas: dict[int, tuple[torch.Tensor, list[int]]] = {}
+        for k, offsets in offsets_of.items():
+            arena = arenas[k] = (buffers[-1 - k], offsets)
+            for piece, offset in zip(transfers[k].pieces, offsets):
+                dests[piece.item] = arena[0][offset: offset + entries[piece.item].raw_length]
         if record is not None:
             record.add("allocate", -1, began, record.now(), sum(d.numel() for d in dests))
         return dests, arenas
@@ -434,7 +448,7 @@ class HostDecodeRoute:
         flat uint8, in the order given, each in its own allocation. Call ``loop.finish()`` before reading them."""
         ops = self.loop.ops
         transfers = plan_transfers(raw_extents([e.raw_length for e in entries]), self.loop.ring.slot_bytes)
-        dests = [ops.device_buffer(e.raw_length) for e in entries]
+        dests = allocate(ops, [e.raw_length for e in entries])
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             host = slot.host[: transfer.nbytes]
