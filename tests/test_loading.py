@@ -16,7 +16,7 @@ import threading
 import time
 import zlib
 from collections import deque
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -33,6 +33,7 @@ from szformat.codec import cpu as cpu_codec
 from szformat.codec.gate import EncodedTensor
 from szformat.errors import (ChecksumMismatchError, DecodeRouteError, FormatError, PayloadError, ShardIndexError,
                              TruncatedFileError)
+from szformat.format import at_rest
 from szformat.format.constants import TORCH_TO_DTYPE
 from szformat.format.writer import SztWriter
 from szformat.format.reader import SztFile
@@ -43,7 +44,8 @@ from szformat.loading import pipeline
 from szformat.loading.hostio import FileReader, Staged
 from szformat.loading.loader import load_checkpoint
 from szformat.loading.pipeline import DeviceDecodeRoute, HostDecodeRoute, MappedSource, ReadSource, TransferLoop
-from szformat.loading.plan import Extent, plan_transfers, raw_extents, streamed_piece_bytes
+from szformat.loading import inflate
+from szformat.loading.plan import Extent, Piece, Transfer, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
 from szformat.loading.slot_decoder import Placement
 from szformat.loading.verify import StoredCrcCheck
@@ -1149,6 +1151,57 @@ def test_loader_checks_the_stored_bytes_of_files_at_rest(at_rest_checkpoint, tmp
                           codec=ReferenceCodec()) as loader, SztFile(bad) as f:
             with pytest.raises(error, match="long.weight"):
                 loader.load(f)
+
+
+def _stage_tensor_from(source: inflate.InflatingSource, name: str, start: int) -> torch.Tensor:
+    """In-memory bytes ``[start, end)`` of tensor ``name``, staged by ``source`` as one transfer."""
+    entry = source.memory_entries([source.file.entry(name)])[0]
+    piece = Piece(0, 0, start, entry.length - start, last=True)
+    transfer = Transfer(entry.offset + start, entry.length - start, (piece,), packed=False)
+    slot = SimpleNamespace(host=torch.zeros(entry.length, dtype=torch.uint8))
+    return source.stage(transfer, slot).result()
+
+
+def test_inflating_tasks_are_cut_on_frames_so_none_is_inflated_twice(at_rest_checkpoint, monkeypatch):
+    """A transfer starting inside a tensor is cut into tasks at multiples of PIECE_BYTES of its payload (where its
+    ``pk`` frames start), not at multiples from the transfer's start, which would cut every frame in two."""
+    path, _ = at_rest_checkpoint
+    monkeypatch.setattr(inflate, "PIECE_BYTES", 8192)  # two frames of 4 KiB per task
+    inflated = []
+    real = at_rest._inflate_frame
+    monkeypatch.setattr(at_rest, "_inflate_frame", lambda frame, out, dctx: (inflated.append(len(out)),
+                                                                            real(frame, out, dctx)))
+    with SztFile(path) as f, ThreadPoolExecutor(2) as pool:
+        entry = f.entry("long.weight")
+        start = 100  # inside the first frame
+        staged = _stage_tensor_from(inflate.InflatingSource(f, pool), "long.weight", start)
+        count = len(inflated)
+        assert torch.equal(staged, f.memory_payload("long.weight")[start:])
+    covered = [s for s in at_rest.segments(entry.layout, entry.at_rest)
+               if s.compressed and s.memory + s.memory_length > start]
+    assert count == len(covered) == 5
+
+
+def test_inflating_reads_frames_too_long_for_the_buffer_from_the_mapping(at_rest_checkpoint, monkeypatch):
+    path, _ = at_rest_checkpoint
+    monkeypatch.setattr(inflate, "FRAME_BUFFER_LIMIT", 0)
+    with SztFile(path) as f, ThreadPoolExecutor(2) as pool:
+        staged = _stage_tensor_from(inflate.InflatingSource(f, pool), "long.weight", 0)
+        assert torch.equal(staged, f.memory_payload("long.weight"))
+
+
+def test_inflating_a_file_truncated_after_it_was_opened_raises(at_rest_checkpoint, tmp_path):
+    """The stored bytes are read with pread, not through the mapping: a file cut short meanwhile gives an error
+    naming it and the tensor, where touching the mapping would kill the process."""
+    path = tmp_path / "cut.szt"
+    path.write_bytes(at_rest_checkpoint[0].read_bytes())
+    with SztFile(path) as f, ThreadPoolExecutor(2) as pool:
+        source = inflate.InflatingSource(f, pool)
+        entry = f.entry("long.weight")
+        os.truncate(path, entry.offset + entry.length // 2)
+        with pytest.raises(TruncatedFileError, match="long.weight") as info:
+            _stage_tensor_from(source, "long.weight", 0)
+    assert "cut.szt" in str(info.value)
 
 
 def test_gpu_route_checks_the_escape_streams_of_files_at_rest(tmp_path):

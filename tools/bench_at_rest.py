@@ -17,16 +17,27 @@ Tables, all from the same run:
    CPU-second of the process (all its threads): on a machine other jobs share, wall time counts their turns too,
    CPU time what the path itself costs a core. Every path is checked bit for bit before it is timed.
 
+With ``--staging GB`` it measures instead what the GPU loader's reader threads do with a file stored at rest:
+a synthetic checkpoint of Llama-7B layer shapes (``randn * 0.02``, BF16, about ``GB`` raw) is saved in both forms,
+and every transfer the device-decode route plans is staged into a (pageable) slot, ``slots`` transfers in flight as
+in the loader's ring, through :class:`~szformat.loading.inflate.InflatingSource` (the at-rest form, inflated) and
+through threaded reads of the in-memory form (the anchor), with 1 and 2 reader threads: MB/s of in-memory bytes
+produced, best and median of ``--repeats``, and per CPU-second. The staged bytes are checked bit for bit first.
+
 Usage::
 
     PYTHONPATH=. python tools/bench_at_rest.py [--repeats 5]
+    PYTHONPATH=. python tools/bench_at_rest.py --staging 1 --work /tmp/szstaging [--threads 1 2]
 """
 
 from __future__ import annotations
 
 import argparse
+import cProfile
 import os
 import platform
+import pstats
+import re
 import statistics
 import sys
 import tempfile
@@ -114,8 +125,15 @@ def timed(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, tuple
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per speed figure (default 5)")
+    parser.add_argument("--staging", type=float, metavar="GB",
+                        help="measure staging a synthetic checkpoint of about GB raw bytes instead (see above)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szformat-staging",
+                        help="where --staging keeps its checkpoints between runs")
+    parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="reader threads for --staging")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
+    if args.staging is not None:
+        return staging(args.staging, args.work, args.threads, args.repeats)
     print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
           f"zstandard {at_rest.zstandard.__version__} (libzstd {at_rest.zstandard.ZSTD_VERSION})")
     file_rows, speed_rows = [], []
@@ -189,6 +207,124 @@ def speed(label: str, tensors: dict[str, torch.Tensor], raw: int, memory: Path, 
     pool.shutdown()
     return [(label, name, nbytes / min(seconds[name][0]) / 1e9, nbytes / statistics.median(seconds[name][0]) / 1e9,
              nbytes / statistics.median(seconds[name][1]) / 1e9) for name, (nbytes, _) in fns.items()]
+
+
+def staging_checkpoint(raw_gb: float, work: Path) -> tuple[Path, Path]:
+    """The synthetic checkpoint of ``--staging`` in its in-memory and at-rest forms (made once, kept in ``work``)."""
+    from gpu_load_check import llama_shapes
+
+    memory, rest = work / f"llama-{raw_gb:g}gb.szt", work / f"llama-{raw_gb:g}gb-at-rest.szt"
+    if not rest.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        gen = torch.Generator().manual_seed(0)
+        tensors = {name: (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
+                   for name, shape in llama_shapes(int(raw_gb * 1e9)).items()}
+        szformat.save_file(tensors, memory)
+        szformat.save_file(tensors, rest, at_rest="zstd")
+    return memory, rest
+
+
+def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, slot_bytes: int = 128 << 20,
+            slots: int = 4) -> int:
+    """Stage every transfer of the device-decode route's plan, through each source, with each thread count."""
+    from szformat.loading.hostio import FileReader
+    from szformat.loading.inflate import InflatingSource
+    from szformat.loading.pipeline import ReadSource
+    from szformat.loading.plan import Extent, plan_transfers
+    from szformat.loading.ring import Slot
+
+    memory, rest = staging_checkpoint(raw_gb, work)
+    buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)]
+    for b in buffers:
+        b.fill_(0)  # fault the pages in once, as pinned slots are
+    ring = [Slot(index=i, host=b, device=None) for i, b in enumerate(buffers)]
+    with SztFile(memory) as mf, SztFile(rest) as rf:
+        entries = list(mf.header.tensors)
+        produced = sum(e.length for e in entries)
+        print(f"{cpu_model()}, {os.cpu_count()} cores; {len(entries)} tensors, {sum(e.raw_length for e in entries) / 1e9:.2f} GB "
+              f"raw, in-memory {produced / 1e9:.2f} GB, at rest {sum(e.length for e in rf.header.tensors) / 1e9:.2f} GB; "
+              f"slots {slots} x {slot_bytes >> 20} MiB")
+
+        def run(source, plan) -> None:
+            pending = []
+            for k, transfer in enumerate(plan):
+                if len(pending) == slots:
+                    pending.pop(0).result()
+                pending.append(source.stage(transfer, ring[k % slots]))
+            for staged in pending:
+                staged.result()
+
+        def plan_of(line: list) -> list:
+            return plan_transfers([Extent(i, e.offset, e.length) for i, e in enumerate(line)], slot_bytes)
+
+        rows = []
+        for threads in thread_counts:
+            pool = ThreadPoolExecutor(threads)
+            inflating = InflatingSource(rf, pool)
+            reading = ReadSource(FileReader(memory, pool, threads))
+            sources = {"in-memory form, threaded reads": (reading, plan_of(entries)),
+                       "at-rest form, InflatingSource": (inflating, plan_of(inflating.memory_entries(entries)))}
+            for name, (source, plan) in sources.items():  # bit for bit: every transfer against the in-memory form
+                line = inflating.memory_entries(entries) if source is inflating else entries
+                for transfer in plan:
+                    staged = source.stage(transfer, ring[0]).result()
+                    for piece in transfer.pieces:
+                        got = staged[piece.slot_offset: piece.slot_offset + piece.length]
+                        want = mf.payload(line[piece.item].name)[piece.offset: piece.offset + piece.length]
+                        assert torch.equal(got, want), f"{name}: {line[piece.item].name} differs"
+
+            def fresh(name: str, pool: ThreadPoolExecutor = pool, threads: int = threads) -> Callable[[], None]:
+                """A run as ``load_file`` makes one: the file opened (and mapped) anew."""
+                if name.startswith("in-memory"):
+                    return lambda: run(ReadSource(FileReader(memory, pool, threads)), sources[name][1])
+
+                def inflate_fresh() -> None:
+                    with SztFile(rest) as f:
+                        run(InflatingSource(f, pool), sources[name][1])
+                return inflate_fresh
+
+            seconds = timed({name: fresh(name) for name in sources}, repeats)
+            if threads == 1:
+                held = {name: gil_seconds(lambda p: fresh(name, p, 1)) for name in sources}
+            for name in sources:
+                wall, cpu = seconds[name]
+                rows.append((threads, name, produced / min(wall) / 1e6, produced / statistics.median(wall) / 1e6,
+                             produced / statistics.median(cpu) / 1e6))
+            reading.close()
+            pool.shutdown()
+    print("\n| reader threads | source | best MB/s | median MB/s | median MB per CPU-second |")
+    print("| ---: | --- | ---: | ---: | ---: |")
+    for threads, name, best, median, per_cpu in rows:
+        print(f"| {threads} | {name} | {best:.0f} | {median:.0f} | {per_cpu:.0f} |")
+    print("\nOne profiled reader thread (cProfile adds to the Python side): its seconds per GB produced in calls that "
+          "release the GIL (zstd, preadv, torch copies) and in everything else, which holds it and so runs one reader "
+          "at a time however many cores there are.\n")
+    print("| source | GIL released (s/GB) | GIL held (s/GB) | held share |")
+    print("| --- | ---: | ---: | ---: |")
+    for name, (free, busy) in held.items():
+        print(f"| {name} | {free / produced * 1e9:.3f} | {busy / produced * 1e9:.3f} | {busy / (free + busy):.0%} |")
+    return 0
+
+
+GIL_RELEASING = re.compile(r"'readinto' of 'zstandard|'decompress' of 'zstandard|posix\.preadv|'copy_' of 'torch")
+"""The calls of the staging paths that release the GIL while they work (as profiled function names)."""
+WAITING = re.compile(r"'get' of '_queue|'acquire' of '_thread|'wait' of|posix\.sched_yield")
+"""An idle reader thread's waits for work: neither working nor holding the GIL."""
+
+
+def gil_seconds(make_run: Callable[[ThreadPoolExecutor], Callable[[], None]]) -> tuple[float, float]:
+    """Seconds one profiled reader thread spends in :data:`GIL_RELEASING` calls and outside them, in one run."""
+    profile = cProfile.Profile()
+    with ThreadPoolExecutor(1, initializer=profile.enable) as pool:
+        make_run(pool)()
+        pool.submit(profile.disable).result()
+    free = busy = 0.0
+    for (_, _, function), (_, _, own, _, _) in pstats.Stats(profile).stats.items():
+        if GIL_RELEASING.search(function):
+            free += own
+        elif not WAITING.search(function):
+            busy += own
+    return free, busy
 
 
 def print_files(rows) -> None:

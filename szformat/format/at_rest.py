@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any, Protocol, Sequence
 
 import torch
 import zstandard
@@ -31,7 +31,8 @@ from ..codec.layout import PayloadLayout
 __all__ = ["AT_REST_ZSTD", "FEATURE_AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "parse_at_rest", "parse_at_rest_option",
-           "stream_extents", "segments", "writer_streams", "compress", "inflate", "inflate_ranges", "stored_ranges",
+           "stream_extents", "segments", "writer_streams", "compress", "inflate", "inflate_segments", "StoredBytes",
+           "StoredView", "inflate_ranges", "stored_ranges",
            "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
 
 AT_REST_ZSTD = "zstd"
@@ -261,16 +262,17 @@ def compress(payload: torch.Tensor, layout: PayloadLayout, *, level: int = DEFAU
     return parts, ZstdStage(streams, frame_size, tuple(frames), level)
 
 
-def frame_compressed_size(frame: memoryview) -> int:
+def frame_compressed_size(frame: memoryview, *, has_checksum: bool | None = None) -> int:
     """The length of the zstd frame at the start of ``frame``, walked block by block (zstd's
-    ``ZSTD_findFrameCompressedSize``).
+    ``ZSTD_findFrameCompressedSize``). ``has_checksum``: the frame header's flag, when the caller has parsed it.
 
     Raises:
         AtRestError: not a zstd frame, or it ends before its last block (and checksum).
     """
     try:
         cursor = zstandard.frame_header_size(frame)
-        has_checksum = zstandard.get_frame_parameters(frame).has_checksum
+        if has_checksum is None:
+            has_checksum = zstandard.get_frame_parameters(frame).has_checksum
     except zstandard.ZstdError as e:
         raise AtRestError(f"not a zstd frame ({e})") from None
     size = len(frame)
@@ -304,9 +306,9 @@ def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecom
             else f"zstd frame declares {params.content_size} bytes, the layout gives it {len(out)}")
     if not params.has_checksum:
         raise AtRestError("zstd frame carries no content checksum")
-    if frame_compressed_size(frame) != len(frame):
-        raise AtRestError(f"zstd frame is {frame_compressed_size(frame)} bytes long, the header records "
-                          f"{len(frame)}")
+    walked = frame_compressed_size(frame, has_checksum=True)
+    if walked != len(frame):
+        raise AtRestError(f"zstd frame is {walked} bytes long, the header records {len(frame)}")
     try:
         reader = dctx.stream_reader(frame)
         filled = reader.readinto(out) if len(out) else 0
@@ -354,6 +356,34 @@ def decompressor() -> zstandard.ZstdDecompressor:
     return dctx
 
 
+class StoredBytes(Protocol):
+    """Where inflating takes a payload's stored bytes from: a view of them, or a file read piece by piece."""
+
+    length: int
+    """How many stored bytes the payload has."""
+
+    def copy_into(self, start: int, out: torch.Tensor) -> None:
+        """Stored bytes from ``start`` into ``out`` (flat uint8): verbatim bytes, copied with the GIL released."""
+
+    def frame(self, start: int, stop: int) -> memoryview:
+        """Stored bytes ``[start, stop)``: one frame, valid until this thread asks for the next."""
+
+
+class StoredView:
+    """:class:`StoredBytes` of a flat uint8 CPU tensor holding all of them (a mapping's view, a buffer)."""
+
+    def __init__(self, stored: torch.Tensor):
+        self.stored = stored
+        self.length = stored.numel()
+        self._view = memoryview(stored.numpy()) if stored.numel() else memoryview(b"")
+
+    def copy_into(self, start: int, out: torch.Tensor) -> None:
+        out.copy_(self.stored[start: start + out.numel()])  # torch releases the GIL; a memoryview copy would not
+
+    def frame(self, start: int, stop: int) -> memoryview:
+        return self._view[start: stop]
+
+
 def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: torch.Tensor | None = None, *,
             start: int = 0, stop: int | None = None) -> torch.Tensor:
     """In-memory payload bytes ``[start, stop)`` (default: all of them) from the stored bytes.
@@ -371,27 +401,45 @@ def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: 
         out = torch.empty(stop - start, dtype=torch.uint8)
     elif out.numel() != stop - start:
         raise ValueError(f"output holds {out.numel()} bytes, the range {stop - start}")
-    dctx = decompressor()
-    source = memoryview(stored.numpy()) if stored.numel() else memoryview(b"")
-    target = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
-    scratch: memoryview | None = None
-    for seg in segments(layout, stage):
-        lo, hi = max(start, seg.memory), min(stop, seg.memory + seg.memory_length)
-        if lo >= hi and seg.memory_length:
-            continue
-        if seg.stored + seg.stored_length > len(source):
-            raise AtRestError(f"segment at stored byte {seg.stored} runs past the {len(source)} stored bytes")
-        piece = source[seg.stored: seg.stored + seg.stored_length]
-        if not seg.compressed:
-            target[lo - start: hi - start] = piece[lo - seg.memory: hi - seg.memory]
-        elif lo == seg.memory and hi == seg.memory + seg.memory_length:
-            _inflate_frame(piece, target[lo - start: hi - start], dctx)
-        else:
-            if scratch is None:
-                scratch = memoryview(bytearray(stage.frame_size))
-            _inflate_frame(piece, scratch[: seg.memory_length], dctx)
-            target[lo - start: hi - start] = scratch[lo - seg.memory: hi - seg.memory]
+    inflate_segments(StoredView(stored), segments(layout, stage), out, start=start)
     return out
+
+
+def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: torch.Tensor, *, start: int = 0,
+                     first: int = 0) -> None:
+    """In-memory bytes ``[start, start + out.numel())`` of a payload stored as ``pieces`` (its :func:`segments`)
+    into ``out``. ``first`` may skip pieces known to end before ``start``.
+
+    Every byte is moved with the GIL released (reader threads inflate side by side); a frame partly inside the
+    range is inflated whole into a scratch buffer of its in-memory size.
+
+    Raises:
+        AtRestError: a frame is corrupt, truncated, or does not inflate to exactly its in-memory size.
+    """
+    stop = start + out.numel()
+    dctx = decompressor()
+    target: memoryview | None = None
+    for index in range(first, len(pieces)):
+        seg = pieces[index]
+        if seg.memory >= stop:
+            break
+        lo, hi = max(start, seg.memory), min(stop, seg.memory + seg.memory_length)
+        if lo >= hi:
+            continue
+        if seg.stored + seg.stored_length > stored.length:
+            raise AtRestError(f"segment at stored byte {seg.stored} runs past the {stored.length} stored bytes")
+        if not seg.compressed:
+            stored.copy_into(seg.stored + lo - seg.memory, out[lo - start: hi - start])
+            continue
+        frame = stored.frame(seg.stored, seg.stored + seg.stored_length)
+        if target is None:
+            target = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
+        if lo == seg.memory and hi == seg.memory + seg.memory_length:
+            _inflate_frame(frame, target[lo - start: hi - start], dctx)
+        else:
+            scratch = torch.empty(seg.memory_length, dtype=torch.uint8)
+            _inflate_frame(frame, memoryview(scratch.numpy()), dctx)
+            out[lo - start: hi - start].copy_(scratch[lo - seg.memory: hi - seg.memory])
 
 
 def stored_ranges(layout: PayloadLayout, stage: ZstdStage, ranges: Sequence[tuple[int, int]]
