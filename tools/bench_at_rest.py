@@ -22,7 +22,9 @@ a synthetic checkpoint of Llama-7B layer shapes (``randn * 0.02``, BF16, about `
 and every transfer the device-decode route plans is staged into a (pageable) slot, ``slots`` transfers in flight as
 in the loader's ring, through :class:`~szformat.loading.inflate.InflatingSource` (the at-rest form, inflated) and
 through threaded reads of the in-memory form (the anchor), with 1 and 2 reader threads: MB/s of in-memory bytes
-produced, best and median of ``--repeats``, and per CPU-second. The staged bytes are checked bit for bit first.
+produced, best and median of ``--repeats``, and per CPU-second. The staged bytes are checked bit for bit first. A
+second table splits one profiled reader thread's time between the calls that release the GIL and the rest, which
+holds it: on a host with many cores that part runs one reader at a time.
 
 Usage::
 
@@ -53,10 +55,16 @@ import szformat
 from szformat.codec.gate import ENCODING_SPLITZIP, encode_tensor
 from szformat.format import at_rest
 from szformat.format.reader import SztFile
+from szformat.loading.hostio import FileReader
+from szformat.loading.inflate import InflatingSource
+from szformat.loading.pipeline import ReadSource
+from szformat.loading.plan import Extent, plan_transfers
+from szformat.loading.ring import Slot
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fetch_minilm  # noqa: E402
 import fetch_models  # noqa: E402
+from gpu_load_check import llama_shapes  # noqa: E402
 from bench_cpu import cpu_model  # noqa: E402
 
 STREAM_CHOICES = {"pk": ("pk",), "pk+sm": ("pk", "sm"), "pk+escapes": ("pk", "chunk_id", "local_pos", "esc_val")}
@@ -211,8 +219,6 @@ def speed(label: str, tensors: dict[str, torch.Tensor], raw: int, memory: Path, 
 
 def staging_checkpoint(raw_gb: float, work: Path) -> tuple[Path, Path]:
     """The synthetic checkpoint of ``--staging`` in its in-memory and at-rest forms (made once, kept in ``work``)."""
-    from gpu_load_check import llama_shapes
-
     memory, rest = work / f"llama-{raw_gb:g}gb.szt", work / f"llama-{raw_gb:g}gb-at-rest.szt"
     if not rest.exists():
         work.mkdir(parents=True, exist_ok=True)
@@ -227,12 +233,6 @@ def staging_checkpoint(raw_gb: float, work: Path) -> tuple[Path, Path]:
 def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, slot_bytes: int = 128 << 20,
             slots: int = 4) -> int:
     """Stage every transfer of the device-decode route's plan, through each source, with each thread count."""
-    from szformat.loading.hostio import FileReader
-    from szformat.loading.inflate import InflatingSource
-    from szformat.loading.pipeline import ReadSource
-    from szformat.loading.plan import Extent, plan_transfers
-    from szformat.loading.ring import Slot
-
     memory, rest = staging_checkpoint(raw_gb, work)
     buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)]
     for b in buffers:
@@ -257,7 +257,8 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
         def plan_of(line: list) -> list:
             return plan_transfers([Extent(i, e.offset, e.length) for i, e in enumerate(line)], slot_bytes)
 
-        rows = []
+        rows: list[tuple[int, str, float, float, float]] = []
+        held: dict[str, tuple[float, float]] = {}
         for threads in thread_counts:
             pool = ThreadPoolExecutor(threads)
             inflating = InflatingSource(rf, pool)
@@ -284,7 +285,7 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
                 return inflate_fresh
 
             seconds = timed({name: fresh(name) for name in sources}, repeats)
-            if threads == 1:
+            if not held:  # the source's own work, whatever the thread counts asked for
                 held = {name: gil_seconds(lambda p: fresh(name, p, 1)) for name in sources}
             for name in sources:
                 wall, cpu = seconds[name]
