@@ -597,7 +597,7 @@ def test_registered_source_refuses_a_read_hook(checkpoint):
     file, entries = _entries(path)
     transfer = plan_transfers([Extent(0, entries[0].offset, entries[0].length)], 1 << 20)[0]
     with pytest.raises(ValueError, match="not read on the host"):
-        MappedSource(FakeMapping(path), None).stage(transfer, None, then=lambda start, piece: None)
+        MappedSource(FakeMapping(path), None).stage(transfer, None, verify=StoredCrcCheck(entries, path))
     file.close()
 
 
@@ -1202,6 +1202,43 @@ def test_inflating_a_file_truncated_after_it_was_opened_raises(at_rest_checkpoin
         with pytest.raises(TruncatedFileError, match="long.weight") as info:
             _stage_tensor_from(source, "long.weight", 0)
     assert "cut.szt" in str(info.value)
+
+
+def test_inflating_checks_each_stored_byte_once_where_transfers_cut_frames(at_rest_checkpoint, monkeypatch):
+    """Two transfers cut a frame in two: both inflate it, the CRC-32 of the stored bytes counts it once."""
+    path, _ = at_rest_checkpoint
+    monkeypatch.setattr(inflate, "PIECE_BYTES", 8192)
+    with SztFile(path) as f, ThreadPoolExecutor(2) as pool:
+        source = inflate.InflatingSource(f, pool)
+        entry = f.entry("long.weight")
+        memory = source.memory_entries([entry])[0]
+        check = StoredCrcCheck([entry], f.path)
+        staged = []
+        for lo, hi in ((0, 5000), (5000, memory.length)):  # 5000: inside the second 4 KiB frame
+            transfer = Transfer(memory.offset + lo, hi - lo, (Piece(0, 0, lo, hi - lo, last=hi == memory.length),),
+                                packed=False)
+            slot = SimpleNamespace(host=torch.zeros(hi - lo, dtype=torch.uint8))
+            staged.append(source.stage(transfer, slot, verify=check).result())
+        check.check()  # every stored byte once, in order, and the CRC matches
+        assert torch.equal(torch.cat(staged), f.memory_payload("long.weight"))
+
+
+def test_loader_checks_the_verbatim_streams_of_files_at_rest(at_rest_checkpoint, tmp_path):
+    """``sm`` is stored verbatim, beyond zstd's checksums: the stored bytes' CRC-32, taken as they are read,
+    catches a flipped bit there."""
+    path, _ = at_rest_checkpoint
+    bad = tmp_path / "bad-sm.szt"
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        entry = f.entries["long.weight"]
+        verbatim = next(s for s in at_rest.segments(entry.layout, entry.at_rest) if not s.compressed)
+        data[entry.offset + verbatim.stored + 7] ^= 0x01
+    bad.write_bytes(bytes(data))
+    staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
+    with DeviceLoader("cpu", route="gpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec()) as loader, \
+            SztFile(bad) as f:
+        with pytest.raises(ChecksumMismatchError, match="long.weight"):
+            loader.load(f)
 
 
 def test_gpu_route_checks_the_escape_streams_of_files_at_rest(tmp_path):

@@ -29,7 +29,7 @@ holds it: on a host with many cores that part runs one reader at a time.
 Usage::
 
     PYTHONPATH=. python tools/bench_at_rest.py [--repeats 5]
-    PYTHONPATH=. python tools/bench_at_rest.py --staging 1 --work /tmp/szstaging [--threads 1 2]
+    PYTHONPATH=. python tools/bench_at_rest.py --staging 1 --work /tmp/szstaging [--threads 1 2] [--verify]
 """
 
 from __future__ import annotations
@@ -60,6 +60,7 @@ from szformat.loading.inflate import InflatingSource
 from szformat.loading.pipeline import ReadSource
 from szformat.loading.plan import Extent, plan_transfers
 from szformat.loading.ring import Slot
+from szformat.loading.verify import StoredCrcCheck
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fetch_minilm  # noqa: E402
@@ -138,10 +139,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szformat-staging",
                         help="where --staging keeps its checkpoints between runs")
     parser.add_argument("--threads", type=int, nargs="+", default=[1, 2], help="reader threads for --staging")
+    parser.add_argument("--verify", action="store_true",
+                        help="--staging: the readers also take the CRC-32 of the stored bytes, as load_file does")
     args = parser.parse_args(argv)
     torch.set_num_threads(1)
     if args.staging is not None:
-        return staging(args.staging, args.work, args.threads, args.repeats)
+        return staging(args.staging, args.work, args.threads, args.repeats, verify=args.verify)
     print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}, "
           f"zstandard {at_rest.zstandard.__version__} (libzstd {at_rest.zstandard.ZSTD_VERSION})")
     file_rows, speed_rows = [], []
@@ -231,7 +234,7 @@ def staging_checkpoint(raw_gb: float, work: Path) -> tuple[Path, Path]:
 
 
 def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, slot_bytes: int = 128 << 20,
-            slots: int = 4) -> int:
+            slots: int = 4, verify: bool = False) -> int:
     """Stage every transfer of the device-decode route's plan, through each source, with each thread count."""
     memory, rest = staging_checkpoint(raw_gb, work)
     buffers = [torch.empty(slot_bytes, dtype=torch.uint8) for _ in range(slots)]
@@ -243,16 +246,19 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
         produced = sum(e.length for e in entries)
         print(f"{cpu_model()}, {os.cpu_count()} cores; {len(entries)} tensors, {sum(e.raw_length for e in entries) / 1e9:.2f} GB "
               f"raw, in-memory {produced / 1e9:.2f} GB, at rest {sum(e.length for e in rf.header.tensors) / 1e9:.2f} GB; "
-              f"slots {slots} x {slot_bytes >> 20} MiB")
+              f"slots {slots} x {slot_bytes >> 20} MiB; stored CRC-32s {'on' if verify else 'off'}")
 
-        def run(source, plan) -> None:
+        def run(source, plan, file: SztFile) -> None:
+            check = StoredCrcCheck(file.header.tensors, file.path) if verify else None
             pending = []
             for k, transfer in enumerate(plan):
                 if len(pending) == slots:
                     pending.pop(0).result()
-                pending.append(source.stage(transfer, ring[k % slots]))
+                pending.append(source.stage(transfer, ring[k % slots], verify=check))
             for staged in pending:
                 staged.result()
+            if check is not None:
+                check.check()
 
         def plan_of(line: list) -> list:
             return plan_transfers([Extent(i, e.offset, e.length) for i, e in enumerate(line)], slot_bytes)
@@ -277,11 +283,11 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
             def fresh(name: str, pool: ThreadPoolExecutor = pool, threads: int = threads) -> Callable[[], None]:
                 """A run as ``load_file`` makes one: the file opened (and mapped) anew."""
                 if name.startswith("in-memory"):
-                    return lambda: run(ReadSource(FileReader(memory, pool, threads)), sources[name][1])
+                    return lambda: run(ReadSource(FileReader(memory, pool, threads)), sources[name][1], mf)
 
                 def inflate_fresh() -> None:
                     with SztFile(rest) as f:
-                        run(InflatingSource(f, pool), sources[name][1])
+                        run(InflatingSource(f, pool), sources[name][1], f)
                 return inflate_fresh
 
             seconds = timed({name: fresh(name) for name in sources}, repeats)
@@ -307,8 +313,9 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
     return 0
 
 
-GIL_RELEASING = re.compile(r"'readinto' of 'zstandard|'decompress' of 'zstandard|posix\.preadv|'copy_' of 'torch")
-"""The calls of the staging paths that release the GIL while they work (as profiled function names)."""
+GIL_RELEASING = re.compile(r"'readinto' of 'zstandard|'decompress' of 'zstandard|posix\.preadv|'copy_' of 'torch|zlib_ng\.crc32>")
+"""The calls of the staging paths that release the GIL while they work (as profiled function names; zlib-ng's
+CRC-32 releases it past a few kB)."""
 WAITING = re.compile(r"'get' of '_queue|'acquire' of '_thread|'wait' of|posix\.sched_yield")
 """An idle reader thread's waits for work: neither working nor holding the GIL."""
 

@@ -365,8 +365,8 @@ class StoredBytes(Protocol):
     def copy_into(self, start: int, out: torch.Tensor) -> None:
         """Stored bytes from ``start`` into ``out`` (flat uint8): verbatim bytes, copied with the GIL released."""
 
-    def frame(self, start: int, stop: int) -> memoryview:
-        """Stored bytes ``[start, stop)``: one frame, valid until this thread asks for the next."""
+    def frame(self, seg: Segment) -> memoryview:
+        """The stored bytes of frame ``seg``, valid until this thread asks for the next."""
 
 
 class StoredView:
@@ -380,8 +380,8 @@ class StoredView:
     def copy_into(self, start: int, out: torch.Tensor) -> None:
         out.copy_(self.stored[start: start + out.numel()])  # torch releases the GIL; a memoryview copy would not
 
-    def frame(self, start: int, stop: int) -> memoryview:
-        return self._view[start: stop]
+    def frame(self, seg: Segment) -> memoryview:
+        return self._view[seg.stored: seg.stored + seg.stored_length]
 
 
 def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: torch.Tensor | None = None, *,
@@ -431,7 +431,7 @@ def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: torch.
         if not seg.compressed:
             stored.copy_into(seg.stored + lo - seg.memory, out[lo - start: hi - start])
             continue
-        frame = stored.frame(seg.stored, seg.stored + seg.stored_length)
+        frame = stored.frame(seg)
         if target is None:
             target = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
         if lo == seg.memory and hi == seg.memory + seg.memory_length:

@@ -23,6 +23,7 @@ from typing import Sequence
 
 import torch
 
+from ..checksum import crc32, tensor_crc32
 from ..errors import PayloadError
 from ..format import at_rest
 from ..format.header import TensorEntry
@@ -30,6 +31,7 @@ from ..format.reader import SztFile
 from .hostio import Staged
 from .plan import Transfer
 from .ring import Slot
+from .verify import StoredCrcCheck
 
 __all__ = ["InflatingSource", "LINE_ALIGNMENT"]
 
@@ -75,37 +77,39 @@ class InflatingSource:
 
     def memory_entries(self, entries: Sequence[TensorEntry]) -> list[TensorEntry]:
         """``entries`` of the file as the route sees them: offsets and lengths on the in-memory line. (Their
-        ``crc32`` still checks the stored bytes; the loader checks those apart.)"""
+        ``crc32`` still checks the stored bytes: pass a :class:`StoredCrcCheck` of the file's own entries to
+        :meth:`stage`.)"""
         return [self._memory[e.name] for e in entries]
 
-    def stage(self, transfer: Transfer, slot: Slot, *, then=None, k: int = -1) -> Staged:
-        if then is not None:
-            raise ValueError("in-memory bytes are made, not read: checks of the stored bytes run apart")
+    def stage(self, transfer: Transfer, slot: Slot, *, verify: StoredCrcCheck | None = None, k: int = -1) -> Staged:
+        """Inflate the in-memory bytes of ``transfer`` into the slot, in tasks on the reader threads. With
+        ``verify`` each task also takes the CRC-32 of the stored bytes it has just read (a frame in the task where
+        it starts), so the stored bytes are read once, checks or not."""
         out = slot.host[: transfer.nbytes]
-        start, stop = transfer.start, transfer.start + transfer.nbytes
         futures = []
-        for i in range(max(0, bisect.bisect_right(self._starts, start) - 1), len(self._line)):
-            entry = self._line[i]
-            if entry.offset >= stop:
-                break
-            lo, hi = max(start, entry.offset) - entry.offset, min(stop, entry.offset + entry.length) - entry.offset
-            a = lo
+        for piece in transfer.pieces:
+            line_offset = transfer.start + piece.slot_offset - piece.offset  # where the tensor starts on the line
+            entry = self._line[bisect.bisect_right(self._starts, line_offset) - 1]  # (empty tensors come first)
+            a, hi = piece.offset, piece.offset + piece.length
             while a < hi:
                 b = min((a // PIECE_BYTES + 1) * PIECE_BYTES, hi)
-                target = out[entry.offset + a - start: entry.offset + b - start]
-                futures.append(self.pool.submit(self._fill, entry.name, a, target))
+                target = out[piece.slot_offset + a - piece.offset: piece.slot_offset + b - piece.offset]
+                futures.append(self.pool.submit(self._fill, entry.name, a, target, piece.item, verify))
                 a = b
         return Staged(out, futures)
 
-    def _fill(self, name: str, start: int, out: torch.Tensor) -> None:
-        """In-memory bytes ``[start, start + out.numel())`` of tensor ``name`` into ``out``."""
+    def _fill(self, name: str, start: int, out: torch.Tensor, item: int, verify: StoredCrcCheck | None) -> None:
+        """In-memory bytes ``[start, start + out.numel())`` of tensor ``name`` (``item`` of ``verify``) into ``out``."""
         pieces = self._segments.get(name)
         if pieces is None:  # stored as it is in memory
             self.file.read(name, start, start + out.numel(), out=out)
+            if verify is not None:
+                verify.add_part(item, start, out.numel(), tensor_crc32(out))
             return
         first = max(0, bisect.bisect_right(self._segment_starts[name], start) - 1)
         try:
-            at_rest.inflate_segments(_FileBytes(self, name), pieces, out, start=start, first=first)
+            stored = _FileBytes(self, name, start, item, verify)
+            at_rest.inflate_segments(stored, pieces, out, start=start, first=first)
         except at_rest.AtRestError as e:
             raise PayloadError(str(e), path=self.file.path, tensor=name) from None
 
@@ -121,20 +125,31 @@ class InflatingSource:
 
 
 class _FileBytes:
-    """:class:`at_rest.StoredBytes` of one tensor, read from the file with ``pread`` (as the in-memory form is read):
-    verbatim streams straight into the slot, frames into the reading thread's buffer."""
+    """:class:`at_rest.StoredBytes` of one tensor for one task (from in-memory byte ``start``), read from the file
+    with ``pread`` (as the in-memory form is read): verbatim streams straight into the slot, frames into the reading
+    thread's buffer. With ``verify``, the CRC-32 of what it reads (of a frame only in the task where it starts)."""
 
-    def __init__(self, source: InflatingSource, name: str):
+    def __init__(self, source: InflatingSource, name: str, start: int, item: int, verify: StoredCrcCheck | None):
         self.source = source
         self.name = name
         self.length = source.file.entry(name).length
+        self.start = start
+        self.item = item
+        self.verify = verify
 
     def copy_into(self, start: int, out: torch.Tensor) -> None:
         self.source.file.read(self.name, start, start + out.numel(), out=out)
+        if self.verify is not None:
+            self.verify.add_part(self.item, start, out.numel(), tensor_crc32(out))
 
-    def frame(self, start: int, stop: int) -> memoryview:
+    def frame(self, seg: at_rest.Segment) -> memoryview:
+        start, stop = seg.stored, seg.stored + seg.stored_length
         if stop - start > FRAME_BUFFER_LIMIT:
-            return memoryview(self.source.file.payload(self.name)[start:stop].numpy())
-        buffer = self.source._frame_buffer(stop - start)[: stop - start]
-        self.source.file.read(self.name, start, stop, out=buffer)
-        return memoryview(buffer.numpy())
+            view = memoryview(self.source.file.payload(self.name)[start:stop].numpy())
+        else:
+            buffer = self.source._frame_buffer(stop - start)[: stop - start]
+            self.source.file.read(self.name, start, stop, out=buffer)
+            view = memoryview(buffer.numpy())
+        if self.verify is not None and seg.memory >= self.start:
+            self.verify.add_part(self.item, start, len(view), crc32(view))
+        return view

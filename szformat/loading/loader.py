@@ -126,8 +126,7 @@ class DeviceLoader:
                 moved = entries
                 if isinstance(source, InflatingSource):  # the route moves the in-memory form the readers make
                     moved = source.memory_entries(entries)
-                    checks += self._start_verify(file, entries) if self.verify else []
-                elif self.verify and source.host_writes:  # the reader threads check what they have just read
+                if self.verify and source.host_writes:  # the reader threads check what they have just read
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
                     checks += self._start_verify(file, entries)

@@ -47,7 +47,6 @@ __all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDe
 Staging = Callable[[int, Transfer, Slot], Staged]
 Copying = Callable[[int, Slot, torch.Tensor], Any]
 Expanding = Callable[[int, Slot, Any], None]
-ReadHook = Callable[[int, torch.Tensor], None]
 _END = object()
 """Put on the staged queue after a failure, so that the copying thread stops waiting for transfers."""
 
@@ -59,10 +58,11 @@ class HostSource(Protocol):
     """Whether staging reads the bytes into the slot's host buffer on host threads (then a slot is refilled only
     after a host wait, and a check can ride along with the reads)."""
 
-    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
+    def stage(self, transfer: Transfer, slot: Slot, *, verify: StoredCrcCheck | None = None, k: int = -1) -> Staged:
         """Start making file bytes ``[transfer.start, transfer.start + transfer.nbytes)`` available to copy from.
 
-        ``then(start, piece)`` runs on a reader thread for each piece just read (sources with ``host_writes``)."""
+        ``verify`` takes the CRC-32 of the stored bytes on the reader thread that has just read them (sources with
+        ``host_writes``); the transfer's piece items index its entries."""
 
     def close(self) -> None:
         """Release the file; every copy out of it must have completed."""
@@ -76,7 +76,8 @@ class ReadSource:
     def __init__(self, reader: FileReader):
         self.reader = reader
 
-    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
+    def stage(self, transfer: Transfer, slot: Slot, *, verify: StoredCrcCheck | None = None, k: int = -1) -> Staged:
+        then = None if verify is None else (lambda start, piece: verify.add(transfer, start, piece))
         return self.reader.read_into(transfer.start, slot.host[: transfer.nbytes], then=then, k=k)
 
     def close(self) -> None:
@@ -93,8 +94,8 @@ class MappedSource:
         self.mapping = mapping
         self.pool = pool
 
-    def stage(self, transfer: Transfer, slot: Slot, *, then: ReadHook | None = None, k: int = -1) -> Staged:
-        if then is not None:
+    def stage(self, transfer: Transfer, slot: Slot, *, verify: StoredCrcCheck | None = None, k: int = -1) -> Staged:
+        if verify is not None:
             raise ValueError("the registered page cache is not read on the host: nothing can ride along")
         stop = transfer.start + transfer.nbytes
         return Staged(self.mapping.view[transfer.start: stop],
@@ -322,8 +323,7 @@ class DeviceDecodeRoute:
         tables = self._batch_tables(transfers, entries, arenas)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
-            then = None if verify is None else (lambda start, piece: verify.add(transfer, start, piece))
-            return source.stage(transfer, slot, then=then, k=k)
+            return source.stage(transfer, slot, verify=verify, k=k)
 
         def copy(k: int, slot: Slot, host: torch.Tensor) -> Any:
             transfer = transfers[k]

@@ -47,9 +47,10 @@ class StoredCrcCheck:
             lo, hi = max(start, piece.slot_offset), min(stop, piece.slot_offset + piece.length)
             if lo < hi:
                 crc = crc32(buffer[lo - start: hi - start])
-                self._add(piece.item, piece.offset + lo - piece.slot_offset, hi - lo, crc)
+                self.add_part(piece.item, piece.offset + lo - piece.slot_offset, hi - lo, crc)
 
-    def _add(self, item: int, offset: int, length: int, crc: int) -> None:
+    def add_part(self, item: int, offset: int, length: int, crc: int) -> None:
+        """The CRC-32 of stored bytes ``[offset, offset + length)`` of tensor ``item``: each byte once, any order."""
         with self._lock:
             self._parts[item].append((offset, length, crc))
             self._seen[item] += length
