@@ -111,6 +111,7 @@ class SztNativeShardTransport(_NativeShardTransport):
         self.decoder = decoder
         self._pages = pages
         self._plans: dict[tuple, ScatterPlan] = {}
+        self._registered_groups: dict[tuple, tuple[ScatterPlan, list, int] | None] = {}
         self._slot_views: dict[int, torch.Tensor] = {}
         self._slot_done: dict[int, Any] = {}
         self._last_ready: Any = None
@@ -139,20 +140,28 @@ class SztNativeShardTransport(_NativeShardTransport):
         super().discard_ticket(ticket)
 
     def _all_registered(self, bindings: list[Any]) -> bool:
-        pages = getattr(self, "_pages", None)
-        return pages is not None and all(
-            isinstance(b.file_slice, SztFileSlice)
-            and pages.view(b.file_slice.path, b.file_slice.offset_bytes,
-                           b.file_slice.offset_bytes + b.file_slice.stored_bytes) is not None for b in bindings)
+        return self._registered_group(bindings) is not None
+
+    def _registered_group(self, bindings: list[Any]) -> tuple[ScatterPlan, list, int] | None:
+        """A group's upload out of registered pages (its plan, its copies, their bytes), described at its first
+        upload; None when some payload of it is not registered."""
+        key = tuple(binding.offset for binding in bindings)
+        if key not in self._registered_groups:
+            group = None
+            if self._pages is not None and all(isinstance(b.file_slice, SztFileSlice) for b in bindings):
+                windows = list(staged_windows(bindings, self.window_size_bytes))
+                pieces = [(w.arena_offset, self._pages.view(w.path, w.file_offset, w.file_offset + w.size_bytes))
+                          for w in windows]
+                if all(host is not None for _, host in pieces):
+                    plan = self._plan(bindings, [binding for window in windows for binding in window.completes])
+                    group = (plan, pieces, sum(host.numel() for _, host in pieces))
+            self._registered_groups[key] = group
+        return self._registered_groups[key]
 
     def _upload_registered(self, bindings: list[Any], stream: Any) -> Any:
         """DMA the group's runs out of registered pages into the staging buffer, then decode them all."""
-        windows = list(staged_windows(bindings, self.window_size_bytes))
-        plan = self._plan(bindings, [binding for window in windows for binding in window.completes])
-        pieces = [(w.arena_offset, self._pages.view(w.path, w.file_offset, w.file_offset + w.size_bytes))
-                  for w in windows]
+        plan, pieces, nbytes = self._registered_group(bindings)
         self.decoder.copy_to_staging(pieces, plan.staging_bytes, stream)
-        nbytes = sum(window.size_bytes for window in windows)
         self.read_bytes += nbytes
         self.copied_bytes += nbytes
         self._last_ready = self.decoder.expand_scattered(plan, stream)
@@ -241,6 +250,7 @@ class SztNativeShardTransport(_NativeShardTransport):
             self._slot_done = {}
         super().close()
         if getattr(self, "_pages", None) is not None:
+            self._registered_groups.clear()  # their copies are views of the pages' mappings, which must go first
             self._pages.close()
             self._pages = None
 
