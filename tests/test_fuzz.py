@@ -3,8 +3,6 @@ them for longer), and proof that each target notices a reader that breaks its co
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from pathlib import Path
 
 import pytest
@@ -13,18 +11,11 @@ from szformat import api
 from szformat.format.index import Shard
 from szformat.loading import host_decode
 
-ROOT = Path(__file__).resolve().parents[1]
+from tooling import load_tool
 
 
-def _load_fuzz():
-    spec = importlib.util.spec_from_file_location("szformat_fuzz", ROOT / "tools" / "fuzz.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
 
-
-fuzz = _load_fuzz()
+fuzz = load_tool("fuzz")
 
 
 @pytest.mark.parametrize("target", fuzz.DEFAULT_TARGETS)

@@ -8,12 +8,10 @@ file at the stage vectors.json gives), so the spec says what the code does.
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import json
 import math
 import shutil
 import struct
-import sys
 import zlib
 from pathlib import Path
 
@@ -28,6 +26,8 @@ from szformat import SzformatError, load_file, safe_open
 from szformat.format.at_rest import DEFAULT_FRAME_SIZE
 from szformat.api import tensor_bytes
 
+from tooling import load_tool
+
 ROOT = Path(__file__).resolve().parents[1]
 VECTORS = ROOT / "spec" / "vectors"
 LISTING = json.loads((VECTORS / "vectors.json").read_text(encoding="utf-8"))
@@ -36,15 +36,7 @@ READS = {case["name"]: case for case in LISTING["read_cases"]}
 REFUSALS = {case["name"]: case for case in LISTING["refuse_cases"]}
 
 
-def _load_generator():
-    spec = importlib.util.spec_from_file_location("make_vectors", ROOT / "tools" / "make_vectors.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-make_vectors = _load_generator()
+make_vectors = load_tool("make_vectors")
 GENERATED = {case.name: case for case in make_vectors.cases()}
 
 

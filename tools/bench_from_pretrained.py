@@ -236,7 +236,6 @@ def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> li
     raw = sum(p.stat().st_size for p in checkpoint_files(folder))
     stored = sum(p.stat().st_size for p in checkpoint_files(Path(f"{folder}-szt")))
     rows = []
-    results = {}
     for name, load in loaders(model).items():
         loaded, first = timed(load, folder)
         del loaded

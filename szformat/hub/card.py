@@ -135,6 +135,15 @@ def _form_text(stats: CheckpointStats) -> str:
 INTEGRATIONS = ("transformers", "diffusers")
 
 
+_ONE_CALL = {
+    "transformers": ("import szformat.transformers",
+                     'model = szformat.transformers.from_pretrained("{ref}", device="cuda")'),
+    "diffusers": ("import torch, szformat.diffusers",
+                  'pipe = szformat.diffusers.from_pretrained("{ref}", device="cuda", torch_dtype=torch.bfloat16)'),
+}
+"""Per integration: the import and the one call that loads the model or pipeline."""
+
+
 def _loading_section(load_ref: str, integration: str | None, repo_ref: str | None) -> str:
     """Install and load lines: the model or pipeline in one call where an integration fits, the tensors always."""
     tensors = f"""
@@ -144,38 +153,25 @@ import szformat
 tensors = szformat.load_file("{load_ref}", device="cuda")
 ```
 """
-    if integration == "transformers":
+    if integration not in _ONE_CALL:
         return f"""
-```bash
-pip install "szformat[transformers]"
-```
-
-```python
-import szformat.transformers
-
-model = szformat.transformers.from_pretrained("{repo_ref}", device="cuda")
-```
-
-The tensors alone, as a dict:
-{tensors}"""
-    if integration == "diffusers":
-        return f"""
-```bash
-pip install "szformat[diffusers]"
-```
-
-```python
-import torch, szformat.diffusers
-
-pipe = szformat.diffusers.from_pretrained("{repo_ref}", device="cuda", torch_dtype=torch.bfloat16)
-```
-
-The tensors alone, as a dict:
-{tensors}"""
-    return f"""
 ```bash
 pip install szformat
 ```
+{tensors}"""
+    imports, call = _ONE_CALL[integration]
+    return f"""
+```bash
+pip install "szformat[{integration}]"
+```
+
+```python
+{imports}
+
+{call.format(ref=repo_ref)}
+```
+
+The tensors alone, as a dict:
 {tensors}"""
 
 

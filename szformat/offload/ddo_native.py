@@ -30,7 +30,7 @@ from __future__ import annotations
 import ctypes
 import time
 from collections.abc import Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -97,7 +97,6 @@ class RegisteredTicket:
 
     bindings: list[Any]
     active: bool = True
-    windows: list = field(default_factory=list)
 
 
 class SztNativeShardTransport(_NativeShardTransport):
