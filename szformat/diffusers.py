@@ -185,6 +185,18 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
     return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant)
 
 
+def _cast_fed_buffers(model: torch.nn.Module, expected: Mapping[str, torch.Tensor], fed: Iterable[str]) -> None:
+    """Give each buffer the checkpoint fills the dtype it loads in (``torch_dtype``). A model computes some buffers
+    in float32 when built (SD3's ``pos_embed``); diffusers casts them with the weights, and an offload route binds
+    a buffer only in its stored dtype."""
+    for name in fed:
+        module_name, _, key = name.rpartition(".")
+        module = model.get_submodule(module_name)
+        buffer = module._buffers.get(key)
+        if buffer is not None and buffer.dtype != expected[name].dtype:
+            module._buffers[key] = buffer.to(expected[name].dtype)
+
+
 @dataclass
 class _TransformersComponent:
     prepared: Any
@@ -238,6 +250,7 @@ class _DiffusersComponent:
         else:
             from .offload import load_into_offloader
 
+            _cast_fed_buffers(model, self.expected, self.plan.sources)
             fed = {id(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in self.plan.sources}
             place_buffers(model, device, skip=fed)
             handle = load_into_offloader(self.checkpoint, model, route=offload, device=device,

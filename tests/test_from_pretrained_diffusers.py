@@ -158,7 +158,11 @@ def test_loads_from_the_hub(hub, pipeline):  # noqa: F811
             in card)
 
 
-def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(pipeline, monkeypatch):
+@pytest.mark.parametrize("which", ["pipeline", "sd3"])
+def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(which, request, monkeypatch):
+    """The SD3 DiT computes its positional table (a persistent buffer) in float32: it is bound in the dtype it is
+    stored in, as diffusers loads it."""
+    pipeline = request.getfixturevalue(which)
     installed = []
 
     def install(installation):
@@ -176,11 +180,14 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(pipeline,
         monkeypatch.setattr(module, "place_buffers", lambda model, device, skip=frozenset(): None)
         monkeypatch.setattr(module, "load_weights", load_on_the_cpu)
     env = OffloadEnvironment(cuda_available=True, versions={"accelerate": "1.15.0"})
+    options = SD3_OPTIONS if which == "sd3" else {}
     pipe = szd.from_pretrained(pipeline[1], device="cuda:0", offload="accelerate", torch_dtype=torch.bfloat16,
-                               offload_options={"environment": env})
-    assert [i.module for i in installed] == [pipe.unet] and pipe.szformat_offload == {"unet": "handle"}
-    assert len(installed[0].binding) == len(pipe.unet.state_dict())
-    assert sorted(loaded) == ["text_encoder", "vae"]
+                               offload_options={"environment": env}, **options)
+    denoiser = "transformer" if which == "sd3" else "unet"
+    assert [i.module for i in installed] == [getattr(pipe, denoiser)] and pipe.szformat_offload == {denoiser: "handle"}
+    assert len(installed[0].binding) == len(getattr(pipe, denoiser).state_dict())
+    assert {t.dtype for t in getattr(pipe, denoiser).state_dict().values()} == {torch.bfloat16}
+    assert sorted(loaded) == (["text_encoder", "text_encoder_2", "vae"] if which == "sd3" else ["text_encoder", "vae"])
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------

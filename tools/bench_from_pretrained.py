@@ -3,7 +3,7 @@ own ``from_pretrained`` of the safetensors originals, in one run, and check the 
 
     PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--reps 5]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models sd3] [--reps 5]
 
 Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
 with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
@@ -27,9 +27,10 @@ and so does the output (LLM logits of 4 x 128 tokens; a 2-step 256 x 256 pipelin
 offloading. Each route runs in a child process (``native`` through DDO's bootstrap, which must own CUDA from the
 first statement).
 
-``--profile cpu|cuda``: where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time (first call,
-warm median, transformers' own load on that device as the anchor, and one warm call under cProfile, broken down by
-the calls ``szformat/transformers.py`` and ``szformat/model_folder.py`` make). On the CPU the decode is replaced by
+``--profile cpu|cuda``: where szformat's ``from_pretrained`` of the first of ``--models`` spends its time (first call,
+warm median, transformers' or diffusers' own load on that device as the anchor, and one warm call under cProfile,
+broken down by the calls ``szformat/transformers.py``, ``szformat/diffusers.py`` and ``szformat/model_folder.py``
+make). On the CPU the decode is replaced by
 empty tensors of the checkpoint's shapes (everything around it runs as on the GPU), and the model is built and
 converted on the CPU when the ``--work`` folder lacks it.
 """
@@ -316,14 +317,14 @@ def table(rows: list[dict], offloads: list[dict]) -> str:
 
 # -- --profile ---------------------------------------------------------------------------------------------------
 
-INTEGRATION_FILES = ("szformat/transformers.py", "szformat/model_folder.py")
+INTEGRATION_FILES = ("szformat/transformers.py", "szformat/diffusers.py", "szformat/model_folder.py")
 """The code around the decode: what ``--profile`` breaks down, by the calls it makes into everything else."""
 
 
 def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
     """Stands in for ``szformat.api.load_file`` with ``--profile cpu``: opens each shard as the load does (headers
     read and checked), and gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the
-    decode is measured alone (the CPU decode of the ``llm`` takes most of a minute)."""
+    decode is measured alone (the CPU decode of these models takes most of a minute)."""
     from szformat.format import constants as C
     from szformat.format.index import checkpoint_shards, open_shard
 
@@ -350,21 +351,23 @@ def call_breakdown(profiler) -> list[tuple[str, float, int]]:
     return sorted(rows, key=lambda row: -row[1])
 
 
-def profile(work: Path, reps: int, tiny: bool) -> str:
-    """Where ``szformat.transformers.from_pretrained`` of the ``llm`` spends its time on ``DEVICE``: the first call
+def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
+    """Where szformat's ``from_pretrained`` of ``model`` spends its time on ``DEVICE``: the first call
     (imports included), the warm median, transformers' own load of the safetensors original as the same-run anchor,
     and a cProfile breakdown of one warm call. On the CPU the decode is replaced by :func:`empty_weights`, so what
-    is timed is everything around it, which runs there as on the GPU; on CUDA the decode is real."""
+    is timed is everything around it, which runs there as on the GPU; on CUDA the decode is real. The decode alone
+    (``load_file`` of each weight file) is timed beside it on CUDA."""
     import cProfile
     import pstats
 
     import szformat.api
 
-    folder = work / "llm"
+    folder = work / model
     if not Path(f"{folder}-szt").is_dir():
-        print(f"building llm in {folder} ...", flush=True)
-        build("llm", folder, tiny)
-    ours, anchor = loaders("llm")["szformat"], loaders("llm")["transformers"]
+        print(f"building {model} in {folder} ...", flush=True)
+        build(model, folder, tiny)
+    anchor_name, anchor = next((name, load) for name, load in loaders(model).items() if name != "szformat")
+    ours = loaders(model)["szformat"]
     decode = szformat.api.load_file
     if DEVICE == "cpu":
         szformat.api.load_file = empty_weights
@@ -379,14 +382,15 @@ def profile(work: Path, reps: int, tiny: bool) -> str:
     profiled = sum(s[2] for s in pstats.Stats(profiler).stats.values())
     anchored = [timed(anchor, folder)[1] for _ in range(reps + 1)][1:]
     stub = ", decode replaced by empty tensors" if DEVICE == "cpu" else ""
-    lines = [f"szformat.transformers.from_pretrained(llm, device={DEVICE!r}){stub}: first call {first * 1e3:.1f} ms, "
+    lines = [f"szformat from_pretrained({model}, device={DEVICE!r}){stub}: first call {first * 1e3:.1f} ms, "
              f"warm median {statistics.median(warm) * 1e3:.1f} ms (all: {', '.join(f'{t * 1e3:.1f}' for t in warm)})",
-             f"anchor, transformers' own from_pretrained of the safetensors original (bfloat16, device_map="
+             f"anchor, {anchor_name}' own from_pretrained of the safetensors original (bfloat16, device_map="
              f"{DEVICE!r}, weights read): warm median {statistics.median(anchored) * 1e3:.1f} ms"]
     if DEVICE != "cpu":  # the decode alone, with the same emptied caching allocator before each call
-        alone = [timed(lambda f: szformat.api.load_file(f"{f}-szt", device=DEVICE), folder)[1]
+        weights = [p for p in checkpoint_files(Path(f"{folder}-szt"))]
+        alone = [timed(lambda f: [szformat.api.load_file(p, device=DEVICE) for p in weights], folder)[1]
                  for _ in range(reps + 1)][1:]
-        lines.append(f"szformat.load_file(llm, device={DEVICE!r}) alone: warm median "
+        lines.append(f"szformat.load_file of its {len(weights)} weight files (device={DEVICE!r}) alone: warm median "
                      f"{statistics.median(alone) * 1e3:.1f} ms")
     lines += [f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
               "| call | ms | calls |", "|---|---:|---:|"]
@@ -410,15 +414,16 @@ def main() -> None:
     parser.add_argument("--json", help="write every row here")
     parser.add_argument("--tiny", action="store_true", help="tiny configs on the CPU: a smoke test of this tool")
     parser.add_argument("--profile", choices=("cpu", "cuda"),
-                        help="break down the time of szformat.transformers.from_pretrained(llm) on this device (cpu: "
-                             "the decode replaced by empty tensors, the model built on the CPU when missing)")
+                        help="break down the time of szformat's from_pretrained of the first of --models on this "
+                             "device (cpu: the decode replaced by empty tensors, the model built on the CPU when "
+                             "missing)")
     args = parser.parse_args()
     if args.tiny or args.profile == "cpu":
         DEVICE = "cpu"
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     if args.profile:
-        print(profile(work, args.reps, args.tiny))
+        print(profile(work, args.models.split(",")[0], args.reps, args.tiny))
         return
     rows = []
     for model in args.models.split(","):
