@@ -380,6 +380,26 @@ def test_ring_allocates_a_slot_when_first_used():
     assert len(allocated) == 2
 
 
+def test_a_run_allocates_device_buffers_on_the_calling_thread(checkpoint):
+    """Device memory comes from the thread that called the load (an allocator plugged in through the driver API
+    serves only threads with a current CUDA context), never from the run's staging or copying threads."""
+    import threading
+
+    path, tensors = checkpoint
+    threads = set()
+
+    class ThreadRecordingOps(FakeOps):
+        def device_buffer(self, nbytes):
+            threads.add(threading.current_thread())
+            return super().device_buffer(nbytes)
+
+    staging = StagingConfig(slot_bytes=4096, slots=3, threads=2)
+    with DeviceLoader("cpu", staging=staging, ops=ThreadRecordingOps(), codec=ReferenceCodec()) as loader:
+        with SztFile(path) as file:
+            _assert_same(loader.load(file), tensors)
+    assert threads == {threading.current_thread()}
+
+
 @pytest.mark.parametrize("failing", ["stage", "read", "copy", "decode"])
 def test_a_failure_on_any_thread_stops_the_run_and_leaves_the_ring_usable(checkpoint, failing):
     """Submitting reads fails on the staging thread, a read on a reader thread (seen by the copying thread), a copy

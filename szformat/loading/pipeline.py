@@ -144,6 +144,7 @@ class TransferLoop:
         if record is not None:
             self._start_device_timing(record, start)
         self.ring.rewind()
+        self.ring.provision(len(transfers))
         staged: queue.SimpleQueue = queue.SimpleQueue()
         copied: queue.SimpleQueue = queue.SimpleQueue()
         free = threading.Semaphore(self.ring.slots)  # slots whose copy is enqueued, or never used

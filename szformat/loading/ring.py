@@ -78,12 +78,24 @@ class StagingRing:
         if host_writes and slot.host_free is not None:
             self.ops.synchronize(slot.host_free)
             self.host_waits += 1
+        self._provide(slot)
+        slot.in_use = True
+        return slot
+
+    def provision(self, transfers: int) -> None:
+        """Allocate now, on this thread, the buffers of the slots a run of ``transfers`` transfers will use.
+
+        A run acquires slots on its staging thread, but device memory must come from a thread the caller's CUDA
+        context is current on: an allocator plugged into PyTorch through the driver API (DDO's VMM allocator) hands
+        a thread that never used CUDA a null pointer, and the first copy into it fails."""
+        for slot in self._slots[: min(transfers, len(self._slots))]:
+            self._provide(slot)
+
+    def _provide(self, slot: Slot) -> None:
         if self.has_host and slot.host is None:
             slot.host = self.ops.host_buffer(self.slot_bytes)
         if self.has_device and slot.device is None:
             slot.device = self.ops.device_buffer(self.slot_bytes)
-        slot.in_use = True
-        return slot
 
     def release(self, slot: Slot, host_free: Any) -> None:
         """Hand ``slot`` back to :meth:`acquire`: its host buffer is reused only after ``host_free``."""
