@@ -10,10 +10,12 @@ only when used; needs ``pip install 'szformat[diffusers]'``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
 from collections.abc import Iterable, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,8 +24,8 @@ import torch
 
 from .errors import ModelFolderError, UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (SAFETENSORS_SUFFIX, WeightPlan, checkpoint_entries, has_weights, load_weights,
-                           parameters_on_meta, place_buffers, plan_weights, refuse_mismatches, require,
+from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, WeightPlan, checkpoint_entries, has_weights, load_weights,
+                           parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
                            resolve_model_folder, weights_in)
 
 __all__ = ["from_pretrained", "DENOISER_PREFIXES"]
@@ -88,27 +90,31 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
     components = _weighted_components(folder, skip=kwargs)
-    prepared = {name: _prepare(diffusers, folder / name, library, class_name, torch_dtype, variant)
-                for name, (library, class_name) in components.items()}
-
     offloaded = set(_offloaded(components, offload, offload_components))
     device = torch.device(device)
+    prepared: dict[str, _TransformersComponent | _DiffusersComponent] = {}
     loaded: dict[str, Any] = {}
     handles: dict[str, Any] = {}
-    try:
-        for name, component in prepared.items():
-            route = offload if name in offloaded else None
-            loaded[name], handle = component.finish(device=device, offload=route, verify=verify, staging=staging,
-                                                    offload_options=offload_options)
-            if handle is not None:
-                handles[name] = handle
-        pipeline_class = pipeline_class if pipeline_class is not None else diffusers.DiffusionPipeline
-        pipe = pipeline_class.from_pretrained(folder, **loaded, **kwargs)  # the rest hold no weights
-    except BaseException:
-        for handle in handles.values():
-            handle.close()
-        loaded.clear()  # what was decoded so far is released with the error, not held by its traceback
-        raise
+    with prefetching(device, verify=verify, staging=staging) as prefetch:
+        try:
+            for name, (library, class_name) in components.items():  # every component checked before any is used
+                prepared[name] = _prepare(diffusers, folder / name, library, class_name, torch_dtype, variant,
+                                          prefetch if name not in offloaded else None)
+            for name, component in prepared.items():
+                route = offload if name in offloaded else None
+                loaded[name], handle = component.finish(device=device, offload=route, verify=verify,
+                                                        staging=staging, offload_options=offload_options)
+                if handle is not None:
+                    handles[name] = handle
+            pipeline_class = pipeline_class if pipeline_class is not None else diffusers.DiffusionPipeline
+            pipe = pipeline_class.from_pretrained(folder, **loaded, **kwargs)  # the rest hold no weights
+        except BaseException:
+            for handle in handles.values():
+                handle.close()
+            for component in prepared.values():  # loads started for components never finished
+                Prefetch.discard(component.loading)
+            loaded.clear()  # what was decoded so far is released with the error, not held by its traceback
+            raise
     if handles:
         pipe.szformat_offload = handles
     return pipe
@@ -168,8 +174,8 @@ def _offloaded(components: Mapping[str, tuple[str, str]], offload: str | None,
 
 
 def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype: torch.dtype | None,
-             variant: str | None):
-    """Build one component on ``meta`` and match its checkpoint, before anything is decoded."""
+             variant: str | None, prefetch: Prefetch | None):
+    """Build one component on ``meta`` and match its checkpoint (with ``prefetch``, its load runs meanwhile)."""
     if library == "transformers":
         from . import transformers as szt
 
@@ -177,12 +183,22 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
         if model_class is None:
             raise UnknownArchitectureError(f"transformers has no class {class_name!r}", path=folder)
         return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or "auto",
-                                                        variant=variant))
+                                                        variant=variant, prefetch=prefetch))
     model_class = getattr(diffusers, class_name, None)
     if model_class is None or not issubclass(model_class, diffusers.ModelMixin):
         raise UnknownArchitectureError(f"{library}.{class_name} is not a diffusers model class this diffusers "
                                        f"{diffusers.__version__} has; it cannot load .szt weights", path=folder)
-    return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant)
+    return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant, prefetch)
+
+
+def _initialization_skipped() -> contextlib.AbstractContextManager:
+    """diffusers' own ``no_init_weights`` where this diffusers has it (it builds models under it before loading):
+    drawing random values into parameters on ``meta`` costs about 1 ms per call through PyTorch's reference
+    decompositions, most of the time a large model takes to build. Older diffusers initialize, and so does this."""
+    from diffusers.models import modeling_utils
+
+    skip = getattr(modeling_utils, "no_init_weights", None)
+    return skip() if skip is not None else contextlib.nullcontext()
 
 
 def _cast_fed_buffers(model: torch.nn.Module, expected: Mapping[str, torch.Tensor], fed: Iterable[str]) -> None:
@@ -201,6 +217,10 @@ def _cast_fed_buffers(model: torch.nn.Module, expected: Mapping[str, torch.Tenso
 class _TransformersComponent:
     prepared: Any
 
+    @property
+    def loading(self) -> Future | None:
+        return self.prepared.loading
+
     def finish(self, *, device, offload, verify, staging, offload_options):
         from . import transformers as szt
 
@@ -216,36 +236,42 @@ class _DiffusersComponent:
     checkpoint: Path
     plan: WeightPlan
     expected: dict[str, torch.Tensor]
+    loading: Future | None = None
 
     @classmethod
-    def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None,
-                variant: str | None) -> "_DiffusersComponent":
+    def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None, variant: str | None,
+                prefetch: Prefetch | None = None) -> "_DiffusersComponent":
         """Build as diffusers' ``from_pretrained`` does (default dtype ``torch_dtype``; the checkpoint's floating
         tensors, buffers included, cast to it, or to float32 in the modules the class keeps in float32); refuse
         missing names and shapes that do not fit, as it does."""
         if not (folder / MODEL_CONFIG).is_file():
             raise ModelFolderError(f"no {MODEL_CONFIG} in the component folder", path=folder)
         config = model_class.load_config(folder)
-        with parameters_on_meta(torch_dtype):
-            model = model_class.from_config(config)
-        expected = model.state_dict()
-        if torch_dtype is not None:  # every floating tensor of the checkpoint, buffers too, in torch_dtype
-            keep_fp32 = model_class._keep_in_fp32_modules or []
-            for name, tensor in expected.items():
-                if tensor.is_floating_point():
-                    wanted = torch.float32 if any(m in name.split(".") for m in keep_fp32) else torch_dtype
-                    expected[name] = torch.empty(tensor.shape, dtype=wanted, device="meta")
         checkpoint = weights_in(folder, variant)
-        plan = plan_weights(expected, checkpoint_entries(checkpoint))
-        refuse_mismatches(plan, model, folder, strict=True)
-        return cls(model, folder, checkpoint, plan, expected)
+        loading = prefetch.start(checkpoint) if prefetch is not None else None
+        try:
+            with parameters_on_meta(torch_dtype), _initialization_skipped():
+                model = model_class.from_config(config)
+            expected = model.state_dict()
+            if torch_dtype is not None:  # every floating tensor of the checkpoint, buffers too, in torch_dtype
+                keep_fp32 = model_class._keep_in_fp32_modules or []
+                for name, tensor in expected.items():
+                    if tensor.is_floating_point():
+                        wanted = torch.float32 if any(m in name.split(".") for m in keep_fp32) else torch_dtype
+                        expected[name] = torch.empty(tensor.shape, dtype=wanted, device="meta")
+            plan = plan_weights(expected, checkpoint_entries(checkpoint))
+            refuse_mismatches(plan, model, folder, strict=True)
+        except BaseException:
+            Prefetch.discard(loading)
+            raise
+        return cls(model, folder, checkpoint, plan, expected, loading)
 
     def finish(self, *, device, offload, verify, staging, offload_options):
         model = self.model
         handle = None
         if offload is None:
             load_weights(model, self.checkpoint, self.plan, self.expected, device=device, verify=verify,
-                         staging=staging)
+                         staging=staging, loading=self.loading)
             place_buffers(model, device)
         else:
             from .offload import load_into_offloader

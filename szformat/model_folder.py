@@ -14,6 +14,7 @@ import importlib
 import os
 import re
 from collections.abc import Callable, Iterator, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
@@ -215,15 +216,73 @@ def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *,
                                       + "; ".join(problems), path=folder)
 
 
+class Prefetch:
+    """Loads checkpoints onto a CUDA device on a thread of its own, started as soon as a model's checkpoint is known,
+    so that the load overlaps building the model and matching it to the checkpoint: Python work on the calling
+    thread, while a load mostly waits on reads, copies and the device (on the H200 host a 1.2 B-parameter LM builds
+    and matches in about 50 ms and loads in about 130 ms). Loads run one after another on that thread, as they would
+    without it. A load started for a model that then fails its checks is waited for and dropped (:meth:`discard`):
+    nothing of it stays on the device.
+
+    Args:
+        device (`torch.device`), verify (`bool`), staging: as in :func:`szformat.load_file`.
+    """
+
+    def __init__(self, device: torch.device, *, verify: bool, staging: Any):
+        self.device = device
+        self.verify = verify
+        self.staging = staging
+        self._thread = ThreadPoolExecutor(1, thread_name_prefix="szformat-prefetch")
+
+    def start(self, checkpoint: Path) -> Future:
+        """The load of ``checkpoint`` (see `weights_in`), under way."""
+        from . import api
+
+        return self._thread.submit(api.load_file, checkpoint, device=self.device, verify=self.verify,
+                                   staging=self.staging)
+
+    @staticmethod
+    def discard(loading: Future | None) -> None:
+        """Wait for a load nobody will use and release its tensors (a failed load raises nothing here)."""
+        if loading is None:
+            return
+        wait([loading])
+        if loading.exception() is None:
+            loading.result().clear()
+
+    def close(self) -> None:
+        self._thread.shutdown(wait=True)
+
+    def __enter__(self) -> "Prefetch":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+@contextlib.contextmanager
+def prefetching(device: str | torch.device, *, verify: bool, staging: Any) -> Iterator[Prefetch | None]:
+    """A :class:`Prefetch` for loads to a CUDA device, else ``None`` (a CPU decode would compete for the cores the
+    build runs on). Loads for an offload route are not prefetched: the route reads the checkpoint its own way."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        yield None
+        return
+    with Prefetch(device, verify=verify, staging=staging) as prefetch:
+        yield prefetch
+
+
 def load_weights(model: torch.nn.Module, checkpoint: Path, plan: WeightPlan, expected: Mapping[str, torch.Tensor],
-                 *, device: torch.device, verify: bool, staging) -> None:
+                 *, device: torch.device, verify: bool, staging, loading: Future | None = None) -> None:
     """Decode a checkpoint (see `weights_in`) on ``device`` and make the module's tensors those very tensors.
+    ``loading``: its load, already under way (:class:`Prefetch`).
 
     A tensor is cast only where the module was built in another dtype (``dtype=`` asked for it).
     """
-    from .api import load_file
+    from . import api
 
-    tensors = load_file(checkpoint, device=device, verify=verify, staging=staging)
+    tensors = (loading.result() if loading is not None
+               else api.load_file(checkpoint, device=device, verify=verify, staging=staging))
     state = {}
     for target, source in plan.sources.items():
         tensor = tensors.pop(source)

@@ -15,6 +15,7 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
+from concurrent.futures import Future
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -23,9 +24,9 @@ import torch
 
 from .errors import UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (WeightPlan, checkpoint_entries, load_weights, meta_tensors, parameters_on_meta,
-                           place_buffers, plan_weights, refuse_mismatches, require, require_converted,
-                           resolve_model_folder, weights_in)
+from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, load_weights, meta_tensors,
+                           parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
+                           require_converted, resolve_model_folder, weights_in)
 
 __all__ = ["from_pretrained"]
 
@@ -89,11 +90,13 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         dtype = kwargs.pop("torch_dtype")
     folder = resolve_model_folder(path_or_repo, revision=revision, token=token, cache_dir=cache_dir,
                                   local_files_only=local_files_only)
-    prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,
-                             ignore_mismatched_sizes=ignore_mismatched_sizes, trust_remote_code=trust_remote_code,
-                             **kwargs)
-    model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
-                               offload_options=offload_options)
+    with prefetching(device, verify=verify, staging=staging) as prefetch:
+        prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,
+                                 ignore_mismatched_sizes=ignore_mismatched_sizes,
+                                 trust_remote_code=trust_remote_code, prefetch=prefetch if offload is None else None,
+                                 **kwargs)
+        model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
+                                   offload_options=offload_options)
     return (model, info) if output_loading_info else model
 
 
@@ -109,13 +112,16 @@ class PreparedModel:
     plan: WeightPlan
     expected: dict[str, torch.Tensor]
     """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
+    loading: Future | None = None
+    """The checkpoint's load, started while the model was built (:class:`Prefetch`)."""
 
 
 def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",
                   variant: str | None = None, key_mapping: Mapping[str, str] | None = None,
                   ignore_mismatched_sizes: bool = False, trust_remote_code: bool = False,
-                  **kwargs: Any) -> PreparedModel:
-    """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`).
+                  prefetch: Prefetch | None = None, **kwargs: Any) -> PreparedModel:
+    """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`); with
+    ``prefetch``, the checkpoint's load starts once the config is read and runs meanwhile.
 
     Raises:
         ModelFolderError, UnknownArchitectureError, CheckpointMismatchError: as `from_pretrained`.
@@ -125,13 +131,21 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
     checkpoint = weights_in(folder, variant)
-    entries = checkpoint_entries(checkpoint)
-    model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs, folder)
-    expected = model.state_dict()
-    plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
-    if not ignore_mismatched_sizes:
-        refuse_mismatches(plan, model, folder, strict=False)
-    return PreparedModel(model, folder, checkpoint, plan, expected)
+    loading = prefetch.start(checkpoint) if prefetch is not None else None
+    try:
+        entries = checkpoint_entries(checkpoint)
+        model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
+                       folder)
+        expected = model.state_dict()
+        plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
+        if not ignore_mismatched_sizes:
+            refuse_mismatches(plan, model, folder, strict=False)
+    except BaseException:
+        Prefetch.discard(loading)
+        raise
+    return PreparedModel(model, folder, checkpoint, plan, expected, loading)
+
+
 
 
 def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
@@ -144,7 +158,7 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     device = torch.device(device)
     if offload is None:
         load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,
-                     staging=staging)
+                     staging=staging, loading=prepared.loading)
         model.tie_weights()
         fed: set[int] = set()
     else:

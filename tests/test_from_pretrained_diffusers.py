@@ -7,6 +7,7 @@ diffusers' load, and a 2-step pipeline call giving the same image tensor. Also t
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -31,7 +32,7 @@ from szformat.model_folder import load_weights
 from szformat.offload import OffloadEnvironment
 from szformat.offload import loader as offload_loader
 
-from test_from_pretrained_transformers import assert_same_model, bits
+from test_from_pretrained_transformers import assert_same_model, bits, prefetch_on_the_cpu  # noqa: F401
 from test_hub import ALICE, card_of, hub  # noqa: F401  (the loopback Hub fixture)
 
 def tiny_tokenizer(folder: Path) -> "transformers.CLIPTokenizer":
@@ -172,13 +173,14 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(which, re
     monkeypatch.setitem(offload_loader.INSTALLERS, "accelerate", install)
     loaded: list[str] = []
 
-    def load_on_the_cpu(model, checkpoint, plan, expected, *, device, verify, staging):
+    def load_on_the_cpu(model, checkpoint, plan, expected, *, device, verify, staging, loading):
         loaded.append(checkpoint.parent.name)
         load_weights(model, checkpoint, plan, expected, device=torch.device("cpu"), verify=verify, staging=staging)
 
     for module in (szd, szt):  # no CUDA device in CI: the components that are not offloaded load to the CPU
         monkeypatch.setattr(module, "place_buffers", lambda model, device, skip=frozenset(): None)
         monkeypatch.setattr(module, "load_weights", load_on_the_cpu)
+    monkeypatch.setattr(szd, "prefetching", lambda device, **kwargs: contextlib.nullcontext())
     env = OffloadEnvironment(cuda_available=True, versions={"accelerate": "1.15.0"})
     options = SD3_OPTIONS if which == "sd3" else {}
     pipe = szd.from_pretrained(pipeline[1], device="cuda:0", offload="accelerate", torch_dtype=torch.bfloat16,
@@ -188,6 +190,14 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(which, re
     assert len(installed[0].binding) == len(getattr(pipe, denoiser).state_dict())
     assert {t.dtype for t in getattr(pipe, denoiser).state_dict().values()} == {torch.bfloat16}
     assert sorted(loaded) == (["text_encoder", "text_encoder_2", "vae"] if which == "sd3" else ["text_encoder", "vae"])
+
+
+def test_prefetched_components_load_beside_the_builds_and_are_bit_identical(sd3, prefetch_on_the_cpu):
+    original, converted = sd3
+    pipe = szd.from_pretrained(converted, torch_dtype=torch.bfloat16, **SD3_OPTIONS)
+    assert len(prefetch_on_the_cpu) == 4 and all(t.startswith("szformat-prefetch") for t, _ in prefetch_on_the_cpu)
+    assert_same_pipeline(pipe, diffusers.DiffusionPipeline.from_pretrained(original, torch_dtype=torch.bfloat16,
+                                                                           **SD3_OPTIONS))
 
 
 # -- bad input ---------------------------------------------------------------------------------------------------
@@ -245,3 +255,13 @@ def test_a_component_that_does_not_fit_its_config_is_refused_with_every_name(cop
         for block in ("down_blocks.1.attentions.0", "up_blocks.0.attentions.0"):
             assert f"{block}.transformer_blocks.0.attn2.{projection}.weight: checkpoint [8, 32], model [8, 24]" \
                 in message, (block, projection)
+
+
+def test_a_component_refused_after_others_started_loading_releases_their_loads(copy, prefetch_on_the_cpu):
+    """Components are checked in order while their loads run: the loads started before the refusal are waited for
+    and dropped, and the refused component's own load too."""
+    config = json.loads((copy / "vae" / "config.json").read_text())
+    (copy / "vae" / "config.json").write_text(json.dumps({**config, "latent_channels": 3}))
+    with pytest.raises(CheckpointMismatchError, match="AutoencoderKL"):
+        szd.from_pretrained(copy)
+    assert prefetch_on_the_cpu and all(tensors == {} for _, tensors in prefetch_on_the_cpu)

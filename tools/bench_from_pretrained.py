@@ -392,6 +392,15 @@ def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
                  for _ in range(reps + 1)][1:]
         lines.append(f"szformat.load_file of its {len(weights)} weight files (device={DEVICE!r}) alone: warm median "
                      f"{statistics.median(alone) * 1e3:.1f} ms")
+        from szformat.loading import timeline
+
+        release()
+        start = time.perf_counter()
+        with timeline.recording() as record:
+            [szformat.api.load_file(p, device=DEVICE) for p in weights]
+            synchronize()
+        lines.append(f"one more under the loader's timeline ({(time.perf_counter() - start) * 1e3:.1f} ms from the "
+                     f"call): " + ", ".join(f"{key} {value:.1f}" for key, value in record.summary().items()))
     lines += [f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
               "| call | ms | calls |", "|---|---:|---:|"]
     lines += [f"| {call} | {seconds * 1e3:.1f} | {calls or ''} |" for call, seconds, calls in call_breakdown(profiler)
