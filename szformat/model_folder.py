@@ -232,6 +232,10 @@ class Prefetch:
         self.device = device
         self.verify = verify
         self.staging = staging
+        if device.type == "cuda":  # CUDA starts on this thread, which goes on using it (see ``bind_thread``)
+            from .loading.ops import bind_thread
+
+            bind_thread(device)
         self._thread = ThreadPoolExecutor(1, thread_name_prefix="szformat-prefetch")
 
     def start(self, checkpoint: Path) -> Future:
@@ -265,7 +269,7 @@ def prefetching(device: str | torch.device, *, verify: bool, staging: Any) -> It
     """A :class:`Prefetch` for loads to a CUDA device, else ``None`` (a CPU decode would compete for the cores the
     build runs on). Loads for an offload route are not prefetched: the route reads the checkpoint its own way."""
     device = torch.device(device)
-    if device.type != "cuda":
+    if device.type != "cuda" or not torch.cuda.is_available():  # (the load then says why it cannot run)
         yield None
         return
     with Prefetch(device, verify=verify, staging=staging) as prefetch:

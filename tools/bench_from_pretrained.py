@@ -16,7 +16,8 @@ with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` fold
 
 Loaders: ``transformers`` (``from_pretrained(..., dtype=bfloat16, device_map="cuda")``), ``diffusers``
 (``from_pretrained(..., torch_dtype=bfloat16, device_map="cuda")``), and ``szformat`` (``from_pretrained(...,
-device="cuda")``). Warm: page cache warm, one untimed call, then the median of ``--reps``; cold: the page cache dropped
+device="cuda")``). Warm: page cache warm, one untimed call each, then the median of ``--reps`` calls, the loaders
+taking turns; cold: the page cache dropped
 before one call (``/proc/sys/vm/drop_caches`` when writable, else ``posix_fadvise``). The time is from the call to a
 model whose tensors are all on the GPU (``torch.cuda.synchronize``); the device's caching allocator is emptied
 between calls. Correctness: every parameter and buffer of the szformat load equals the original's load (int16 views),
@@ -237,23 +238,19 @@ def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> li
     raw = sum(p.stat().st_size for p in checkpoint_files(folder))
     stored = sum(p.stat().st_size for p in checkpoint_files(Path(f"{folder}-szt")))
     rows = []
+    timings = {name: [] for name in loaders(model)}
+    firsts = {name: timed(load, folder)[1] for name, load in loaders(model).items()}
+    for _ in range(reps):  # the loaders take turns, so that both meet the same state of the machine
+        for name, load in loaders(model).items():
+            timings[name].append(timed(load, folder)[1])
     for name, load in loaders(model).items():
-        loaded, first = timed(load, folder)
-        del loaded
-        warm = []
-        for _ in range(reps):
-            loaded, seconds = timed(load, folder)
-            warm.append(seconds)
-            del loaded
-        row = {"model": model, "loader": name, "bytes": raw, "szt_bytes": stored, "first_s": first,
-               "warm_s": statistics.median(warm), "warm_all_s": warm}
+        row = {"model": model, "loader": name, "bytes": raw, "szt_bytes": stored, "first_s": firsts[name],
+               "warm_s": statistics.median(timings[name]), "warm_all_s": timings[name]}
         if cold:
             files = checkpoint_files(folder if name != "szformat" else Path(f"{folder}-szt"))
             how = drop_caches(files)
             row["cold_resident"] = resident_share(files)
-            loaded, row["cold_s"] = timed(load, folder)
-            row["cold_how"] = how
-            del loaded
+            row["cold_s"], row["cold_how"] = timed(load, folder)[1], how
         rows.append(row)
         print(json.dumps(row), flush=True)
     anchor, ours = list(loaders(model))

@@ -18,13 +18,13 @@ import os
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, Callable, Sequence
+from typing import Callable, Sequence
 
 import torch
 
 from ..errors import TruncatedFileError
 from ..format.reader import pread_exactly
-from . import timeline
+from . import ops, timeline
 
 __all__ = ["Staged", "FileReader", "RegisteredMapping", "default_threads"]
 
@@ -159,7 +159,7 @@ class RegisteredMapping:
     def open(cls, path: str | os.PathLike, device: torch.device) -> "RegisteredMapping | None":
         if os.name != "posix" or device.type != "cuda" or not torch.cuda.is_available():
             return None
-        cudart = _cudart()
+        cudart = ops.cudart()
         if cudart is None:
             return None
         path = Path(path)
@@ -225,37 +225,3 @@ class RegisteredMapping:
         self._mmap.close()
         self._mmap = None
         os.close(self._fd)
-
-
-_CUDART: Any = False
-
-
-def _cudart() -> ctypes.CDLL | None:
-    """The CUDA runtime library this process already uses (the one PyTorch loaded), or ``None``."""
-    global _CUDART
-    if _CUDART is not False:
-        return _CUDART
-    candidates: list[str] = []
-    try:
-        with open("/proc/self/maps") as f:
-            candidates += sorted({line.split()[-1] for line in f if "libcudart" in line.split()[-1]})
-    except OSError:
-        pass
-    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
-    _CUDART = None
-    for name in candidates:
-        try:
-            lib = ctypes.CDLL(name)
-        except OSError:
-            continue
-        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
-        lib.cudaHostRegister.restype = ctypes.c_int
-        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
-        lib.cudaHostUnregister.restype = ctypes.c_int
-        lib.cudaGetLastError.argtypes = []
-        lib.cudaGetLastError.restype = ctypes.c_int
-        lib.cudaSetDevice.argtypes = [ctypes.c_int]
-        lib.cudaSetDevice.restype = ctypes.c_int
-        _CUDART = lib
-        break
-    return _CUDART

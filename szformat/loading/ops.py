@@ -8,6 +8,7 @@ slot reuse) without a GPU.
 
 from __future__ import annotations
 
+import ctypes
 from typing import Any, Callable, Protocol
 
 import torch
@@ -65,6 +66,7 @@ class CudaOps:
         if device.type != "cuda":
             raise ValueError(f"CudaOps needs a CUDA device, got {device}")
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
+        bind_thread(self.device)  # the loader allocates on the thread that creates it
 
     def new_stream(self) -> torch.cuda.Stream:
         return torch.cuda.Stream(self.device)
@@ -126,3 +128,51 @@ def cuda_ops(device: str | torch.device) -> CudaOps:
         raise DecodeRouteError(f"device {device} was requested, but only {torch.cuda.device_count()} CUDA "
                                "device(s) are visible")
     return CudaOps(device)
+
+
+def bind_thread(device: torch.device) -> None:
+    """Make ``device``'s primary CUDA context current on this thread.
+
+    PyTorch calls ``cudaSetDevice`` only when the device differs from the thread's current one, so a thread that
+    has not used CUDA yet (one that is not where CUDA was first initialized) runs its first allocation without a
+    current context. PyTorch's own allocator copes; an allocator plugged in through the driver API (DDO's VMM
+    allocator) hands such a thread a null pointer, and the first copy into it fails with "invalid argument".
+    """
+    torch.cuda.init()  # loads the runtime this looks for
+    runtime = cudart()
+    if runtime is not None:
+        runtime.cudaSetDevice(torch.device(device).index or 0)
+
+
+_CUDART: Any = False
+
+
+def cudart() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process already uses (the one PyTorch loaded), or ``None``."""
+    global _CUDART
+    if _CUDART is not False:
+        return _CUDART
+    candidates: list[str] = []
+    try:
+        with open("/proc/self/maps") as f:
+            candidates += sorted({line.split()[-1] for line in f if "libcudart" in line.split()[-1]})
+    except OSError:
+        pass
+    candidates += ["libcudart.so", "libcudart.so.13", "libcudart.so.12", "libcudart.so.11.0"]
+    _CUDART = None
+    for name in candidates:
+        try:
+            lib = ctypes.CDLL(name)
+        except OSError:
+            continue
+        lib.cudaHostRegister.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_uint]
+        lib.cudaHostRegister.restype = ctypes.c_int
+        lib.cudaHostUnregister.argtypes = [ctypes.c_void_p]
+        lib.cudaHostUnregister.restype = ctypes.c_int
+        lib.cudaGetLastError.argtypes = []
+        lib.cudaGetLastError.restype = ctypes.c_int
+        lib.cudaSetDevice.argtypes = [ctypes.c_int]
+        lib.cudaSetDevice.restype = ctypes.c_int
+        _CUDART = lib
+        break
+    return _CUDART
