@@ -121,7 +121,7 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
                   ignore_mismatched_sizes: bool = False, trust_remote_code: bool = False,
                   prefetch: Prefetch | None = None, **kwargs: Any) -> PreparedModel:
     """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`); with
-    ``prefetch``, the checkpoint's load starts once the config is read and runs meanwhile.
+    ``prefetch``, the checkpoint's load starts first and runs meanwhile.
 
     Raises:
         ModelFolderError, UnknownArchitectureError, CheckpointMismatchError: as `from_pretrained`.
@@ -129,10 +129,10 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
     transformers = require("transformers", "transformers")
     require("accelerate", "transformers")
     require_converted(folder, CONFIG_NAME, "transformers model folder")
-    config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
     checkpoint = weights_in(folder, variant)
     loading = prefetch.start(checkpoint) if prefetch is not None else None
     try:
+        config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
         entries = checkpoint_entries(checkpoint)
         model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
                        folder)
