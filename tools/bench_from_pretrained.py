@@ -398,6 +398,13 @@ def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
             synchronize()
         lines.append(f"one more under the loader's timeline ({(time.perf_counter() - start) * 1e3:.1f} ms from the "
                      f"call): " + ", ".join(f"{key} {value:.1f}" for key, value in record.summary().items()))
+        release()
+        loader = cProfile.Profile()
+        loader.runcall(lambda: ([szformat.api.load_file(p, device=DEVICE) for p in weights], synchronize()))
+        lines += ["\none more under cProfile (the calling thread's calls, by cumulative time):", "| call | ms | calls |",
+                  "|---|---:|---:|"]
+        ranked = sorted(pstats.Stats(loader).stats.items(), key=lambda item: -item[1][3])
+        lines += [f"| {Path(key[0]).stem}.{key[2]} | {stat[3] * 1e3:.1f} | {stat[1]} |" for key, stat in ranked[:40]]
     lines += [f"\none warm call under cProfile ({profiled * 1e3:.1f} ms with the profiler's overhead):",
               "| call | ms | calls |", "|---|---:|---:|"]
     lines += [f"| {call} | {seconds * 1e3:.1f} | {calls or ''} |" for call, seconds, calls in call_breakdown(profiler)

@@ -103,6 +103,7 @@ class DeviceLoader:
         self.threads = self.staging.threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="szformat-io")
         self._verify_pool: ThreadPoolExecutor | None = None
+        self._check_pool: ThreadPoolExecutor | None = None
         self._sources: dict[Path, HostSource] = {}
         self._loop: TransferLoop | None = None
         self._route: DeviceDecodeRoute | HostDecodeRoute | None = None
@@ -168,8 +169,9 @@ class DeviceLoader:
             source.close()
         self._sources.clear()
         self._pool.shutdown()
-        if self._verify_pool is not None:
-            self._verify_pool.shutdown()
+        for pool in (self._verify_pool, self._check_pool):
+            if pool is not None:
+                pool.shutdown()
         self._loop = self._route = None
 
     # -- pieces ---------------------------------------------------------------------------------------------------
@@ -216,10 +218,14 @@ class DeviceLoader:
                                          path=file.path, tensor=e.name) for e in entries]
 
     def _start_escape_checks(self, file: SztFile, entries: Sequence[TensorEntry]) -> list[Future]:
-        """Check the escape streams on the reader threads, beside the transfer (they read a few bytes per escape):
+        """Check the escape streams on a thread of their own, beside the transfer (they read a few bytes per escape;
+        queued ahead of the reads on the reader threads, they held back the first read by milliseconds):
         the device kernels skip an escape outside its tensor but check nothing else, so escapes out of order would
         decode to wrong values, CRC-32s on or off."""
-        return [self._pool.submit(file.check_escapes, e.name) for e in entries if e.layout is not None and e.layout.n_esc]
+        if self._check_pool is None:
+            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="szformat-escapes")
+        return [self._check_pool.submit(file.check_escapes, e.name)
+                for e in entries if e.layout is not None and e.layout.n_esc]
 
 
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",
