@@ -108,8 +108,8 @@ def test_every_cpu_path_is_exact(valid_file, tmp_path):
 def test_a_slice_inflates_only_the_frames_it_reads(valid_file, monkeypatch):
     inflated = []
     real = at_rest._inflate_frames
-    monkeypatch.setattr(at_rest, "_inflate_frames", lambda stored, frames, out, dctx: (
-        inflated.extend(size for _, size in frames), real(stored, frames, out, dctx)))
+    monkeypatch.setattr(at_rest, "_inflate_frames", lambda stored, run, out, dctx: (
+        inflated.extend(seg.memory_length for seg in run), real(stored, run, out, dctx)))
     with szformat.safe_open(valid_file, "pt") as f:
         rows = f.get_slice("w")[10:12]
         assert torch.equal(rows.view(torch.int16), SOURCE["w"][10:12].view(torch.int16))

@@ -23,8 +23,9 @@ and every transfer the device-decode route plans is staged into a (pageable) slo
 in the loader's ring, through :class:`~szformat.loading.inflate.InflatingSource` (the at-rest form, inflated) and
 through threaded reads of the in-memory form (the anchor), with 1 and 2 reader threads: MB/s of in-memory bytes
 produced, best and median of ``--repeats``, and per CPU-second. The staged bytes are checked bit for bit first. A
-second table splits one profiled reader thread's time between the calls that release the GIL and the rest, which
-holds it: on a host with many cores that part runs one reader at a time.
+second table (``tools/gil_clock.py``, no profiler) splits one reader thread's time between the calls that release
+the GIL and the rest, which holds it (on a host with many cores that part runs one reader at a time), and counts
+those calls (each one more wait to take the GIL back) and the tasks, per MiB produced.
 
 Usage::
 

@@ -312,18 +312,18 @@ def _check_frame(frame: memoryview, size: int) -> None:
         raise AtRestError(f"zstd frame is {walked} bytes long, the header records {len(frame)}")
 
 
-def _inflate_frames(stored: memoryview, frames: Sequence[tuple[int, int]], out: memoryview,
+def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
                     dctx: zstandard.ZstdDecompressor) -> None:
-    """Inflate frames stored back to back in ``stored`` (``frames``: the stored length and the content size of
-    each) into ``out``, which their contents fill exactly, in order; every frame checked first.
+    """Inflate the frames ``run``, stored back to back in ``stored``, into ``out``, which their contents fill
+    exactly, in order; every frame checked first.
 
     One reader inflates them all: python-zstandard goes from frame to frame in C (releasing the GIL for each), so
     a run of frames costs the Python of one call, and its thread takes the GIL back once per frame, not three
     times (each take waits behind whichever reader holds it)."""
     cursor = 0
-    for length, size in frames:
-        _check_frame(stored[cursor: cursor + length], size)
-        cursor += length
+    for seg in run:
+        _check_frame(stored[cursor: cursor + seg.stored_length], seg.memory_length)
+        cursor += seg.stored_length
     try:
         reader = dctx.stream_reader(stored, read_across_frames=True)
         filled = reader.readinto(out) if len(out) else 0
@@ -336,7 +336,7 @@ def _inflate_frames(stored: memoryview, frames: Sequence[tuple[int, int]], out: 
 
 def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecompressor) -> None:
     """Inflate one stored frame into ``out``, which it must fill exactly; every check first."""
-    _inflate_frames(frame, [(len(frame), len(out))], out, dctx)
+    _inflate_frames(frame, [Segment(0, len(out), 0, len(frame), True)], out, dctx)
 
 
 def inflate_bounded(frame: bytes | memoryview, limit: int) -> bytearray:
@@ -469,8 +469,8 @@ def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: memory
 def _inflate_run(stored: StoredBytes, run: Sequence[Segment], out: memoryview, start: int) -> None:
     """Inflate the consecutive frames ``run`` (if any) into ``out``, which holds in-memory bytes from ``start``."""
     if run:
-        _inflate_frames(stored.frames(run), [(seg.stored_length, seg.memory_length) for seg in run],
-                        out[run[0].memory - start: run[-1].memory + run[-1].memory_length - start], decompressor())
+        lo, hi = run[0].memory - start, run[-1].memory + run[-1].memory_length - start
+        _inflate_frames(stored.frames(run), run, out[lo:hi], decompressor())
 
 
 def _copy(source: torch.Tensor, out: memoryview) -> None:

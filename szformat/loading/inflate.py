@@ -8,9 +8,12 @@ slot holds (stored bytes that went through no stage are copied). The route, its 
 decodes stay as they are.
 
 Reader threads run side by side only while they hold no GIL, so every byte is moved by a call that releases it: the
-stored bytes are read with ``pread`` (verbatim streams straight into the slot, each frame into a buffer of the
-thread's own, as the in-memory form is read), frames are inflated by zstd. The Python left per task (finding its
-segments, the frame checks) is a few microseconds per 1 MiB frame.
+stored bytes are read with ``pread`` (verbatim streams straight into the slot, each run of frames into a buffer of
+the thread's own with one read), frames are inflated by zstd, a run with one reader. What runs with the GIL held
+is kept short and rare, since on a many-core host it runs one thread at a time and every call that releases the
+GIL is one more wait to take it back: a task handles its bytes as memoryviews (a torch call holds the GIL tens of
+microseconds once a large read has left the caches cold), and takes the GIL back about once per 1 MiB frame and
+once per read (``tools/bench_at_rest.py --staging`` measures both).
 """
 
 from __future__ import annotations
@@ -39,13 +42,15 @@ LINE_ALIGNMENT = 256
 """In-memory payloads start at multiples of this on the line (the streams inside a payload are 4-byte aligned)."""
 
 PIECE_BYTES = 8 << 20
-"""In-memory bytes one reader-thread task produces at most: a large tensor is inflated by several threads. Tasks
-are cut at multiples of it within each payload, so (frames being ``DEFAULT_FRAME_SIZE`` from the payload's start)
-no frame of ``pk`` is shared by two tasks and inflated twice."""
+"""In-memory bytes one reader-thread task produces at most: a large tensor is inflated by several threads (a slot
+of 128 MiB makes 16 tasks). Tasks are cut at multiples of it within each payload, so (frames being
+``DEFAULT_FRAME_SIZE`` from the payload's start) no frame of ``pk`` is shared by two tasks and inflated twice. Twice
+the 4 MiB it was: half the tasks, each with its fixed Python, for 20 % less GIL-held time per byte."""
 
 FRAME_BUFFER_LIMIT = at_rest.MAX_FRAME_SIZE
-"""A stored frame longer than the longest content a frame may have (valid zstd, but odd) is read from the file's mapping
-instead of into a thread's buffer, which therefore never grows past this."""
+"""A task's run of stored frames longer than the longest content a frame may have (frames of valid zstd, but odd:
+a task's frames hold at most ``PIECE_BYTES`` of content) is read from the file's mapping instead of into a thread's
+buffer, which therefore never grows past this."""
 
 
 class InflatingSource:
