@@ -284,6 +284,27 @@ def test_frame_walker_refuses_truncated_frames():
             at_rest.frame_compressed_size(memoryview(frame[:cut]))
 
 
+def test_a_run_of_frames_refuses_bytes_after_a_frame_within_its_length():
+    """A task inflates its frames with one zstd reader, across frames, which would skip a skippable frame after the
+    first one; the format allows no bytes after a frame within its recorded length, so the block walk refuses it."""
+    contents = [bytes(range(256)) * 16, bytes(range(255, -1, -1)) * 16]
+    frames = [at_rest.compress_frame(c) for c in contents]
+    skippable = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + bytes(4)
+    stored = memoryview(frames[0] + skippable + frames[1])
+    run = [at_rest.Segment(0, 4096, 0, len(frames[0]) + len(skippable), True),
+           at_rest.Segment(4096, 4096, len(frames[0]) + len(skippable), len(frames[1]), True)]
+    out = bytearray(8192)
+    assert at_rest.decompressor().stream_reader(stored, read_across_frames=True).readinto(out) == 8192
+    assert bytes(out) == b"".join(contents)  # zstd alone takes it
+    with pytest.raises(at_rest.AtRestError, match="bytes long, the header records"):
+        at_rest._inflate_frames(stored, run, memoryview(out), at_rest.decompressor())
+    run = [at_rest.Segment(0, 4096, 0, len(frames[0]), True),
+           at_rest.Segment(4096, 4096, len(frames[0]), len(frames[1]), True)]
+    out[:] = bytes(8192)
+    at_rest._inflate_frames(memoryview(frames[0] + frames[1]), run, memoryview(out), at_rest.decompressor())
+    assert bytes(out) == b"".join(contents)
+
+
 def test_the_forge_rebuilds_the_valid_at_rest_file_exactly(valid_file, forge, bad):
     """The forged cases above start from the valid file itself, not from a look-alike."""
     assert forge.write(bad, minor=1).read_bytes() == valid_file.read_bytes()
