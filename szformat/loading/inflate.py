@@ -44,8 +44,9 @@ LINE_ALIGNMENT = 256
 PIECE_BYTES = 8 << 20
 """In-memory bytes one reader-thread task produces at most: a large tensor is inflated by several threads (a slot
 of 128 MiB makes 16 tasks). Tasks are cut at multiples of it within each payload, so (frames being
-``DEFAULT_FRAME_SIZE`` from the payload's start) no frame of ``pk`` is shared by two tasks and inflated twice. Twice
-the 4 MiB it was: half the tasks, each with its fixed Python, for 20 % less GIL-held time per byte."""
+``DEFAULT_FRAME_SIZE`` from the payload's start) no frame of ``pk`` is shared by two tasks and inflated twice. 8 MiB
+rather than 4: half the tasks, each with its fixed Python (one reader held the GIL 5.6 ms per 0.7 GB against 6.7;
+16 MiB would leave fewer tasks per slot than the H200 host's 12 readers; ``bench/RESULTS.md``)."""
 
 FRAME_BUFFER_LIMIT = at_rest.MAX_FRAME_SIZE
 """A task's run of stored frames longer than the longest content a frame may have (frames of valid zstd, but odd:
