@@ -318,8 +318,8 @@ def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
     exactly, in order; every frame checked first.
 
     One reader inflates them all: python-zstandard goes from frame to frame in C (releasing the GIL for each), so
-    a run of frames costs the Python of one call, and its thread takes the GIL back once per frame, not three
-    times (each take waits behind whichever reader holds it)."""
+    a run of frames costs the Python of one call, and its thread takes the GIL back once per frame with no Python
+    in between (on a many-core host each take waits behind whichever thread holds the GIL)."""
     cursor = 0
     for seg in run:
         _check_frame(stored[cursor: cursor + seg.stored_length], seg.memory_length)

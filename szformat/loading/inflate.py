@@ -123,7 +123,8 @@ class InflatingSource:
         write it all while holding the GIL; its pages are first touched by ``pread``, which releases it)."""
         buffer = getattr(self._buffers, "frames", None)
         if buffer is None or len(buffer) < nbytes:
-            buffer = self._buffers.frames = memoryview(torch.empty(max(nbytes, PIECE_BYTES), dtype=torch.uint8).numpy())
+            buffer = torch.empty(max(nbytes, PIECE_BYTES), dtype=torch.uint8)
+            buffer = self._buffers.frames = memoryview(buffer.numpy())
         return buffer
 
     def close(self) -> None:
