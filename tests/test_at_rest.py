@@ -107,9 +107,9 @@ def test_every_cpu_path_is_exact(valid_file, tmp_path):
 
 def test_a_slice_inflates_only_the_frames_it_reads(valid_file, monkeypatch):
     inflated = []
-    real = at_rest._inflate_frame
-    monkeypatch.setattr(at_rest, "_inflate_frame", lambda frame, out, dctx: (inflated.append(len(out)),
-                                                                            real(frame, out, dctx)))
+    real = at_rest._inflate_frames
+    monkeypatch.setattr(at_rest, "_inflate_frames", lambda stored, run, out, dctx: (
+        inflated.extend(seg.memory_length for seg in run), real(stored, run, out, dctx)))
     with szformat.safe_open(valid_file, "pt") as f:
         rows = f.get_slice("w")[10:12]
         assert torch.equal(rows.view(torch.int16), SOURCE["w"][10:12].view(torch.int16))
@@ -282,6 +282,27 @@ def test_frame_walker_refuses_truncated_frames():
     for cut in (len(frame) - 1, len(frame) - 4, 8):
         with pytest.raises(at_rest.AtRestError):
             at_rest.frame_compressed_size(memoryview(frame[:cut]))
+
+
+def test_a_run_of_frames_refuses_bytes_after_a_frame_within_its_length():
+    """A task inflates its frames with one zstd reader, across frames, which would skip a skippable frame after the
+    first one; the format allows no bytes after a frame within its recorded length, so the block walk refuses it."""
+    contents = [bytes(range(256)) * 16, bytes(range(255, -1, -1)) * 16]
+    frames = [at_rest.compress_frame(c) for c in contents]
+    skippable = (0x184D2A50).to_bytes(4, "little") + (4).to_bytes(4, "little") + bytes(4)
+    stored = memoryview(frames[0] + skippable + frames[1])
+    run = [at_rest.Segment(0, 4096, 0, len(frames[0]) + len(skippable), True),
+           at_rest.Segment(4096, 4096, len(frames[0]) + len(skippable), len(frames[1]), True)]
+    out = bytearray(8192)
+    assert at_rest.decompressor().stream_reader(stored, read_across_frames=True).readinto(out) == 8192
+    assert bytes(out) == b"".join(contents)  # zstd alone takes it
+    with pytest.raises(at_rest.AtRestError, match="bytes long, the header records"):
+        at_rest._inflate_frames(stored, run, memoryview(out), at_rest.decompressor())
+    run = [at_rest.Segment(0, 4096, 0, len(frames[0]), True),
+           at_rest.Segment(4096, 4096, len(frames[0]), len(frames[1]), True)]
+    out[:] = bytes(8192)
+    at_rest._inflate_frames(memoryview(frames[0] + frames[1]), run, memoryview(out), at_rest.decompressor())
+    assert bytes(out) == b"".join(contents)
 
 
 def test_the_forge_rebuilds_the_valid_at_rest_file_exactly(valid_file, forge, bad):

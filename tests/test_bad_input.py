@@ -26,6 +26,7 @@ from szformat.errors import (ChecksumMismatchError, FormatError, HeaderError, He
                              InvalidOffsetError, PayloadError, TruncatedFileError, UnknownEncodingError,
                              UnsupportedVersionError)
 from szformat.format import constants as C
+from szformat.format.reader import SztFile
 
 PREAMBLE_FIELDS = struct.Struct("<8sHHIQQIIQ")
 """The preamble without its 16 reserved bytes, written out here as the spec gives it."""
@@ -768,6 +769,22 @@ def test_file_truncated_after_open_is_reported_not_sigbus(valid_file, tmp_path):
         with pytest.raises(TruncatedFileError, match="shrank to 100 bytes after it was opened") as info:
             f.get_tensor("w")
         assert info.value.tensor == "w" and "shrinks.szt" in str(info.value)
+
+
+def test_readinto_a_memoryview_reads_what_read_does_and_is_held_to_the_same_bounds(valid_file, tmp_path):
+    path = tmp_path / "shrinks.szt"
+    path.write_bytes(valid_file.read_bytes())
+    with SztFile(path) as f:
+        length = f.entry("w").length
+        out = memoryview(bytearray(length - 3))
+        f.readinto("w", 3, out)
+        assert bytes(out) == f.read("w", 3).numpy().tobytes() == f.payload("w")[3:].numpy().tobytes()
+        with pytest.raises(ValueError, match="outside the"):
+            f.readinto("w", 4, out)
+        os.truncate(path, 100)
+        with pytest.raises(TruncatedFileError, match="shrank to 100 bytes") as info:
+            f.readinto("w", 0, out)
+        assert info.value.tensor == "w"
 
 
 def test_file_replaced_by_rename_does_not_affect_an_open_reader(valid_file, tmp_path):

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import importlib
 import math
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -169,3 +171,51 @@ def test_llama_shapes_make_a_7b_class_checkpoint_of_the_size_asked(tool):
     assert shapes["model.layers.0.mlp.down_proj.weight"] == (4096, 11008)
     assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (32000, 4096)
     assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] == "lm_head.weight"
+
+
+# -- the GIL clock of tools/bench_at_rest.py ------------------------------------------------------------------------
+
+
+def test_the_gil_clock_tells_time_holding_the_gil_from_time_in_calls_that_release_it(tool):
+    gil = tool("gil_clock")
+    clock = gil.GilClock()
+    clock.calibrate()
+    sleep = clock.timed(time.sleep)  # as a call that releases the GIL
+
+    def task() -> None:
+        sleep(0.2)
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:  # Python, holding the GIL
+            pass
+
+    with gil.TimedPool(clock) as pool:
+        pool.submit(task).result()
+    sleep(0.1)  # not on the reader thread: not counted
+    assert clock.tasks == 1 and clock.releases == 1
+    assert 0.2 <= clock.released_seconds < 0.3
+    assert 0.03 <= clock.held_seconds < 0.2
+
+
+def test_the_gil_clock_counts_a_release_per_read_and_per_zstd_frame(tool, tmp_path):
+    gil = tool("gil_clock")
+    from szformat.format import at_rest
+    from szformat.format.reader import pread_exactly
+    contents = [bytes([i]) * 5000 for i in range(3)]
+    frames = [at_rest.compress_frame(c) for c in contents]
+    (tmp_path / "frames").write_bytes(b"".join(frames))
+    run = [at_rest.Segment(5000 * i, 5000, sum(map(len, frames[:i])), len(f), True) for i, f in enumerate(frames)]
+    out = bytearray(15000)
+
+    def task() -> None:
+        stored = memoryview(bytearray(sum(map(len, frames))))
+        with open(tmp_path / "frames", "rb") as f:
+            pread_exactly(f.fileno(), stored, 0, path=tmp_path / "frames")
+        at_rest._inflate_frames(stored, run, memoryview(out), at_rest.decompressor())
+
+    clock = gil.GilClock()
+    preadv = os.preadv
+    with clock.installed(), gil.TimedPool(clock) as pool:
+        pool.submit(task).result()
+    assert bytes(out) == b"".join(contents)
+    assert clock.tasks == 1 and clock.releases == 1 + 3
+    assert os.preadv is preadv and at_rest.decompressor.__module__ == at_rest.__name__

@@ -1216,9 +1216,9 @@ def test_inflating_tasks_are_cut_on_frames_so_none_is_inflated_twice(at_rest_che
     path, _ = at_rest_checkpoint
     monkeypatch.setattr(inflate, "PIECE_BYTES", 8192)  # two frames of 4 KiB per task
     inflated = []
-    real = at_rest._inflate_frame
-    monkeypatch.setattr(at_rest, "_inflate_frame", lambda frame, out, dctx: (inflated.append(len(out)),
-                                                                            real(frame, out, dctx)))
+    real = at_rest._inflate_frames
+    monkeypatch.setattr(at_rest, "_inflate_frames", lambda stored, run, out, dctx: (
+        inflated.extend(seg.memory_length for seg in run), real(stored, run, out, dctx)))
     with SztFile(path) as f, ThreadPoolExecutor(2) as pool:
         entry = f.entry("long.weight")
         start = 100  # inside the first frame

@@ -23,8 +23,9 @@ and every transfer the device-decode route plans is staged into a (pageable) slo
 in the loader's ring, through :class:`~szformat.loading.inflate.InflatingSource` (the at-rest form, inflated) and
 through threaded reads of the in-memory form (the anchor), with 1 and 2 reader threads: MB/s of in-memory bytes
 produced, best and median of ``--repeats``, and per CPU-second. The staged bytes are checked bit for bit first. A
-second table splits one profiled reader thread's time between the calls that release the GIL and the rest, which
-holds it: on a host with many cores that part runs one reader at a time.
+second table (``tools/gil_clock.py``, no profiler) splits one reader thread's time between the calls that release
+the GIL and the rest, which holds it (on a host with many cores that part runs one reader at a time), and counts
+those calls (each one more wait to take the GIL back) and the tasks, per MiB produced.
 
 Usage::
 
@@ -35,11 +36,8 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import cProfile
 import os
 import platform
-import pstats
-import re
 import statistics
 import sys
 import tempfile
@@ -65,6 +63,7 @@ from szformat.loading.verify import StoredCrcCheck
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import fetch_minilm  # noqa: E402
 import fetch_models  # noqa: E402
+from gil_clock import GilClock, TimedPool  # noqa: E402
 from gpu_load_check import llama_shapes  # noqa: E402
 from bench_cpu import cpu_model  # noqa: E402
 
@@ -264,7 +263,7 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
             return plan_transfers([Extent(i, e.offset, e.length) for i, e in enumerate(line)], slot_bytes)
 
         rows: list[tuple[int, str, float, float, float]] = []
-        held: dict[str, tuple[float, float]] = {}
+        held: dict[str, GilClock] = {}
         for threads in thread_counts:
             pool = ThreadPoolExecutor(threads)
             inflating = InflatingSource(rf, pool)
@@ -292,7 +291,8 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
 
             seconds = timed({name: fresh(name) for name in sources}, repeats)
             if not held:  # the source's own work, whatever the thread counts asked for
-                held = {name: gil_seconds(lambda p: fresh(name, p, 1)) for name in sources}
+                held = {name: gil_split(name, sources[name][1], memory, rest, ring, repeats, verify)
+                        for name in sources}
             for name in sources:
                 wall, cpu = seconds[name]
                 rows.append((threads, name, produced / min(wall) / 1e6, produced / statistics.median(wall) / 1e6,
@@ -303,36 +303,48 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
     print("| ---: | --- | ---: | ---: | ---: |")
     for threads, name, best, median, per_cpu in rows:
         print(f"| {threads} | {name} | {best:.0f} | {median:.0f} | {per_cpu:.0f} |")
-    print("\nOne profiled reader thread (cProfile adds to the Python side): its seconds per GB produced in calls that "
-          "release the GIL (zstd, preadv, torch copies) and in everything else, which holds it and so runs one reader "
-          "at a time however many cores there are.\n")
-    print("| source | GIL released (s/GB) | GIL held (s/GB) | held share |")
-    print("| --- | ---: | ---: | ---: |")
-    for name, (free, busy) in held.items():
-        print(f"| {name} | {free / produced * 1e9:.3f} | {busy / produced * 1e9:.3f} | {busy / (free + busy):.0%} |")
+    print(f"\nOne reader thread, its tasks cut as for {CUT_THREADS} (tools/gil_clock.py; median of {repeats} runs): "
+          "seconds per GB produced holding the GIL (which runs one reader at a time however many cores there "
+          "are) and in calls that release it; those calls (each one more take of the GIL) and tasks (each a hand-off "
+          "through the pool) per MiB produced; and the submitting thread's seconds per GB, holding the GIL.\n")
+    print("| source | GIL held (s/GB) | GIL released (s/GB) | held share | releases per MiB | tasks per MiB "
+          "| submitting (s/GB) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: |")
+    mib = produced / (1 << 20)
+    for name, clock in held.items():
+        print(f"| {name} | {clock.held_seconds / produced * 1e9:.4f} | {clock.released_seconds / produced * 1e9:.3f} "
+              f"| {clock.held_seconds / clock.task_seconds:.1%} | {clock.releases / mib:.2f} | {clock.tasks / mib:.3f} "
+              f"| {clock.driver_seconds / produced * 1e9:.4f} |")
     return 0
 
 
-GIL_RELEASING = re.compile(r"'readinto' of 'zstandard|'decompress' of 'zstandard|posix\.preadv|'copy_' of 'torch|zlib_ng\.crc32>")
-"""The calls of the staging paths that release the GIL while they work (as profiled function names; zlib-ng's
-CRC-32 releases it past a few kB)."""
-WAITING = re.compile(r"'get' of '_queue|'acquire' of '_thread|'wait' of|posix\.sched_yield")
-"""An idle reader thread's waits for work: neither working nor holding the GIL."""
+CUT_THREADS = 12
+"""The GIL split cuts transfers into tasks as for this many reader threads (the loader's default on the H200 host)
+while one thread runs them, so that tasks and calls per MiB are those of that load."""
 
 
-def gil_seconds(make_run: Callable[[ThreadPoolExecutor], Callable[[], None]]) -> tuple[float, float]:
-    """Seconds one profiled reader thread spends in :data:`GIL_RELEASING` calls and outside them, in one run."""
-    profile = cProfile.Profile()
-    with ThreadPoolExecutor(1, initializer=profile.enable) as pool:
-        make_run(pool)()
-        pool.submit(profile.disable).result()
-    free = busy = 0.0
-    for (_, _, function), (_, _, own, _, _) in pstats.Stats(profile).stats.items():
-        if GIL_RELEASING.search(function):
-            free += own
-        elif not WAITING.search(function):
-            busy += own
-    return free, busy
+def gil_split(name: str, plan: list, memory: Path, rest: Path, ring: list, repeats: int,
+              verify: bool) -> GilClock:
+    """One reader thread staging ``plan`` through source ``name``, every transfer submitted while it waits
+    (:meth:`GilClock.gate`) and finished before the next: the median run of ``repeats`` by GIL-held time."""
+    runs = []
+    for _ in range(repeats):
+        clock = GilClock()
+        clock.calibrate()
+        with TimedPool(clock) as pool, SztFile(rest if name.startswith("at-rest") else memory) as file:
+            source = InflatingSource(file, pool) if name.startswith("at-rest") \
+                else ReadSource(FileReader(memory, pool, CUT_THREADS))
+            check = StoredCrcCheck(file.header.tensors, file.path) if verify else None
+            with clock.installed():
+                for k, transfer in enumerate(plan):
+                    with clock.gate(pool):
+                        staged = source.stage(transfer, ring[k % len(ring)], verify=check)
+                    staged.result()
+            if check is not None:
+                check.check()
+            source.close()
+        runs.append(clock)
+    return sorted(runs, key=lambda c: c.held_seconds)[len(runs) // 2]
 
 
 def print_files(rows) -> None:

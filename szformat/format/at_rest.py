@@ -294,29 +294,49 @@ def frame_compressed_size(frame: memoryview, *, has_checksum: bool | None = None
     return cursor
 
 
-def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecompressor) -> None:
-    """Inflate one stored frame into ``out``, which it must fill exactly; every check first."""
+def _check_frame(frame: memoryview, size: int) -> None:
+    """Every check a stored frame gets before it is inflated: it declares ``size`` bytes of content and a checksum,
+    and its blocks end exactly at its end."""
     try:
         params = zstandard.get_frame_parameters(frame)
     except zstandard.ZstdError as e:
         raise AtRestError(f"not a zstd frame ({e})") from None
-    if params.content_size != len(out):
+    if params.content_size != size:
         raise AtRestError(
             "zstd frame does not declare its content size" if params.content_size == zstandard.CONTENTSIZE_UNKNOWN
-            else f"zstd frame declares {params.content_size} bytes, the layout gives it {len(out)}")
+            else f"zstd frame declares {params.content_size} bytes, the layout gives it {size}")
     if not params.has_checksum:
         raise AtRestError("zstd frame carries no content checksum")
     walked = frame_compressed_size(frame, has_checksum=True)
     if walked != len(frame):
         raise AtRestError(f"zstd frame is {walked} bytes long, the header records {len(frame)}")
+
+
+def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
+                    dctx: zstandard.ZstdDecompressor) -> None:
+    """Inflate the frames ``run``, stored back to back in ``stored``, into ``out``, which their contents fill
+    exactly, in order; every frame checked first.
+
+    One reader inflates them all: python-zstandard goes from frame to frame in C (releasing the GIL for each), so
+    a run of frames costs the Python of one call, and its thread takes the GIL back once per frame with no Python
+    in between (on a many-core host each take waits behind whichever thread holds the GIL)."""
+    cursor = 0
+    for seg in run:
+        _check_frame(stored[cursor: cursor + seg.stored_length], seg.memory_length)
+        cursor += seg.stored_length
     try:
-        reader = dctx.stream_reader(frame)
+        reader = dctx.stream_reader(stored, read_across_frames=True)
         filled = reader.readinto(out) if len(out) else 0
-        trailing = reader.read(1)  # reads the checksum, which zstd then checks
+        trailing = reader.read(1)  # reads a checksum still left, which zstd then checks
     except zstandard.ZstdError as e:
         raise AtRestError(f"zstd frame is corrupt ({e})") from None
     if filled != len(out) or trailing:
-        raise AtRestError(f"zstd frame inflates to {filled + len(trailing)}+ bytes, not {len(out)}")
+        raise AtRestError(f"zstd frames inflate to {filled + len(trailing)}+ bytes, not {len(out)}")
+
+
+def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecompressor) -> None:
+    """Inflate one stored frame into ``out``, which it must fill exactly; every check first."""
+    _inflate_frames(frame, [Segment(0, len(out), 0, len(frame), True)], out, dctx)
 
 
 def inflate_bounded(frame: bytes | memoryview, limit: int) -> bytearray:
@@ -362,11 +382,13 @@ class StoredBytes(Protocol):
     length: int
     """How many stored bytes the payload has."""
 
-    def copy_into(self, start: int, out: torch.Tensor) -> None:
-        """Stored bytes from ``start`` into ``out`` (flat uint8): verbatim bytes, copied with the GIL released."""
+    def copy_into(self, start: int, out: memoryview) -> None:
+        """Stored bytes from ``start`` into ``out`` (a writable byte memoryview): verbatim bytes, copied with the
+        GIL released."""
 
-    def frame(self, seg: Segment) -> memoryview:
-        """The stored bytes of frame ``seg``, valid until this thread asks for the next."""
+    def frames(self, run: Sequence[Segment]) -> memoryview:
+        """The stored bytes of the consecutive frames ``run``, back to back (one read), valid until this thread
+        asks for the next."""
 
 
 class StoredView:
@@ -377,11 +399,11 @@ class StoredView:
         self.length = stored.numel()
         self._view = memoryview(stored.numpy()) if stored.numel() else memoryview(b"")
 
-    def copy_into(self, start: int, out: torch.Tensor) -> None:
-        out.copy_(self.stored[start: start + out.numel()])  # torch releases the GIL; a memoryview copy would not
+    def copy_into(self, start: int, out: memoryview) -> None:
+        _copy(self.stored[start: start + len(out)], out)
 
-    def frame(self, seg: Segment) -> memoryview:
-        return self._view[seg.stored: seg.stored + seg.stored_length]
+    def frames(self, run: Sequence[Segment]) -> memoryview:
+        return self._view[run[0].stored: run[-1].stored + run[-1].stored_length]
 
 
 def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: torch.Tensor | None = None, *,
@@ -401,24 +423,26 @@ def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: 
         out = torch.empty(stop - start, dtype=torch.uint8)
     elif out.numel() != stop - start:
         raise ValueError(f"output holds {out.numel()} bytes, the range {stop - start}")
-    inflate_segments(StoredView(stored), segments(layout, stage), out, start=start)
+    inflate_segments(StoredView(stored), segments(layout, stage), memoryview(out.numpy()), start=start)
     return out
 
 
-def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: torch.Tensor, *, start: int = 0,
+def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: memoryview, *, start: int = 0,
                      first: int = 0) -> None:
-    """In-memory bytes ``[start, start + out.numel())`` of a payload stored as ``pieces`` (its :func:`segments`)
-    into ``out``. ``first`` may skip pieces known to end before ``start``.
+    """In-memory bytes ``[start, start + len(out))`` of a payload stored as ``pieces`` (its :func:`segments`)
+    into ``out`` (a writable byte memoryview). ``first`` may skip pieces known to end before ``start``.
 
-    Every byte is moved with the GIL released (reader threads inflate side by side); a frame partly inside the
-    range is inflated whole into a scratch buffer of its in-memory size.
+    Every byte is moved with the GIL released (reader threads inflate side by side). Consecutive frames inside the
+    range are read and inflated as one run (:func:`_inflate_frames`); a frame partly inside it is inflated whole
+    into a scratch buffer of its in-memory size. Bytes are handled as memoryviews, not tensors: on a reader
+    thread every torch call holds the GIL for microseconds, and for tens of them right after a large read or
+    inflate has left the caches cold.
 
     Raises:
         AtRestError: a frame is corrupt, truncated, or does not inflate to exactly its in-memory size.
     """
-    stop = start + out.numel()
-    dctx = decompressor()
-    target: memoryview | None = None
+    stop = start + len(out)
+    run: list[Segment] = []
     for index in range(first, len(pieces)):
         seg = pieces[index]
         if seg.memory >= stop:
@@ -428,18 +452,30 @@ def inflate_segments(stored: StoredBytes, pieces: Sequence[Segment], out: torch.
             continue
         if seg.stored + seg.stored_length > stored.length:
             raise AtRestError(f"segment at stored byte {seg.stored} runs past the {stored.length} stored bytes")
-        if not seg.compressed:
-            stored.copy_into(seg.stored + lo - seg.memory, out[lo - start: hi - start])
+        if seg.compressed and lo == seg.memory and hi == seg.memory + seg.memory_length:
+            run.append(seg)
             continue
-        frame = stored.frame(seg)
-        if target is None:
-            target = memoryview(out.numpy()) if out.numel() else memoryview(bytearray())
-        if lo == seg.memory and hi == seg.memory + seg.memory_length:
-            _inflate_frame(frame, target[lo - start: hi - start], dctx)
-        else:
+        _inflate_run(stored, run, out, start)
+        run = []
+        if seg.compressed:
             scratch = torch.empty(seg.memory_length, dtype=torch.uint8)
-            _inflate_frame(frame, memoryview(scratch.numpy()), dctx)
-            out[lo - start: hi - start].copy_(scratch[lo - seg.memory: hi - seg.memory])
+            _inflate_run(stored, [seg], memoryview(scratch.numpy()), seg.memory)
+            _copy(scratch[lo - seg.memory: hi - seg.memory], out[lo - start: hi - start])
+        else:
+            stored.copy_into(seg.stored + lo - seg.memory, out[lo - start: hi - start])
+    _inflate_run(stored, run, out, start)
+
+
+def _inflate_run(stored: StoredBytes, run: Sequence[Segment], out: memoryview, start: int) -> None:
+    """Inflate the consecutive frames ``run`` (if any) into ``out``, which holds in-memory bytes from ``start``."""
+    if run:
+        lo, hi = run[0].memory - start, run[-1].memory + run[-1].memory_length - start
+        _inflate_frames(stored.frames(run), run, out[lo:hi], decompressor())
+
+
+def _copy(source: torch.Tensor, out: memoryview) -> None:
+    """``source`` (flat uint8) into ``out``: a torch copy releases the GIL, a memoryview assignment would not."""
+    torch.frombuffer(out, dtype=torch.uint8).copy_(source)
 
 
 def stored_ranges(layout: PayloadLayout, stage: ZstdStage, ranges: Sequence[tuple[int, int]]

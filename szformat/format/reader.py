@@ -235,14 +235,29 @@ class SztFile:
             out = torch.empty(stop - start, dtype=torch.uint8)
         elif out.dtype != torch.uint8 or out.dim() != 1 or not out.is_contiguous() or out.numel() != stop - start:
             raise ValueError(f"out must be a flat contiguous uint8 tensor of {stop - start} bytes")
-        self._read_into(e.offset + start, out, tensor=name)
+        self._read_into(e.offset + start, memoryview(out.numpy()), tensor=name)
         return out
 
-    def _read_into(self, offset: int, out: torch.Tensor, *, tensor: str) -> None:
+    def readinto(self, name: str, start: int, out: memoryview) -> None:
+        """Stored bytes ``[start, start + len(out))`` of tensor ``name`` into ``out`` (a writable byte memoryview),
+        read as :meth:`read` reads them, but with no tensor made: a reader thread holds the GIL for each torch call,
+        tens of microseconds right after a large read has left its caches cold.
+
+        Raises:
+            TruncatedFileError: the file ends before those bytes.
+        """
+        e = self.entry(name)
+        if not 0 <= start <= start + len(out) <= e.length:
+            raise ValueError(f"byte range [{start}, {start + len(out)}) is outside the {e.length} stored bytes of "
+                             f"{name!r}")
+        self._read_into(e.offset + start, out, tensor=name)
+
+    def _read_into(self, offset: int, out: memoryview, *, tensor: str) -> None:
         if self._mmap is None:
             raise ValueError(f"{self.path} is closed")
         if not hasattr(os, "preadv"):  # Windows, where a file cannot be truncated while it is mapped
-            out.copy_(self._slice(offset, out.numel(), tensor=tensor))
+            if len(out):
+                torch.frombuffer(out, dtype=torch.uint8).copy_(self._slice(offset, len(out), tensor=tensor))
             return
         pread_exactly(self._reads.fileno(), out, offset, path=self.path, tensor=tensor)
 
@@ -309,15 +324,16 @@ class SztFile:
             return torch.frombuffer(memoryview(mm)[offset: offset + length], dtype=torch.uint8)
 
 
-def pread_exactly(fd: int, out: torch.Tensor, offset: int, *, path: str | os.PathLike,
+def pread_exactly(fd: int, out: torch.Tensor | memoryview, offset: int, *, path: str | os.PathLike,
                   tensor: str | None = None) -> None:
-    """Fill ``out`` (a flat contiguous uint8 CPU tensor) with the bytes of file ``fd`` from ``offset``, by ``preadv``
-    (the GIL is released while the kernel copies; one call may return fewer bytes than asked, so it loops).
+    """Fill ``out`` (a flat contiguous uint8 CPU tensor, or a writable byte memoryview) with the bytes of file ``fd``
+    from ``offset``, by ``preadv`` (the GIL is released while the kernel copies; one call may return fewer bytes
+    than asked, so it loops).
 
     Raises:
         TruncatedFileError: the file ends first: it shrank after it was opened.
     """
-    view = memoryview(out.numpy()).cast("B")
+    view = memoryview(out.numpy()) if isinstance(out, torch.Tensor) else out
     done = 0
     while done < len(view):
         count = os.preadv(fd, [view[done:]], offset + done)

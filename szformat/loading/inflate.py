@@ -8,9 +8,12 @@ slot holds (stored bytes that went through no stage are copied). The route, its 
 decodes stay as they are.
 
 Reader threads run side by side only while they hold no GIL, so every byte is moved by a call that releases it: the
-stored bytes are read with ``pread`` (verbatim streams straight into the slot, each frame into a buffer of the
-thread's own, as the in-memory form is read), frames are inflated by zstd. The Python left per task (finding its
-segments, the frame checks) is a few microseconds per 1 MiB frame.
+stored bytes are read with ``pread`` (verbatim streams straight into the slot, each run of frames into a buffer of
+the thread's own with one read), frames are inflated by zstd, a run with one reader. What runs with the GIL held
+is kept short and rare, since on a many-core host it runs one thread at a time and every call that releases the
+GIL is one more wait to take it back: a task handles its bytes as memoryviews (a torch call holds the GIL tens of
+microseconds once a large read has left the caches cold), and takes the GIL back about once per 1 MiB frame and
+once per read (``tools/bench_at_rest.py --staging`` measures both).
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Sequence
 
 import torch
 
-from ..checksum import crc32, tensor_crc32
+from ..checksum import crc32
 from ..errors import PayloadError
 from ..format import at_rest
 from ..format.header import TensorEntry
@@ -38,14 +41,17 @@ __all__ = ["InflatingSource", "LINE_ALIGNMENT"]
 LINE_ALIGNMENT = 256
 """In-memory payloads start at multiples of this on the line (the streams inside a payload are 4-byte aligned)."""
 
-PIECE_BYTES = 4 << 20
-"""In-memory bytes one reader-thread task produces at most: a large tensor is inflated by several threads. Tasks
-are cut at multiples of it within each payload, so (frames being ``DEFAULT_FRAME_SIZE`` from the payload's start)
-no frame of ``pk`` is shared by two tasks and inflated twice."""
+PIECE_BYTES = 8 << 20
+"""In-memory bytes one reader-thread task produces at most: a large tensor is inflated by several threads (a slot
+of 128 MiB makes 16 tasks). Tasks are cut at multiples of it within each payload, so (frames being
+``DEFAULT_FRAME_SIZE`` from the payload's start) no frame of ``pk`` is shared by two tasks and inflated twice. 8 MiB
+rather than 4: half the tasks, each with its fixed Python (one reader held the GIL 5.6 ms per 0.7 GB against 6.7;
+16 MiB would leave fewer tasks per slot than the H200 host's 12 readers; ``bench/RESULTS.md``)."""
 
 FRAME_BUFFER_LIMIT = at_rest.MAX_FRAME_SIZE
-"""A stored frame longer than the longest content a frame may have (valid zstd, but odd) is read from the file's mapping
-instead of into a thread's buffer, which therefore never grows past this."""
+"""A task's run of stored frames longer than the longest content a frame may have (frames of valid zstd, but odd:
+a task's frames hold at most ``PIECE_BYTES`` of content) is read from the file's mapping instead of into a thread's
+buffer, which therefore never grows past this."""
 
 
 class InflatingSource:
@@ -86,6 +92,7 @@ class InflatingSource:
         ``verify`` each task also takes the CRC-32 of the stored bytes it has just read (a frame in the task where
         it starts), so the stored bytes are read once, checks or not."""
         out = slot.host[: transfer.nbytes]
+        view = memoryview(out.numpy())
         futures = []
         for piece in transfer.pieces:
             line_offset = transfer.start + piece.slot_offset - piece.offset  # where the tensor starts on the line
@@ -93,31 +100,31 @@ class InflatingSource:
             a, hi = piece.offset, piece.offset + piece.length
             while a < hi:
                 b = min((a // PIECE_BYTES + 1) * PIECE_BYTES, hi)
-                target = out[piece.slot_offset + a - piece.offset: piece.slot_offset + b - piece.offset]
+                target = view[piece.slot_offset + a - piece.offset: piece.slot_offset + b - piece.offset]
                 futures.append(self.pool.submit(self._fill, entry.name, a, target, piece.item, verify))
                 a = b
         return Staged(out, futures)
 
-    def _fill(self, name: str, start: int, out: torch.Tensor, item: int, verify: StoredCrcCheck | None) -> None:
-        """In-memory bytes ``[start, start + out.numel())`` of tensor ``name`` (``item`` of ``verify``) into ``out``."""
+    def _fill(self, name: str, start: int, out: memoryview, item: int, verify: StoredCrcCheck | None) -> None:
+        """In-memory bytes ``[start, start + len(out))`` of tensor ``name`` (``item`` of ``verify``) into ``out``."""
+        stored = _FileBytes(self, name, start, item, verify)
         pieces = self._segments.get(name)
         if pieces is None:  # stored as it is in memory
-            self.file.read(name, start, start + out.numel(), out=out)
-            if verify is not None:
-                verify.add_part(item, start, out.numel(), tensor_crc32(out))
+            stored.copy_into(start, out)
             return
         first = max(0, bisect.bisect_right(self._segment_starts[name], start) - 1)
         try:
-            stored = _FileBytes(self, name, start, item, verify)
             at_rest.inflate_segments(stored, pieces, out, start=start, first=first)
         except at_rest.AtRestError as e:
             raise PayloadError(str(e), path=self.file.path, tensor=name) from None
 
-    def _frame_buffer(self, nbytes: int) -> torch.Tensor:
-        """This thread's buffer for stored frames, at least ``nbytes`` long."""
+    def _frame_buffer(self, nbytes: int) -> memoryview:
+        """This thread's buffer for stored frames, at least ``nbytes`` long (not zeroed: a ``bytearray`` would
+        write it all while holding the GIL; its pages are first touched by ``pread``, which releases it)."""
         buffer = getattr(self._buffers, "frames", None)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = self._buffers.frames = torch.empty(max(nbytes, at_rest.DEFAULT_FRAME_SIZE), dtype=torch.uint8)
+        if buffer is None or len(buffer) < nbytes:
+            buffer = torch.empty(max(nbytes, PIECE_BYTES), dtype=torch.uint8)
+            buffer = self._buffers.frames = memoryview(buffer.numpy())
         return buffer
 
     def close(self) -> None:
@@ -126,8 +133,9 @@ class InflatingSource:
 
 class _FileBytes:
     """:class:`at_rest.StoredBytes` of one tensor for one task (from in-memory byte ``start``), read from the file
-    with ``pread`` (as the in-memory form is read): verbatim streams straight into the slot, frames into the reading
-    thread's buffer. With ``verify``, the CRC-32 of what it reads (of a frame only in the task where it starts)."""
+    with ``pread`` (as the in-memory form is read): verbatim streams straight into the slot, each run of frames into
+    the reading thread's buffer in one read. With ``verify``, the CRC-32 of what it reads (of a frame only in the
+    task where it starts)."""
 
     def __init__(self, source: InflatingSource, name: str, start: int, item: int, verify: StoredCrcCheck | None):
         self.source = source
@@ -137,19 +145,18 @@ class _FileBytes:
         self.item = item
         self.verify = verify
 
-    def copy_into(self, start: int, out: torch.Tensor) -> None:
-        self.source.file.read(self.name, start, start + out.numel(), out=out)
+    def copy_into(self, start: int, out: memoryview) -> None:
+        self.source.file.readinto(self.name, start, out)
         if self.verify is not None:
-            self.verify.add_part(self.item, start, out.numel(), tensor_crc32(out))
+            self.verify.add_part(self.item, start, len(out), crc32(out))
 
-    def frame(self, seg: at_rest.Segment) -> memoryview:
-        start, stop = seg.stored, seg.stored + seg.stored_length
+    def frames(self, run: Sequence[at_rest.Segment]) -> memoryview:
+        start, stop = run[0].stored, run[-1].stored + run[-1].stored_length
         if stop - start > FRAME_BUFFER_LIMIT:
             view = memoryview(self.source.file.payload(self.name)[start:stop].numpy())
         else:
-            buffer = self.source._frame_buffer(stop - start)[: stop - start]
-            self.source.file.read(self.name, start, stop, out=buffer)
-            view = memoryview(buffer.numpy())
-        if self.verify is not None and seg.memory >= self.start:
+            view = self.source._frame_buffer(stop - start)[: stop - start]
+            self.source.file.readinto(self.name, start, view)
+        if self.verify is not None and run[0].memory >= self.start:
             self.verify.add_part(self.item, start, len(view), crc32(view))
         return view
