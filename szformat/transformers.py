@@ -22,11 +22,12 @@ from typing import Any
 
 import torch
 
-from .errors import UnknownArchitectureError
+from .errors import DecodeRouteError, UnknownArchitectureError
 from .format import constants as C
 from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, load_weights, meta_tensors,
                            parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
                            require_converted, resolve_model_folder, weights_in)
+from .transformers_conversions import checkpoint_conversions
 
 __all__ = ["from_pretrained"]
 
@@ -137,15 +138,14 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
         model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
                        folder)
         expected = model.state_dict()
-        plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
+        rename, conversions = checkpoint_conversions(model, expected, entries, key_mapping, folder)
+        plan = plan_weights(expected, entries, rename, conversions)
         if not ignore_mismatched_sizes:
             refuse_mismatches(plan, model, folder, strict=False)
     except BaseException:
         Prefetch.discard(loading)
         raise
     return PreparedModel(model, folder, checkpoint, plan, expected, loading)
-
-
 
 
 def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
@@ -156,6 +156,8 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     transformers = require("transformers", "transformers")
     model, folder, plan = prepared.model, prepared.folder, prepared.plan
     device = torch.device(device)
+    if offload is not None and plan.conversions:
+        _refuse_converted_offload(plan, offload, folder)
     if offload is None:
         load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,
                      staging=staging, loading=prepared.loading)
@@ -272,26 +274,6 @@ def _set_config_dtype(config, dtype: torch.dtype) -> None:
     setattr(config, _dtype_attribute(config), dtype)
 
 
-def _renamer(model, expected: Mapping[str, torch.Tensor], key_mapping: Mapping[str, str] | None):
-    """Checkpoint name -> module name: ``key_mapping`` first, then the base-model prefix added or removed where
-    only that fits, as transformers does (a checkpoint of ``AutoModel`` in ``AutoModelForX``, and back)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    patterns = [(re.compile(pattern), replacement) for pattern, replacement in (key_mapping or {}).items()]
-
-    def rename(name: str) -> str:
-        for pattern, replacement in patterns:
-            name = pattern.sub(replacement, name)
-        if name in expected or not prefix:
-            return name
-        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in expected:
-            return name[len(prefix) + 1:]
-        if f"{prefix}.{name}" in expected:
-            return f"{prefix}.{name}"
-        return name
-
-    return rename
-
-
 def _offload(model, checkpoint: Path, plan, route: str, device: torch.device, options: Mapping[str, Any]) -> None:
     """Hand the model to an offload route, which feeds every tensor the checkpoint holds from then on."""
     from .offload import load_into_offloader
@@ -299,6 +281,21 @@ def _offload(model, checkpoint: Path, plan, route: str, device: torch.device, op
     entry_names = {target: source for target, source in plan.sources.items() if target != source}
     model.szformat_offload = load_into_offloader(checkpoint, model, route=route, device=device, strict=False,
                                                  entry_names=entry_names, **options)
+
+
+def _refuse_converted_offload(plan: WeightPlan, route: str, folder: Path) -> None:
+    """An offload route feeds each module tensor from one checkpoint entry, as stored: it cannot feed one that
+    transformers builds from several (experts fused) or changes (split, permuted).
+
+    Raises:
+        DecodeRouteError: naming the first such tensor.
+    """
+    conversion = plan.conversions[0]
+    target = next(iter(conversion.targets))
+    raise DecodeRouteError(f"offload route {route!r} cannot feed a tensor that transformers converts from the "
+                           f"checkpoint's ({len(conversion.entries)} entries, {conversion.entries[0]} ...; "
+                           f"{sum(len(c.targets) for c in plan.conversions)} such tensors); load without offload=",
+                           path=folder, tensor=target)
 
 
 def _initialize_missing(transformers, model, device: torch.device, skip: set[int]) -> list[str]:
