@@ -3,9 +3,10 @@
 Shaped like ``transformers``' own ``from_pretrained``: the config is read from the folder, the model is built
 without allocating its weights (parameters on ``meta``, buffers computed by its ``__init__``), the .szt weights are
 decoded straight onto ``device`` (the GPU load path for CUDA) and become the model's parameters without a second
-copy, tied weights are tied again, a checkpoint saved with or without the base-model prefix fits either class, and
-weights the checkpoint lacks are initialized and reported the way transformers reports them. Imported only when
-used; needs ``pip install 'szformat[transformers]'``.
+copy, tied weights are tied again, a checkpoint saved with or without the base-model prefix fits either class, names
+transformers converts on load are converted alike (legacy and older names renamed, per-expert MoE tensors fused on
+``device``: see ``transformers_conversions``), and weights the checkpoint lacks are initialized and reported the way
+transformers reports them. Imported only when used; needs ``pip install 'szformat[transformers]'``.
 """
 
 from __future__ import annotations
@@ -57,7 +58,8 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         offload (`str`, *optional*): an offload route of :func:`szformat.load_into_offloader` (``"native"``,
             ``"staging"``, ``"diffusers_group"``, ``"accelerate"``, ``"auto"``): weights stay compressed in host
             memory and are expanded on their way to ``device`` (CUDA); the route's handle is
-            ``model.szformat_offload`` (``close()`` it when done).
+            ``model.szformat_offload`` (``close()`` it when done). A route feeds each tensor from one stored entry:
+            a checkpoint whose tensors transformers converts (per-expert MoE weights fused) is refused.
         dtype (`str` or `torch.dtype`, *optional*, defaults to `"auto"`): ``"auto"`` keeps the config's dtype (else
             the checkpoint's); another dtype casts the weights on ``device``.
         variant (`str`, *optional*): load ``model.<variant>.szt`` (``"fp16"``...) instead of ``model.szt``.
@@ -67,7 +69,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         ignore_mismatched_sizes (`bool`, *optional*): initialize tensors whose checkpoint shape differs (a new
             classification head) instead of refusing them.
         key_mapping (`Mapping[str, str]`, *optional*): regex -> replacement applied to checkpoint names first, as
-            in transformers.
+            in transformers (before the renames and conversions transformers applies to the model's checkpoints).
         trust_remote_code (`bool`, *optional*): allow a config whose model code lives in the repo.
         verify (`bool`, *optional*), staging (*optional*): as in :func:`szformat.load_file`.
         offload_options (`Mapping`, *optional*): engine options for :func:`szformat.load_into_offloader`.
@@ -79,7 +81,9 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
     Raises:
         ModelFolderError: no ``config.json``, no .szt weights (a safetensors folder: convert it with szconvert).
         UnknownArchitectureError: transformers does not know the config's model type or class.
-        CheckpointMismatchError: checkpoint shapes that do not fit the model (all listed); nothing is decoded then.
+        CheckpointMismatchError: checkpoint shapes that do not fit the model (all listed, a fused tensor's as
+            converted: an expert missing shows there); nothing is decoded then.
+        DecodeRouteError: ``offload=`` with a checkpoint whose tensors transformers converts; nothing is decoded.
         MissingDependencyError: transformers (or accelerate) is not installed.
 
     Example:

@@ -178,6 +178,24 @@ def test_a_fused_projection_is_split_as_transformers_splits_it(tmp_path):
     assert_same_outputs(model, expected, pixels)
 
 
+def test_a_vision_language_checkpoint_in_its_earlier_layout_loads_bit_identical(tmp_path):
+    """Llava's checkpoints hold ``language_model.model.*`` and ``vision_tower.*``, the model ``model.language_model.*``
+    and ``model.vision_tower.*``: transformers 5's table for it, or transformers 4's
+    ``_checkpoint_conversion_mapping``."""
+    torch.manual_seed(20)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                                           num_attention_heads=4, image_size=16, patch_size=4, projection_dim=32)
+    config = transformers.LlavaConfig(vision_config=vision, text_config=llama_config(), image_token_index=127,
+                                      vision_feature_layer=-1)
+    converted = save_and_convert(transformers.LlavaForConditionalGeneration(config), tmp_path / "llava")
+    assert "language_model.model.layers.0.self_attn.q_proj.weight" in stored_names(converted)
+    expected = reference(transformers.LlavaForConditionalGeneration, tmp_path / "llava")
+    model, info = szt.from_pretrained(converted, output_loading_info=True)
+    assert_same_model(model, expected)
+    assert info["missing_keys"] == [] and info["unexpected_keys"] == []
+    assert_same_outputs(model, expected, torch.randint(0, 120, (2, 7), generator=torch.Generator().manual_seed(21)))
+
+
 @pytest.fixture(scope="module")
 def legacy_bert(tmp_path_factory):
     """A BERT checkpoint with TensorFlow's names for LayerNorm tensors (``gamma``, ``beta``), as early ports have."""
@@ -214,17 +232,17 @@ def test_key_mapping_renames_as_in_transformers(tmp_path):
     folder = tmp_path / "renamed"
     transformers.LlamaForCausalLM(llama_config()).to(torch.bfloat16).save_pretrained(folder)
     weights = load_safetensors(folder / "model.safetensors")
-    save_safetensors({name.replace("model.", "transformer.", 1): t for name, t in weights.items()},
+    save_safetensors({name.replace(".layers.", ".blocks."): t for name, t in weights.items()},
                      folder / "model.safetensors", metadata={"format": "pt"})
     assert szconvert([str(folder), str(tmp_path / "renamed-szt"), "--quiet"]) == 0
-    key_mapping = {r"^transformer\.": "model."}
+    key_mapping = {r"\.blocks\.": ".layers."}
     expected = reference(transformers.AutoModelForCausalLM, folder, key_mapping=key_mapping)
     model, info = szt.from_pretrained(tmp_path / "renamed-szt", key_mapping=key_mapping, output_loading_info=True)
     assert_same_model(model, expected)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == []
     _, unmapped = szt.from_pretrained(tmp_path / "renamed-szt", output_loading_info=True)
-    assert "model.embed_tokens.weight" in unmapped["missing_keys"]
-    assert "transformer.embed_tokens.weight" in unmapped["unexpected_keys"]
+    assert "model.layers.1.mlp.up_proj.weight" in unmapped["missing_keys"]
+    assert "model.blocks.1.mlp.up_proj.weight" in unmapped["unexpected_keys"]
 
 
 # -- what cannot be converted ------------------------------------------------------------------------------------
