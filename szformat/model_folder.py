@@ -348,6 +348,11 @@ def meta_tensors(model: torch.nn.Module) -> list[str]:
             if tensor.device.type == "meta"]
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
+
+
 def _listing(items: list[str]) -> str:
     shown = ", ".join(items[:LISTED])
     hidden = len(items) - LISTED

@@ -25,7 +25,7 @@ import torch
 
 from .errors import DecodeRouteError, UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, load_weights, meta_tensors,
+from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, first_line, load_weights, meta_tensors,
                            parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
                            require_converted, resolve_model_folder, weights_in)
 from .transformers_conversions import checkpoint_conversions
@@ -188,7 +188,7 @@ def _load_config(transformers, folder: Path, trust_remote_code: bool, kwargs: di
                                                        return_unused_kwargs=True, **kwargs)
     except (ValueError, KeyError) as e:
         raise UnknownArchitectureError(f"transformers {transformers.__version__} cannot read {CONFIG_NAME} "
-                                       f"({_first_line(e)})", path=folder / CONFIG_NAME) from None
+                                       f"({first_line(e)})", path=folder / CONFIG_NAME) from None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
@@ -223,7 +223,7 @@ def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: d
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise UnknownArchitectureError(f"{getattr(model_class, '__name__', model_class)} cannot build a "
-                                           f"{type(config).__name__} ({_first_line(e)})", path=folder) from None
+                                           f"{type(config).__name__} ({first_line(e)})", path=folder) from None
         raise
 
 
@@ -394,7 +394,3 @@ def _patterns(patterns) -> list[re.Pattern]:
 
 def _matches(patterns: list[re.Pattern], name: str) -> bool:
     return any(p.search(name) for p in patterns)
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

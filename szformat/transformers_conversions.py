@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from .errors import CheckpointMismatchError
+from .model_folder import first_line
 
 __all__ = ["WeightConversion", "checkpoint_conversions"]
 
@@ -59,7 +60,7 @@ class WeightConversion:
                      for pattern, names in self.sources.items()}
         return self._convert(collected)
 
-    def plan(self, entries: Mapping[str, Any]) -> None:
+    def find_targets(self, entries: Mapping[str, Any]) -> None:
         """Fill ``targets`` by converting ``meta`` tensors of the entries' shapes."""
         collected = {pattern: [torch.empty(tuple(entries[name].shape), dtype=self.dtype, device="meta")
                                for name in names] for pattern, names in self.sources.items()}
@@ -78,28 +79,25 @@ class WeightConversion:
         """The one target of a stack (``MergeModulelist``) of each pattern's entries, then a concatenation
         (``Concatenate``) of the patterns in the converter's order, written entry by entry into place."""
         (target, shape), = self.targets.items()
-        first = tensors[self.entries[0]]
-        fused = torch.empty(shape, dtype=self.dtype, device=first.device)
-        del first
+        fused = torch.empty(shape, dtype=self.dtype, device=tensors[self.entries[0]].device)
         stack_dim = None if stack_dim is None else stack_dim % fused.dim()
         cat_dim = None if cat_dim is None else cat_dim % fused.dim()
         offset = 0
-        for pattern in self.converter.source_patterns:
+        for pattern in self.converter.source_patterns:  # the order Concatenate joins them in
             names = self.sources.get(pattern, [])
-            if stack_dim is None:
-                for name in names:
-                    width = tensors[name].shape[cat_dim]
-                    fused.narrow(cat_dim, offset, width).copy_(tensors.pop(name))
-                    offset += width
+            if stack_dim is not None and names:  # the pattern's stack: a slab of the fused tensor
+                stacked = list(tensors[names[0]].shape)
+                stacked.insert(stack_dim, len(names))
+                width = 0 if cat_dim is None else stacked[cat_dim]
+                slab = fused if cat_dim is None else fused.narrow(cat_dim, offset, width)
+                for index, name in enumerate(names):
+                    slab.select(stack_dim, index).copy_(tensors.pop(name))
+                offset += width
                 continue
-            if not names:
-                continue
-            stacked = list(tensors[names[0]].shape)
-            stacked.insert(stack_dim, len(names))
-            region = fused if cat_dim is None else fused.narrow(cat_dim, offset, stacked[cat_dim])
-            for index, name in enumerate(names):
-                region.select(stack_dim, index).copy_(tensors.pop(name))
-            offset += 0 if cat_dim is None else stacked[cat_dim]
+            for name in names:  # no stack: each entry is a slab of its own
+                width = tensors[name].shape[cat_dim]
+                fused.narrow(cat_dim, offset, width).copy_(tensors.pop(name))
+                offset += width
         return {target: fused}
 
 
@@ -140,13 +138,11 @@ def checkpoint_conversions(model, expected: Mapping[str, torch.Tensor], entries:
         conversions[target].sources.setdefault(pattern, []).append(name)
     for conversion in conversions.values():
         try:
-            conversion.plan(entries)
+            conversion.find_targets(entries)
         except Exception as e:  # transformers' operations raise what torch raises
-            shown = ", ".join(conversion.entries[:3]) + (", ..." if len(conversion.entries) > 3 else "")
-            raise CheckpointMismatchError(f"transformers cannot convert {len(conversion.entries)} checkpoint "
-                                          f"entries ({shown}) into {conversion.layer_name}: "
-                                          f"{str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__}",
-                                          path=folder) from None
+            raise CheckpointMismatchError(f"transformers cannot convert the {len(conversion.entries)} checkpoint "
+                                          f"entries it matched for {conversion.layer_name} (the first: "
+                                          f"{conversion.entries[0]}): {first_line(e)}", path=folder) from None
     model._weight_conversions = [t for t in transforms if t.was_used()]  # save_pretrained writes the names back
     return renamed.__getitem__, list(conversions.values())
 

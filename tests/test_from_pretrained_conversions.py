@@ -9,9 +9,11 @@ safetensors folder, with the same forward.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 import shutil
+import types
 import weakref
 from pathlib import Path
 
@@ -144,6 +146,46 @@ def test_the_fused_tensor_is_the_one_copy_and_each_expert_is_dropped_once_copied
     assert all(ref() is None for ref in alive)
     assert torch.equal(bits(fused), bits(expected))
     assert fused.untyped_storage().nbytes() == fused.numel() * fused.element_size()
+
+
+@pytest.mark.skipif(not CONVERTS, reason="transformers 4 has no weight converters")
+@pytest.mark.parametrize("operations, shapes", [
+    (("merge", 0), [(6, 4)]),  # a down_proj
+    (("merge", 0, "cat", 1), [(6, 4), (5, 4)]),  # a gate_up_proj
+    (("merge", 1, "cat", 1), [(6, 4), (6, 4)]),
+    (("merge", -1, "cat", 0), [(6, 4), (5, 4)]),
+    (("cat", 0), [(6, 4), (3, 4)]),  # one tensor a pattern
+    (("cat", -1), [(4, 6), (4, 3)]),
+])
+def test_fusing_in_place_gives_what_transformers_operations_give(operations, shapes, monkeypatch):
+    from transformers.core_model_loading import Concatenate, MergeModulelist, WeightConverter
+
+    from szformat.transformers_conversions import WeightConversion
+
+    kinds = {"merge": MergeModulelist, "cat": Concatenate}
+    ops = [kinds[kind](dim=dim) for kind, dim in zip(operations[::2], operations[1::2])]
+    count = EXPERTS if operations[0] == "merge" else 1
+    generator = torch.Generator().manual_seed(22)
+    tensors = {f"m.experts.{e}.w{i}.weight": torch.randn(shape, generator=generator).to(torch.bfloat16)
+               for i, shape in enumerate(shapes) for e in range(count)}
+    sources = {f"experts.*.w{i}.weight": [f"m.experts.{e}.w{i}.weight" for e in range(count)]
+               for i in range(len(shapes))}
+
+    def conversion() -> WeightConversion:
+        converter = WeightConverter(list(sources), "experts.fused", operations=copy.deepcopy(ops))
+        made = WeightConversion(converter, "m.experts.fused", sources, torch.float32, types.SimpleNamespace(config=None))
+        made.find_targets(tensors)
+        return made
+
+    want = conversion()._convert({pattern: [tensors[name].float() for name in names]
+                                  for pattern, names in sources.items()})
+    fusing = conversion()
+    monkeypatch.setattr(torch, "stack", lambda *a, **k: pytest.fail("stacked a copy"))
+    monkeypatch.setattr(torch, "cat", lambda *a, **k: pytest.fail("concatenated a copy"))
+    got = fusing.apply(dict(tensors))
+    assert list(got) == list(want) == ["m.experts.fused"]
+    assert got["m.experts.fused"].dtype == torch.float32
+    assert torch.equal(got["m.experts.fused"], want["m.experts.fused"])
 
 
 def test_old_vit_names_are_renamed_in_the_head_class_and_the_base_model(tmp_path):
