@@ -34,6 +34,8 @@ CONVERTS = importlib.util.find_spec("transformers.conversion_mapping") is not No
 """transformers 5 converts checkpoints on load; transformers 4's models hold the tensors as stored."""
 EXPERTS = 11
 """More than 10, so experts ordered as text (``experts.10`` before ``experts.2``) would be caught."""
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA"))]
+"""Where conversions run: on the device the weights are decoded to (the GPU route on CUDA)."""
 
 
 def mixtral_config(**overrides):
@@ -92,14 +94,15 @@ def qwen2_moe(tmp_path_factory):
     return folder, converted
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("fixture", ["mixtral", "qwen2_moe"])
-def test_per_expert_checkpoints_load_bit_identical_to_transformers(fixture, request):
+def test_per_expert_checkpoints_load_bit_identical_to_transformers(fixture, device, request):
     original, converted = request.getfixturevalue(fixture)
-    expected = reference(transformers.AutoModelForCausalLM, original)
-    model, info = szt.from_pretrained(converted, output_loading_info=True)
+    expected = reference(transformers.AutoModelForCausalLM, original, device_map=device)
+    model, info = szt.from_pretrained(converted, device=device, output_loading_info=True)
     assert_same_model(model, expected)
     assert info == {"missing_keys": [], "unexpected_keys": [], "mismatched_keys": [], "error_msgs": []}
-    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(12))
+    ids = torch.randint(0, 96, (2, 13), generator=torch.Generator().manual_seed(12)).to(device)
     assert_same_outputs(model, expected, ids)
     if CONVERTS:
         experts = model.model.layers[1].mlp.experts
@@ -205,18 +208,19 @@ def test_old_vit_names_are_renamed_in_the_head_class_and_the_base_model(tmp_path
         assert_same_outputs(model, expected, pixels)
 
 
-def test_a_fused_projection_is_split_as_transformers_splits_it(tmp_path):
+@pytest.mark.parametrize("device", DEVICES)
+def test_a_fused_projection_is_split_as_transformers_splits_it(tmp_path, device):
     """Dinov2's SwiGLU ``weights_in`` becomes ``gate_proj`` and ``up_proj``: transformers' own operation runs."""
     torch.manual_seed(15)
     config = transformers.Dinov2Config(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, image_size=16,
                                        patch_size=4, use_swiglu_ffn=True)
     converted = save_and_convert(transformers.Dinov2Model(config), tmp_path / "dinov2")
     assert "encoder.layer.0.mlp.weights_in.weight" in stored_names(converted)
-    expected = reference(transformers.AutoModel, tmp_path / "dinov2")
-    model, info = szt.from_pretrained(converted, output_loading_info=True)
+    expected = reference(transformers.AutoModel, tmp_path / "dinov2", device_map=device)
+    model, info = szt.from_pretrained(converted, device=device, output_loading_info=True)
     assert_same_model(model, expected)
     assert info["missing_keys"] == [] and info["unexpected_keys"] == []
-    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(16)).to(torch.bfloat16)
+    pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(16)).to(device, torch.bfloat16)
     assert_same_outputs(model, expected, pixels)
 
 
