@@ -1,7 +1,7 @@
 """Time ``szformat.transformers`` / ``szformat.diffusers`` ``from_pretrained`` against transformers' and diffusers'
 own ``from_pretrained`` of the safetensors originals, in one run, and check the results bit for bit.
 
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,sd3] [--reps 3]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,moe,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
     PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models sd3] [--reps 5]
 
@@ -10,6 +10,9 @@ with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` fold
 
 ``llm``  a Llama-shaped causal LM (hidden 2048, 16 layers, MLP 8192, vocab 32000, untied): 1.24 B parameters,
          2.5 GB of BF16, loaded as ``AutoModelForCausalLM``;
+``moe``  a Mixtral-shaped causal LM (hidden 1024, 8 layers of 8 experts with MLP 2816, vocab 32000): 0.64 B
+         parameters, 1.3 GB of BF16, saved as its Hub checkpoints are (one tensor per expert), which both loaders
+         fuse into one tensor per layer and projection as they load it;
 ``sd3``  an SD3-medium-shaped pipeline: ``SD3Transformer2DModel`` (24 blocks of width 1536), the SD3 VAE, CLIP-L and
          CLIP-G text encoders with projection (no T5: the pipeline pads its place with zeros), letter-level CLIP
          tokenizers written here, a flow-matching scheduler; 5.6 GB of BF16.
@@ -70,10 +73,17 @@ SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_chan
 CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12, projection_dim=768)
 CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
               projection_dim=1280)
+MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+           tie_word_embeddings=False)
 TINY = {"llm": dict(LLM, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=256),
+        "moe": dict(MOE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, vocab_size=256),
         "sd3": dict(SD3, num_layers=2, attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
                     sample_size=32, pos_embed_max_size=32)}
+CAUSAL_LMS = {"llm": ("LlamaConfig", "LlamaForCausalLM", LLM), "moe": ("MixtralConfig", "MixtralForCausalLM", MOE)}
+"""Model name -> transformers config and model class, full-size config."""
 PROMPT = "an astronaut riding a horse"
 DEVICE = "cuda"
 
@@ -113,9 +123,10 @@ def build(model: str, folder: Path, tiny: bool) -> None:
 
     from szformat.convert import convert
 
-    if model == "llm":
-        config = transformers.LlamaConfig(**(TINY["llm"] if tiny else LLM))
-        seeded_(transformers.LlamaForCausalLM(config), 0).save_pretrained(folder)
+    if model in CAUSAL_LMS:
+        config_class, model_class, config = CAUSAL_LMS[model]
+        config = getattr(transformers, config_class)(**(TINY[model] if tiny else config))
+        seeded_(getattr(transformers, model_class)(config), 0).save_pretrained(folder)
     else:
         clip = lambda c, seed: seeded_(transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(  # noqa
             vocab_size=49408, max_position_embeddings=77, **(dict(c, num_hidden_layers=1) if tiny else c))), seed)
@@ -141,7 +152,7 @@ def loaders(model: str) -> dict:
     import szformat.diffusers
     import szformat.transformers
 
-    if model == "llm":
+    if model in CAUSAL_LMS:
         return {
             "transformers": lambda f: transformers.AutoModelForCausalLM.from_pretrained(
                 f, dtype=torch.bfloat16, device_map=DEVICE),
@@ -196,7 +207,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def modules_of(model: str, loaded) -> dict[str, torch.nn.Module]:
-    if model == "llm":
+    if model in CAUSAL_LMS:
         return {"model": loaded}
     return {name: getattr(loaded, name) for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
 
@@ -217,7 +228,7 @@ def differing_tensors(model: str, a, b) -> list[str]:
 
 def output(model: str, loaded) -> torch.Tensor:
     with torch.no_grad():
-        if model == "llm":
+        if model in CAUSAL_LMS:
             ids = torch.randint(0, loaded.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
             return loaded(ids.to(DEVICE)).logits.cpu()
         generator = torch.Generator(device="cpu").manual_seed(0)
