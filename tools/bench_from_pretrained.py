@@ -3,7 +3,7 @@ own ``from_pretrained`` of the safetensors originals, in one run, and check the 
 
     PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,moe,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models sd3] [--reps 5]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models moe|sd3] [--reps 5]
 
 Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
 with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
@@ -33,8 +33,7 @@ first statement).
 
 ``--profile cpu|cuda``: where szformat's ``from_pretrained`` of the first of ``--models`` spends its time (first call,
 warm median, transformers' or diffusers' own load on that device as the anchor, and one warm call under cProfile,
-broken down by the calls ``szformat/transformers.py``, ``szformat/diffusers.py`` and ``szformat/model_folder.py``
-make). On the CPU the decode is replaced by
+broken down by the calls the integration modules (``INTEGRATION_FILES``) make). On the CPU the decode is replaced by
 empty tensors of the checkpoint's shapes (everything around it runs as on the GPU), and the model is built and
 converted on the CPU when the ``--work`` folder lacks it.
 """
@@ -325,7 +324,8 @@ def table(rows: list[dict], offloads: list[dict]) -> str:
 
 # -- --profile ---------------------------------------------------------------------------------------------------
 
-INTEGRATION_FILES = ("szformat/transformers.py", "szformat/diffusers.py", "szformat/model_folder.py")
+INTEGRATION_FILES = ("szformat/transformers.py", "szformat/transformers_conversions.py", "szformat/diffusers.py",
+                     "szformat/model_folder.py")
 """The code around the decode: what ``--profile`` breaks down, by the calls it makes into everything else."""
 
 
