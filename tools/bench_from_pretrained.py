@@ -329,18 +329,31 @@ INTEGRATION_FILES = ("szformat/transformers.py", "szformat/transformers_conversi
 """The code around the decode: what ``--profile`` breaks down, by the calls it makes into everything else."""
 
 
+_WRITTEN: list[torch.Tensor] = []
+"""The host buffer :func:`empty_weights` hands out views of, written once (on the first call)."""
+
+
 def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
     """Stands in for ``szformat.api.load_file`` with ``--profile cpu``: opens each shard as the load does (headers
-    read and checked), and gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the
-    decode is measured alone (the CPU decode of these models takes most of a minute)."""
+    read and checked), and gives CPU tensors of its names, dtypes and shapes, so the time around the decode is
+    measured alone (the CPU decode of these models takes most of a minute). They are views of one buffer written on
+    the first call: reading them (a fusion of experts does) costs what reading decoded weights costs, where fresh
+    ``torch.empty`` tensors would fault a page at a time."""
     from szformat.format import constants as C
     from szformat.format.index import checkpoint_shards, open_shard
 
-    tensors = {}
+    entries = {}
     for shard in checkpoint_shards(checkpoint):
         with open_shard(shard) as file:
-            tensors.update({name: torch.empty(tuple(e.shape), dtype=C.DTYPES[e.dtype][0])
-                            for name, e in file.entries.items()})
+            entries.update(file.entries)
+    sizes = {name: -(-e.raw_length // 64) * 64 for name, e in entries.items()}
+    if not _WRITTEN or _WRITTEN[0].numel() < sum(sizes.values()):
+        _WRITTEN[:] = [torch.zeros(sum(sizes.values()), dtype=torch.uint8)]
+    tensors, offset = {}, 0
+    for name, e in entries.items():
+        view = _WRITTEN[0][offset: offset + e.raw_length].view(C.DTYPES[e.dtype][0])
+        tensors[name] = view.view(tuple(e.shape))
+        offset += sizes[name]
     return tensors
 
 
