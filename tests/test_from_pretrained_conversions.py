@@ -22,9 +22,9 @@ import torch
 
 from test_from_pretrained_transformers import (assert_same_model, bert_config, bits, llama_config, reference,
                                                save_and_convert, szconvert, szt, transformers)
+from test_from_pretrained_transformers import no_decoding  # noqa: F401  (the fixture: nothing may be decoded)
 
 import szformat
-import szformat.api
 from szformat.errors import CheckpointMismatchError, DecodeRouteError
 from szformat.model_folder import checkpoint_entries
 from szformat.offload import OffloadEnvironment
@@ -38,17 +38,17 @@ DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.i
 """Where conversions run: on the device the weights are decoded to (the GPU route on CUDA)."""
 
 
-def mixtral_config(**overrides):
+def mixtral_config():
     return transformers.MixtralConfig(vocab_size=96, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
                                       num_attention_heads=4, num_key_value_heads=2, num_local_experts=EXPERTS,
-                                      num_experts_per_tok=2, max_position_embeddings=64, **overrides)
+                                      num_experts_per_tok=2, max_position_embeddings=64)
 
 
-def qwen2_moe_config(**overrides):
+def qwen2_moe_config():
     return transformers.Qwen2MoeConfig(vocab_size=96, hidden_size=32, intermediate_size=48, moe_intermediate_size=24,
                                        shared_expert_intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
                                        num_key_value_heads=2, num_experts=EXPERTS, num_experts_per_tok=2,
-                                       max_position_embeddings=64, **overrides)
+                                       max_position_embeddings=64)
 
 
 def stored_names(folder: Path) -> set[str]:
@@ -65,9 +65,9 @@ def safetensors_names(folder: Path) -> set[str]:
     return names
 
 
-def assert_same_outputs(model, expected, ids: torch.Tensor, **kwargs) -> None:
+def assert_same_outputs(model, expected, inputs: torch.Tensor) -> None:
     with torch.no_grad():
-        got, want = model(ids, **kwargs), expected(ids, **kwargs)
+        got, want = model(inputs), expected(inputs)
     key = "logits" if "logits" in want else "last_hidden_state"
     assert torch.equal(bits(got[key]), bits(want[key]))
 
@@ -78,6 +78,8 @@ def mixtral(tmp_path_factory):
     torch.manual_seed(10)
     folder = tmp_path_factory.mktemp("mixtral") / "mixtral"
     converted = save_and_convert(transformers.MixtralForCausalLM(mixtral_config()), folder, max_shard_size="60KB")
+    shards = json.loads((converted / "model.szt.index.json").read_text())["weight_map"]
+    assert len({file for name, file in shards.items() if ".layers.0.block_sparse_moe.experts." in name}) > 1
     names = stored_names(converted)
     assert f"model.layers.1.block_sparse_moe.experts.{EXPERTS - 1}.w3.weight" in names
     assert not any("gate_up_proj" in name for name in names)
@@ -133,11 +135,11 @@ def test_the_fused_tensor_is_the_one_copy_and_each_expert_is_dropped_once_copied
                                        for e in range(EXPERTS)]) for w in ("w1", "w3")], dim=1)
     alive = [weakref.ref(tensor) for tensor in tensors.values()]
     seen = []
-    copy = torch.Tensor.copy_
+    original_copy = torch.Tensor.copy_
 
     def counting(destination, source, *args, **kwargs):
         seen.append(sum(ref() is not None for ref in alive))
-        return copy(destination, source, *args, **kwargs)
+        return original_copy(destination, source, *args, **kwargs)
 
     monkeypatch.setattr(torch.Tensor, "copy_", counting)
     monkeypatch.setattr(torch, "stack", lambda *a, **k: pytest.fail("stacked a copy"))
@@ -176,7 +178,8 @@ def test_fusing_in_place_gives_what_transformers_operations_give(operations, sha
 
     def conversion() -> WeightConversion:
         converter = WeightConverter(list(sources), "experts.fused", operations=copy.deepcopy(ops))
-        made = WeightConversion(converter, "m.experts.fused", sources, torch.float32, types.SimpleNamespace(config=None))
+        model = types.SimpleNamespace(config=None)  # what the stack and concatenation never read
+        made = WeightConversion(converter, "m.experts.fused", sources, torch.float32, model)
         made.find_targets(tensors)
         return made
 
@@ -199,8 +202,8 @@ def test_old_vit_names_are_renamed_in_the_head_class_and_the_base_model(tmp_path
     assert "vit.encoder.layer.1.attention.attention.query.weight" in stored_names(converted)
     pixels = torch.randn(2, 3, 16, 16, generator=torch.Generator().manual_seed(14)).to(torch.bfloat16)
     head, base = transformers.AutoModelForImageClassification, transformers.AutoModel
-    for auto_class, kwargs, unexpected in ((head, {}, []),
-                                           (base, {"add_pooling_layer": False}, ["classifier.bias", "classifier.weight"])):
+    unused_head = ["classifier.bias", "classifier.weight"]
+    for auto_class, kwargs, unexpected in ((head, {}, []), (base, {"add_pooling_layer": False}, unused_head)):
         expected = reference(auto_class, tmp_path / "vit", **kwargs)
         model, info = szt.from_pretrained(converted, auto_class, output_loading_info=True, **kwargs)
         assert_same_model(model, expected)
@@ -294,16 +297,8 @@ def test_key_mapping_renames_as_in_transformers(tmp_path):
 # -- what cannot be converted ------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_decoding(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("weights were decoded")
-
-    monkeypatch.setattr(szformat.api, "load_file", refuse)
-
-
 @pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
-def test_an_expert_missing_from_the_checkpoint_is_refused_before_anything_is_decoded(mixtral, tmp_path, no_decoding):
+def test_a_missing_expert_is_refused_before_anything_is_decoded(mixtral, tmp_path, no_decoding):  # noqa: F811
     from safetensors.torch import load_file as load_safetensors, save_file as save_safetensors
 
     original, _ = mixtral
@@ -327,7 +322,7 @@ def test_an_expert_missing_from_the_checkpoint_is_refused_before_anything_is_dec
 
 
 @pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
-def test_offloading_refuses_a_tensor_transformers_converts(mixtral, monkeypatch, no_decoding):
+def test_offloading_refuses_a_tensor_transformers_converts(mixtral, monkeypatch, no_decoding):  # noqa: F811
     monkeypatch.setitem(offload_loader.INSTALLERS, "accelerate", lambda installation: pytest.fail("installed"))
     env = OffloadEnvironment(cuda_available=True, versions={"accelerate": "1.15.0"})
     with pytest.raises(DecodeRouteError) as caught:

@@ -3,7 +3,7 @@ own ``from_pretrained`` of the safetensors originals, in one run, and check the 
 
     PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,moe,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models moe|sd3] [--reps 5]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models moe] [--reps 5]
 
 Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
 with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
