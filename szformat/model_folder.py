@@ -13,12 +13,12 @@ import contextlib
 import importlib
 import os
 import re
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -141,6 +141,19 @@ def parameters_on_meta(dtype: torch.dtype | None) -> Iterator[None]:
         torch.set_default_dtype(previous)
 
 
+class Conversion(Protocol):
+    """Checkpoint entries turned into module tensors after they are decoded, all together (per-expert tensors fused
+    into one, a fused projection split: see ``transformers_conversions``)."""
+
+    entries: list[str]
+    """The checkpoint entries it consumes."""
+    targets: dict[str, tuple[int, ...]]
+    """Module name -> shape of each tensor it gives."""
+
+    def apply(self, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        """Take its entries out of the decoded ``tensors`` and return its module tensors, on the same device."""
+
+
 @dataclass
 class WeightPlan:
     """How checkpoint entries fill a module built on ``meta``: which entry feeds which module name, and what does
@@ -148,10 +161,12 @@ class WeightPlan:
 
     sources: dict[str, str] = field(default_factory=dict)
     """Module name -> checkpoint entry that fills it."""
+    conversions: list[Conversion] = field(default_factory=list)
+    """Groups of entries that fill module names together, once decoded."""
     missing: list[str] = field(default_factory=list)
-    """Module names no entry fills (tied names are resolved later, by tying)."""
+    """Module names nothing fills (tied names are resolved later, by tying)."""
     unexpected: list[str] = field(default_factory=list)
-    """Entries that fill no module name."""
+    """Names (as renamed) of entries that fill no module name."""
     mismatched: list[tuple[str, tuple[int, ...], tuple[int, ...]]] = field(default_factory=list)
     """(module name, checkpoint shape, module shape) of each entry whose shape does not fit."""
 
@@ -161,24 +176,41 @@ class WeightPlan:
 
 
 def plan_weights(expected: Mapping[str, torch.Tensor], entries: Mapping[str, Any],
-                 rename: Callable[[str], str] = lambda name: name) -> WeightPlan:
+                 rename: Callable[[str], str] = lambda name: name,
+                 conversions: Sequence[Conversion] = ()) -> WeightPlan:
     """Match module tensors (``state_dict`` of the module on ``meta``) with checkpoint entries.
 
     ``entries`` are checkpoint entries by name (``TensorEntry``: only ``shape`` is read); ``rename(entry_name)``
-    gives the module name an entry is meant for (a prefix added or removed).
+    gives the module name an entry is meant for (a prefix added or removed); the entries of ``conversions`` fill
+    their targets instead, a conversion being kept only where all its targets fit.
     """
     plan = WeightPlan()
+    converted = {name for conversion in conversions for name in conversion.entries}
     for name, entry in entries.items():
-        target = rename(name)
-        if target not in expected:
-            plan.unexpected.append(name)
-        elif tuple(entry.shape) != tuple(expected[target].shape):
-            plan.mismatched.append((target, tuple(entry.shape), tuple(expected[target].shape)))
-        else:
+        target = rename(name) if name not in converted else None
+        if target is not None and _fits(plan, expected, target, tuple(entry.shape)):
             plan.sources[target] = name
+    for conversion in conversions:
+        fits = [_fits(plan, expected, target, shape) for target, shape in conversion.targets.items()]
+        if all(fits):
+            plan.conversions.append(conversion)
+    filled = set(plan.sources) | {target for conversion in plan.conversions for target in conversion.targets}
     mismatched = {name for name, _, _ in plan.mismatched}
-    plan.missing = [name for name in expected if name not in plan.sources and name not in mismatched]
+    plan.missing = [name for name in expected if name not in filled and name not in mismatched]
+    plan.unexpected = list(dict.fromkeys(plan.unexpected))
     return plan
+
+
+def _fits(plan: WeightPlan, expected: Mapping[str, torch.Tensor], target: str, shape: tuple[int, ...]) -> bool:
+    """Whether a checkpoint tensor of ``shape`` fits module name ``target``; where not, recorded in ``plan`` as
+    unexpected or mismatched."""
+    if target not in expected:
+        plan.unexpected.append(target)
+        return False
+    if shape != tuple(expected[target].shape):
+        plan.mismatched.append((target, shape, tuple(expected[target].shape)))
+        return False
+    return True
 
 
 def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
@@ -278,7 +310,8 @@ def prefetching(device: str | torch.device, *, verify: bool, staging: Any) -> It
 
 def load_weights(model: torch.nn.Module, checkpoint: Path, plan: WeightPlan, expected: Mapping[str, torch.Tensor],
                  *, device: torch.device, verify: bool, staging, loading: Future | None = None) -> None:
-    """Decode a checkpoint (see `weights_in`) on ``device`` and make the module's tensors those very tensors.
+    """Decode a checkpoint (see `weights_in`) on ``device`` and make the module's tensors those very tensors (or,
+    for the plan's conversions, the tensors they make of them there, each entry dropped as it is consumed).
     ``loading``: its load, already under way (:class:`Prefetch`).
 
     A tensor is cast only where the module was built in another dtype (``dtype=`` asked for it).
@@ -288,12 +321,14 @@ def load_weights(model: torch.nn.Module, checkpoint: Path, plan: WeightPlan, exp
     tensors = (loading.result() if loading is not None
                else api.load_file(checkpoint, device=device, verify=verify, staging=staging))
     state = {}
+    for conversion in plan.conversions:
+        state.update(conversion.apply(tensors))
     for target, source in plan.sources.items():
-        tensor = tensors.pop(source)
-        if tensor.dtype != expected[target].dtype:
-            tensor = tensor.to(expected[target].dtype)
-        state[target] = tensor
+        state[target] = tensors.pop(source)
     tensors.clear()
+    for target, tensor in state.items():
+        if tensor.dtype != expected[target].dtype:
+            state[target] = tensor.to(expected[target].dtype)
     model.load_state_dict(state, strict=False, assign=True)
 
 
@@ -311,6 +346,11 @@ def meta_tensors(model: torch.nn.Module) -> list[str]:
     """Names of parameters and buffers still on ``meta`` (each storage once)."""
     return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
             if tensor.device.type == "meta"]
+
+
+def first_line(error: BaseException) -> str:
+    """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
+    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
 
 
 def _listing(items: list[str]) -> str:

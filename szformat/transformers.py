@@ -3,9 +3,10 @@
 Shaped like ``transformers``' own ``from_pretrained``: the config is read from the folder, the model is built
 without allocating its weights (parameters on ``meta``, buffers computed by its ``__init__``), the .szt weights are
 decoded straight onto ``device`` (the GPU load path for CUDA) and become the model's parameters without a second
-copy, tied weights are tied again, a checkpoint saved with or without the base-model prefix fits either class, and
-weights the checkpoint lacks are initialized and reported the way transformers reports them. Imported only when
-used; needs ``pip install 'szformat[transformers]'``.
+copy, tied weights are tied again, a checkpoint saved with or without the base-model prefix fits either class, names
+transformers converts on load are converted alike (legacy and older names renamed, per-expert MoE tensors fused on
+``device``: see ``transformers_conversions``), and weights the checkpoint lacks are initialized and reported the way
+transformers reports them. Imported only when used; needs ``pip install 'szformat[transformers]'``.
 """
 
 from __future__ import annotations
@@ -22,11 +23,12 @@ from typing import Any
 
 import torch
 
-from .errors import UnknownArchitectureError
+from .errors import DecodeRouteError, UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, load_weights, meta_tensors,
+from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, first_line, load_weights, meta_tensors,
                            parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
                            require_converted, resolve_model_folder, weights_in)
+from .transformers_conversions import checkpoint_conversions
 
 __all__ = ["from_pretrained"]
 
@@ -56,7 +58,8 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         offload (`str`, *optional*): an offload route of :func:`szformat.load_into_offloader` (``"native"``,
             ``"staging"``, ``"diffusers_group"``, ``"accelerate"``, ``"auto"``): weights stay compressed in host
             memory and are expanded on their way to ``device`` (CUDA); the route's handle is
-            ``model.szformat_offload`` (``close()`` it when done).
+            ``model.szformat_offload`` (``close()`` it when done). A route feeds each tensor from one stored entry:
+            a checkpoint whose tensors transformers converts (per-expert MoE weights fused) is refused.
         dtype (`str` or `torch.dtype`, *optional*, defaults to `"auto"`): ``"auto"`` keeps the config's dtype (else
             the checkpoint's); another dtype casts the weights on ``device``.
         variant (`str`, *optional*): load ``model.<variant>.szt`` (``"fp16"``...) instead of ``model.szt``.
@@ -66,7 +69,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         ignore_mismatched_sizes (`bool`, *optional*): initialize tensors whose checkpoint shape differs (a new
             classification head) instead of refusing them.
         key_mapping (`Mapping[str, str]`, *optional*): regex -> replacement applied to checkpoint names first, as
-            in transformers.
+            in transformers (before the renames and conversions transformers applies to the model's checkpoints).
         trust_remote_code (`bool`, *optional*): allow a config whose model code lives in the repo.
         verify (`bool`, *optional*), staging (*optional*): as in :func:`szformat.load_file`.
         offload_options (`Mapping`, *optional*): engine options for :func:`szformat.load_into_offloader`.
@@ -78,7 +81,9 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
     Raises:
         ModelFolderError: no ``config.json``, no .szt weights (a safetensors folder: convert it with szconvert).
         UnknownArchitectureError: transformers does not know the config's model type or class.
-        CheckpointMismatchError: checkpoint shapes that do not fit the model (all listed); nothing is decoded then.
+        CheckpointMismatchError: checkpoint shapes that do not fit the model (all listed, a fused tensor's as
+            converted: an expert missing shows there); nothing is decoded then.
+        DecodeRouteError: ``offload=`` with a checkpoint whose tensors transformers converts; nothing is decoded.
         MissingDependencyError: transformers (or accelerate) is not installed.
 
     Example:
@@ -137,15 +142,14 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
         model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
                        folder)
         expected = model.state_dict()
-        plan = plan_weights(expected, entries, _renamer(model, expected, key_mapping))
+        rename, conversions = checkpoint_conversions(model, expected, entries, key_mapping, folder)
+        plan = plan_weights(expected, entries, rename, conversions)
         if not ignore_mismatched_sizes:
             refuse_mismatches(plan, model, folder, strict=False)
     except BaseException:
         Prefetch.discard(loading)
         raise
     return PreparedModel(model, folder, checkpoint, plan, expected, loading)
-
-
 
 
 def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
@@ -156,6 +160,8 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     transformers = require("transformers", "transformers")
     model, folder, plan = prepared.model, prepared.folder, prepared.plan
     device = torch.device(device)
+    if offload is not None and plan.conversions:
+        _refuse_converted_offload(plan, offload, folder)
     if offload is None:
         load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,
                      staging=staging, loading=prepared.loading)
@@ -182,7 +188,7 @@ def _load_config(transformers, folder: Path, trust_remote_code: bool, kwargs: di
                                                        return_unused_kwargs=True, **kwargs)
     except (ValueError, KeyError) as e:
         raise UnknownArchitectureError(f"transformers {transformers.__version__} cannot read {CONFIG_NAME} "
-                                       f"({_first_line(e)})", path=folder / CONFIG_NAME) from None
+                                       f"({first_line(e)})", path=folder / CONFIG_NAME) from None
 
 
 def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
@@ -217,7 +223,7 @@ def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: d
     except ValueError as e:
         if "Unrecognized configuration class" in str(e):
             raise UnknownArchitectureError(f"{getattr(model_class, '__name__', model_class)} cannot build a "
-                                           f"{type(config).__name__} ({_first_line(e)})", path=folder) from None
+                                           f"{type(config).__name__} ({first_line(e)})", path=folder) from None
         raise
 
 
@@ -272,26 +278,6 @@ def _set_config_dtype(config, dtype: torch.dtype) -> None:
     setattr(config, _dtype_attribute(config), dtype)
 
 
-def _renamer(model, expected: Mapping[str, torch.Tensor], key_mapping: Mapping[str, str] | None):
-    """Checkpoint name -> module name: ``key_mapping`` first, then the base-model prefix added or removed where
-    only that fits, as transformers does (a checkpoint of ``AutoModel`` in ``AutoModelForX``, and back)."""
-    prefix = getattr(model, "base_model_prefix", "") or ""
-    patterns = [(re.compile(pattern), replacement) for pattern, replacement in (key_mapping or {}).items()]
-
-    def rename(name: str) -> str:
-        for pattern, replacement in patterns:
-            name = pattern.sub(replacement, name)
-        if name in expected or not prefix:
-            return name
-        if name.startswith(prefix + ".") and name[len(prefix) + 1:] in expected:
-            return name[len(prefix) + 1:]
-        if f"{prefix}.{name}" in expected:
-            return f"{prefix}.{name}"
-        return name
-
-    return rename
-
-
 def _offload(model, checkpoint: Path, plan, route: str, device: torch.device, options: Mapping[str, Any]) -> None:
     """Hand the model to an offload route, which feeds every tensor the checkpoint holds from then on."""
     from .offload import load_into_offloader
@@ -299,6 +285,21 @@ def _offload(model, checkpoint: Path, plan, route: str, device: torch.device, op
     entry_names = {target: source for target, source in plan.sources.items() if target != source}
     model.szformat_offload = load_into_offloader(checkpoint, model, route=route, device=device, strict=False,
                                                  entry_names=entry_names, **options)
+
+
+def _refuse_converted_offload(plan: WeightPlan, route: str, folder: Path) -> None:
+    """An offload route feeds each module tensor from one checkpoint entry, as stored: it cannot feed one that
+    transformers builds from several (experts fused) or changes (split, permuted).
+
+    Raises:
+        DecodeRouteError: naming the first such tensor.
+    """
+    conversion = plan.conversions[0]
+    target = next(iter(conversion.targets))
+    raise DecodeRouteError(f"offload route {route!r} cannot feed a tensor that transformers converts from the "
+                           f"checkpoint's ({len(conversion.entries)} entries, {conversion.entries[0]} ...; "
+                           f"{sum(len(c.targets) for c in plan.conversions)} such tensors); load without offload=",
+                           path=folder, tensor=target)
 
 
 def _initialize_missing(transformers, model, device: torch.device, skip: set[int]) -> list[str]:
@@ -393,7 +394,3 @@ def _patterns(patterns) -> list[re.Pattern]:
 
 def _matches(patterns: list[re.Pattern], name: str) -> bool:
     return any(p.search(name) for p in patterns)
-
-
-def _first_line(error: BaseException) -> str:
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

@@ -1,15 +1,18 @@
 """Time ``szformat.transformers`` / ``szformat.diffusers`` ``from_pretrained`` against transformers' and diffusers'
 own ``from_pretrained`` of the safetensors originals, in one run, and check the results bit for bit.
 
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,sd3] [--reps 3]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp [--models llm,moe,sd3] [--reps 3]
         [--no-cold] [--offload native,staging] [--json results.json]
-    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models sd3] [--reps 5]
+    PYTHONPATH=. python tools/bench_from_pretrained.py --work /tmp/bench_fp --profile cpu|cuda [--models moe] [--reps 5]
 
 Models, built on the fly with seeded random BF16 weights (N(0, 0.02)), saved with ``save_pretrained`` and converted
 with ``szformat.convert.convert`` (encoded on the GPU), once per ``--work`` folder:
 
 ``llm``  a Llama-shaped causal LM (hidden 2048, 16 layers, MLP 8192, vocab 32000, untied): 1.24 B parameters,
          2.5 GB of BF16, loaded as ``AutoModelForCausalLM``;
+``moe``  a Mixtral-shaped causal LM (hidden 1024, 8 layers of 8 experts with MLP 2816, vocab 32000): 0.64 B
+         parameters, 1.3 GB of BF16, saved as its Hub checkpoints are (one tensor per expert), which both loaders
+         fuse into one tensor per layer and projection as they load it;
 ``sd3``  an SD3-medium-shaped pipeline: ``SD3Transformer2DModel`` (24 blocks of width 1536), the SD3 VAE, CLIP-L and
          CLIP-G text encoders with projection (no T5: the pipeline pads its place with zeros), letter-level CLIP
          tokenizers written here, a flow-matching scheduler; 5.6 GB of BF16.
@@ -30,8 +33,7 @@ first statement).
 
 ``--profile cpu|cuda``: where szformat's ``from_pretrained`` of the first of ``--models`` spends its time (first call,
 warm median, transformers' or diffusers' own load on that device as the anchor, and one warm call under cProfile,
-broken down by the calls ``szformat/transformers.py``, ``szformat/diffusers.py`` and ``szformat/model_folder.py``
-make). On the CPU the decode is replaced by
+broken down by the calls the integration modules (``INTEGRATION_FILES``) make). On the CPU the decode is replaced by
 empty tensors of the checkpoint's shapes (everything around it runs as on the GPU), and the model is built and
 converted on the CPU when the ``--work`` folder lacks it.
 """
@@ -70,10 +72,17 @@ SD3_VAE = dict(in_channels=3, out_channels=3, latent_channels=16, block_out_chan
 CLIP_L = dict(hidden_size=768, intermediate_size=3072, num_attention_heads=12, num_hidden_layers=12, projection_dim=768)
 CLIP_G = dict(hidden_size=1280, intermediate_size=5120, num_attention_heads=20, num_hidden_layers=32,
               projection_dim=1280)
+MOE = dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=8, num_attention_heads=16,
+           num_key_value_heads=8, num_local_experts=8, num_experts_per_tok=2, max_position_embeddings=4096,
+           tie_word_embeddings=False)
 TINY = {"llm": dict(LLM, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                     num_key_value_heads=2, vocab_size=256),
+        "moe": dict(MOE, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+                    num_key_value_heads=2, num_local_experts=4, vocab_size=256),
         "sd3": dict(SD3, num_layers=2, attention_head_dim=8, num_attention_heads=4, caption_projection_dim=32,
                     sample_size=32, pos_embed_max_size=32)}
+CAUSAL_LMS = {"llm": ("LlamaConfig", "LlamaForCausalLM", LLM), "moe": ("MixtralConfig", "MixtralForCausalLM", MOE)}
+"""Model name -> transformers config and model class, full-size config."""
 PROMPT = "an astronaut riding a horse"
 DEVICE = "cuda"
 
@@ -113,9 +122,10 @@ def build(model: str, folder: Path, tiny: bool) -> None:
 
     from szformat.convert import convert
 
-    if model == "llm":
-        config = transformers.LlamaConfig(**(TINY["llm"] if tiny else LLM))
-        seeded_(transformers.LlamaForCausalLM(config), 0).save_pretrained(folder)
+    if model in CAUSAL_LMS:
+        config_class, model_class, config = CAUSAL_LMS[model]
+        config = getattr(transformers, config_class)(**(TINY[model] if tiny else config))
+        seeded_(getattr(transformers, model_class)(config), 0).save_pretrained(folder)
     else:
         clip = lambda c, seed: seeded_(transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(  # noqa
             vocab_size=49408, max_position_embeddings=77, **(dict(c, num_hidden_layers=1) if tiny else c))), seed)
@@ -141,7 +151,7 @@ def loaders(model: str) -> dict:
     import szformat.diffusers
     import szformat.transformers
 
-    if model == "llm":
+    if model in CAUSAL_LMS:
         return {
             "transformers": lambda f: transformers.AutoModelForCausalLM.from_pretrained(
                 f, dtype=torch.bfloat16, device_map=DEVICE),
@@ -196,7 +206,7 @@ def bits(t: torch.Tensor) -> torch.Tensor:
 
 
 def modules_of(model: str, loaded) -> dict[str, torch.nn.Module]:
-    if model == "llm":
+    if model in CAUSAL_LMS:
         return {"model": loaded}
     return {name: getattr(loaded, name) for name in ("transformer", "vae", "text_encoder", "text_encoder_2")}
 
@@ -217,7 +227,7 @@ def differing_tensors(model: str, a, b) -> list[str]:
 
 def output(model: str, loaded) -> torch.Tensor:
     with torch.no_grad():
-        if model == "llm":
+        if model in CAUSAL_LMS:
             ids = torch.randint(0, loaded.config.vocab_size, (4, 128), generator=torch.Generator().manual_seed(0))
             return loaded(ids.to(DEVICE)).logits.cpu()
         generator = torch.Generator(device="cpu").manual_seed(0)
@@ -314,22 +324,36 @@ def table(rows: list[dict], offloads: list[dict]) -> str:
 
 # -- --profile ---------------------------------------------------------------------------------------------------
 
-INTEGRATION_FILES = ("szformat/transformers.py", "szformat/diffusers.py", "szformat/model_folder.py")
+INTEGRATION_FILES = ("szformat/transformers.py", "szformat/transformers_conversions.py", "szformat/diffusers.py",
+                     "szformat/model_folder.py")
 """The code around the decode: what ``--profile`` breaks down, by the calls it makes into everything else."""
+
+
+_WRITTEN: list[torch.Tensor] = []
+"""The host buffer :func:`empty_weights` hands out views of, written once (on the first call)."""
 
 
 def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
     """Stands in for ``szformat.api.load_file`` with ``--profile cpu``: opens each shard as the load does (headers
-    read and checked), and gives uninitialized CPU tensors of its names, dtypes and shapes, so the time around the
-    decode is measured alone (the CPU decode of these models takes most of a minute)."""
+    read and checked), and gives CPU tensors of its names, dtypes and shapes, so the time around the decode is
+    measured alone (the CPU decode of these models takes most of a minute). They are views of one buffer written on
+    the first call: reading them (a fusion of experts does) costs what reading decoded weights costs, where fresh
+    ``torch.empty`` tensors would fault a page at a time."""
     from szformat.format import constants as C
     from szformat.format.index import checkpoint_shards, open_shard
 
-    tensors = {}
+    entries = {}
     for shard in checkpoint_shards(checkpoint):
         with open_shard(shard) as file:
-            tensors.update({name: torch.empty(tuple(e.shape), dtype=C.DTYPES[e.dtype][0])
-                            for name, e in file.entries.items()})
+            entries.update(file.entries)
+    sizes = {name: -(-e.raw_length // 64) * 64 for name, e in entries.items()}
+    if not _WRITTEN or _WRITTEN[0].numel() < sum(sizes.values()):
+        _WRITTEN[:] = [torch.zeros(sum(sizes.values()), dtype=torch.uint8)]
+    tensors, offset = {}, 0
+    for name, e in entries.items():
+        view = _WRITTEN[0][offset: offset + e.raw_length].view(C.DTYPES[e.dtype][0])
+        tensors[name] = view.view(tuple(e.shape))
+        offset += sizes[name]
     return tensors
 
 
