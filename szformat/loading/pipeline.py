@@ -121,7 +121,7 @@ class TransferLoop:
         self._timeline: timeline.Timeline | None = None
 
     def run(self, transfers: Sequence[Transfer], stage: Staging, copy: Copying, expand: Expanding, *,
-            host_writes: bool, prepare: Callable[[], None] | None = None) -> None:
+            host_writes: bool) -> None:
         """Stage, copy and expand every transfer; returns once all device work is enqueued (see :meth:`finish`).
 
         ``stage(k, transfer, slot)`` starts making the bytes of ``transfers[k]`` available on the host;
@@ -135,9 +135,6 @@ class TransferLoop:
         transfer's copy as soon as its reads are done, and hands the slot back; this thread enqueues each decode
         (whose launch costs the host far more than a copy's). So neither the readers nor the copy engine wait
         behind decode launches.
-
-        ``prepare()``, if given, runs on this thread once the staging thread has started, before the first copy: host
-        work the copies and decodes need (destinations, decode tables) overlaps the first reads, which do not.
         """
         ops = self.ops
         self._timeline = record = timeline.current()
@@ -152,20 +149,13 @@ class TransferLoop:
         copied: queue.SimpleQueue = queue.SimpleQueue()
         free = threading.Semaphore(self.ring.slots)  # slots whose copy is enqueued, or never used
         stop = threading.Event()
-        prepared = threading.Event()
         workers = [threading.Thread(target=self._stage_all, args=(transfers, stage, host_writes, staged, free, stop),
                                     name="szformat-stage", daemon=True),
-                   threading.Thread(target=self._copy_all,
-                                    args=(len(transfers), copy, staged, copied, free, stop, prepared),
+                   threading.Thread(target=self._copy_all, args=(len(transfers), copy, staged, copied, free, stop),
                                     name="szformat-copy", daemon=True)]
         for worker in workers:
             worker.start()
         try:
-            try:
-                if prepare is not None:
-                    prepare()
-            finally:
-                prepared.set()  # (after a failure too: the copying thread then sees ``stop``)
             for _ in transfers:
                 item = copied.get()
                 if isinstance(item, BaseException):
@@ -173,7 +163,6 @@ class TransferLoop:
                 self._expand(item, expand)
         except BaseException:
             stop.set()
-            prepared.set()
             free.release()  # wake the staging thread if it waits for a slot: it sees ``stop`` and ends
             self.ring.cancel()  # wake the copying thread if it waits for a decode this thread will not enqueue
             workers[0].join()
@@ -212,10 +201,10 @@ class TransferLoop:
             staged.put(e)
 
     def _copy_all(self, count: int, copy: Copying, staged: queue.SimpleQueue, copied: queue.SimpleQueue,
-                  free: threading.Semaphore, stop: threading.Event, prepared: threading.Event) -> None:
-        """The copying thread: for each staged transfer in order, a wait for its reads (and, before the first copy,
-        for ``prepare``), then its copy; hands the slot back to the staging thread and the transfer on to the
-        calling thread (or the exception that stopped it). Once ``stop`` is set it only waits for reads."""
+                  free: threading.Semaphore, stop: threading.Event) -> None:
+        """The copying thread: for each staged transfer in order, a wait for its reads, then its copy; hands the slot
+        back to the staging thread and the transfer on to the calling thread (or the exception that stopped it).
+        Once ``stop`` is set it only waits for reads."""
         record = self._timeline
         try:
             for _ in range(count):
@@ -234,10 +223,6 @@ class TransferLoop:
                 except BaseException:
                     host.settle()  # the other reads into this slot may still be running
                     raise
-                prepared.wait()
-                if stop.is_set():
-                    host.settle()
-                    return
                 if record is not None:
                     landed = record.now()
                     record.add("wait_reads", k, began, landed)
@@ -335,15 +320,8 @@ class DeviceDecodeRoute:
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
-        dests: list[torch.Tensor] = []
-        arenas: dict[int, tuple[torch.Tensor, list[int]]] = {}
-        tables: dict[int, Any] = {}
-
-        def prepare() -> None:  # the copies and decodes need these, the first reads do not
-            allocated, packed = self._allocate(transfers, entries)
-            dests.extend(allocated)
-            arenas.update(packed)
-            self._upload_batch_tables(transfers, entries, arenas, tables)
+        dests, arenas = self._allocate(transfers, entries)
+        tables = self._batch_tables(transfers, entries, arenas)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             return source.stage(transfer, slot, verify=verify, k=k)
@@ -367,7 +345,7 @@ class DeviceDecodeRoute:
             else:
                 self._expand_streamed(k, transfer, copied, entries, dests)
 
-        self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes, prepare=prepare)
+        self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
         return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
@@ -405,12 +383,11 @@ class DeviceDecodeRoute:
             record.add("allocate", -1, began, record.now(), sum(d.numel() for d in dests))
         return dests, arenas
 
-    def _upload_batch_tables(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
-                             arenas: dict[int, tuple[torch.Tensor, list[int]]], tables: dict[int, Any]) -> None:
-        """Into ``tables``: the batch table of every packed transfer holding SplitZip tensors, built before the
-        first transfer is copied and sent to the device in one copy on the decode stream (built one by one as
-        decodes are enqueued, with a pinned allocation and copies each, they cost the decoding thread 1-10 ms
-        apiece on the H200 host)."""
+    def _batch_tables(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
+                      arenas: dict[int, tuple[torch.Tensor, list[int]]]) -> dict[int, Any]:
+        """The batch table of every packed transfer holding SplitZip tensors, built before the first transfer is
+        copied and sent to the device in one copy on the decode stream (built one by one as decodes are enqueued,
+        with a pinned allocation and copies each, they cost the decoding thread 1-10 ms apiece on the H200 host)."""
         batches = {}
         for k, (_, offsets) in arenas.items():
             batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
@@ -418,10 +395,12 @@ class DeviceDecodeRoute:
                      if entries[p.item].encoding == ENCODING_SPLITZIP]
             if batch:
                 batches[k] = batch
+        tables: dict[int, Any] = {}
         if batches:
             upload = lambda: tables.update(zip(batches, self.codec.batch_tables(  # noqa: E731
                 list(batches.values()), self.loop.ops.device)))
             self.loop.ops.enqueue(self.loop.decode_stream, upload, "tables")
+        return tables
 
     def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any], slot: Slot,
                        copied: Any, entries, dests) -> None:
