@@ -184,6 +184,10 @@ def _nul(folder, index):
     index["weight_map"]["c"] = "model-0000\x002-of-00002.szt"
 
 
+def _surrogate(folder, index):
+    index["weight_map"]["c"] = "\ud800.szt"  # JSON may escape a lone surrogate; no file name holds one
+
+
 def _too_long(folder, index):
     index["weight_map"]["c"] = "x" * 300 + ".szt"
 
@@ -206,6 +210,8 @@ def _two_indexes(folder, index):
      ("model.szt.index.json", "c", f"the index names shard '{S2}', which is missing")),
     (_nul, ShardIndexError, "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL character", "c",
      ("model.szt.index.json", "c", "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL")),
+    (_surrogate, ShardIndexError, "weight_map names '\\ud800.szt', which is not a file name this system can encode",
+     "c", ("model.szt.index.json", "c", "weight_map names '\\ud800.szt', which is not a file name")),
     (_too_long, ShardIndexError, f"the index names shard '{'x' * 300}.szt', which cannot be opened (File name too "
      "long)", "c", ("model.szt.index.json", "c", f"the index names shard '{'x' * 300}.szt', which is missing")),
     (_loop, ShardIndexError, f"the index names shard '{S2}', which cannot be opened (Too many levels of symbolic "

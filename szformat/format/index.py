@@ -71,6 +71,11 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
         if "\0" in shard:
             raise ShardIndexError(f"weight_map names {shard!r}, which holds a NUL character: no file has such a name",
                                   path=path, tensor=tensor)
+        try:
+            os.fsencode(shard)
+        except UnicodeError:  # a lone surrogate (JSON escapes allow one): not a name this file system can hold
+            raise ShardIndexError(f"weight_map names {shard!r}, which is not a file name this system can encode",
+                                  path=path, tensor=tensor) from None
     return ShardIndex(metadata, obj["weight_map"])
 
 
