@@ -141,7 +141,8 @@ def bind_thread(device: torch.device) -> None:
     torch.cuda.init()  # loads the runtime this looks for
     runtime = cudart()
     if runtime is not None:
-        runtime.cudaSetDevice(torch.device(device).index or 0)
+        index = torch.device(device).index
+        runtime.cudaSetDevice(torch.cuda.current_device() if index is None else index)
 
 
 _CUDART: Any = False
