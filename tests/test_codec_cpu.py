@@ -317,6 +317,84 @@ def test_encode_into_refuses_a_layout_that_does_not_fit(rng):
 
 
 # ---------------------------------------------------------------------------------------------------------------
+# The round-trip check inside the encoder
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def flip_in_last_slice(monkeypatch, stream: str, mask: int) -> None:
+    """Make the sliced encoder write one wrong byte (``stream`` "pk" or "sm", XOR ``mask``) in every slice: a codec
+    bug that the check, which decodes each slice as it is written, must catch."""
+    real = cpu._encode_pairs
+
+    def wrong(bits, pk_table, pk, sm, scratch):
+        real(bits, pk_table, pk, sm, scratch)
+        target = pk if stream == "pk" else sm
+        target[-1] ^= mask
+
+    monkeypatch.setattr(cpu, "_encode_pairs", wrong)
+
+
+@pytest.mark.parametrize("stream, mask", [("sm", 0x80), ("sm", 0x01), ("pk", 0x01), ("pk", 0x10)])
+def test_a_wrong_byte_written_by_the_sliced_encoder_is_caught(stream, mask, rng, monkeypatch):
+    monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
+    x = weight_like(rng, 5001)
+    flip_in_last_slice(monkeypatch, stream, mask)
+    with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
+        cpu.encode(x)
+
+
+def test_a_wrong_code_is_not_taken_for_an_escape(rng, monkeypatch):
+    """An element of the codebook given a wrong code decodes wrong; the encoder finds escapes as the elements that
+    do not decode, and must not count that one among them (the layout would then look miscounted)."""
+    x = weight_like(rng, 100_000)
+    codebook = cpu.calibrate(x)
+    real = cpu._pair_code_table
+
+    def wrong_table(dec_lut, n_used):
+        table = real(dec_lut, n_used).clone()
+        table[codebook.dec_lut[0] | codebook.dec_lut[0] << 8] ^= 0x11  # the most frequent pair gets codes 1, 1
+        return table
+
+    monkeypatch.setattr(cpu, "_pair_code_table", wrong_table)
+    with pytest.raises(cpu.RoundTripMismatch, match="element"):
+        cpu.encode(x, codebook)
+
+
+@pytest.mark.parametrize("where", ["chunk_id", "local_pos", "esc_val", "odd last element"])
+def test_a_wrong_byte_in_what_the_slices_leave_is_caught(where, rng, monkeypatch, slicing):
+    """Bytes the slice-by-slice check does not cover (the escape streams, the odd last element) are checked on the
+    finished payload."""
+    x = weight_like(rng, 3 * CHUNK_SIZE + 1, scale=0.5)
+    codebook = cpu.calibrate(x)
+    x[[5, 700, 2 * CHUNK_SIZE + 9]] = from_bits([0x7F80, 0x7FC1, 0x4F00])  # escapes in three chunks
+    real = cpu._check_stored
+
+    def corrupt_then_check(payload, layout, *args):
+        assert layout.n_esc >= 3
+        offset = {"chunk_id": layout.off_cid + 4, "local_pos": layout.off_lpos + 2, "esc_val": layout.off_ev + 1,
+                  "odd last element": layout.off_sm + layout.n - 1}[where]
+        payload[offset] ^= 0x01
+        real(payload, layout, *args)
+
+    monkeypatch.setattr(cpu, "_check_stored", corrupt_then_check)
+    with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
+        cpu.encode(x, codebook)
+
+
+def test_a_wrong_byte_written_by_the_small_encoder_is_caught(rng, monkeypatch):
+    real = cpu._encode_small
+
+    def wrong(bits, codebook, pk, sm):
+        position = real(bits, codebook, pk, sm)
+        sm[len(sm) // 2] ^= 0x40
+        return position
+
+    monkeypatch.setattr(cpu, "_encode_small", wrong)
+    with pytest.raises(cpu.RoundTripMismatch, match="elements 0 to 999"):
+        cpu.encode(weight_like(rng, 1000))
+
+
+# ---------------------------------------------------------------------------------------------------------------
 # Partial decodes and the out= path
 # ---------------------------------------------------------------------------------------------------------------
 

@@ -646,19 +646,22 @@ def test_round_trip_mismatch_aborts_the_conversion(model_file, tmp_path):
 
 
 def test_cpu_round_trip_check_catches_a_bad_byte_in_a_late_slice(tmp_path, monkeypatch):
-    """The CPU check decodes slice by slice; a wrong byte near the end of a tensor must still stop the file."""
-    monkeypatch.setattr(gate, "ROUND_TRIP_SLICE", 1000)
-    real_encode = cpu.encode
+    """The CPU encoder checks slice by slice as it writes; a wrong byte in its last slice must still stop the file."""
+    monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
+    real = cpu._encode_pairs
+    pairs_left = [50 * 70 // 2]
 
-    def encode_with_a_flipped_sign(x, codebook=None):
-        payload, layout, codebook = real_encode(x, codebook)
-        payload[layout.off_sm + layout.n - 3] ^= 0x80
-        return payload, layout, codebook
+    def encode_with_a_flipped_sign(bits, pk_table, pk, sm, scratch):
+        real(bits, pk_table, pk, sm, scratch)
+        pairs_left[0] -= pk.numel()
+        if not pairs_left[0]:
+            sm[-3] ^= 0x80
 
-    monkeypatch.setattr(cpu, "encode", encode_with_a_flipped_sign)
+    monkeypatch.setattr(cpu, "_encode_pairs", encode_with_a_flipped_sign)
     save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
     with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
         convert(tmp_path / "m.safetensors")
+    assert pairs_left == [0]
     assert listing(tmp_path) == ["m.safetensors"]
 
 
