@@ -1,10 +1,10 @@
 """The conversion driver: .safetensors (a file, a sharded index or a model folder) to .szt, streaming and atomic.
 
 Tensors are read one at a time from a mapping of the source, encoded, decoded again and compared bit for bit with
-the source (the gate does it), then appended to the output; the source pages are released after each tensor, so
-memory stays near the size of the largest tensor. Every output appears whole or not at all. The same input always
-gives the same bytes: tensors keep the source's data order, codebooks break ties deterministically, and nothing
-time- or machine-dependent is stored.
+the source (the CPU codec does it slice by slice as it encodes, ``codec/gate.py`` on other devices), then appended
+to the output; the source pages are released after each tensor, so memory stays near the size of the largest
+tensor. Every output appears whole or not at all. The same input always gives the same bytes: tensors keep the
+source's data order, codebooks break ties deterministically, and nothing time- or machine-dependent is stored.
 """
 
 from __future__ import annotations
