@@ -94,6 +94,32 @@ def test_rename_no_replace_refuses_an_existing_file_or_folder(tmp_path, monkeypa
         (tmp_path / "dst").rmdir() if (tmp_path / "dst").is_dir() else (tmp_path / "dst").unlink()
 
 
+def test_a_large_append_goes_to_the_file_in_pieces_and_whole(tmp_path, monkeypatch):
+    monkeypatch.setattr(atomic, "WRITE_PIECE", 1000)
+    sizes = []
+
+    class Recording:
+        def __init__(self, file):
+            self.file = file
+
+        def write(self, data):
+            sizes.append(memoryview(data).nbytes)
+            return self.file.write(data)
+
+        def __getattr__(self, name):
+            return getattr(self.file, name)
+
+    payload = torch.arange(5000, dtype=torch.int16).view(torch.uint8)  # 10,000 bytes
+    with atomic.AtomicFile(tmp_path / "out.bin") as f:
+        f._file = Recording(f._file)
+        f.write(b"head")
+        f.write(memoryview(payload.numpy()))
+        f.write(b"\0" * 2500)
+        f.commit()
+    assert (tmp_path / "out.bin").read_bytes() == b"head" + payload.numpy().tobytes() + b"\0" * 2500
+    assert sizes == [4] + [1000] * 10 + [1000, 1000, 500]
+
+
 # -- signals -----------------------------------------------------------------------------------------------------
 
 SLOW_SZCONVERT = textwrap.dedent("""

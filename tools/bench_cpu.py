@@ -8,7 +8,8 @@ Rows, all on the same bytes, in the same run:
 
 - ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
   4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
-- ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload).
+- ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload, and the check that
+  it decodes bit for bit, which the encoder runs as it writes).
 - ``safetensors load``: ``safetensors.torch.load_file`` of the page-cached file, then a sum over every tensor's
   bytes so every byte is read (``load_file`` maps the file; pages are read when touched).
 - ``zipnn decompress``: ZipNN (byte-grouped BF16 mode with its Huffman coder) decompressing each tensor.
