@@ -15,7 +15,8 @@ resident set (``ru_maxrss``) and wall time:
 "MB/cpu-s" divides by the step's CPU time (user + system, every thread): on a machine other jobs share, what the
 step costs a core, where wall time also counts their turns.
 
-The source file is read once before the runs, so every row starts with it in the page cache.
+The source file is read once before the runs, so every row starts with it in the page cache; the outputs of a row
+are removed once no later row reads them (:data:`DONE_WITH`).
 
 Usage::
 
@@ -105,6 +106,33 @@ STEPS = {
 }
 
 
+DONE_WITH = {
+    "safetensors load+save": ("copy.safetensors",),
+    "file copy": ("copy.bin",),
+    "decompress": ("back.safetensors", "model.szt"),
+    "decompress (at rest)": ("back-rest.safetensors", "rest.szt"),
+}
+"""Outputs no later step reads: checked (a decompressed file against the source, a .szt file's size) and removed
+once their step is done, unless ``--keep``, so every step runs with the same files in the page cache: the source
+and its own outputs. (Left in place, 10 GB of earlier outputs filled the 24 GB build VM's memory, and the later
+steps' writes went to pages the kernel had to reclaim first: the at-rest conversion, sixth, took 3-4 s of system
+time where it took about 1 s run on its own.)"""
+
+
+def check_and_remove(name: str, src: Path, out: Path, keep: bool) -> list[str]:
+    """What the outputs ``name`` leaves say (see :data:`DONE_WITH`); removes them unless ``keep``."""
+    size, lines = src.stat().st_size, []
+    for file in DONE_WITH.get(name, ()):
+        path = out / file
+        if file.startswith("back"):
+            lines.append(f"{file} byte-identical to the source: {filecmp.cmp(path, src, shallow=False)}")
+        elif file.endswith(".szt"):
+            lines.append(f"{file}: {path.stat().st_size / 1e9:.3f} GB (ratio {path.stat().st_size / size:.4f})")
+        if not keep:
+            path.unlink()
+    return lines
+
+
 def run_step(body: str, src: Path, out: Path) -> dict:
     code = STEP.format(root=str(REPO_ROOT), src=str(src), out=str(out), body=body)
     done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
@@ -132,6 +160,7 @@ def main() -> None:
     print(f"source: {src.name}, {size / 1e9:.2f} GB, largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB; "
           f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'MB/cpu-s':>10}{'peak RSS MB':>13}{'% of file':>11}")
+    checks = []
     for name, body in STEPS.items():
         result = run_step(body, src, out)
         rate = size / 1e6 / result["seconds"] if name != "import" else float("nan")
@@ -139,10 +168,8 @@ def main() -> None:
         rss = result["peak_rss"]
         print(f"{name:<24}{result['seconds']:>9.2f}{rate:>9.1f}{cpu_rate:>10.1f}{rss / 1e6:>13.0f}"
               f"{100 * rss / size:>10.1f}%", flush=True)
-    for back in ("back.safetensors", "back-rest.safetensors"):
-        print(f"{back} byte-identical to the source: {filecmp.cmp(out / back, src, shallow=False)}")
-    for form in ("model.szt", "rest.szt"):
-        print(f"{form}: {(out / form).stat().st_size / 1e9:.3f} GB (ratio {(out / form).stat().st_size / size:.4f})")
+        checks += check_and_remove(name, src, out, args.keep)
+    print("\n".join(checks))
     if not args.keep:
         shutil.rmtree(out)
 
