@@ -18,7 +18,8 @@ choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
   exactly the escapes (an escape's nibble decodes to a code of the codebook, never to the escape's exponent), so
   the check also finds them, and their streams are read back through the decoder's validation. Decoding the
   finished payload in a pass of its own read the tensor and its payload from DRAM once more, and cost 1.6 s of a
-  2.2 GB conversion's 8 against about 0.8 s this way (``tools/bench_convert.py``).
+  2.2 GB conversion's 8 against about 0.8 s this way (timed apart on ``tools/bench_convert.py``'s
+  checkpoint).
 - **int32 indices.** ``torch.index_select`` with an int32 index is the fastest gather PyTorch offers on the CPU
   (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``).
 - **Escapes aside.** The decoder decodes every element as if it had no escape and then patches the escaped ones.
