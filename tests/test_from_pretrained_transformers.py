@@ -372,3 +372,19 @@ def test_a_mismatch_found_while_the_load_runs_releases_what_it_loaded(llama, tmp
     with pytest.raises(CheckpointMismatchError, match="6 shape mismatch"):
         szt.from_pretrained(tmp_path / "m")
     assert len(prefetch_on_the_cpu) == 1 and prefetch_on_the_cpu[0][1] == {}  # waited for, then dropped
+
+
+def test_a_corrupt_payload_found_by_the_prefetched_load_is_raised_by_from_pretrained(bert, tmp_path,
+                                                                                     prefetch_on_the_cpu):
+    from szformat.errors import ChecksumMismatchError
+
+    shutil.copytree(bert[1], tmp_path / "m")
+    weights = tmp_path / "m" / "model.szt"
+    data = bytearray(weights.read_bytes())
+    with SztFile(weights) as f:
+        name, entry = max(f.entries.items(), key=lambda item: item[1].length)
+        data[entry.offset + 7] ^= 0x10
+    weights.write_bytes(bytes(data))
+    with pytest.raises(ChecksumMismatchError) as caught:
+        szt.from_pretrained(tmp_path / "m")
+    assert caught.value.tensor == name and caught.value.path is not None and "model.szt" in str(caught.value.path)
