@@ -425,7 +425,8 @@ def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
         release()
         loader = cProfile.Profile()
         loader.runcall(lambda: ([szformat.api.load_file(p, device=DEVICE) for p in weights], synchronize()))
-        lines += ["\none more under cProfile (the calling thread's calls, by cumulative time):", "| call | ms | calls |",
+        lines += ["\none more under cProfile, by cumulative time (from Python 3.12 the profiler sees every "
+                  "thread, so their times overlap):", "| call | ms | calls |",
                   "|---|---:|---:|"]
         ranked = sorted(pstats.Stats(loader).stats.items(), key=lambda item: -item[1][3])
         lines += [f"| {Path(key[0]).stem}.{key[2]} | {stat[3] * 1e3:.1f} | {stat[1]} |" for key, stat in ranked[:40]]
