@@ -251,10 +251,10 @@ def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *,
 class Prefetch:
     """Loads checkpoints onto a CUDA device on a thread of its own, started as soon as a model's checkpoint is known,
     so that the load overlaps building the model and matching it to the checkpoint: Python work on the calling
-    thread, while a load mostly waits on reads, copies and the device (on the H200 host a 1.2 B-parameter LM builds
-    and matches in about 50 ms and loads in about 130 ms). Loads run one after another on that thread, as they would
-    without it. A load started for a model that then fails its checks is waited for and dropped (:meth:`discard`):
-    nothing of it stays on the device.
+    thread, while a load mostly waits on reads, copies and the device. On the H200 host, the time a 1.2 B-parameter
+    LM's ``from_pretrained`` spends beyond its load went from 63 ms to 24 ms (``bench/RESULTS.md``, runs 20 and 25).
+    Loads run one after another on that thread, as they would without it. A load started for a model that then
+    fails its checks is waited for and dropped (:meth:`discard`): nothing of it stays on the device.
 
     Args:
         device (`torch.device`), verify (`bool`), staging: as in :func:`szformat.load_file`.
