@@ -4,8 +4,9 @@ Every component folder of the pipeline that holds .szt weights (``transformer/``
 ``text_encoder*/``...) is built on ``meta`` from its config and filled from its .szt files (diffusers models here,
 transformers models through :mod:`szformat.transformers`); the other components (schedulers, tokenizers, feature
 extractors) are loaded by diffusers itself, which then assembles the pipeline class ``model_index.json`` names.
-Every component is checked before any weight is decoded, so a bad one leaves nothing behind on the GPU. Imported
-only when used; needs ``pip install 'szformat[diffusers]'``.
+Every component is checked before any is used; a bad one leaves nothing behind on the GPU (the loads started
+meanwhile, on a CUDA device, are waited for and dropped). Imported only when used; needs
+``pip install 'szformat[diffusers]'``.
 """
 
 from __future__ import annotations

@@ -82,7 +82,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         ModelFolderError: no ``config.json``, no .szt weights (a safetensors folder: convert it with szconvert).
         UnknownArchitectureError: transformers does not know the config's model type or class.
         CheckpointMismatchError: checkpoint shapes that do not fit the model (all listed, a fused tensor's as
-            converted: an expert missing shows there); nothing is decoded then.
+            converted: an expert missing shows there); nothing of the load stays on the device then.
         DecodeRouteError: ``offload=`` with a checkpoint whose tensors transformers converts; nothing is decoded.
         MissingDependencyError: transformers (or accelerate) is not installed.
 
