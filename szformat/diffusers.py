@@ -25,9 +25,9 @@ import torch
 
 from .errors import ModelFolderError, UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, WeightPlan, checkpoint_entries, has_weights, load_weights,
-                           parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
-                           resolve_model_folder, weights_in)
+from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, PreparedModel, checkpoint_entries, has_weights,
+                           load_weights, parameters_on_meta, place_buffers, plan_weights, prefetching,
+                           refuse_mismatches, require, resolve_model_folder, weights_in)
 
 __all__ = ["from_pretrained", "DENOISER_PREFIXES"]
 
@@ -230,15 +230,7 @@ class _TransformersComponent:
         return model, getattr(model, "szformat_offload", None)
 
 
-@dataclass
-class _DiffusersComponent:
-    model: Any
-    folder: Path
-    checkpoint: Path
-    plan: WeightPlan
-    expected: dict[str, torch.Tensor]
-    loading: Future | None = None
-
+class _DiffusersComponent(PreparedModel):
     @classmethod
     def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None, variant: str | None,
                 prefetch: Prefetch | None = None) -> "_DiffusersComponent":

@@ -248,6 +248,22 @@ def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *,
                                       + "; ".join(problems), path=folder)
 
 
+@dataclass
+class PreparedModel:
+    """A model built on ``meta`` from its folder's config, and how the folder's checkpoint fills it: everything
+    checked, its load maybe under way (``loading``), nothing assigned to the model yet."""
+
+    model: Any
+    folder: Path
+    checkpoint: Path
+    """The .szt file, index or folder of shards the weights come from (see ``weights_in``)."""
+    plan: WeightPlan
+    expected: dict[str, torch.Tensor]
+    """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
+    loading: Future | None = None
+    """The checkpoint's load, started while the model was built (:class:`Prefetch`)."""
+
+
 class Prefetch:
     """Loads checkpoints onto a CUDA device on a thread of its own, started as soon as a model's checkpoint is known,
     so that the load overlaps building the model and matching it to the checkpoint: Python work on the calling

@@ -16,8 +16,6 @@ import logging
 import os
 import re
 from collections.abc import Iterator, Mapping
-from concurrent.futures import Future
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -25,9 +23,9 @@ import torch
 
 from .errors import DecodeRouteError, UnknownArchitectureError
 from .format import constants as C
-from .model_folder import (Prefetch, WeightPlan, checkpoint_entries, first_line, load_weights, meta_tensors,
-                           parameters_on_meta, place_buffers, plan_weights, prefetching, refuse_mismatches, require,
-                           require_converted, resolve_model_folder, weights_in)
+from .model_folder import (Prefetch, PreparedModel, WeightPlan, checkpoint_entries, first_line, load_weights,
+                           meta_tensors, parameters_on_meta, place_buffers, plan_weights, prefetching,
+                           refuse_mismatches, require, require_converted, resolve_model_folder, weights_in)
 from .transformers_conversions import checkpoint_conversions
 
 __all__ = ["from_pretrained"]
@@ -103,22 +101,6 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
                                    offload_options=offload_options)
     return (model, info) if output_loading_info else model
-
-
-@dataclass
-class PreparedModel:
-    """A model built on ``meta`` from its folder's config, and how the folder's checkpoint fills it: everything
-    checked, nothing decoded yet."""
-
-    model: Any
-    folder: Path
-    checkpoint: Path
-    """The .szt file, index or folder of shards the weights come from (see ``weights_in``)."""
-    plan: WeightPlan
-    expected: dict[str, torch.Tensor]
-    """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
-    loading: Future | None = None
-    """The checkpoint's load, started while the model was built (:class:`Prefetch`)."""
 
 
 def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",

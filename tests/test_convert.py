@@ -25,7 +25,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.codec import cpu, gate
+from szformat.codec import cpu
 from szformat.convert import convert, decompress, verify
 from szformat.convert import expand
 from szformat.convert.device import codec_for

@@ -192,7 +192,8 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(which, re
     assert sorted(loaded) == (["text_encoder", "text_encoder_2", "vae"] if which == "sd3" else ["text_encoder", "vae"])
 
 
-def test_prefetched_components_load_beside_the_builds_and_are_bit_identical(sd3, prefetch_on_the_cpu):
+def test_prefetched_components_load_beside_the_builds_and_are_bit_identical(sd3,
+                                                                            prefetch_on_the_cpu):  # noqa: F811
     original, converted = sd3
     pipe = szd.from_pretrained(converted, torch_dtype=torch.bfloat16, **SD3_OPTIONS)
     assert len(prefetch_on_the_cpu) == 4 and all(t.startswith("szformat-prefetch") for t, _ in prefetch_on_the_cpu)
@@ -257,7 +258,8 @@ def test_a_component_that_does_not_fit_its_config_is_refused_with_every_name(cop
                 in message, (block, projection)
 
 
-def test_a_component_refused_after_others_started_loading_releases_their_loads(copy, prefetch_on_the_cpu):
+def test_a_component_refused_after_others_started_loading_releases_their_loads(copy,
+                                                                              prefetch_on_the_cpu):  # noqa: F811
     """Components are checked in order while their loads run: the loads started before the refusal are waited for
     and dropped, and the refused component's own load too."""
     config = json.loads((copy / "vae" / "config.json").read_text())

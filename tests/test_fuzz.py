@@ -49,6 +49,7 @@ def test_the_file_target_notices_a_silently_wrong_tensor(tmp_path, monkeypatch):
 
 def test_the_index_target_notices_a_shard_outside_the_folder(tmp_path, monkeypatch):
     real = fuzz.checkpoint_shards
-    monkeypatch.setattr(fuzz, "checkpoint_shards", lambda path: [Shard(Path("/elsewhere.szt"), None, path)] + real(path))
+    elsewhere = lambda path: [Shard(Path("/elsewhere.szt"), None, path)] + real(path)  # noqa: E731
+    monkeypatch.setattr(fuzz, "checkpoint_shards", elsewhere)
     _, findings = fuzz.run_target("index", 20, rng_seed=None, tmp=tmp_path)
     assert len(findings) == 1 and "outside its folder" in findings[0]

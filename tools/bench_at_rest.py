@@ -243,8 +243,9 @@ def staging(raw_gb: float, work: Path, thread_counts: list[int], repeats: int, s
     with SztFile(memory) as mf, SztFile(rest) as rf:
         entries = list(mf.header.tensors)
         produced = sum(e.length for e in entries)
-        print(f"{cpu_model()}, {os.cpu_count()} cores; {len(entries)} tensors, {sum(e.raw_length for e in entries) / 1e9:.2f} GB "
-              f"raw, in-memory {produced / 1e9:.2f} GB, at rest {sum(e.length for e in rf.header.tensors) / 1e9:.2f} GB; "
+        raw, stored = sum(e.raw_length for e in entries), sum(e.length for e in rf.header.tensors)
+        print(f"{cpu_model()}, {os.cpu_count()} cores; {len(entries)} tensors, {raw / 1e9:.2f} GB "
+              f"raw, in-memory {produced / 1e9:.2f} GB, at rest {stored / 1e9:.2f} GB; "
               f"slots {slots} x {slot_bytes >> 20} MiB; stored CRC-32s {'on' if verify else 'off'}")
 
         def run(source, plan, file: SztFile) -> None:

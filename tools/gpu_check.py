@@ -59,7 +59,8 @@ def with_specials(x: torch.Tensor, g: torch.Generator, count: int) -> torch.Tens
     special = torch.tensor([0x0000, -0x8000, 0x7F80, -0x0080, 0x7FC0, 0x7F81, 0x7FFF, -0x003F, -0x0001, 0x0001,
                             0x007F, -0x7FFF, -0x7F81], dtype=torch.int16)
     b = bits(x).clone()
-    b[torch.randint(0, b.numel(), (count,), generator=g)] = special[torch.randint(0, len(special), (count,), generator=g)]
+    picks = special[torch.randint(0, len(special), (count,), generator=g)]
+    b[torch.randint(0, b.numel(), (count,), generator=g)] = picks
     return from_bits(b)
 
 

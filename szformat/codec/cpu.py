@@ -114,8 +114,8 @@ def _is_small(n: int) -> bool:
     """Whether a tensor of ``n`` elements is encoded with NumPy in one go rather than in PyTorch slices.
 
     Below half a slice, the fixed cost of PyTorch's calls (a few microseconds each, a dozen per tensor, plus the
-    65,536-entry pair tables) outweighs the work; NumPy's calls cost a fraction of that. Tied to :data:`SLICE_PAIRS`, so tests
-    that shrink the slices exercise the sliced path on small tensors too.
+    65,536-entry pair tables) outweighs the work; NumPy's calls cost a fraction of that. Tied to :data:`SLICE_PAIRS`,
+    so tests that shrink the slices exercise the sliced path on small tensors too.
     """
     return n < SLICE_PAIRS // _SMALL_FRACTION
 

@@ -106,8 +106,9 @@ if hasattr(os, "register_at_fork"):
 
 class _BesideTheCodec:
     """``with _BesideTheCodec(data) as crc:`` starts the CRC-32 of ``data`` on a thread of its own; ``crc.result()``
-    waits for it. The CRC releases the GIL, so on a second core its time leaves the conversion's. Leaving the block waits too, whatever happens in it, so ``data`` (often a view of a
-    mapping the caller will close) is never read after the block."""
+    waits for it. The CRC releases the GIL, so on a second core its time leaves the conversion's. Leaving the block
+    waits too, whatever happens in it, so ``data`` (often a view of a mapping the caller will close) is never read
+    after the block."""
 
     def __init__(self, data: torch.Tensor):
         if data.numel() >= CRC_THREAD_MIN_BYTES:

@@ -409,11 +409,12 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int | None,
         raise HeaderError(f"splitzip codebook must be a list of {N_CODES} integers, got {short_repr(lut)}", path=path,
                           tensor=tensor)
     if any(lut[n_used:]):
-        raise HeaderError(f"codebook entries past n_codes_used={n_used} must be 0, got {short_repr(lut[n_used:])}", path=path,
-                          tensor=tensor)
+        raise HeaderError(f"codebook entries past n_codes_used={n_used} must be 0, got {short_repr(lut[n_used:])}",
+                          path=path, tensor=tensor)
     coverage = config.get("coverage")
     if not isinstance(coverage, float) or not 0.0 <= coverage <= 1.0:
-        raise HeaderError(f"splitzip coverage must be a float in [0, 1], got {short_repr(coverage)}", path=path, tensor=tensor)
+        raise HeaderError(f"splitzip coverage must be a float in [0, 1], got {short_repr(coverage)}", path=path,
+                          tensor=tensor)
     try:
         codebook = Codebook(dec_lut=tuple(lut), n_used=n_used, coverage=coverage)
     except ValueError as e:

@@ -66,8 +66,8 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
         raise ShardIndexError("sharded index 'metadata' must be an object", path=path)
     for tensor, shard in obj["weight_map"].items():
         if not isinstance(shard, str) or not _is_relative_file(shard):
-            raise ShardIndexError(f"weight_map names {short_repr(shard)}, not a file inside the index's folder", path=path,
-                                  tensor=tensor)
+            raise ShardIndexError(f"weight_map names {short_repr(shard)}, not a file inside the index's folder",
+                                  path=path, tensor=tensor)
         if "\0" in shard:
             raise ShardIndexError(f"weight_map names {shard!r}, which holds a NUL character: no file has such a name",
                                   path=path, tensor=tensor)

@@ -4,8 +4,8 @@ Loading overlaps host reads, host waits, copies and decodes; a wall time alone c
 Inside ``with recording() as timeline:`` every transfer loop notes, per transfer: the host's wait for a free slot,
 the submission of its reads, each read piece on its reader thread (and the CRC-32 of it, when verifying), the host's
 wait for those reads, the enqueueing of its copy and of its decode, and, on CUDA, when the copy and the decode ran
-on the device (timing events). :meth:`Timeline.summary` folds that into totals; :meth:`Timeline.spans` gives the raw spans. Outside
-``recording()`` nothing is recorded and the loop pays one ``None`` check per step.
+on the device (timing events). :meth:`Timeline.summary` folds that into totals; :meth:`Timeline.spans` gives the
+raw spans. Outside ``recording()`` nothing is recorded and the loop pays one ``None`` check per step.
 
     from szformat.loading import timeline
     with timeline.recording() as tl:
