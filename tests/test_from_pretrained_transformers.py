@@ -388,3 +388,19 @@ def test_a_corrupt_payload_found_by_the_prefetched_load_is_raised_by_from_pretra
     with pytest.raises(ChecksumMismatchError) as caught:
         szt.from_pretrained(tmp_path / "m")
     assert caught.value.tensor == name and caught.value.path is not None and "model.szt" in str(caught.value.path)
+
+
+def test_a_refused_model_whose_prefetched_load_also_failed_reports_the_refusal(llama, tmp_path, prefetch_on_the_cpu):
+    """The load's own error (a corrupt payload) is dropped with the load: the model's refusal is what is raised."""
+    shutil.copytree(llama[1], tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    (tmp_path / "m" / "config.json").write_text(json.dumps({**config, "intermediate_size": 48}))
+    for shard in (tmp_path / "m").glob("*.szt"):
+        data = bytearray(shard.read_bytes())
+        with SztFile(shard) as f:
+            entry = max(f.entries.values(), key=lambda e: e.length)
+            data[entry.offset + 7] ^= 0x10
+        shard.write_bytes(bytes(data))
+    with pytest.raises(CheckpointMismatchError, match="6 shape mismatch"):
+        szt.from_pretrained(tmp_path / "m")
+    assert prefetch_on_the_cpu == []  # the load raised before returning anything
