@@ -156,6 +156,18 @@ def test_the_command_line_converts_repacks_and_shows_both_ratios(tmp_path, capsy
     assert "--at-rest: zstd level must be in" in capsys.readouterr().err
 
 
+def test_repack_does_not_suggest_a_cast_it_cannot_make(tmp_path, capsys):
+    """A checkpoint mostly of F32 is told about ``--cast bf16`` when converted; ``repack`` takes no such option."""
+    from safetensors.torch import save_file
+    source = tmp_path / "model.safetensors"
+    save_file({"w": torch.randn(64, 64), "b": torch.randn(64, 64).to(torch.bfloat16)}, source)
+    assert szconvert([str(source), str(tmp_path / "m.szt")]) == 0
+    assert "--cast bf16" in capsys.readouterr().out
+    assert szconvert(["repack", str(tmp_path / "m.szt"), str(tmp_path / "rest.szt")]) == 0
+    shown = capsys.readouterr().out
+    assert "Wrote" in shown and "--cast" not in shown
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # A 1.0 reader, and forged 1.1 headers
 # ---------------------------------------------------------------------------------------------------------------

@@ -97,7 +97,7 @@ def _convert(args: argparse.Namespace, source: str | os.PathLike) -> ConversionR
     report = convert(source, args.output, device=args.device, overwrite=args.overwrite, cast=args.cast,
                      at_rest=at_rest_level(_form(args)), progress=show_progress(args))
     if not args.quiet:
-        print_lines([f"Wrote {report.output}"] + report.summary())
+        print_lines([f"Wrote {report.output}"] + report.summary() + report.dtype_notes())
     return report
 
 

@@ -138,10 +138,11 @@ class ConversionReport:
             lines.append(f"  coverage  min {min(coverages):.4f}, median {statistics.median(coverages):.4f} "
                          f"(Top-16 exponents, encoded tensors)")
         lines.append(f"  time      {self.seconds:.1f} s, {self.megabytes_per_second:.1f} MB/s of raw weights")
-        return lines + self._dtype_lines()
+        return lines
 
-    def _dtype_lines(self) -> list[str]:
-        """What was cast, or, for floating-point tensors that were not, that only BF16 compresses and what to do."""
+    def dtype_notes(self) -> list[str]:
+        """For a conversion's end report: what was cast, or, for floating-point tensors that were not, that only
+        BF16 compresses and what to do (``--cast``, which only ``szconvert`` itself takes)."""
         if self.cast:
             if not self.cast_from:
                 return [f"  cast      --cast {self.cast}: no {'/'.join(CAST_DTYPES)} tensor to cast"]
