@@ -714,7 +714,7 @@ def test_bad_escape_stream_is_refused_by_a_slice_too(forge, bad):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("tensor, where", [("w", "pk"), ("w", "sm"), ("w", "esc_val"), ("b", None)])
+@pytest.mark.parametrize("tensor, where", [("w", "pk"), ("w", "sm"), ("w", "chunk_id"), ("w", "esc_val"), ("b", None)])
 def test_stored_bytes_checksum_mismatch(forge, bad, tensor, where):
     start = _streams(forge)[where] if where else 0
     original = forge.body[forge.entry(tensor)["offset"] + start]

@@ -8,6 +8,7 @@ wrong tensor. The same classes run end to end on a GPU in tools/offload_e2e.py.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -492,8 +493,12 @@ def test_staged_windows_read_nearby_payloads_in_one_run_and_place_them_on_16_byt
     small = list(staged_windows(bindings, 512))
     assert sum(w.size_bytes for w in small) == last - first and all(w.size_bytes <= 512 for w in small)
     assert sorted(b.label for w in small for b in w.completes) == sorted(Weights.SHAPES)  # each once, at its end
-    apart = list(staged_windows(bindings[:1] + bindings[2:3], 1 << 20))  # a and c with b's page between them
-    assert len(apart) == 1 or all(w.arena_offset % 16 == 0 for w in apart)
+    a, c = bindings[0], bindings[2]
+    off_grid = dataclasses.replace(c.file_slice, offset_bytes=c.file_slice.offset_bytes + 8)  # a's run is on 16 B
+    shifted = dataclasses.replace(c, file_slice=off_grid)
+    apart = list(staged_windows([a, shifted], 1 << 20))
+    assert len(apart) == 2 and all(w.arena_offset % 16 == 0 for w in apart)
+    assert [b.label for w in apart for b in w.completes] == [a.label, c.label]
 
 
 @pytest.mark.parametrize("window_bytes, slots", [(1 << 16, 4), (512, 3), (1024, 2)])

@@ -36,7 +36,8 @@ SEAMS: dict[Any, tuple[str, ...]] = {
                                          "packed_bytes", "_active_buffer", "_record_shard_read", "close"),
     vmm_weight_store.SafetensorSliceRegistry: ("bind", "lookup"),
     model_arena_adapter._NativeShardTransport: ("_window_ranges", "upload_ticket", "upload_batch", "_begin_windows",
-                                                "_acquire_slot", "ticket_active", "close"),
+                                                "_acquire_slot", "ticket_active", "begin_read", "discard_ticket",
+                                                "close"),
     model_arena_adapter.ModelArenaWeightStore: ("temporary_source",),
 }
 """Every DDO class szformat subclasses or calls into, and the methods it relies on. Attributes DDO sets in

@@ -72,10 +72,6 @@ class RegisteredPages:
             return None
         return self._mappings[str(path)].view[start: stop]
 
-    @property
-    def registered_bytes(self) -> int:
-        return sum(stop - start for spans in self._spans.values() for start, stop in spans)
-
     def close(self) -> None:
         for mapping in self._mappings.values():
             mapping.close()
