@@ -190,6 +190,8 @@ def test_small_alignment_without_its_feature_or_out_of_range(forge, bad):
     forge.header["required_features"].append(C.FEATURE_SMALL_ALIGNMENT)
     forge.header["small_alignment"] = 4096
     refused(forge.write(bad, minor=1), HeaderError, "'small_alignment' must be a power of two")
+    del forge.header["small_alignment"]
+    refused(forge.write(bad, minor=1), HeaderError, "'small_alignment' is listed without 'small_alignment'")
 
 
 def test_unknown_at_rest_codec(forge, bad):
@@ -401,3 +403,25 @@ def test_a_refused_frame_leaves_the_threads_context_usable():
         at_rest._inflate_frame(memoryview(bytes(broken)), memoryview(out), at_rest.decompressor())
     at_rest._inflate_frame(memoryview(frame), memoryview(out), at_rest.decompressor())
     assert bytes(out) == data
+
+
+@pytest.mark.parametrize("options, message", [
+    (dict(small_alignment=24), r"small_alignment must be a power of two in \[16, 4096\), got 24"),
+    (dict(small_alignment=4096), r"small_alignment must be a power of two in \[16, 4096\), got 4096"),
+    (dict(frame_size=1), r"frame_size must be an integer in \["),
+    (dict(frame_size=1 << 40), r"frame_size must be an integer in \["),
+])
+def test_the_writer_refuses_what_a_reader_would(tmp_path, options, message):
+    with pytest.raises(ValueError, match=message):
+        SztWriter(tmp_path / "x.szt", alignment=4096, **options)
+    assert not list(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("option, message", [
+    ("brotli", "at-rest codec 'brotli' is not supported; use 'zstd', 'zstd:LEVEL' or 'none'"),
+    ("zstd:fast", "zstd level 'fast' is not an integer"),
+    ("zstd:0", r"zstd level must be in \["),
+])
+def test_an_at_rest_option_that_names_no_stage_is_refused(option, message):
+    with pytest.raises(ValueError, match=message):
+        at_rest.parse_at_rest_option(option)

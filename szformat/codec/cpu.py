@@ -654,14 +654,11 @@ def decode(
             written to ``out`` then.
     """
     stop = layout.n if stop is None else stop
-    if not 0 <= start <= stop <= layout.n:
+    if not 0 <= start <= stop <= layout.n:  # before allocating ``out`` (the decoder checks ``out`` and the payload)
         raise ValueError(f"element range [{start}, {stop}) is outside 0..{layout.n}")
-    _check_payload(payload, layout)
-    if out is None:
-        out = torch.empty(stop - start, dtype=torch.bfloat16)
-    elif out.dtype != torch.bfloat16 or out.numel() != stop - start or not out.is_contiguous():
-        raise ValueError(f"out must be a contiguous bfloat16 tensor of {stop - start} elements")
-    PayloadDecoder(payload, layout, codebook).decode(start, stop, out)
+    decoder = PayloadDecoder(payload, layout, codebook)
+    out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out
+    decoder.decode(start, stop, out)
     return out
 
 

@@ -28,7 +28,7 @@ import zstandard
 
 from ..codec.layout import PayloadLayout
 
-__all__ = ["AT_REST_ZSTD", "FEATURE_AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
+__all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "parse_at_rest", "parse_at_rest_option",
            "stream_extents", "segments", "writer_streams", "compress", "inflate", "inflate_segments", "StoredBytes",
@@ -37,9 +37,6 @@ __all__ = ["AT_REST_ZSTD", "FEATURE_AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "
 
 AT_REST_ZSTD = "zstd"
 """The one at-rest codec of 1.1."""
-
-FEATURE_AT_REST_ZSTD = "at_rest_zstd"
-"""The ``required_features`` name a file with any at-rest stage lists, so a 1.0 reader refuses it by name."""
 
 STREAMS = ("pk", "sm", "chunk_id", "local_pos", "esc_val")
 """The streams of a SplitZip payload, in payload order."""
@@ -125,6 +122,13 @@ def stream_extents(layout: PayloadLayout) -> list[tuple[str, int, int]]:
     return [(name, bounds[i], bounds[i + 1]) for i, name in enumerate(STREAMS)]
 
 
+def check_frame_size(frame_size: object) -> None:
+    """Raise ValueError unless ``frame_size`` is an integer within :data:`MIN_FRAME_SIZE`..:data:`MAX_FRAME_SIZE`
+    (what a reader accepts, so what a writer may write). The message says what the value must be; callers name it."""
+    if type(frame_size) is not int or not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
+        raise ValueError(f"must be an integer in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], got {frame_size!r}")
+
+
 def _frame_count(length: int, frame_size: int) -> int:
     return -(-length // frame_size)
 
@@ -182,9 +186,10 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
         raise AtRestError(f"zstd 'streams' must be distinct stream names in payload order {list(STREAMS)}, "
                           f"got {streams!r}")
     frame_size = config.get("frame_size")
-    if type(frame_size) is not int or not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
-        raise AtRestError(f"zstd 'frame_size' must be an integer in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], "
-                          f"got {frame_size!r}")
+    try:
+        check_frame_size(frame_size)
+    except ValueError as e:
+        raise AtRestError(f"zstd 'frame_size' {e}") from None
     frames = config.get("frames")
     if not isinstance(frames, list) or any(type(f) is not int or f <= 0 for f in frames):
         raise AtRestError("zstd 'frames' must be a list of positive integers (stored frame lengths)")
@@ -243,8 +248,10 @@ def compress(payload: torch.Tensor, layout: PayloadLayout, *, level: int = DEFAU
     nothing is copied before it is written (joining them cost more than compressing, on MiniLM). ``streams``
     defaults to :func:`writer_streams`.
     """
-    if not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
-        raise ValueError(f"frame size must be in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], got {frame_size}")
+    try:
+        check_frame_size(frame_size)
+    except ValueError as e:
+        raise ValueError(f"frame_size {e}") from None
     streams = writer_streams(layout) if streams is None else tuple(s for s in STREAMS if s in streams)
     data = memoryview(payload.numpy())
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)

@@ -10,7 +10,6 @@ import struct
 import torch
 
 from ..codec.gate import ENCODING_RAW, ENCODING_SPLITZIP
-from .at_rest import FEATURE_AT_REST_ZSTD as AT_REST_FEATURE
 
 MAGIC = b"\x89SZT\r\n\x1a\n"
 """Eight bytes at offset 0. The high byte and the CR LF / ^Z / LF tail catch text-mode and 7-bit transfers."""
@@ -22,8 +21,9 @@ READER_SUPPORTED_MAJORS = (1,)
 """A reader refuses any other major version. Minor versions of a known major only add optional header fields, and
 features a reader must implement, announced in ``required_features``."""
 
-FEATURE_AT_REST_ZSTD = AT_REST_FEATURE
-"""1.1: some SplitZip payloads are stored with streams as zstd frames (``encoding.at_rest``; see ``at_rest.py``)."""
+FEATURE_AT_REST_ZSTD = "at_rest_zstd"
+"""1.1: some SplitZip payloads are stored with streams as zstd frames (``encoding.at_rest``; see ``at_rest.py``), so
+a 1.0 reader refuses such a file by name."""
 FEATURE_SMALL_ALIGNMENT = "small_alignment"
 """1.1: payloads shorter than SMALL_PAYLOAD_LIMIT start at multiples of the header's ``small_alignment``."""
 FEATURES: frozenset[str] = frozenset({FEATURE_AT_REST_ZSTD, FEATURE_SMALL_ALIGNMENT})

@@ -132,6 +132,12 @@ def payload_alignment(length: int, alignment: int, small_alignment: int | None) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
+def validate_small_alignment(value: object, alignment: int) -> None:
+    """Format 1.1: payloads under 1 MiB start at multiples of ``value``, a power of two in [16, ``alignment``)."""
+    if type(value) is not int or not C.MIN_SMALL_ALIGNMENT <= value < alignment or value & (value - 1):
+        raise ValueError(f"must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}), got {value!r}")
+
+
 def validate_name(name: object) -> None:
     """A tensor name is a non-empty UTF-8 string of at most MAX_NAME_BYTES, without NUL, not ``__metadata__``."""
     if not isinstance(name, str) or not name:
@@ -211,10 +217,10 @@ def parse_header(
         if C.FEATURE_SMALL_ALIGNMENT not in features:
             raise HeaderError(f"'small_alignment' is set but {C.FEATURE_SMALL_ALIGNMENT!r} is not among the "
                               "required features", path=path)
-        if (type(small_alignment) is not int or not C.MIN_SMALL_ALIGNMENT <= small_alignment < alignment
-                or small_alignment & (small_alignment - 1)):
-            raise HeaderError(f"'small_alignment' must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}),"
-                              f" got {small_alignment!r}", path=path)
+        try:
+            validate_small_alignment(small_alignment, alignment)
+        except ValueError as e:
+            raise HeaderError(f"'small_alignment' {e}", path=path) from None
     elif C.FEATURE_SMALL_ALIGNMENT in features:
         raise HeaderError(f"required feature {C.FEATURE_SMALL_ALIGNMENT!r} is listed without 'small_alignment'",
                           path=path)

@@ -24,7 +24,8 @@ from ..errors import ConversionError, WriteError
 from . import at_rest as at_rest_stage
 from . import constants as C
 from .atomic import AtomicFile
-from .header import Header, TensorEntry, payload_alignment, validate_metadata, validate_name, validate_shape
+from .header import (Header, TensorEntry, payload_alignment, validate_metadata, validate_name, validate_shape,
+                     validate_small_alignment)
 
 
 class WriterState(enum.Enum):
@@ -65,13 +66,15 @@ class SztWriter:
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
                              f"got {alignment!r}")
-        if small_alignment is not None and (type(small_alignment) is not int or small_alignment & (small_alignment - 1)
-                                            or not C.MIN_SMALL_ALIGNMENT <= small_alignment < alignment):
-            raise ValueError(f"small_alignment must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}), "
-                             f"got {small_alignment!r}")
-        if not at_rest_stage.MIN_FRAME_SIZE <= frame_size <= at_rest_stage.MAX_FRAME_SIZE:
-            raise ValueError(f"frame_size must be in [{at_rest_stage.MIN_FRAME_SIZE}, "
-                             f"{at_rest_stage.MAX_FRAME_SIZE}], got {frame_size!r}")
+        try:
+            if small_alignment is not None:
+                validate_small_alignment(small_alignment, alignment)
+        except ValueError as e:
+            raise ValueError(f"small_alignment {e}") from None
+        try:
+            at_rest_stage.check_frame_size(frame_size)
+        except ValueError as e:
+            raise ValueError(f"frame_size {e}") from None
         if metadata is not None:
             try:
                 validate_metadata(metadata)
