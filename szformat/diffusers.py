@@ -28,6 +28,7 @@ from .format import constants as C
 from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, PreparedModel, checkpoint_entries, has_weights,
                            load_weights, parameters_on_meta, place_buffers, plan_weights, prefetching,
                            refuse_mismatches, require, resolve_model_folder, weights_in)
+from .offload.binding import module_tensor, tensor_owner
 
 __all__ = ["from_pretrained", "DENOISER_PREFIXES"]
 
@@ -207,8 +208,7 @@ def _cast_fed_buffers(model: torch.nn.Module, expected: Mapping[str, torch.Tenso
     in float32 when built (SD3's ``pos_embed``); diffusers casts them with the weights, and an offload route binds
     a buffer only in its stored dtype."""
     for name in fed:
-        module_name, _, key = name.rpartition(".")
-        module = model.get_submodule(module_name)
+        module, key = tensor_owner(model, name)
         buffer = module._buffers.get(key)
         if buffer is not None and buffer.dtype != expected[name].dtype:
             module._buffers[key] = buffer.to(expected[name].dtype)
@@ -270,7 +270,7 @@ class _DiffusersComponent(PreparedModel):
             from .offload import load_into_offloader
 
             _cast_fed_buffers(model, self.expected, self.plan.sources)
-            fed = {id(t) for n, t in [*model.named_parameters(), *model.named_buffers()] if n in self.plan.sources}
+            fed = {id(module_tensor(model, name)) for name in self.plan.sources}
             place_buffers(model, device, skip=fed)
             handle = load_into_offloader(self.checkpoint, model, route=offload, device=device,
                                          **(offload_options or {}))

@@ -82,6 +82,18 @@ def short_repr(value: object) -> str:
     return _SHORT_REPR.repr(value)
 
 
+LISTED = 10
+"""How many names a message lists per problem before it says how many more there are."""
+
+
+def listing(items: list[str], separator: str = ", ") -> str:
+    """The first :data:`LISTED` of ``items``, joined, and how many more there are: a message that names every
+    mismatch of a large model would run to pages."""
+    shown = separator.join(items[:LISTED])
+    hidden = len(items) - LISTED
+    return f"{shown}{separator}... and {hidden} more" if hidden > 0 else shown
+
+
 # FILE FORMAT ERRORS
 
 

@@ -22,14 +22,11 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import CheckpointMismatchError, FormatError, HubReferenceError, MissingDependencyError, ModelFolderError
+from .errors import CheckpointMismatchError, HubReferenceError, MissingDependencyError, ModelFolderError, listing
 from .format import constants as C
-from .format.index import INDEX_TAIL, checkpoint_shards, open_shard
+from .format.index import INDEX_TAIL
 
 SAFETENSORS_SUFFIX = ".safetensors"
-LISTED = 10
-"""How many names a mismatch lists per problem before it says how many more there are."""
-
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 """A plain Hub repo id (``namespace/name``), as transformers and diffusers accept one in place of a folder."""
 
@@ -171,7 +168,7 @@ class WeightPlan:
     """(module name, checkpoint shape, module shape) of each entry whose shape does not fit."""
 
     def describe_mismatches(self) -> str:
-        return _listing([f"{name}: checkpoint {list(stored)}, model {list(expected)}"
+        return listing([f"{name}: checkpoint {list(stored)}, model {list(expected)}"
                          for name, stored, expected in self.mismatched])
 
 
@@ -220,14 +217,12 @@ def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
     Raises:
         FormatError, ShardIndexError: a file or the index is not valid, or two shards hold one tensor.
     """
-    entries: dict[str, Any] = {}
-    for shard in checkpoint_shards(checkpoint):
-        with open_shard(shard) as file:
-            for name, entry in file.entries.items():
-                if name in entries:
-                    raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
-                entries[name] = entry
-    return entries
+    from .loading.loader import load_checkpoint
+
+    def entries_of(file, names: list[str] | None) -> dict[str, Any]:  # (the shard's, or those its index names)
+        return {name: file.entries[name] for name in (file.entries if names is None else names)}
+
+    return load_checkpoint(entries_of, checkpoint)
 
 
 def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *, strict: bool) -> None:
@@ -240,9 +235,9 @@ def refuse_mismatches(plan: WeightPlan, model: torch.nn.Module, folder: Path, *,
     if plan.mismatched:
         problems.append(f"{len(plan.mismatched)} shape mismatch(es): {plan.describe_mismatches()}")
     if strict and plan.missing:
-        problems.append(f"{len(plan.missing)} missing from the checkpoint: {_listing(plan.missing)}")
+        problems.append(f"{len(plan.missing)} missing from the checkpoint: {listing(plan.missing)}")
     if strict and plan.unexpected:
-        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {_listing(plan.unexpected)}")
+        problems.append(f"{len(plan.unexpected)} unexpected in the checkpoint: {listing(plan.unexpected)}")
     if problems:
         raise CheckpointMismatchError(f"checkpoint does not fit {type(model).__name__} built from its config: "
                                       + "; ".join(problems), path=folder)
@@ -367,9 +362,3 @@ def meta_tensors(model: torch.nn.Module) -> list[str]:
 def first_line(error: BaseException) -> str:
     """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
     return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__
-
-
-def _listing(items: list[str]) -> str:
-    shown = ", ".join(items[:LISTED])
-    hidden = len(items) - LISTED
-    return f"{shown}, ... and {hidden} more" if hidden > 0 else shown

@@ -26,6 +26,7 @@ from .format import constants as C
 from .model_folder import (Prefetch, PreparedModel, WeightPlan, checkpoint_entries, first_line, load_weights,
                            meta_tensors, parameters_on_meta, place_buffers, plan_weights, prefetching,
                            refuse_mismatches, require, require_converted, resolve_model_folder, weights_in)
+from .offload.binding import module_tensor, tensor_owner
 from .transformers_conversions import checkpoint_conversions
 
 __all__ = ["from_pretrained"]
@@ -151,7 +152,7 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
         fed: set[int] = set()
     else:
         model.tie_weights()
-        fed = {id(_tensor(model, name)) for name in plan.sources}
+        fed = {id(module_tensor(model, name)) for name in plan.sources}
     place_buffers(model, device, skip=fed)
     initialized = _initialize_missing(transformers, model, device, skip=fed)
     if offload is not None:
@@ -289,12 +290,12 @@ def _initialize_missing(transformers, model, device: torch.device, skip: set[int
     with its model's ``_init_weights``, as transformers does for weights a checkpoint lacks; returns their names.
 
     Tensors in ``skip`` (by ``id``: those an offload route feeds) are left alone."""
-    names = [name for name in meta_tensors(model) if id(_tensor(model, name)) not in skip]
+    names = [name for name in meta_tensors(model) if id(module_tensor(model, name)) not in skip]
     owners: dict[str, list[str]] = {}
     for name in names:
-        module_name, _, key = name.rpartition(".")
-        module = model.get_submodule(module_name)
-        current = _tensor(model, name)
+        module_name = name.rpartition(".")[0]
+        module, key = tensor_owner(model, name)
+        current = module_tensor(model, name)
         value = torch.empty_like(current, device=device)
         if isinstance(current, torch.nn.Parameter):
             module._parameters[key] = torch.nn.Parameter(value, requires_grad=current.requires_grad)
@@ -313,12 +314,6 @@ def _initialize_missing(transformers, model, device: torch.device, skip: set[int
     if names:
         model.tie_weights()
     return names
-
-
-def _tensor(model, name: str) -> torch.Tensor:
-    module_name, _, key = name.rpartition(".")
-    module = model.get_submodule(module_name)
-    return module._parameters.get(key) if key in module._parameters else module._buffers[key]
 
 
 def _init_weights_of(transformers, model, module_name: str):

@@ -14,7 +14,7 @@ import szformat
 from szformat.errors import BindingError, DecodeRouteError, SzformatError
 from szformat.format.reader import SztFile
 from szformat.offload import OffloadEnvironment, bind_module, load_into_offloader
-from szformat.offload.binding import LISTED_PER_PROBLEM
+from szformat.errors import LISTED as LISTED_PER_PROBLEM
 
 
 @dataclass(frozen=True)

@@ -340,12 +340,9 @@ def empty_weights(checkpoint, *args, **kwargs) -> dict[str, torch.Tensor]:
     the first call: reading them (a fusion of experts does) costs what reading decoded weights costs, where fresh
     ``torch.empty`` tensors would fault a page at a time."""
     from szformat.format import constants as C
-    from szformat.format.index import checkpoint_shards, open_shard
+    from szformat.model_folder import checkpoint_entries
 
-    entries = {}
-    for shard in checkpoint_shards(checkpoint):
-        with open_shard(shard) as file:
-            entries.update(file.entries)
+    entries = checkpoint_entries(checkpoint)
     sizes = {name: -(-e.raw_length // 64) * 64 for name, e in entries.items()}
     if not _WRITTEN or _WRITTEN[0].numel() < sum(sizes.values()):
         _WRITTEN[:] = [torch.zeros(sum(sizes.values()), dtype=torch.uint8)]

@@ -19,14 +19,11 @@ from typing import Protocol
 
 import torch
 
-from ..errors import BindingError
+from ..errors import BindingError, listing
 from ..format import constants as C
 
 __all__ = ["EntryLike", "TensorBinding", "ModuleBinding", "assign_tensor", "bind_module", "module_tensor",
            "snapshot_tensors"]
-
-LISTED_PER_PROBLEM = 10
-"""How many names each problem lists before it says how many more there are."""
 
 
 class EntryLike(Protocol):
@@ -158,7 +155,7 @@ class _Report:
         sections = [(title, items) for title, items in self._sections(strict) if items]
         lines = ["module does not match the checkpoint: " + ", ".join(f"{len(items)} {title}"
                                                                      for title, items in sections)]
-        lines += [f"  {title}: {_listing(items)}" for title, items in sections]
+        lines += [f"  {title}: {listing(items, '; ')}" for title, items in sections]
         if self.dtype_mismatch:
             lines.append("  (stored payloads are exact only in their own dtype: convert the module, e.g. "
                          "module.to(torch.bfloat16), before loading)")
@@ -237,15 +234,11 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return C.TORCH_TO_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 
 
-def _listing(items: list[str]) -> str:
-    shown = "; ".join(items[:LISTED_PER_PROBLEM])
-    hidden = len(items) - LISTED_PER_PROBLEM
-    return f"{shown}; ... and {hidden} more" if hidden > 0 else shown
 
 
 def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer ``name`` (dotted, as in ``state_dict``) of ``module`` as it is now."""
-    owner, key = _owner(module, name)
+    owner, key = tensor_owner(module, name)
     found = owner._parameters.get(key)
     if found is None:
         found = owner._buffers.get(key)
@@ -263,7 +256,7 @@ def assign_tensor(module: torch.nn.Module, names: tuple[str, ...], value: torch.
     """
     replacements: dict[int, torch.Tensor] = {}
     for name in names:
-        owner, key = _owner(module, name)
+        owner, key = tensor_owner(module, name)
         current = owner._parameters.get(key)
         table = owner._parameters if current is not None else owner._buffers
         current = current if current is not None else owner._buffers[key]
@@ -280,7 +273,7 @@ def snapshot_tensors(module: torch.nn.Module, names: Iterable[str]) -> Callable[
     """Remember what ``names`` refer to now; the returned function puts it all back (after a failed install)."""
     saved = []
     for name in names:
-        owner, key = _owner(module, name)
+        owner, key = tensor_owner(module, name)
         table = owner._parameters if owner._parameters.get(key) is not None else owner._buffers
         current = table[key]
         saved.append((table, key, current, None if current.device.type == "meta" else current.data))
@@ -294,6 +287,7 @@ def snapshot_tensors(module: torch.nn.Module, names: Iterable[str]) -> Callable[
     return restore
 
 
-def _owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+def tensor_owner(module: torch.nn.Module, name: str) -> tuple[torch.nn.Module, str]:
+    """The submodule that holds tensor ``name`` (dotted, as in ``state_dict``), and the tensor's key in it."""
     prefix, _, key = name.rpartition(".")
     return (module.get_submodule(prefix) if prefix else module), key
