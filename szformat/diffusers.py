@@ -100,8 +100,9 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
     with prefetching(device, verify=verify, staging=staging) as prefetch:
         try:
             for name, (library, class_name) in components.items():  # every component checked before any is used
+                route = offload if name in offloaded else None
                 prepared[name] = _prepare(diffusers, folder / name, library, class_name, torch_dtype, variant,
-                                          prefetch if name not in offloaded else None)
+                                          route, prefetch if route is None else None)
             for name, component in prepared.items():
                 route = offload if name in offloaded else None
                 loaded[name], handle = component.finish(device=device, offload=route, verify=verify,
@@ -176,8 +177,9 @@ def _offloaded(components: Mapping[str, tuple[str, str]], offload: str | None,
 
 
 def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype: torch.dtype | None,
-             variant: str | None, prefetch: Prefetch | None):
-    """Build one component on ``meta`` and match its checkpoint (with ``prefetch``, its load runs meanwhile)."""
+             variant: str | None, offload: str | None, prefetch: Prefetch | None):
+    """Build one component on ``meta`` and match its checkpoint, for the offload route ``offload`` if given (with
+    ``prefetch``, its load runs meanwhile)."""
     if library == "transformers":
         from . import transformers as szt
 
@@ -185,7 +187,7 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
         if model_class is None:
             raise UnknownArchitectureError(f"transformers has no class {class_name!r}", path=folder)
         return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or "auto",
-                                                        variant=variant, prefetch=prefetch))
+                                                        variant=variant, offload=offload, prefetch=prefetch))
     model_class = getattr(diffusers, class_name, None)
     if model_class is None or not issubclass(model_class, diffusers.ModelMixin):
         raise UnknownArchitectureError(f"{library}.{class_name} is not a diffusers model class this diffusers "

@@ -97,8 +97,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
     with prefetching(device, verify=verify, staging=staging) as prefetch:
         prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,
                                  ignore_mismatched_sizes=ignore_mismatched_sizes,
-                                 trust_remote_code=trust_remote_code, prefetch=prefetch if offload is None else None,
-                                 **kwargs)
+                                 trust_remote_code=trust_remote_code, offload=offload, prefetch=prefetch, **kwargs)
         model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
                                    offload_options=offload_options)
     return (model, info) if output_loading_info else model
@@ -107,18 +106,19 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
 def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dtype = "auto",
                   variant: str | None = None, key_mapping: Mapping[str, str] | None = None,
                   ignore_mismatched_sizes: bool = False, trust_remote_code: bool = False,
-                  prefetch: Prefetch | None = None, **kwargs: Any) -> PreparedModel:
-    """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`); with
-    ``prefetch``, the checkpoint's load starts first and runs meanwhile.
+                  offload: str | None = None, prefetch: Prefetch | None = None, **kwargs: Any) -> PreparedModel:
+    """Read the config, build the model on ``meta`` and match the checkpoint to it (see `from_pretrained`), for
+    the offload route ``offload`` if given; with ``prefetch`` and no route, the checkpoint's load starts first and
+    runs meanwhile.
 
     Raises:
-        ModelFolderError, UnknownArchitectureError, CheckpointMismatchError: as `from_pretrained`.
+        ModelFolderError, UnknownArchitectureError, CheckpointMismatchError, DecodeRouteError: as `from_pretrained`.
     """
     transformers = require("transformers", "transformers")
     require("accelerate", "transformers")
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     checkpoint = weights_in(folder, variant)
-    loading = prefetch.start(checkpoint) if prefetch is not None else None
+    loading = prefetch.start(checkpoint) if prefetch is not None and offload is None else None
     try:
         config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
         entries = checkpoint_entries(checkpoint)
@@ -129,6 +129,8 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
         plan = plan_weights(expected, entries, rename, conversions)
         if not ignore_mismatched_sizes:
             refuse_mismatches(plan, model, folder, strict=False)
+        if offload is not None and plan.conversions:
+            _refuse_converted_offload(plan, offload, folder)
     except BaseException:
         Prefetch.discard(loading)
         raise
@@ -143,8 +145,6 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     transformers = require("transformers", "transformers")
     model, folder, plan = prepared.model, prepared.folder, prepared.plan
     device = torch.device(device)
-    if offload is not None and plan.conversions:
-        _refuse_converted_offload(plan, offload, folder)
     if offload is None:
         load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,
                      staging=staging, loading=prepared.loading)
