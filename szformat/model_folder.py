@@ -22,8 +22,9 @@ from typing import Any, Protocol
 
 import torch
 
-from .errors import CheckpointMismatchError, HubReferenceError, MissingDependencyError, ModelFolderError, listing
+from .errors import CheckpointMismatchError, MissingDependencyError, ModelFolderError, listing
 from .format import constants as C
+from .paths import refuse_hub_options
 from .format.index import INDEX_TAIL
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -55,10 +56,7 @@ def resolve_model_folder(path_or_repo: str | os.PathLike, *, revision: str | Non
     hub_kwargs = dict(revision=revision, token=token, cache_dir=cache_dir, local_files_only=local_files_only)
     local = Path(text)
     if not text.startswith("hf://") and local.exists():
-        given = [k for k, v in hub_kwargs.items() if v not in (None, False)]
-        if given:
-            raise HubReferenceError(f"{', '.join(given)} only apply to Hub repos, and this is a local path",
-                                    path=text)
+        refuse_hub_options(text, hub_kwargs, "Hub repos, and this is a local path")
         if not local.is_dir():
             raise ModelFolderError("expected a converted model folder (config and .szt files), got a file; pass "
                                    "its folder, or load the file with szformat.load_file", path=text)

@@ -267,3 +267,21 @@ def test_a_component_refused_after_others_started_loading_releases_their_loads(c
     with pytest.raises(CheckpointMismatchError, match="AutoencoderKL"):
         szd.from_pretrained(copy)
     assert prefetch_on_the_cpu and all(tensors == {} for _, tensors in prefetch_on_the_cpu)
+
+
+def test_offload_components_need_a_route_and_components_with_weights(pipeline, no_decoding):
+    with pytest.raises(ValueError, match=r"offload_components= needs offload="):
+        szd.from_pretrained(pipeline[1], offload_components=["unet"])
+    with pytest.raises(ValueError, match="offload_components names"):
+        szd.from_pretrained(pipeline[1], offload="accelerate", offload_components=["scheduler"])
+
+
+def test_a_pipeline_without_weights_or_a_component_config_is_refused(copy, no_decoding):
+    (copy / "vae" / "config.json").unlink()
+    with pytest.raises(ModelFolderError, match="no config.json in the component folder"):
+        szd.from_pretrained(copy)
+    index = json.loads((copy / "model_index.json").read_text())
+    (copy / "model_index.json").write_text(json.dumps({k: v for k, v in index.items()
+                                                       if k not in ("unet", "vae", "text_encoder")}))
+    with pytest.raises(ModelFolderError, match="no component holds .szt weights"):
+        szd.from_pretrained(copy)

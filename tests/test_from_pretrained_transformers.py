@@ -29,7 +29,8 @@ import szformat
 import szformat.api
 import szformat.transformers as szt
 from szformat.cli.main import main as szconvert
-from szformat.errors import (CheckpointMismatchError, ModelFolderError, SzformatError, UnknownArchitectureError)
+from szformat.errors import (CheckpointMismatchError, HubReferenceError, ModelFolderError, SzformatError,
+                             UnknownArchitectureError)
 from szformat.format.reader import SztFile
 from szformat.offload import OffloadEnvironment
 from szformat.offload import loader as offload_loader
@@ -404,3 +405,22 @@ def test_a_refused_model_whose_prefetched_load_also_failed_reports_the_refusal(l
     with pytest.raises(CheckpointMismatchError, match="6 shape mismatch"):
         szt.from_pretrained(tmp_path / "m")
     assert prefetch_on_the_cpu == []  # the load raised before returning anything
+
+
+def test_what_is_not_a_converted_model_folder_is_refused_by_name(llama, tmp_path, no_decoding):
+    shutil.copytree(llama[1], tmp_path / "m")
+    with pytest.raises(HubReferenceError, match="revision only apply to Hub repos, and this is a local path"):
+        szt.from_pretrained(tmp_path / "m", revision="main")
+    with pytest.raises(ModelFolderError, match="got a file; pass its folder"):
+        szt.from_pretrained(tmp_path / "m" / "config.json")
+    with pytest.raises(ModelFolderError, match=r"no such folder \(nor a Hub repo id"):
+        szt.from_pretrained(tmp_path / "missing")
+    for weights in (tmp_path / "m").glob("*.szt*"):
+        weights.unlink()
+    with pytest.raises(ModelFolderError, match="no .szt weights in the folder"):
+        szt.from_pretrained(tmp_path / "m")
+
+
+def test_a_dtype_that_names_no_torch_dtype_is_refused(llama, no_decoding):
+    with pytest.raises(ValueError, match="dtype must be 'auto', a torch.dtype or its name, got 'bfloat17'"):
+        szt.from_pretrained(llama[1], dtype="bfloat17")

@@ -132,9 +132,6 @@ def _form_text(stats: CheckpointStats) -> str:
             "the in-memory form once, for the fastest loads")
 
 
-INTEGRATIONS = ("transformers", "diffusers")
-
-
 _ONE_CALL = {
     "transformers": ("import szformat.transformers",
                      'model = szformat.transformers.from_pretrained("{ref}", device="cuda")'),

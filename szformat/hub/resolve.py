@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import re
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from pathlib import Path
@@ -151,8 +152,7 @@ def download_safetensors_repo(ref: str | HubRef, *, revision: str | None = None,
                              endpoint=endpoint)
     if ref.filename.endswith(".safetensors"):
         return downloader.file(ref.filename)
-    folder = downloader.snapshot([f"{ref.filename}/{p}" if ref.filename else p for p in SOURCE_PATTERNS])
-    local = folder.joinpath(*ref.filename.split("/")) if ref.filename else folder
+    local = downloader.folder(SOURCE_PATTERNS)
     if not any(local.rglob("*.safetensors")):
         raise HubCheckpointNotFoundError(f"{ref} holds no .safetensors file to convert", path=local)
     return local
@@ -179,8 +179,7 @@ def download_model_repo(ref: str | HubRef, *, revision: str | None = None, local
         raise HubReferenceError(f"{ref} names a file; a model loads from a repo or a folder of one")
     downloader = _Downloader(ref, local_files_only=local_files_only, token=token, cache_dir=cache_dir,
                              endpoint=endpoint)
-    folder = downloader.snapshot([f"{ref.filename}/{p}" if ref.filename else p for p in MODEL_PATTERNS])
-    return folder.joinpath(*ref.filename.split("/")) if ref.filename else folder
+    return downloader.folder(MODEL_PATTERNS)
 
 
 class _Downloader:
@@ -195,8 +194,13 @@ class _Downloader:
     def file(self, filename: str, revision: str | None = None) -> Path:
         return Path(hf_hub_download(filename=filename, revision=revision or self.ref.revision, **self.options))
 
-    def snapshot(self, allow_patterns: list[str]) -> Path:
-        return Path(snapshot_download(revision=self.ref.revision, allow_patterns=allow_patterns, **self.options))
+    def folder(self, patterns: Sequence[str]) -> Path:
+        """The files of the referenced folder (the whole repo when it names none) that ``patterns`` match, from
+        one commit; returns that folder's local path."""
+        within = self.ref.filename
+        allow = [f"{within}/{p}" if within else p for p in patterns]
+        root = Path(snapshot_download(revision=self.ref.revision, allow_patterns=allow, **self.options))
+        return root.joinpath(*within.split("/")) if within else root
 
     def checkpoint(self) -> Path:
         """What `resolve` returns for this reference (see there)."""
