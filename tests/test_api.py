@@ -373,14 +373,15 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         checked.append((kwargs["tensor"], kwargs["what"]))
         return real(*args, **kwargs)
 
-    real_compare = host_decode._compare
+    real_compare = host_decode.compare_crc
 
-    def compare_spy(actual, expected, what, path, tensor):
+    def compare_spy(actual, expected, *, what, path, tensor):
         checked.append((tensor, what))
-        return real_compare(actual, expected, what, path, tensor)
+        return real_compare(actual, expected, what=what, path=path, tensor=tensor)
 
     monkeypatch.setattr(api, "check_crc", spy)
-    monkeypatch.setattr(host_decode, "_compare", compare_spy)
+    monkeypatch.setattr(host_decode, "check_crc", spy)
+    monkeypatch.setattr(host_decode, "compare_crc", compare_spy)
     with safe_open(model_file, framework="pt") as f:
         f.get_slice("weight")[0:2]
         f.get_slice("weight")[5]

@@ -346,7 +346,11 @@ def pread_exactly(fd: int, out: torch.Tensor | memoryview, offset: int, *, path:
 
 def check_crc(data: torch.Tensor, expected: int, *, what: str, path: str | os.PathLike, tensor: str) -> None:
     """Raise ChecksumMismatchError unless the CRC-32 of a flat uint8 CPU tensor is ``expected``."""
-    actual = tensor_crc32(data)
+    compare_crc(tensor_crc32(data), expected, what=what, path=path, tensor=tensor)
+
+
+def compare_crc(actual: int, expected: int, *, what: str, path: str | os.PathLike, tensor: str) -> None:
+    """Raise ChecksumMismatchError unless a CRC-32 taken (or joined from parts) is the one the header records."""
     if actual != expected:
         raise ChecksumMismatchError(f"CRC-32 of the {what} is {actual:#010x}, the header records {expected:#010x}",
                                     path=path, tensor=tensor)

@@ -34,13 +34,13 @@ from typing import Sequence
 
 import torch
 
-from ..checksum import crc32, crc32_join, tensor_crc32
+from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
-from ..errors import ChecksumMismatchError, PayloadError
+from ..errors import PayloadError
 from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
-from ..format.reader import SztFile
+from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
 
@@ -148,7 +148,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
     else:
         stored = file.read(entry.name)
         if check_stored:
-            _compare(tensor_crc32(stored), entry.crc32, "stored bytes", file.path, entry.name)
+            check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         try:
             payload = at_rest.inflate(stored, layout, entry.at_rest)
         except at_rest.AtRestError as e:
@@ -158,7 +158,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
         decoder = PayloadDecoder(payload, layout, entry.codebook)
     except ValueError as e:
         if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke
-            _compare(tensor_crc32(file.read(entry.name)), entry.crc32, "stored bytes", file.path, entry.name)
+            check_crc(file.read(entry.name), entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
     out = torch.empty(layout.n, dtype=torch.bfloat16)
     return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
@@ -209,18 +209,12 @@ def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> No
     entry = job.entry
     if job.decoder is None:
         if check_stored:
-            _compare(crc32_join(zip(job.sums, (stop - start for start, stop in job.ranges))), entry.crc32,
-                     "stored bytes", path, entry.name)
+            compare_crc(crc32_join(zip(job.sums, (stop - start for start, stop in job.ranges))), entry.crc32,
+                        what="stored bytes", path=path, tensor=entry.name)
         return
     sums = [(start, stop, s) for (start, stop), s in zip(job.ranges, job.sums)]
     if check_stored and job.reads:
-        _compare(job.decoder.stored_crc(sums), entry.crc32, "stored bytes", path, entry.name)
+        compare_crc(job.decoder.stored_crc(sums), entry.crc32, what="stored bytes", path=path, tensor=entry.name)
     if check_decoded:
-        _compare(crc32_join((s.raw, 2 * (stop - start)) for start, stop, s in sums), entry.raw_crc32,
-                 "decoded bytes", path, entry.name)
-
-
-def _compare(actual: int, expected: int, what: str, path: Path, tensor: str) -> None:
-    if actual != expected:
-        raise ChecksumMismatchError(f"CRC-32 of the {what} is {actual:#010x}, the header records {expected:#010x}",
-                                    path=path, tensor=tensor)
+        compare_crc(crc32_join((s.raw, 2 * (stop - start)) for start, stop, s in sums), entry.raw_crc32,
+                    what="decoded bytes", path=path, tensor=entry.name)
