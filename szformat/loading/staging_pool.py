@@ -77,12 +77,12 @@ def stage_entry(source: SztFile, name: str, host: torch.Tensor, offset: int, *, 
         PayloadError: the payload does not decode (host decode only).
     """
     entry = source.entry(name)
-    payload = source.memory_payload(name)
     staged = describe_entry(source, name, offset, decode_on_host=decode_on_host)
     if offset + staged.reserved > host.numel():
         raise DecodeRouteError(
             f"staging slot of {host.numel()} bytes is too small: the tensor needs {staged.reserved} bytes at offset "
             f"{offset}; give the pool larger slots", path=source.path, tensor=name)
+    payload = source.memory_payload(name)  # (inflated, for a file at rest: only once the tensor fits)
     target = host[offset: offset + staged.payload_bytes]
     if entry.encoding == ENCODING_SPLITZIP and decode_on_host:
         try:
