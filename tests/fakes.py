@@ -8,15 +8,26 @@ from szformat.codec import cpu as cpu_codec
 
 
 class ReferenceCodec:
-    """The device codec's contract, fulfilled by the CPU reference decoder."""
+    """The device codec's contract, fulfilled by the CPU reference decoder: like the kernels, it flags escape streams
+    that break a rule in ``errors`` when given (the reference refuses them; the kernels decode them as they stand)."""
 
     def batch_tables(self, batches, device):
         return [list(entries) for entries in batches]
 
-    def decode_batch(self, payloads, table, out):
-        for layout, codebook, payload_offset, output_offset in table:
-            cpu_codec.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
-                             out=out[output_offset: output_offset + layout.n])
+    def decode_batch(self, payloads, table, out, errors=None):
+        for i, (layout, codebook, payload_offset, output_offset) in enumerate(table):
+            self._decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
+                         out[output_offset: output_offset + layout.n], None if errors is None else errors[i:i + 1])
+
+    @staticmethod
+    def _decode(payload, layout, codebook, out, errors):
+        if errors is not None:
+            try:
+                cpu_codec.escape_positions(payload, layout)
+            except ValueError:
+                errors.fill_(1)
+                return
+        cpu_codec.decode(payload, layout, codebook, out=out)
 
     def decode_batch_at(self, payloads, table, base):
         storage = base.untyped_storage()
@@ -26,6 +37,6 @@ class ReferenceCodec:
     def new_scratch(self):
         return None
 
-    def decode_in_place(self, buffer, layout, codebook, scratch):
+    def decode_in_place(self, buffer, layout, codebook, scratch, errors=None):
         stash = buffer[: layout.comp_bytes].clone()
-        cpu_codec.decode(stash, layout, codebook, out=buffer[: layout.raw_bytes].view(torch.bfloat16))
+        self._decode(stash, layout, codebook, buffer[: layout.raw_bytes].view(torch.bfloat16), errors)

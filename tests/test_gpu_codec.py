@@ -229,3 +229,70 @@ def test_decode_refuses_short_payload_and_wrong_out():
     misaligned = torch.empty(101, dtype=torch.bfloat16, device=DEVICE)[1:]
     with pytest.raises(ValueError, match="multiple of 4 bytes"):
         gpu.decode(payload, layout, codebook, out=misaligned)
+
+
+def _set_escape(payload: torch.Tensor, layout: PayloadLayout, k: int, chunk: int, local: int) -> None:
+    payload[layout.off_cid + 4 * k: layout.off_cid + 4 * k + 4] = torch.tensor([chunk], dtype=torch.int32).view(
+        torch.uint8)
+    payload[layout.off_lpos + 2 * k: layout.off_lpos + 2 * k + 2] = torch.tensor(
+        [local if local < 32768 else local - 65536], dtype=torch.int16).view(torch.uint8)
+
+
+def _refused(payload: torch.Tensor, layout: PayloadLayout) -> bool:
+    try:
+        cpu.escape_positions(payload, layout)
+    except ValueError:
+        return True
+    return False
+
+
+def test_escape_checks_on_the_device_flag_what_the_cpu_refuses():
+    """With ``errors``, each entry point flags exactly the payloads whose escape streams the CPU check refuses
+    (an escape out of its chunk, past the tensor, out of order, also across the escape pass's blocks), leaves the
+    flags of valid ones at 0, and never writes outside the output, whatever the stream says."""
+    g, seed = fresh_generator()
+    x = escape_heavy(g)  # thousands of escapes: several blocks of the escape pass
+    payload, layout, codebook = cpu.encode(x)
+    assert layout.n_esc > 2 * 1024
+    cases = [payload]
+    for k, chunk, local in [(1024, 0, 0),  # first escape of the second block not above the last of the first
+                            (5, 0, 1030), (7, layout.n_chunks, 0), (layout.n_esc - 1, layout.n_chunks - 1, 1023),
+                            (9, -1, 3)]:
+        broken = payload.clone()
+        _set_escape(broken, layout, k, chunk, local)
+        cases.append(broken)
+    for _ in range(4):  # and random ones
+        broken = payload.clone()
+        k = int(torch.randint(layout.n_esc, (1,), generator=g))
+        _set_escape(broken, layout, k, int(torch.randint(-1, layout.n_chunks + 1, (1,), generator=g)),
+                    int(torch.randint(0, 1100, (1,), generator=g)))
+        cases.append(broken)
+    expected = [_refused(case, layout) for case in cases]
+    assert expected[0] is False and all(expected[1:6]), f"seed {seed}"
+    slot = max(layout.raw_bytes, layout.comp_bytes)
+    gap = 4096  # poisoned elements around each output: wider than any position a broken escape above points to
+    stride = -(-layout.n // 8) * 8 + gap
+    entries = [(layout, codebook, i * -(-layout.comp_bytes // 16) * 16, gap + i * stride) for i in range(len(cases))]
+    batch = torch.cat([torch.nn.functional.pad(c, (0, -(-layout.comp_bytes // 16) * 16 - layout.comp_bytes))
+                       for c in cases]).to(DEVICE)
+    out = from_bits(torch.full((gap + len(cases) * stride,), POISONS[0], dtype=torch.int16)).to(DEVICE)
+    batch_errors = torch.zeros(len(cases), dtype=torch.int32, device=DEVICE)
+    gpu.decode_batch(batch, gpu.build_batch_table(entries, device=DEVICE), out=out, errors=batch_errors)
+    assert batch_errors.cpu().tolist() == [int(e) for e in expected], f"seed {seed}"
+    written = torch.zeros(out.numel(), dtype=torch.bool)
+    for *_, offset in entries:
+        written[offset: offset + layout.n] = True
+    assert bool((bits(out)[~written] == POISONS[0]).all()), "wrote outside the outputs"
+    assert torch.equal(bits(out[gap: gap + layout.n]), bits(x)), f"seed {seed}"
+    for case, refused in zip(cases, expected):
+        errors = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        gpu.decode(case.to(DEVICE), layout, codebook, errors=errors)
+        backing = torch.full((slot + 64,), 0xA5, dtype=torch.uint8)
+        backing[: layout.comp_bytes] = case
+        backing = backing.to(DEVICE)
+        in_place = torch.zeros(1, dtype=torch.int32, device=DEVICE)
+        gpu.decode_in_place(backing[:slot], layout, codebook, errors=in_place)
+        assert errors.item() == in_place.item() == int(refused), f"seed {seed}"
+        assert bool((backing[slot:] == 0xA5).all()), "wrote past the slot"
+    with pytest.raises(ValueError, match="errors must be"):
+        gpu.decode(payload.to(DEVICE), layout, codebook, errors=torch.zeros(2, dtype=torch.int32, device=DEVICE))

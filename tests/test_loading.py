@@ -434,7 +434,7 @@ def test_a_failure_on_any_thread_stops_the_run_and_leaves_the_ring_usable(checkp
             route.load(entries, FailingOnceSource(FileReader(path, pool, threads=2)))
         assert failed == [failing]
         assert not any(t.name in ("szformat-stage", "szformat-copy") for t in threading.enumerate())
-        flat = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
+        flat, _ = route.load(entries, ReadSource(FileReader(path, pool, threads=2)))
         loop.finish()
     file.close()
     _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
@@ -454,7 +454,7 @@ def _run_device_route(ops, path, *, slot_bytes, slots, mapped, pool, codec=None)
         source = MappedSource(FakeMapping(path), pool)
     else:
         source = ReadSource(FileReader(path, pool, threads=3))
-    flat = DeviceDecodeRoute(loop, codec or ReferenceCodec()).load(entries, source)
+    flat, _ = DeviceDecodeRoute(loop, codec or ReferenceCodec()).load(entries, source)
     loop.finish()
     source.close()
     loaded = {e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
@@ -631,7 +631,7 @@ def test_copies_decodes_and_slot_waits_each_have_their_thread(checkpoint):
     file, entries = _entries(path)
     loop = TransferLoop(ops, StagingRing(ops, 3, 4096, host=True, device=True))
     with ThreadPoolExecutor(2) as pool:
-        flat = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, ReadSource(FileReader(path, pool, 2)))
+        flat, _ = DeviceDecodeRoute(loop, ReferenceCodec()).load(entries, ReadSource(FileReader(path, pool, 2)))
         loop.finish()
     _assert_same({e.name: raw.view(szformat.format.constants.DTYPES[e.dtype][0]).reshape(e.shape)
                   for raw, e in zip(flat, entries)}, tensors)
@@ -1005,6 +1005,10 @@ def test_triton_kernels_through_every_component(checkpoint):
     staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
     with DeviceLoader("cpu", staging=staging, ops=FakeOps((2,)), codec=codec) as loader, SztFile(path) as f:
         _assert_same(loader.load(f), tensors)
+        vectors = Path(__file__).resolve().parents[1] / "spec" / "vectors"
+        with SztFile(vectors / "refuse_escape_order.szt") as bad:  # the kernels' own escape checks
+            with pytest.raises(PayloadError, match="not strictly ascending"):
+                loader.load(bad)
 
         ops = FakeOps()
         stream = ops.new_stream()
@@ -1101,28 +1105,37 @@ def test_batch_table_arrays_cross_in_one_packed_buffer():
         assert view.dtype == array.dtype and view.shape == array.shape and torch.equal(view, array)
 
 
-class UncheckedCodec(ReferenceCodec):
-    """A device codec that, like the Triton kernels, checks no escape stream (it writes zeros: only whether the
-    loader refuses matters here)."""
+class FlaggingCodec(ReferenceCodec):
+    """A device codec whose escape checks flag every tensor with escapes, valid or not."""
 
-    def decode_batch(self, payloads, table, out):
-        out.zero_()
+    def decode_batch(self, payloads, table, out, errors=None):
+        super().decode_batch(payloads, table, out, errors)
+        if errors is not None:
+            errors.fill_(1)
 
-    def decode_in_place(self, buffer, layout, codebook, scratch):
-        buffer[: layout.raw_bytes].zero_()
+    def decode_in_place(self, buffer, layout, codebook, scratch, errors=None):
+        super().decode_in_place(buffer, layout, codebook, scratch, errors)
+        if errors is not None:
+            errors.fill_(1)
 
 
 @pytest.mark.parametrize("verify", [True, False])
-def test_gpu_route_refuses_an_escape_stream_out_of_order_whatever_the_kernels_check(verify):
+def test_gpu_route_refuses_an_escape_stream_the_device_flags(verify):
+    """The device's escape checks decide, CRC-32s on or off; the host names the rule, or says the bytes changed."""
     vectors = Path(__file__).resolve().parents[1] / "spec" / "vectors"
     staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")
-    with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps(), codec=UncheckedCodec()) as loader:
+    with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with SztFile(vectors / "alignment_64.szt") as f:
             assert set(loader.load(f)) == {"a", "b", "c"}  # valid escapes (tensor a has two) pass
         with SztFile(vectors / "refuse_escape_order.szt") as f:
             with pytest.raises(PayloadError, match="not strictly ascending") as info:
                 loader.load(f)
     assert info.value.tensor == "a" and "refuse_escape_order.szt" in str(info.value)
+    with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps(), codec=FlaggingCodec()) as loader:
+        with SztFile(vectors / "alignment_64.szt") as f:
+            with pytest.raises(PayloadError, match="changed while the file was read") as info:
+                loader.load(f)
+    assert info.value.tensor == "a"
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -1261,8 +1274,10 @@ def test_loader_checks_the_verbatim_streams_of_files_at_rest(at_rest_checkpoint,
             loader.load(f)
 
 
-def test_gpu_route_checks_the_escape_streams_of_files_at_rest(tmp_path):
-    """The escape streams of a payload stored at rest are inflated alone and checked before the kernels run."""
+@pytest.mark.parametrize("at_rest", [None, 1])
+def test_gpu_route_checks_the_escape_streams_of_streamed_tensors(tmp_path, at_rest):
+    """A tensor larger than a slot, streamed into its own destination and expanded there, in memory or at rest:
+    its escape streams are checked as the device decodes them."""
     g = torch.Generator().manual_seed(4)
     exponent = torch.randint(110, 126, (40000,), generator=g, dtype=torch.int32)  # 16 common exponents
     exponent[torch.randperm(40000, generator=g)[:1500]] = torch.randint(20, 60, (1500,), generator=g,
@@ -1278,12 +1293,14 @@ def test_gpu_route_checks_the_escape_streams_of_files_at_rest(tmp_path):
     encoded = EncodedTensor("splitzip", payload, raw.numel(), zlib.crc32(raw.numpy()), zlib.crc32(payload.numpy()),
                             layout=layout, codebook=codebook)
     path = tmp_path / "escapes.szt"
-    with SztWriter(path, at_rest=1, small_alignment=16) as writer:
+    with SztWriter(path, at_rest=at_rest, small_alignment=16) as writer:
         writer.add("w", "BF16", x.shape, encoded)
     staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2, transport="staged")
-    with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=UncheckedCodec()) as loader:
+    assert layout.comp_bytes > staging.slot_bytes
+    with DeviceLoader("cpu", staging=staging, verify=False, ops=FakeOps(), codec=ReferenceCodec()) as loader:
         with SztFile(path) as f:
-            assert f.entry("w").at_rest.streams == ("pk", "chunk_id", "local_pos", "esc_val")
+            if at_rest:
+                assert f.entry("w").at_rest.streams == ("pk", "chunk_id", "local_pos", "esc_val")
             with pytest.raises(PayloadError, match="not strictly ascending") as info:
                 loader.load(f)
     assert info.value.tensor == "w"

@@ -34,8 +34,12 @@ class DeviceCodec(Protocol):
         """Describe each batch once, on the host; their tables may cross to the device together, in one copy
         enqueued on the current stream."""
 
-    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
-        """Decode every tensor of ``table`` from ``payloads`` (uint8) into ``out`` (bfloat16) in a few launches."""
+    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor,
+                     errors: torch.Tensor | None = None) -> None:
+        """Decode every tensor of ``table`` from ``payloads`` (uint8) into ``out`` (bfloat16) in a few launches.
+
+        With ``errors`` (int32 on the device, one per entry of the table), an entry whose escape streams break a
+        rule of the spec gets a 1 there: its tensor is not to be used."""
 
     def decode_batch_at(self, payloads: torch.Tensor, table: Any, base: torch.Tensor) -> None:
         """The same, with output offsets counted from ``base`` (bfloat16, the lowest output) and allowed past its
@@ -44,8 +48,10 @@ class DeviceCodec(Protocol):
     def new_scratch(self) -> Any:
         """Reusable scratch for :meth:`decode_in_place`; keep one per stream."""
 
-    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
-        """Expand the payload in the leading ``layout.comp_bytes`` of ``buffer`` over ``buffer[:layout.raw_bytes]``."""
+    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any,
+                        errors: torch.Tensor | None = None) -> None:
+        """Expand the payload in the leading ``layout.comp_bytes`` of ``buffer`` over ``buffer[:layout.raw_bytes]``;
+        ``errors`` (one int32 on the device) as for :meth:`decode_batch`."""
 
 
 class TritonCodec:
@@ -66,8 +72,9 @@ class TritonCodec:
         return [dataclasses.replace(t, descriptors=views[3 * i], tile_owner=views[3 * i + 1],
                                     escape_owner=views[3 * i + 2]) for i, t in enumerate(tables)]
 
-    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor) -> None:
-        self._kernels.decode_batch(payloads, table, out=out)
+    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor,
+                     errors: torch.Tensor | None = None) -> None:
+        self._kernels.decode_batch(payloads, table, out=out, errors=errors)
 
     def decode_batch_at(self, payloads: torch.Tensor, table: Any, base: torch.Tensor) -> None:
         self._kernels.decode_batch_at(payloads, table, base)
@@ -75,8 +82,9 @@ class TritonCodec:
     def new_scratch(self) -> Any:
         return self._kernels.DecodeScratch()
 
-    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any) -> None:
-        self._kernels.decode_in_place(buffer, layout, codebook, scratch=scratch)
+    def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any,
+                        errors: torch.Tensor | None = None) -> None:
+        self._kernels.decode_in_place(buffer, layout, codebook, scratch=scratch, errors=errors)
 
 
 def pack_arrays(arrays: Sequence[torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list[int]]:

@@ -15,7 +15,7 @@ from typing import Callable, Sequence
 
 import torch
 
-from ..errors import DecodeRouteError, FormatError
+from ..errors import DecodeRouteError, FormatError, PayloadError
 from ..format.header import TensorEntry
 from ..format.index import checkpoint_shards, open_shard
 from ..format.reader import SztFile, check_crc
@@ -23,7 +23,8 @@ from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
 from .inflate import InflatingSource
 from .ops import DeviceOps, cuda_ops
-from .pipeline import DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource, TransferLoop
+from .pipeline import (DeviceDecodeRoute, EscapeFlags, HostDecodeRoute, HostSource, MappedSource, ReadSource,
+                       TransferLoop)
 from .ring import StagingRing
 from .verify import StoredCrcCheck
 
@@ -84,7 +85,8 @@ class DeviceLoader:
         verify (`bool`, *optional*): check the CRC-32 of each tensor's stored bytes while the transfer runs (with
             staged reads, each reader thread checks the piece it has just read); a mismatch raises after the
             transfer and no tensor is returned. The GPU route does not check the decoded bytes' CRC-32 (they stay
-            on the device); it checks the escape streams of SplitZip payloads on the host, ``verify`` or not.
+            on the device); its kernels check the escape streams of SplitZip payloads as they decode them,
+            ``verify`` or not, and a tensor whose streams break a rule raises after the transfer.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
 
     Raises:
@@ -103,7 +105,6 @@ class DeviceLoader:
         self.threads = self.staging.threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="szformat-io")
         self._verify_pool: ThreadPoolExecutor | None = None
-        self._check_pool: ThreadPoolExecutor | None = None
         self._sources: dict[Path, HostSource] = {}
         self._loop: TransferLoop | None = None
         self._route: DeviceDecodeRoute | HostDecodeRoute | None = None
@@ -120,9 +121,9 @@ class DeviceLoader:
         dtypes = [entry.torch_dtype(file.path) for entry in entries]
         checks: list[Future] = []
         inline: StoredCrcCheck | None = None
+        flags: EscapeFlags | None = None
         try:
             if self.route == "gpu":
-                checks = self._start_escape_checks(file, entries)
                 source = self._source(file)
                 moved = entries
                 if isinstance(source, InflatingSource):  # the route moves the in-memory form the readers make
@@ -130,9 +131,9 @@ class DeviceLoader:
                 if self.verify and source.host_writes:  # the reader threads check what they have just read
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
-                    checks += self._start_verify(file, entries)
+                    checks = self._start_verify(file, entries)
                 route = self._route_for(moved, host=source.host_writes)
-                flat = route.load(moved, source, verify=inline)
+                flat, flags = route.load(moved, source, verify=inline)
             else:
                 checks = self._start_verify(file, entries) if self.verify else []
                 route = self._route_for(entries, host=True)
@@ -142,6 +143,9 @@ class DeviceLoader:
             for check in checks:
                 check.cancel()
             raise
+        if flags is not None:
+            for i in flags.raised():
+                self._refuse_escapes(file, entries[i])
         for check in checks:
             check.result()
         if inline is not None:
@@ -169,9 +173,8 @@ class DeviceLoader:
             source.close()
         self._sources.clear()
         self._pool.shutdown()
-        for pool in (self._verify_pool, self._check_pool):
-            if pool is not None:
-                pool.shutdown()
+        if self._verify_pool is not None:
+            self._verify_pool.shutdown()
         self._loop = self._route = None
 
     # -- pieces ---------------------------------------------------------------------------------------------------
@@ -217,15 +220,13 @@ class DeviceLoader:
         return [self._verify_pool.submit(check_crc, file.payload(e.name), e.crc32, what="stored bytes",
                                          path=file.path, tensor=e.name) for e in entries]
 
-    def _start_escape_checks(self, file: SztFile, entries: Sequence[TensorEntry]) -> list[Future]:
-        """Check the escape streams on a thread of their own, beside the transfer (they read a few bytes per escape;
-        queued ahead of the reads on the reader threads, they held back the first read by milliseconds):
-        the device kernels skip an escape outside its tensor but check nothing else, so escapes out of order would
-        decode to wrong values, CRC-32s on or off."""
-        if self._check_pool is None:
-            self._check_pool = ThreadPoolExecutor(1, thread_name_prefix="szformat-escapes")
-        return [self._check_pool.submit(file.check_escapes, e.name)
-                for e in entries if e.layout is not None and e.layout.n_esc]
+    @staticmethod
+    def _refuse_escapes(file: SztFile, entry: TensorEntry) -> None:
+        """Raise PayloadError for a tensor whose escape streams the device found breaking a rule: the host check
+        of the file's bytes says which rule; if those bytes pass it, they are not the bytes the device decoded."""
+        file.check_escapes(entry.name)
+        raise PayloadError("escape streams changed while the file was read: the bytes decoded break a rule of the "
+                           "spec", path=file.path, tensor=entry.name)
 
 
 def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route: str = "auto",

@@ -41,8 +41,8 @@ from .plan import Extent, Transfer, plan_transfers, raw_extents
 from .ring import Slot, StagingRing
 from .verify import StoredCrcCheck
 
-__all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceDecodeRoute", "HostDecodeRoute",
-           "destination_bytes"]
+__all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "EscapeFlags", "DeviceDecodeRoute",
+           "HostDecodeRoute", "destination_bytes"]
 
 Staging = Callable[[int, Transfer, Slot], Staged]
 Copying = Callable[[int, Slot, torch.Tensor], Any]
@@ -292,6 +292,38 @@ def destination_bytes(entry: TensorEntry) -> int:
     return max(entry.raw_length, entry.length)
 
 
+class EscapeFlags:
+    """One int32 flag on the device per SplitZip tensor of a load, which the kernels' escape pass sets when that
+    tensor's escape streams break a rule of the spec.
+
+    The device checks the very bytes it decodes, at no host cost: checked on the host beside the transfer, the
+    escape streams of a 2.3 GB checkpoint's 114 tensors held back its first read by 20 ms on the H200 host (their
+    thread contended for the GIL with the load's own setup), a sixth of the whole load.
+
+    Args:
+        ops (`DeviceOps`): allocates the flags (zeroed on the current stream, which the load's streams wait for).
+        items (`Sequence[int]`): the entry each flag stands for; the rows of one batch table are consecutive.
+    """
+
+    def __init__(self, ops: DeviceOps, items: Sequence[int]):
+        self.items = list(items)
+        self._index = {item: i for i, item in enumerate(self.items)}
+        self._flags = ops.device_buffer(4 * len(self.items)).view(torch.int32).zero_() if self.items else None
+
+    def of(self, items: Sequence[int]) -> torch.Tensor | None:
+        """The flags of ``items`` (consecutive in :attr:`items`), for one decode call; ``None`` for none."""
+        if not items:
+            return None
+        start = self._index[items[0]]
+        return self._flags[start: start + len(items)]
+
+    def raised(self) -> list[int]:
+        """The entries whose flag is set; read once the load's device work has finished."""
+        if self._flags is None:
+            return []
+        return [item for item, flag in zip(self.items, self._flags.cpu().tolist()) if flag]
+
+
 class DeviceDecodeRoute:
     """Stored bytes cross to the device; the device expands them.
 
@@ -311,9 +343,10 @@ class DeviceDecodeRoute:
         self._scratch = codec.new_scratch()  # used on the decode stream only, so reuse is ordered
 
     def load(self, entries: Sequence[TensorEntry], source: HostSource, *,
-             verify: StoredCrcCheck | None = None) -> list[torch.Tensor]:
+             verify: StoredCrcCheck | None = None) -> tuple[list[torch.Tensor], EscapeFlags]:
         """Transfer ``entries`` (of one file) to the device; returns their raw bytes there, flat uint8, in the
-        order given. The device work is enqueued, not finished: call ``loop.finish()`` before reading them.
+        order given, and the flags of their escape checks. The device work is enqueued, not finished: call
+        ``loop.finish()`` before reading either.
 
         ``verify`` (a source with ``host_writes`` only) takes the CRC-32 of each piece on the thread that read it;
         call its ``check()`` once this returns."""
@@ -321,7 +354,13 @@ class DeviceDecodeRoute:
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
         dests, arenas = self._allocate(transfers, entries)
-        tables = self._batch_tables(transfers, entries, arenas)
+        rows = {k: [p.item for p in transfers[k].pieces if entries[p.item].encoding == ENCODING_SPLITZIP]
+                for k in arenas}  # the rows of each packed transfer's batch table
+        rows = {k: items for k, items in rows.items() if items}
+        streamed = [p.item for t in transfers if not t.packed for p in t.pieces
+                    if p.last and entries[p.item].encoding == ENCODING_SPLITZIP and entries[p.item].layout.n_esc]
+        flags = EscapeFlags(self.loop.ops, [item for items in rows.values() for item in items] + streamed)
+        tables = self._batch_tables(rows, transfers, entries, arenas)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             return source.stage(transfer, slot, verify=verify, k=k)
@@ -341,12 +380,13 @@ class DeviceDecodeRoute:
         def expand(k: int, slot: Slot, copied: Any) -> None:
             transfer = transfers[k]
             if transfer.packed:
-                self._expand_packed(k, transfer, arenas[k][0], tables, slot, copied, entries, dests)
+                self._expand_packed(k, transfer, arenas[k][0], tables, flags.of(rows.get(k, ())), slot, copied,
+                                    entries, dests)
             else:
-                self._expand_streamed(k, transfer, copied, entries, dests)
+                self._expand_streamed(k, transfer, copied, entries, dests, flags)
 
         self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
-        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)]
+        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], flags
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
@@ -383,18 +423,17 @@ class DeviceDecodeRoute:
             record.add("allocate", -1, began, record.now(), sum(d.numel() for d in dests))
         return dests, arenas
 
-    def _batch_tables(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
-                      arenas: dict[int, tuple[torch.Tensor, list[int]]]) -> dict[int, Any]:
-        """The batch table of every packed transfer holding SplitZip tensors, built before the first transfer is
-        copied and sent to the device in one copy on the decode stream (built one by one as decodes are enqueued,
-        with a pinned allocation and copies each, they cost the decoding thread 1-10 ms apiece on the H200 host)."""
+    def _batch_tables(self, rows: dict[int, list[int]], transfers: Sequence[Transfer],
+                      entries: Sequence[TensorEntry], arenas: dict[int, tuple[torch.Tensor, list[int]]]
+                      ) -> dict[int, Any]:
+        """The batch table of every packed transfer holding SplitZip tensors (``rows[k]``: their entries), built
+        before the first transfer is copied and sent to the device in one copy on the decode stream (built one by
+        one as decodes are enqueued, with a pinned allocation and copies each, they cost the decoding thread 1-10 ms
+        apiece on the H200 host)."""
         batches = {}
-        for k, (_, offsets) in arenas.items():
-            batch = [(entries[p.item].layout, entries[p.item].codebook, p.slot_offset, offset // 2)
-                     for p, offset in zip(transfers[k].pieces, offsets)
-                     if entries[p.item].encoding == ENCODING_SPLITZIP]
-            if batch:
-                batches[k] = batch
+        for k, items in rows.items():
+            at = dict(zip((p.item for p in transfers[k].pieces), zip(transfers[k].pieces, arenas[k][1])))
+            batches[k] = [(entries[i].layout, entries[i].codebook, at[i][0].slot_offset, at[i][1] // 2) for i in items]
         tables: dict[int, Any] = {}
         if batches:
             upload = lambda: tables.update(zip(batches, self.codec.batch_tables(  # noqa: E731
@@ -402,8 +441,8 @@ class DeviceDecodeRoute:
             self.loop.ops.enqueue(self.loop.decode_stream, upload, "tables")
         return tables
 
-    def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any], slot: Slot,
-                       copied: Any, entries, dests) -> None:
+    def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any],
+                       errors: torch.Tensor | None, slot: Slot, copied: Any, entries, dests) -> None:
         """Decode a packed transfer out of its slot once copied, then release the slot's device buffer."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
@@ -413,7 +452,7 @@ class DeviceDecodeRoute:
                 if entries[piece.item].encoding != ENCODING_SPLITZIP:
                     dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
             if k in tables:
-                self.codec.decode_batch(staged, tables[k], arena.view(torch.bfloat16))
+                self.codec.decode_batch(staged, tables[k], arena.view(torch.bfloat16), errors)
 
         ops.wait(loop.decode_stream, copied)
         try:
@@ -421,15 +460,16 @@ class DeviceDecodeRoute:
         finally:  # a failed launch still ends the claim (the run is failing, and waits for the device)
             loop.ring.release_device(slot, ops.record(loop.decode_stream))
 
-    def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests) -> None:
+    def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests, flags: EscapeFlags) -> None:
         """Once the last piece of a streamed tensor is copied, expand the tensor over its destination."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
         if piece.last and entry.encoding == ENCODING_SPLITZIP:
             ops, loop = self.loop.ops, self.loop
             ops.wait(loop.decode_stream, copied)
+            errors = flags.of([piece.item]) if entry.layout.n_esc else None
             loop.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
-                dests[piece.item], entry.layout, entry.codebook, self._scratch), "decode", k)
+                dests[piece.item], entry.layout, entry.codebook, self._scratch, errors), "decode", k)
 
 
 class HostDecodeRoute:

@@ -19,7 +19,7 @@ import torch
 from ..codebook import Codebook
 from ..layout import PayloadLayout
 from ._common import check_aligned, check_device, codebook_words, on_stream, tl, triton
-from ._decode import ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes
+from ._decode import ESCAPE_BLOCK, ROWS, _decode_tile, _fix_escapes, check_errors
 
 __all__ = ["BatchTable", "build_batch_table", "decode_batch", "decode_batch_at"]
 
@@ -160,11 +160,12 @@ def _decode_batch_kernel(pay_ptr, out_ptr, desc_ptr, owner_ptr, ROWS: tl.constex
 
 
 @triton.jit
-def _escape_batch_kernel(pay_ptr, out_ptr, desc_ptr, owner_ptr, BLOCK: tl.constexpr):
-    row = _row(desc_ptr, owner_ptr)
+def _escape_batch_kernel(pay_ptr, out_ptr, desc_ptr, owner_ptr, err_ptr, BLOCK: tl.constexpr, CHECK: tl.constexpr):
+    owner = tl.load(owner_ptr + tl.program_id(0)).to(tl.int64)
+    row = desc_ptr + owner * _WIDTH
     first = (tl.program_id(0) - tl.load(row + _ESC0)) * BLOCK
     _fix_escapes(pay_ptr + tl.load(row + _PAY), tl.load(row + _SM), tl.load(row + _CID), out_ptr + tl.load(row + _OUT),
-                 tl.load(row + _N), tl.load(row + _NESC), tl.load(row + _CHUNK), first, BLOCK)
+                 tl.load(row + _N), tl.load(row + _NESC), tl.load(row + _CHUNK), first, err_ptr + owner, BLOCK, CHECK)
 
 
 def decode_batch(
@@ -172,6 +173,7 @@ def decode_batch(
     table: BatchTable,
     *,
     out: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
     stream: "torch.cuda.Stream | None" = None,
 ) -> torch.Tensor:
     """Decode every tensor a :class:`BatchTable` describes, in at most two launches.
@@ -181,6 +183,10 @@ def decode_batch(
         table (`BatchTable`): from :func:`build_batch_table`, on the same device.
         out (`torch.Tensor`, *optional*): flat contiguous bfloat16 tensor, 16-byte aligned, of at least
             ``table.output_elements`` elements; elements no entry covers are left as they are.
+        errors (`torch.Tensor`, *optional*): int32 tensor of ``table.count`` elements on the device; the escape
+            pass sets element ``i`` to 1 if the escape streams of entry ``i`` break a rule
+            :func:`..cpu.escape_positions` checks (then that tensor is not to be used). Without it nothing is
+            checked.
         stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default.
 
     Returns:
@@ -200,7 +206,8 @@ def decode_batch(
                          f"elements on {device}")
     check_aligned(payloads, 16, "payloads")
     check_aligned(out, 16, "out")
-    _launch(payloads, table, out.view(torch.int16), stream, device)
+    check_errors(errors, table.count, device)
+    _launch(payloads, table, out.view(torch.int16), stream, device, errors)
     return out
 
 
@@ -233,15 +240,18 @@ def decode_batch_at(
         raise ValueError(f"base must be a bfloat16 tensor, got {base.dtype}")
     check_aligned(payloads, 16, "payloads")
     check_aligned(base, 16, "base")
-    _launch(payloads, table, base.view(torch.int16), stream, device)
+    _launch(payloads, table, base.view(torch.int16), stream, device, None)
 
 
-def _launch(payloads: torch.Tensor, table: BatchTable, bits: torch.Tensor, stream, device: torch.device) -> None:
-    """The two launches of a batch: dense tiles, then escapes (each only if the table has programs for it)."""
+def _launch(payloads: torch.Tensor, table: BatchTable, bits: torch.Tensor, stream, device: torch.device,
+            errors: torch.Tensor | None) -> None:
+    """The two launches of a batch: dense tiles, then escapes (each only if the table has programs for it), which
+    check their streams into ``errors`` when given."""
     with on_stream(stream, device):
         if table.tile_owner.numel():
             _decode_batch_kernel[(table.tile_owner.numel(),)](payloads, bits, table.descriptors, table.tile_owner,
                                                               ROWS=ROWS, num_warps=BATCH_WARPS)
         if table.escape_owner.numel():
-            _escape_batch_kernel[(table.escape_owner.numel(),)](payloads, bits, table.descriptors,
-                                                                table.escape_owner, BLOCK=ESCAPE_BLOCK, num_warps=4)
+            _escape_batch_kernel[(table.escape_owner.numel(),)](
+                payloads, bits, table.descriptors, table.escape_owner, bits if errors is None else errors,
+                BLOCK=ESCAPE_BLOCK, CHECK=errors is not None, num_warps=4)

@@ -90,22 +90,36 @@ def _decode_tile(pay_ptr, off_sm, out_ptr, n, tile, l0, l1, l2, l3, ROWS: tl.con
 
 
 @triton.jit
-def _fix_escapes(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, first, BLOCK: tl.constexpr):
+def _fix_escapes(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, first, err_ptr, BLOCK: tl.constexpr,
+                 CHECK: tl.constexpr):
     """Escape pass over escapes ``[first, first + BLOCK)``: each writes ``sign | esc_val | mantissa`` at its
-    position. Positions outside ``[0, n)`` are skipped, so a corrupt stream cannot write out of bounds."""
+    position. Positions outside ``[0, n)`` are skipped, so a corrupt stream cannot write out of bounds.
+
+    With ``CHECK``, the rules of the spec are checked on the device too, on the bytes this pass decodes: a local
+    position outside its chunk, a chunk id outside the tensor's chunks, a position past the tensor, or one not
+    above the escape before it sets ``*err_ptr`` to 1 (then the tensor is not to be used)."""
     index = first + tl.arange(0, BLOCK)
     live = index < n_esc
     off_lpos = off_cid + 4 * n_esc
     off_ev = (off_lpos + 2 * n_esc + 3) // 4 * 4
-    chunk = tl.load((pay_ptr + off_cid).to(tl.pointer_type(tl.int32)) + index, mask=live, other=-1)
-    local = tl.load((pay_ptr + off_lpos).to(tl.pointer_type(tl.int16)) + index, mask=live, other=0).to(tl.int32)
-    local = local & 0xFFFF
+    chunk_ids = (pay_ptr + off_cid).to(tl.pointer_type(tl.int32))
+    local_ptr = (pay_ptr + off_lpos).to(tl.pointer_type(tl.int16))
+    chunk = tl.load(chunk_ids + index, mask=live, other=-1)
+    local = tl.load(local_ptr + index, mask=live, other=0).to(tl.int32) & 0xFFFF
     exponent = tl.load(pay_ptr + off_ev + index, mask=live, other=0).to(tl.int32)
     position = chunk.to(tl.int64) * chunk_size + local
     ok = live & (chunk >= 0) & (local < chunk_size) & (position < n)
     s = tl.load(pay_ptr + off_sm + position, mask=ok, other=0).to(tl.int32)
     bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
     tl.store(out_ptr + position, bits.to(tl.int16), mask=ok)
+    if CHECK:
+        has_previous = live & (index > 0)
+        previous = (tl.load(chunk_ids + index - 1, mask=has_previous, other=0).to(tl.int64) * chunk_size
+                    + (tl.load(local_ptr + index - 1, mask=has_previous, other=0).to(tl.int32) & 0xFFFF))
+        n_chunks = (n + chunk_size - 1) // chunk_size
+        bad = live & ((chunk < 0) | (chunk >= n_chunks) | (local >= chunk_size) | (position >= n)
+                      | (has_previous & (position <= previous)))
+        tl.store(err_ptr, 1, mask=tl.max(bad.to(tl.int32), axis=0) > 0)
 
 
 @triton.jit(do_not_specialize=["n", "l0", "l1", "l2", "l3"])
@@ -115,14 +129,17 @@ def _decode_kernel(pay_ptr, off_sm, out_ptr, n, l0, l1, l2, l3, ROWS: tl.constex
 
 
 @triton.jit(do_not_specialize=["off_sm", "off_cid", "n", "n_esc", "chunk_size"])
-def _escape_kernel(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, BLOCK: tl.constexpr):
+def _escape_kernel(pay_ptr, off_sm, off_cid, out_ptr, n, n_esc, chunk_size, err_ptr, BLOCK: tl.constexpr,
+                   CHECK: tl.constexpr):
     first = tl.program_id(0).to(tl.int64) * BLOCK
     _fix_escapes(pay_ptr, tl.cast(off_sm, tl.int64), tl.cast(off_cid, tl.int64), out_ptr, tl.cast(n, tl.int64),
-                 tl.cast(n_esc, tl.int64), chunk_size, first, BLOCK)
+                 tl.cast(n_esc, tl.int64), chunk_size, first, err_ptr, BLOCK, CHECK)
 
 
-def _launch(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out_bits: torch.Tensor) -> None:
-    """Enqueue both passes on the current stream: ``payload`` (u8) into ``out_bits`` (i16, ``layout.n`` elements)."""
+def _launch(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out_bits: torch.Tensor,
+            errors: torch.Tensor | None) -> None:
+    """Enqueue both passes on the current stream: ``payload`` (u8) into ``out_bits`` (i16, ``layout.n`` elements);
+    the escape pass checks its streams into ``errors`` when given."""
     if layout.n == 0:
         return
     tiles = triton.cdiv(layout.n_pairs, ROWS * 4)
@@ -131,7 +148,15 @@ def _launch(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, ou
     if layout.n_esc:
         _escape_kernel[(triton.cdiv(layout.n_esc, ESCAPE_BLOCK),)](
             payload, layout.off_sm, layout.off_cid, out_bits, layout.n, layout.n_esc, layout.chunk_size,
-            BLOCK=ESCAPE_BLOCK, num_warps=4)
+            out_bits if errors is None else errors, BLOCK=ESCAPE_BLOCK, CHECK=errors is not None, num_warps=4)
+
+
+def check_errors(errors: torch.Tensor | None, count: int, device: torch.device) -> None:
+    """Raise ValueError unless ``errors`` is ``None`` or a contiguous int32 tensor of ``count`` elements on
+    ``device`` (the escape checks' flags: one per tensor decoded)."""
+    if errors is not None and (errors.dtype != torch.int32 or errors.numel() != count or not errors.is_contiguous()
+                               or errors.device != device):
+        raise ValueError(f"errors must be a contiguous int32 tensor of {count} element(s) on {device}")
 
 
 def _check_payload(payload: torch.Tensor, layout: PayloadLayout) -> None:
@@ -147,6 +172,7 @@ def decode(
     codebook: Codebook,
     *,
     out: torch.Tensor | None = None,
+    errors: torch.Tensor | None = None,
     stream: "torch.cuda.Stream | None" = None,
 ) -> torch.Tensor:
     """Decode one SplitZip payload on the GPU into a flat bfloat16 tensor, bit for bit as :func:`..cpu.decode`.
@@ -157,6 +183,9 @@ def decode(
         layout (`PayloadLayout`), codebook (`Codebook`): as returned by the encoder or stored in the header.
         out (`torch.Tensor`, *optional*): contiguous bfloat16 tensor of ``layout.n`` elements, 4-byte aligned,
             written in place (any shape; it is returned as given).
+        errors (`torch.Tensor`, *optional*): int32 tensor of one element on the device; the escape pass sets it to
+            1 if the escape streams break a rule :func:`..cpu.escape_positions` checks (then the tensor is not to be
+            used), and leaves it as it is otherwise. Without it nothing is checked.
         stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default. Nothing waits
             on the host.
 
@@ -172,8 +201,9 @@ def decode(
     elif out.dtype != torch.bfloat16 or out.numel() != layout.n or not out.is_contiguous() or out.device != device:
         raise ValueError(f"out must be a contiguous bfloat16 tensor of {layout.n} elements on {device}")
     check_aligned(out, 4, "out")
+    check_errors(errors, 1, device)
     with on_stream(stream, device):
-        _launch(payload, layout, codebook, out.view(torch.int16).reshape(-1))
+        _launch(payload, layout, codebook, out.view(torch.int16).reshape(-1), errors)
     return out
 
 
@@ -200,6 +230,7 @@ def decode_in_place(
     codebook: Codebook,
     *,
     scratch: DecodeScratch | None = None,
+    errors: torch.Tensor | None = None,
     stream: "torch.cuda.Stream | None" = None,
 ) -> torch.Tensor:
     """Expand the payload held in the leading ``layout.comp_bytes`` of ``buffer`` into the BF16 tensor over ``buffer``.
@@ -213,6 +244,7 @@ def decode_in_place(
             bytes, 4-byte aligned (a slot sized for the raw tensor).
         layout (`PayloadLayout`), codebook (`Codebook`): the tensor's payload description.
         scratch (`DecodeScratch`, *optional*): reused across calls on one stream; a temporary one by default.
+        errors (`torch.Tensor`, *optional*): as for :func:`decode`.
         stream (`torch.cuda.Stream`, *optional*): where to enqueue; the current stream by default.
 
     Returns:
@@ -225,6 +257,7 @@ def decode_in_place(
         raise ValueError(f"buffer holds {buffer.numel()} bytes; the tensor needs {layout.raw_bytes} "
                          f"and its payload {layout.comp_bytes}")
     check_aligned(buffer, 4, "buffer")
+    check_errors(errors, 1, device)
     scratch = scratch if scratch is not None else DecodeScratch()
     out = buffer[: layout.raw_bytes].view(torch.bfloat16)
     with on_stream(stream, device):
@@ -232,5 +265,5 @@ def decode_in_place(
         if device.type == "cuda":
             stash.record_stream(torch.cuda.current_stream(device))  # freed only after this stream used it
         stash[: layout.comp_bytes].copy_(buffer[: layout.comp_bytes])
-        _launch(stash, layout, codebook, out.view(torch.int16))
+        _launch(stash, layout, codebook, out.view(torch.int16), errors)
     return out
