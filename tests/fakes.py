@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import torch
+import zstandard
 
 from szformat.codec import cpu as cpu_codec
 
@@ -34,9 +35,36 @@ class ReferenceCodec:
         span = storage.nbytes() // 2 - base.storage_offset()  # outputs lie anywhere in base's storage after it
         self.decode_batch(payloads, table, base.as_strided((span,), (1,), base.storage_offset()))
 
+    def decode(self, payload, layout, codebook, out, errors=None):
+        self._decode(payload, layout, codebook, out, errors)
+
     def new_scratch(self):
         return None
 
     def decode_in_place(self, buffer, layout, codebook, scratch, errors=None):
         stash = buffer[: layout.comp_bytes].clone()
         self._decode(stash, layout, codebook, buffer[: layout.raw_bytes].view(torch.bfloat16), errors)
+
+
+class ZstdInflater:
+    """The device inflater's contract, fulfilled by python-zstandard on CPU tensors. ``frames`` counts the frames
+    it was handed; ``fail`` makes every frame fail, as a frame nvCOMP cannot inflate."""
+
+    def __init__(self, fail: bool = False):
+        self.frames = 0
+        self.fail = fail
+
+    def inflate(self, source, plan, out, statuses):
+        for i in range(plan.count):
+            stored, stored_length, memory, memory_length = (int(column[i]) for column in (
+                plan.stored, plan.stored_lengths, plan.memory, plan.memory_lengths))
+            self.frames += 1
+            if self.fail:
+                statuses[i] = 1
+                continue
+            data = zstandard.ZstdDecompressor().decompress(bytes(source[stored: stored + stored_length].numpy()),
+                                                          max_output_size=memory_length)
+            if len(data) != memory_length:
+                statuses[i] = 2
+                continue
+            out[memory: memory + memory_length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)

@@ -50,7 +50,7 @@ from szformat.loading.ring import StagingRing
 from szformat.loading.slot_decoder import Placement
 from szformat.loading.verify import StoredCrcCheck
 
-from fakes import ReferenceCodec
+from fakes import ReferenceCodec, ZstdInflater
 
 POISON = 0xA5
 
@@ -1184,6 +1184,73 @@ def test_loader_checks_the_stored_bytes_of_files_at_rest(at_rest_checkpoint, tmp
                           codec=ReferenceCodec()) as loader, SztFile(bad) as f:
             with pytest.raises(error, match="long.weight"):
                 loader.load(f)
+
+
+@pytest.fixture(scope="module")
+def mixed_at_rest_checkpoint(tmp_path_factory):
+    """``at_rest_checkpoint``'s tensors, every other SplitZip one stored as it is in memory (as the writer stores a
+    payload the stage would not make smaller)."""
+    path = tmp_path_factory.mktemp("mixed") / "model.szt"
+    tensors = _tensors(random.randrange(1 << 30))
+    tensors["long.weight"] = _bf16_with_escapes(40000, torch.Generator().manual_seed(3), 50).reshape(400, 100)
+    with SztWriter(path, at_rest=1, frame_size=4096, small_alignment=16) as writer:
+        for i, (name, t) in enumerate(tensors.items()):
+            writer.at_rest = 1 if i % 2 == 0 or name == "long.weight" else None
+            write_tensor(writer, name, TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
+    with SztFile(path) as f:
+        forms = {e.at_rest is None for e in f.entries.values() if e.encoding == "splitzip"}
+        assert forms == {True, False}
+    return path, tensors
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 1 << 16, 1 << 20])  # long.weight streamed, or packed with others
+def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoint, slot_bytes):
+    """With an inflater and ``verify``, the stored bytes cross as they are and the device inflates them (packed
+    transfers into the in-memory payload buffer, with the payloads stored as they are; streamed tensors into
+    scratch), bit-identical; without ``verify`` the readers inflate, and the inflater is never handed a frame."""
+    path, tensors = mixed_at_rest_checkpoint
+    staging = StagingConfig(slot_bytes=slot_bytes, slots=3, threads=2)
+    with SztFile(path) as f:
+        frames = sum(len(e.at_rest.frames) for e in f.entries.values() if e.at_rest is not None)
+    for verify in (True, False):
+        inflater = ZstdInflater()
+        with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps((1,)), codec=ReferenceCodec(),
+                          inflater=inflater) as loader, SztFile(path) as f:
+            _assert_same(loader.load(f), tensors)
+            assert inflater.frames == (frames if verify else 0)
+            _assert_same(loader.load(f, ["long.weight"]), {"long.weight": tensors["long.weight"]})
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 1 << 20])
+def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(at_rest_checkpoint, tmp_path, slot_bytes):
+    """A tensor whose stored bytes fail their CRC-32 is refused before any of its frames reaches the inflater (it
+    validates little); a frame the inflater fails is reported with the tensor's name, after the load."""
+    path, _ = at_rest_checkpoint
+    bad = tmp_path / "bad.szt"
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        entry = f.entries["long.weight"]
+        data[entry.offset + entry.at_rest.frames[0] // 2] ^= 0x10  # inside its first zstd frame
+    bad.write_bytes(bytes(data))
+    staging = StagingConfig(slot_bytes=slot_bytes, slots=2, threads=2)
+    inflater = ZstdInflater()
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as loader:
+        with SztFile(bad) as f, pytest.raises(ChecksumMismatchError, match="long.weight"):
+            loader.load(f, ["long.weight"])
+        assert inflater.frames == 0
+        with SztFile(path) as f, pytest.raises(PayloadError, match="did not inflate") as info:
+            loader.inflater.fail = True
+            loader.load(f, ["a.weight", "long.weight"])
+    assert info.value.tensor == "a.weight"  # the first that failed, in load order
+
+
+def test_the_device_route_refuses_entries_at_rest_without_an_inflater_or_crcs(at_rest_checkpoint):
+    path, _ = at_rest_checkpoint
+    staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec()) as loader, SztFile(path) as f:
+        route = loader._route_for(list(f.entries.values()), host=True)
+        with pytest.raises(ValueError, match="inflated on the device only with an inflater"):
+            route.load(list(f.entries.values()), ReadSource(FileReader(path, loader._pool, 2)))
 
 
 def _stage_tensor_from(source: inflate.InflatingSource, name: str, start: int) -> torch.Tensor:

@@ -45,6 +45,11 @@ class DeviceCodec(Protocol):
         """The same, with output offsets counted from ``base`` (bfloat16, the lowest output) and allowed past its
         end: outputs are separate tensors of one address range the caller owns."""
 
+    def decode(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor,
+               errors: torch.Tensor | None = None) -> None:
+        """Decode one payload (uint8) into ``out`` (bfloat16, ``layout.n`` elements); ``errors`` as for
+        :meth:`decode_batch`."""
+
     def new_scratch(self) -> Any:
         """Reusable scratch for :meth:`decode_in_place`; keep one per stream."""
 
@@ -78,6 +83,10 @@ class TritonCodec:
 
     def decode_batch_at(self, payloads: torch.Tensor, table: Any, base: torch.Tensor) -> None:
         self._kernels.decode_batch_at(payloads, table, base)
+
+    def decode(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor,
+               errors: torch.Tensor | None = None) -> None:
+        self._kernels.decode(payload, layout, codebook, out=out, errors=errors)
 
     def new_scratch(self) -> Any:
         return self._kernels.DecodeScratch()

@@ -23,7 +23,8 @@ from .gpu_codec import DeviceCodec, triton_codec
 from .hostio import FileReader, RegisteredMapping, default_threads
 from .inflate import InflatingSource
 from .ops import DeviceOps, cuda_ops
-from .pipeline import (DeviceDecodeRoute, EscapeFlags, HostDecodeRoute, HostSource, MappedSource, ReadSource,
+from .gpu_inflate import FrameInflater, nvcomp_inflater
+from .pipeline import (DeviceChecks, DeviceDecodeRoute, HostDecodeRoute, HostSource, MappedSource, ReadSource,
                        TransferLoop)
 from .ring import StagingRing
 from .verify import StoredCrcCheck
@@ -55,7 +56,9 @@ class StagingConfig:
             Pinning and unpinning pages cost more than the reads they save for a one-time load (measured on the
             H200 host: about 18 GB/s to pin, 35 GB/s to unpin, against 40 GB/s to read), so registration pays only
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
-            A file in the at-rest form (format 1.1) is always staged: the reader threads inflate it into the slots.
+            A file in the at-rest form (format 1.1) is always staged: its stored bytes cross as they are and nvCOMP
+            inflates them on the device when it is installed and ``verify`` is on (the CRC-32s are then checked
+            before anything is inflated); otherwise the reader threads inflate them into the slots.
     """
 
     slot_bytes: int = 128 << 20
@@ -88,18 +91,22 @@ class DeviceLoader:
             on the device); its kernels check the escape streams of SplitZip payloads as they decode them,
             ``verify`` or not, and a tensor whose streams break a rule raises after the transfer.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
+        inflater (`FrameInflater`, *optional*): inflates the at-rest form's zstd frames on the device; nvCOMP's by
+            default when it is installed (and CUDA is not replaced).
 
     Raises:
         DecodeRouteError: no such CUDA device, or the GPU route without Triton.
     """
 
     def __init__(self, device: str | torch.device, *, route: str = "auto", staging: StagingConfig | None = None,
-                 verify: bool = True, ops: DeviceOps | None = None, codec: DeviceCodec | None = None):
+                 verify: bool = True, ops: DeviceOps | None = None, codec: DeviceCodec | None = None,
+                 inflater: FrameInflater | None = None):
         if route not in ROUTES:
             raise ValueError(f"route must be one of {ROUTES}, got {route!r}")
         self.ops = ops if ops is not None else cuda_ops(device)
         self.route = "cpu" if route == "cpu" else "gpu"
         self.codec = (codec if codec is not None else triton_codec()) if self.route == "gpu" else None
+        self.inflater = inflater if inflater is not None or ops is not None else nvcomp_inflater()
         self.staging = staging if staging is not None else StagingConfig()
         self.verify = verify
         self.threads = self.staging.threads or default_threads()
@@ -119,9 +126,9 @@ class DeviceLoader:
         """Tensors ``names`` (all by default) of ``file``, on the device, ready to use on any stream."""
         entries = [file.entry(name) for name in (file.entries if names is None else names)]
         dtypes = [entry.torch_dtype(file.path) for entry in entries]
-        checks: list[Future] = []
+        pending: list[Future] = []
         inline: StoredCrcCheck | None = None
-        flags: EscapeFlags | None = None
+        checks: DeviceChecks | None = None
         try:
             if self.route == "gpu":
                 source = self._source(file)
@@ -131,22 +138,26 @@ class DeviceLoader:
                 if self.verify and source.host_writes:  # the reader threads check what they have just read
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
-                    checks = self._start_verify(file, entries)
+                    pending = self._start_verify(file, entries)
                 route = self._route_for(moved, host=source.host_writes)
-                flat, flags = route.load(moved, source, verify=inline)
+                flat, checks = route.load(moved, source, verify=inline)
             else:
-                checks = self._start_verify(file, entries) if self.verify else []
+                pending = self._start_verify(file, entries) if self.verify else []
                 route = self._route_for(entries, host=True)
                 flat = route.load(file, entries)
             route.loop.finish()
         except BaseException:
-            for check in checks:
+            for check in pending:
                 check.cancel()
             raise
-        if flags is not None:
-            for i in flags.raised():
+        if checks is not None:
+            escapes, frames = checks.failed()
+            for i in escapes:
                 self._refuse_escapes(file, entries[i])
-        for check in checks:
+            for i in frames:
+                raise PayloadError("a zstd frame of the stored bytes did not inflate to its size on the device",
+                                   path=file.path, tensor=entries[i].name)
+        for check in pending:
             check.result()
         if inline is not None:
             inline.check()
@@ -193,7 +204,7 @@ class DeviceLoader:
             self._route = self._loop = None  # the previous load finished: its buffers may go
             ring = StagingRing(self.ops, self.staging.slots, slot_bytes, host=host, device=self.route == "gpu")
             self._loop = TransferLoop(self.ops, ring)
-            self._route = (DeviceDecodeRoute(self._loop, self.codec) if self.route == "gpu"
+            self._route = (DeviceDecodeRoute(self._loop, self.codec, self.inflater) if self.route == "gpu"
                            else HostDecodeRoute(self._loop, self._pool))
         return self._route
 
@@ -204,8 +215,8 @@ class DeviceLoader:
         return source
 
     def _open_source(self, file: SztFile) -> HostSource:
-        if file.at_rest:  # stored bytes are not what the device decodes, whatever the transport
-            return InflatingSource(file, self._pool)
+        if file.at_rest and not (self.inflater is not None and self.verify and self.staging.transport == "staged"):
+            return InflatingSource(file, self._pool)  # the readers inflate: the device decodes the in-memory form
         if self.staging.transport == "registered":
             mapping = RegisteredMapping.open(file.path, self.ops.device)
             if mapping is None:

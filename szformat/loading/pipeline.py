@@ -24,6 +24,7 @@ from __future__ import annotations
 import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any, Callable, Protocol, Sequence
 
 import torch
@@ -31,17 +32,19 @@ import torch
 from ..codec import cpu as cpu_codec
 from ..codec.gate import ENCODING_SPLITZIP
 from ..errors import PayloadError
+from ..format import at_rest
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from . import timeline
 from .gpu_codec import DeviceCodec
+from .gpu_inflate import FrameInflater, FramePlan, frames_of, plan_frames
 from .hostio import FileReader, RegisteredMapping, Staged
 from .ops import DeviceOps
 from .plan import Extent, Transfer, plan_transfers, raw_extents
 from .ring import Slot, StagingRing
 from .verify import StoredCrcCheck
 
-__all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "EscapeFlags", "DeviceDecodeRoute",
+__all__ = ["HostSource", "ReadSource", "MappedSource", "TransferLoop", "DeviceChecks", "DeviceDecodeRoute",
            "HostDecodeRoute", "destination_bytes"]
 
 Staging = Callable[[int, Transfer, Slot], Staged]
@@ -274,6 +277,9 @@ class TransferLoop:
 
 
 ARENA_ALIGNMENT = 256
+INFLATED_ALIGNMENT = 16
+"""In-memory payloads inflated on the device start at multiples of this many bytes: the batched decode loads
+16-byte vectors."""
 """Tensors sharing a packed transfer's output allocation start at multiples of this many bytes."""
 ALLOCATION_GRANULE = 512
 """PyTorch's caching allocator rounds every block up to a multiple of this many bytes: what one reserved segment
@@ -292,9 +298,10 @@ def destination_bytes(entry: TensorEntry) -> int:
     return max(entry.raw_length, entry.length)
 
 
-class EscapeFlags:
-    """One int32 flag on the device per SplitZip tensor of a load, which the kernels' escape pass sets when that
-    tensor's escape streams break a rule of the spec.
+class DeviceChecks:
+    """What the device checks while it decodes a load, as int32 flags on the device, read once it has finished:
+    one flag per SplitZip tensor, which the kernels' escape pass sets when the tensor's escape streams break a rule
+    of the spec, and one status per zstd frame inflated on the device, nonzero when the frame failed.
 
     The device checks the very bytes it decodes, at no host cost: checked on the host beside the transfer, the
     escape streams of a 2.3 GB checkpoint's 114 tensors held back its first read by 20 ms on the H200 host (their
@@ -302,26 +309,50 @@ class EscapeFlags:
 
     Args:
         ops (`DeviceOps`): allocates the flags (zeroed on the current stream, which the load's streams wait for).
-        items (`Sequence[int]`): the entry each flag stands for; the rows of one batch table are consecutive.
+        escapes (`Sequence[int]`): the entry each escape flag stands for; the rows of one batch table are
+            consecutive.
+        frames (`Sequence[int]`): the entry each frame status stands for, frames of one call consecutive.
     """
 
-    def __init__(self, ops: DeviceOps, items: Sequence[int]):
-        self.items = list(items)
-        self._index = {item: i for i, item in enumerate(self.items)}
-        self._flags = ops.device_buffer(4 * len(self.items)).view(torch.int32).zero_() if self.items else None
+    def __init__(self, ops: DeviceOps, escapes: Sequence[int], frames: Sequence[int] = ()):
+        self._items = list(escapes) + list(frames)
+        self._escapes = len(escapes)
+        self._index = {item: i for i, item in enumerate(escapes)}
+        self._flags = ops.device_buffer(4 * len(self._items)).view(torch.int32).zero_() if self._items else None
 
-    def of(self, items: Sequence[int]) -> torch.Tensor | None:
-        """The flags of ``items`` (consecutive in :attr:`items`), for one decode call; ``None`` for none."""
+    def escapes(self, items: Sequence[int]) -> torch.Tensor | None:
+        """The escape flags of ``items`` (consecutive in ``escapes``), for one decode call; ``None`` for none."""
         if not items:
             return None
         start = self._index[items[0]]
         return self._flags[start: start + len(items)]
 
-    def raised(self) -> list[int]:
-        """The entries whose flag is set; read once the load's device work has finished."""
+    def frames(self, first: int, count: int) -> torch.Tensor:
+        """The statuses of frames ``[first, first + count)`` of ``frames``, for one inflate call."""
+        return self._flags[self._escapes + first: self._escapes + first + count]
+
+    def failed(self) -> tuple[list[int], list[int]]:
+        """The entries whose escape flag is set, and those with a frame that failed to inflate."""
         if self._flags is None:
-            return []
-        return [item for item, flag in zip(self.items, self._flags.cpu().tolist()) if flag]
+            return [], []
+        flags = self._flags.cpu().tolist()
+        escapes = [item for item, flag in zip(self._items[: self._escapes], flags) if flag]
+        frames = [item for item, flag in zip(self._items[self._escapes:], flags[self._escapes:]) if flag]
+        return escapes, list(dict.fromkeys(frames))
+
+
+@dataclass
+class _Inflation:
+    """How one transfer's at-rest payloads are inflated on the device: its frames, its verbatim copies
+    ``(stored, memory, length)``, where its frames' statuses start, and the entries whose CRC-32 must be checked
+    first (every entry of the transfer)."""
+
+    plan: FramePlan
+    copies: list[tuple[int, int, int]]
+    first_status: int
+    items: list[int]
+    owners: list[int]
+    """The entry of each frame."""
 
 
 class DeviceDecodeRoute:
@@ -332,24 +363,37 @@ class DeviceDecodeRoute:
     allocation of its own. Every destination is allocated before the first transfer lands (allocation cost 0.2 ms
     per transfer on the loop's critical path on the H200 host).
 
+    Payloads stored at rest (.szt 1.1) are inflated on the device when an ``inflater`` is given: their stored
+    bytes cross as they are, and once the CRC-32 of a transfer's tensors has been checked (the inflater validates
+    little), its frames are inflated into an in-memory payload buffer on the decode stream (a packed transfer's,
+    then batch-decoded from there), or a streamed tensor's into a scratch buffer it is then decoded from.
+
     Args:
         loop (`TransferLoop`): its ring needs device buffers.
         codec (`DeviceCodec`): batched and in-place decoding.
+        inflater (`FrameInflater`, *optional*): inflates zstd frames on the device.
     """
 
-    def __init__(self, loop: TransferLoop, codec: DeviceCodec):
+    def __init__(self, loop: TransferLoop, codec: DeviceCodec, inflater: FrameInflater | None = None):
         self.loop = loop
         self.codec = codec
+        self.inflater = inflater
         self._scratch = codec.new_scratch()  # used on the decode stream only, so reuse is ordered
+        self._inflate_streams: list[Any] = []  # one per slot, so that the inflation of transfers overlaps
+        self._slot_payloads: list[torch.Tensor] = []  # per slot: the in-memory payloads of its packed transfer
+        self._scratch_payload: torch.Tensor | None = None  # a streamed tensor's, inflated on the decode stream
 
     def load(self, entries: Sequence[TensorEntry], source: HostSource, *,
-             verify: StoredCrcCheck | None = None) -> tuple[list[torch.Tensor], EscapeFlags]:
+             verify: StoredCrcCheck | None = None) -> tuple[list[torch.Tensor], DeviceChecks]:
         """Transfer ``entries`` (of one file) to the device; returns their raw bytes there, flat uint8, in the
-        order given, and the flags of their escape checks. The device work is enqueued, not finished: call
+        order given, and the device's checks of them. The device work is enqueued, not finished: call
         ``loop.finish()`` before reading either.
 
         ``verify`` (a source with ``host_writes`` only) takes the CRC-32 of each piece on the thread that read it;
-        call its ``check()`` once this returns."""
+        call its ``check()`` once this returns. Entries stored at rest need an ``inflater`` and ``verify``."""
+        if any(e.at_rest is not None for e in entries) and (self.inflater is None or verify is None):
+            raise ValueError("entries stored at rest are inflated on the device only with an inflater and the "
+                             "CRC-32 of their stored bytes checked first")
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
@@ -359,8 +403,10 @@ class DeviceDecodeRoute:
         rows = {k: items for k, items in rows.items() if items}
         streamed = [p.item for t in transfers if not t.packed for p in t.pieces
                     if p.last and entries[p.item].encoding == ENCODING_SPLITZIP and entries[p.item].layout.n_esc]
-        flags = EscapeFlags(self.loop.ops, [item for items in rows.values() for item in items] + streamed)
-        tables = self._batch_tables(rows, transfers, entries, arenas)
+        payload_offsets, inflations = self._plan_inflation(transfers, entries, rows)
+        checks = DeviceChecks(self.loop.ops, [item for items in rows.values() for item in items] + streamed,
+                              [item for inflation in inflations.values() for item in inflation.owners])
+        tables = self._batch_tables(rows, transfers, entries, arenas, payload_offsets)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             return source.stage(transfer, slot, verify=verify, k=k)
@@ -379,14 +425,80 @@ class DeviceDecodeRoute:
 
         def expand(k: int, slot: Slot, copied: Any) -> None:
             transfer = transfers[k]
+            inflation = inflations.get(k)
+            if inflation is not None and verify is not None:
+                verify.check_items(inflation.items)  # nothing unchecked reaches the inflater
             if transfer.packed:
-                self._expand_packed(k, transfer, arenas[k][0], tables, flags.of(rows.get(k, ())), slot, copied,
-                                    entries, dests)
+                self._expand_packed(k, transfer, arenas[k][0], tables, checks, rows.get(k, ()), inflation, slot,
+                                    copied, entries, dests)
             else:
-                self._expand_streamed(k, transfer, copied, entries, dests, flags)
+                self._expand_streamed(k, transfer, copied, entries, dests, checks, inflation)
 
         self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
-        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], flags
+        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], checks
+
+    def _plan_inflation(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
+                        rows: dict[int, list[int]]) -> tuple[dict[int, dict[int, int]], dict[int, _Inflation]]:
+        """For each transfer with payloads stored at rest: where each SplitZip payload of a packed transfer lies in
+        the in-memory payload buffer (its tensors stored in memory are copied there too), and how the transfer is
+        inflated; a streamed tensor is inflated, whole, into a scratch buffer once its last piece is across.
+        Returns the payload offsets per packed transfer and the inflations per transfer."""
+        payload_offsets: dict[int, dict[int, int]] = {}
+        inflations: dict[int, _Inflation] = {}
+        first_status, packed, streamed = 0, 0, 0
+        for k, transfer in enumerate(transfers):
+            if not any(entries[p.item].at_rest is not None for p in transfer.pieces):
+                continue
+            if transfer.packed:
+                placed, cursor = payload_offsets.setdefault(k, {}), 0
+                slot_offset = {p.item: p.slot_offset for p in transfer.pieces}
+                for item in rows.get(k, ()):
+                    placed[item] = cursor
+                    cursor += -(-entries[item].memory_length // INFLATED_ALIGNMENT) * INFLATED_ALIGNMENT
+                packed = max(packed, cursor)
+                inflation = self._inflation([(item, slot_offset[item], placed[item]) for item in placed], entries,
+                                            first_status, [p.item for p in transfer.pieces])
+            else:
+                (piece,) = transfer.pieces
+                if not piece.last:
+                    continue
+                inflation = self._inflation([(piece.item, 0, 0)], entries, first_status, [piece.item])
+                streamed = max(streamed, entries[piece.item].memory_length)
+            inflations[k] = inflation
+            first_status += inflation.plan.count
+        self._provide_payload_buffers(packed, streamed)
+        return payload_offsets, inflations
+
+    def _provide_payload_buffers(self, packed: int, streamed: int) -> None:
+        """In-memory payload buffers of ``packed`` bytes per slot and ``streamed`` for one streamed tensor, and the
+        slots' inflate streams, allocated before the run (so none is freed while the device may use it): the
+        previous load has finished with the ones they replace."""
+        ops, slots = self.loop.ops, self.loop.ring.slots
+        if packed and (len(self._slot_payloads) < slots or self._slot_payloads[0].numel() < packed):
+            self._slot_payloads = []
+            self._slot_payloads = [ops.device_buffer(packed) for _ in range(slots)]
+        while packed and len(self._inflate_streams) < slots:
+            self._inflate_streams.append(ops.new_stream())
+        if streamed and (self._scratch_payload is None or self._scratch_payload.numel() < streamed):
+            self._scratch_payload = None
+            self._scratch_payload = ops.device_buffer(streamed)
+
+    def _inflation(self, placed: Sequence[tuple[int, int, int]], entries: Sequence[TensorEntry], first_status: int,
+                   items: list[int]) -> _Inflation:
+        """The frames and copies that lay out payloads ``(item, stored offset, memory offset)`` in memory form."""
+        frames: list[tuple[int, int, int, int]] = []
+        copies: list[tuple[int, int, int]] = []
+        owners: list[int] = []
+        for item, stored, memory in placed:
+            entry = entries[item]
+            if entry.at_rest is None:
+                copies.append((stored, memory, entry.length))
+                continue
+            more_frames, more_copies = frames_of(at_rest.segments(entry.layout, entry.at_rest), stored, memory)
+            frames += more_frames
+            copies += more_copies
+            owners += [item] * len(more_frames)
+        return _Inflation(plan_frames(frames, self.loop.ops.device), copies, first_status, items, owners)
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
@@ -424,16 +536,19 @@ class DeviceDecodeRoute:
         return dests, arenas
 
     def _batch_tables(self, rows: dict[int, list[int]], transfers: Sequence[Transfer],
-                      entries: Sequence[TensorEntry], arenas: dict[int, tuple[torch.Tensor, list[int]]]
-                      ) -> dict[int, Any]:
-        """The batch table of every packed transfer holding SplitZip tensors (``rows[k]``: their entries), built
+                      entries: Sequence[TensorEntry], arenas: dict[int, tuple[torch.Tensor, list[int]]],
+                      payload_offsets: dict[int, dict[int, int]]) -> dict[int, Any]:
+        """The batch table of every packed transfer holding SplitZip tensors (``rows[k]``: their entries; their
+        payloads at ``payload_offsets[k]`` when inflated on the device, else where they lie in the slot), built
         before the first transfer is copied and sent to the device in one copy on the decode stream (built one by
         one as decodes are enqueued, with a pinned allocation and copies each, they cost the decoding thread 1-10 ms
         apiece on the H200 host)."""
         batches = {}
         for k, items in rows.items():
             at = dict(zip((p.item for p in transfers[k].pieces), zip(transfers[k].pieces, arenas[k][1])))
-            batches[k] = [(entries[i].layout, entries[i].codebook, at[i][0].slot_offset, at[i][1] // 2) for i in items]
+            placed = payload_offsets.get(k)
+            batches[k] = [(entries[i].layout, entries[i].codebook,
+                           at[i][0].slot_offset if placed is None else placed[i], at[i][1] // 2) for i in items]
         tables: dict[int, Any] = {}
         if batches:
             upload = lambda: tables.update(zip(batches, self.codec.batch_tables(  # noqa: E731
@@ -442,17 +557,26 @@ class DeviceDecodeRoute:
         return tables
 
     def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any],
-                       errors: torch.Tensor | None, slot: Slot, copied: Any, entries, dests) -> None:
-        """Decode a packed transfer out of its slot once copied, then release the slot's device buffer."""
+                       checks: DeviceChecks, rows: Sequence[int], inflation: _Inflation | None, slot: Slot,
+                       copied: Any, entries, dests) -> None:
+        """Decode a packed transfer out of its slot once copied, then release the slot's device buffer. Stored at
+        rest, it is first inflated on a stream of the slot's own into a buffer of the slot's own: one call of
+        nvCOMP takes 8-10 ms on the H200 whatever its frames, so the transfers' calls must overlap."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
+        payloads = staged
+        if inflation is not None:
+            stream, payloads = self._inflate_streams[slot.index], self._slot_payloads[slot.index]
+            ops.wait(stream, copied)
+            loop.enqueue(stream, lambda: self._inflate(staged, inflation, payloads, checks), "inflate", k)
+            copied = ops.record(stream)
 
         def expand() -> None:
             for piece in transfer.pieces:  # raw pieces are copied as they are
                 if entries[piece.item].encoding != ENCODING_SPLITZIP:
                     dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
             if k in tables:
-                self.codec.decode_batch(staged, tables[k], arena.view(torch.bfloat16), errors)
+                self.codec.decode_batch(payloads, tables[k], arena.view(torch.bfloat16), checks.escapes(rows))
 
         ops.wait(loop.decode_stream, copied)
         try:
@@ -460,16 +584,34 @@ class DeviceDecodeRoute:
         finally:  # a failed launch still ends the claim (the run is failing, and waits for the device)
             loop.ring.release_device(slot, ops.record(loop.decode_stream))
 
-    def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests, flags: EscapeFlags) -> None:
-        """Once the last piece of a streamed tensor is copied, expand the tensor over its destination."""
+    def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests, checks: DeviceChecks,
+                         inflation: _Inflation | None) -> None:
+        """Once the last piece of a streamed tensor is copied, expand the tensor over its destination (stored at
+        rest: inflate its payload into scratch and decode from there)."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
         if piece.last and entry.encoding == ENCODING_SPLITZIP:
             ops, loop = self.loop.ops, self.loop
             ops.wait(loop.decode_stream, copied)
-            errors = flags.of([piece.item]) if entry.layout.n_esc else None
-            loop.enqueue(loop.decode_stream, lambda: self.codec.decode_in_place(
-                dests[piece.item], entry.layout, entry.codebook, self._scratch, errors), "decode", k)
+            dest, errors = dests[piece.item], checks.escapes([piece.item]) if entry.layout.n_esc else None
+            if inflation is None:
+                work = lambda: self.codec.decode_in_place(  # noqa: E731
+                    dest, entry.layout, entry.codebook, self._scratch, errors)
+            else:
+                def work() -> None:
+                    payload = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.memory_length]
+                    self.codec.decode(payload, entry.layout, entry.codebook,
+                                      dest[: entry.raw_length].view(torch.bfloat16), errors)
+            loop.enqueue(loop.decode_stream, work, "decode", k)
+
+    def _inflate(self, stored: torch.Tensor, inflation: _Inflation, out: torch.Tensor,
+                 checks: DeviceChecks) -> torch.Tensor:
+        """Lay out ``inflation``'s payloads in memory form in ``out`` from their stored bytes (on the current
+        stream); returns ``out``."""
+        self.inflater.inflate(stored, inflation.plan, out, checks.frames(inflation.first_status, inflation.plan.count))
+        for source, target, length in inflation.copies:
+            out[target: target + length].copy_(stored[source: source + length])
+        return out
 
 
 class HostDecodeRoute:

@@ -1,0 +1,163 @@
+"""The at-rest stage undone on the device: zstd frames inflated by nVIDIA nvCOMP, so the host only reads.
+
+A GPU load of a file stored at rest (.szt 1.1) is bound by its reader threads when they inflate ``pk`` on the host
+(about 1.5 GB/s of output per core, on top of the reads that already bound the in-memory form). With nvCOMP the
+stored bytes cross to the device as they are (fewer of them) and its batched zstd decoder inflates every frame of
+a transfer in one call: 14 GB/s for the ~128 frames of a 128 MiB slot on the H200, 71 GB/s for 1024 frames
+(``tools/probe_gpu_zstd.py``).
+
+nvCOMP validates little of what it inflates ("corrupt data leads to undefined behavior"), so a load inflates on
+the device only with ``verify`` on, and only bytes whose CRC-32 has already been checked (:class:`FrameInflater`
+is called by the route after that check). The frames' sizes come from the header, already checked against the
+layout; each frame's status and inflated size are checked once the load has finished.
+
+nvCOMP is optional: ``pip install nvidia-libnvcomp-cu12`` (or ``-cu13``, matching PyTorch's CUDA). Without it,
+:func:`nvcomp_inflater` returns ``None`` and the readers inflate on the host.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import os
+import sys
+import threading
+from dataclasses import dataclass
+from typing import Any, Protocol, Sequence
+
+import torch
+
+from ..errors import DecodeRouteError
+from ..format.at_rest import Segment
+
+__all__ = ["FramePlan", "FrameInflater", "NvcompInflater", "nvcomp_inflater", "plan_frames"]
+
+
+@dataclass(frozen=True)
+class FramePlan:
+    """The frames one call inflates: frame ``i`` is stored bytes ``[stored[i], stored[i] + stored_lengths[i])`` of
+    the source buffer and becomes ``[memory[i], memory[i] + memory_lengths[i])`` of the output buffer.
+
+    The four arrays are int64 on the device (sent ahead, in one copy each, while the plan is built).
+    """
+
+    count: int
+    stored: torch.Tensor
+    stored_lengths: torch.Tensor
+    memory: torch.Tensor
+    memory_lengths: torch.Tensor
+    max_memory_length: int
+    memory_bytes: int
+
+
+def plan_frames(frames: Sequence[tuple[int, int, int, int]], device: torch.device) -> FramePlan:
+    """A :class:`FramePlan` of ``(stored, stored_length, memory, memory_length)`` tuples, its arrays sent to
+    ``device`` through pinned memory (the copy is only enqueued on the current stream)."""
+    table = torch.tensor(frames, dtype=torch.int64).reshape(-1, 4).t().contiguous()
+    if device.type == "cuda":
+        table = table.pin_memory().to(device, non_blocking=True)
+    lengths = [frame[3] for frame in frames]
+    return FramePlan(len(frames), table[0], table[1], table[2], table[3], max(lengths, default=0), sum(lengths))
+
+
+def frames_of(segments: Sequence[Segment], stored_base: int, memory_base: int
+              ) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]]]:
+    """The compressed segments of one payload as frames, and its verbatim segments as ``(stored, memory, length)``
+    copies (adjacent ones merged: the streams after ``pk`` usually make one), offset by the two bases."""
+    frames, copies = [], []
+    for s in segments:
+        if s.compressed:
+            frames.append((stored_base + s.stored, s.stored_length, memory_base + s.memory, s.memory_length))
+        elif copies and copies[-1][0] + copies[-1][2] == stored_base + s.stored \
+                and copies[-1][1] + copies[-1][2] == memory_base + s.memory:
+            copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + s.memory_length)
+        else:
+            copies.append((stored_base + s.stored, memory_base + s.memory, s.memory_length))
+    return frames, copies
+
+
+class FrameInflater(Protocol):
+    """Inflates zstd frames on the device, enqueued on the current stream."""
+
+    def inflate(self, source: torch.Tensor, plan: FramePlan, out: torch.Tensor, statuses: torch.Tensor) -> None:
+        """Inflate every frame of ``plan`` from ``source`` (flat uint8) into ``out`` (flat uint8); ``statuses``
+        (int32, ``plan.count``) gets a nonzero value for each frame that failed or did not fill its output."""
+
+
+class _Options(ctypes.Structure):
+    """``nvcompBatchedZstdDecompressOpts_t``: the backend (0: nvCOMP's choice), then 60 reserved zero bytes."""
+
+    _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
+
+
+class NvcompInflater:
+    """:class:`FrameInflater` over nvCOMP's batched zstd decoder (its C API, through ctypes)."""
+
+    def __init__(self, lib: ctypes.CDLL):
+        self._lib = lib
+        self._options = _Options(0)
+        self._temp: dict[Any, torch.Tensor] = {}  # per stream: reused in stream order
+        self._lock = threading.Lock()
+
+    def inflate(self, source: torch.Tensor, plan: FramePlan, out: torch.Tensor, statuses: torch.Tensor) -> None:
+        if plan.count == 0:
+            return
+        stream = torch.cuda.current_stream(out.device)
+        temp = self._temp_for(stream, plan, out.device)
+        inputs = plan.stored + source.data_ptr()
+        outputs = plan.memory + out.data_ptr()
+        inflated = torch.empty(plan.count, dtype=torch.int64, device=out.device)
+        status = self._lib.nvcompBatchedZstdDecompressAsync(
+            inputs.data_ptr(), plan.stored_lengths.data_ptr(), plan.memory_lengths.data_ptr(), inflated.data_ptr(),
+            plan.count, temp.data_ptr(), temp.numel(), outputs.data_ptr(), self._options, statuses.data_ptr(),
+            stream.cuda_stream)
+        if status:
+            raise DecodeRouteError(f"nvCOMP refused to inflate {plan.count} zstd frames (status {status})")
+        statuses.add_((inflated != plan.memory_lengths).to(torch.int32))
+
+    def _temp_for(self, stream: Any, plan: FramePlan, device: torch.device) -> torch.Tensor:
+        size = ctypes.c_size_t()
+        status = self._lib.nvcompBatchedZstdDecompressGetTempSize(
+            plan.count, plan.max_memory_length, self._options, ctypes.byref(size), plan.memory_bytes, None)
+        if status:
+            raise DecodeRouteError(f"nvCOMP cannot size its scratch for {plan.count} zstd frames (status {status})")
+        with self._lock:
+            temp = self._temp.get(stream)
+            if temp is None or temp.numel() < size.value:
+                temp = self._temp[stream] = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
+        return temp
+
+
+_NVCOMP: Any = False
+
+
+def nvcomp_inflater() -> NvcompInflater | None:
+    """nvCOMP's inflater, or ``None`` when its library (``nvidia-libnvcomp-cu12`` / ``-cu13``) is not installed or
+    does not load."""
+    global _NVCOMP
+    if _NVCOMP is False:
+        _NVCOMP = None
+        for path in _library_paths():
+            try:
+                lib = ctypes.CDLL(path)
+            except OSError:
+                continue
+            size, pointer = ctypes.c_size_t, ctypes.c_void_p
+            lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [size, size, _Options, ctypes.POINTER(size), size,
+                                                                   pointer]
+            lib.nvcompBatchedZstdDecompressAsync.argtypes = [pointer, pointer, pointer, pointer, size, pointer, size,
+                                                             pointer, _Options, pointer, pointer]
+            lib.nvcompBatchedZstdDecompressGetTempSize.restype = ctypes.c_int
+            lib.nvcompBatchedZstdDecompressAsync.restype = ctypes.c_int
+            _NVCOMP = NvcompInflater(lib)
+            break
+    return _NVCOMP
+
+
+def _library_paths() -> list[str]:
+    """Where nvCOMP's library may be: the ``nvidia-libnvcomp`` wheel's folder on the import path (found without
+    importing it: ``nvidia`` may be another package's), then the loader's search path."""
+    paths: list[str] = []
+    for folder in sys.path:
+        paths += sorted(glob.glob(os.path.join(folder or ".", "nvidia", "libnvcomp", "lib*", "libnvcomp.so.*")))
+    return paths + ["libnvcomp.so.6", "libnvcomp.so.5", "libnvcomp.so"]
