@@ -30,7 +30,8 @@ import torch
 from ..errors import DecodeRouteError
 from ..format.at_rest import Segment
 
-__all__ = ["FramePlan", "FrameInflater", "NvcompInflater", "nvcomp_inflater", "plan_frames"]
+__all__ = ["FramePlan", "FrameInflater", "NvcompInflater", "DecompressOptions", "nvcomp_library",
+           "nvcomp_inflater", "plan_frames", "frames_of"]
 
 
 @dataclass(frozen=True)
@@ -84,7 +85,7 @@ class FrameInflater(Protocol):
         (int32, ``plan.count``) gets a nonzero value for each frame that failed or did not fill its output."""
 
 
-class _Options(ctypes.Structure):
+class DecompressOptions(ctypes.Structure):
     """``nvcompBatchedZstdDecompressOpts_t``: the backend (0: nvCOMP's choice), then 60 reserved zero bytes."""
 
     _fields_ = [("backend", ctypes.c_int), ("reserved", ctypes.c_char * 60)]
@@ -95,7 +96,7 @@ class NvcompInflater:
 
     def __init__(self, lib: ctypes.CDLL):
         self._lib = lib
-        self._options = _Options(0)
+        self._options = DecompressOptions(0)
         self._temp: dict[Any, torch.Tensor] = {}  # per stream: reused in stream order
         self._lock = threading.Lock()
 
@@ -131,9 +132,9 @@ class NvcompInflater:
 _NVCOMP: Any = False
 
 
-def nvcomp_inflater() -> NvcompInflater | None:
-    """nvCOMP's inflater, or ``None`` when its library (``nvidia-libnvcomp-cu12`` / ``-cu13``) is not installed or
-    does not load."""
+def nvcomp_library() -> ctypes.CDLL | None:
+    """nvCOMP's library (``nvidia-libnvcomp-cu12`` / ``-cu13``), its batched zstd calls typed, or ``None`` when it
+    is not installed or does not load."""
     global _NVCOMP
     if _NVCOMP is False:
         _NVCOMP = None
@@ -143,15 +144,21 @@ def nvcomp_inflater() -> NvcompInflater | None:
             except OSError:
                 continue
             size, pointer = ctypes.c_size_t, ctypes.c_void_p
-            lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [size, size, _Options, ctypes.POINTER(size), size,
-                                                                   pointer]
+            lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [size, size, DecompressOptions,
+                                                                   ctypes.POINTER(size), size, pointer]
             lib.nvcompBatchedZstdDecompressAsync.argtypes = [pointer, pointer, pointer, pointer, size, pointer, size,
-                                                             pointer, _Options, pointer, pointer]
+                                                             pointer, DecompressOptions, pointer, pointer]
             lib.nvcompBatchedZstdDecompressGetTempSize.restype = ctypes.c_int
             lib.nvcompBatchedZstdDecompressAsync.restype = ctypes.c_int
-            _NVCOMP = NvcompInflater(lib)
+            _NVCOMP = lib
             break
     return _NVCOMP
+
+
+def nvcomp_inflater() -> NvcompInflater | None:
+    """An inflater over nvCOMP, or ``None`` without it (see :func:`nvcomp_library`)."""
+    lib = nvcomp_library()
+    return None if lib is None else NvcompInflater(lib)
 
 
 def _library_paths() -> list[str]:
