@@ -11,7 +11,7 @@ the device only with ``verify`` on, and only bytes whose CRC-32 has already been
 is called by the route after that check). The frames' sizes come from the header, already checked against the
 layout; each frame's status and inflated size are checked once the load has finished.
 
-nvCOMP is optional: ``pip install nvidia-libnvcomp-cu12`` (or ``-cu13``, matching PyTorch's CUDA). Without it,
+nvCOMP is optional: ``pip install "szformat[nvcomp-cu12]"`` (or ``nvcomp-cu13``, matching PyTorch's CUDA). Without it,
 :func:`nvcomp_inflater` returns ``None`` and the readers inflate on the host.
 """
 
