@@ -21,7 +21,6 @@ import ctypes
 import glob
 import os
 import sys
-import threading
 from dataclasses import dataclass
 from typing import Any, Protocol, Sequence
 
@@ -98,7 +97,6 @@ class NvcompInflater:
         self._lib = lib
         self._options = DecompressOptions(0)
         self._temp: dict[Any, torch.Tensor] = {}  # per stream: reused in stream order
-        self._lock = threading.Lock()
 
     def inflate(self, source: torch.Tensor, plan: FramePlan, out: torch.Tensor, statuses: torch.Tensor) -> None:
         if plan.count == 0:
@@ -122,10 +120,9 @@ class NvcompInflater:
             plan.count, plan.max_memory_length, self._options, ctypes.byref(size), plan.memory_bytes, None)
         if status:
             raise DecodeRouteError(f"nvCOMP cannot size its scratch for {plan.count} zstd frames (status {status})")
-        with self._lock:
-            temp = self._temp.get(stream)
-            if temp is None or temp.numel() < size.value:
-                temp = self._temp[stream] = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
+        temp = self._temp.get(stream)
+        if temp is None or temp.numel() < size.value:  # allocated on ``stream``: reused only after its work
+            temp = self._temp[stream] = torch.empty(max(size.value, 1), dtype=torch.uint8, device=device)
         return temp
 
 

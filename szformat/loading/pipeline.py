@@ -365,8 +365,8 @@ class DeviceDecodeRoute:
 
     Payloads stored at rest (.szt 1.1) are inflated on the device when an ``inflater`` is given: their stored
     bytes cross as they are, and once the CRC-32 of a transfer's tensors has been checked (the inflater validates
-    little), its frames are inflated into an in-memory payload buffer on the decode stream (a packed transfer's,
-    then batch-decoded from there), or a streamed tensor's into a scratch buffer it is then decoded from.
+    little), a packed transfer's frames are inflated on its slot's own stream into its slot's own payload buffer
+    and batch-decoded from there; a streamed tensor's, on the decode stream, into scratch it is decoded from.
 
     Args:
         loop (`TransferLoop`): its ring needs device buffers.
