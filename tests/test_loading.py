@@ -992,6 +992,33 @@ def test_slot_decoder_refuses_a_scatter_plan_it_cannot_run(checkpoint):
                                   Placement(0, arena[256: 256 + d.raw_length], d)])
 
 
+def test_a_load_announces_when_its_reads_are_under_way(checkpoint, monkeypatch):
+    """Inside ``announcing_reads``, a load sets the event right after its first transfer's reads are submitted, not
+    before; a block whose thread starts no device load sets it when it ends."""
+    from szformat.loading.loader import announcing_reads
+
+    path, tensors = checkpoint
+    reading = threading.Event()
+    seen = []
+    real = ReadSource.stage
+
+    def stage(self, *args, **kwargs):
+        seen.append(reading.is_set())
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(ReadSource, "stage", stage)
+    staging = StagingConfig(slot_bytes=4096, slots=2, threads=2)
+    with announcing_reads(reading):
+        with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec()) as loader, SztFile(path) as f:
+            _assert_same(loader.load(f), tensors)
+        assert reading.is_set()
+    assert len(seen) > 1 and seen[0] is False and all(seen[1:])
+    idle = threading.Event()
+    with announcing_reads(idle):
+        assert not idle.is_set()
+    assert idle.is_set()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # The Triton kernels, under the interpreter where there is no GPU
 # ---------------------------------------------------------------------------------------------------------------

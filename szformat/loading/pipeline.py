@@ -114,11 +114,14 @@ class TransferLoop:
     Args:
         ops (`DeviceOps`): streams, events and copies.
         ring (`StagingRing`): the slots; at most ``ring.slots`` transfers are in flight.
+        reading (`threading.Event`, *optional*): set once the reads of a run are under way (its first transfer's
+            reads submitted).
     """
 
-    def __init__(self, ops: DeviceOps, ring: StagingRing):
+    def __init__(self, ops: DeviceOps, ring: StagingRing, *, reading: threading.Event | None = None):
         self.ops = ops
         self.ring = ring
+        self.reading = reading
         self.copy_stream = ops.new_stream()
         self.decode_stream = ops.new_stream()
         self._timeline: timeline.Timeline | None = None
@@ -197,6 +200,8 @@ class TransferLoop:
                     record.add("wait_slot", k, began, record.now())
                     began = record.now()
                 item = (k, slot, stage(k, transfer, slot))
+                if self.reading is not None:
+                    self.reading.set()
                 if record is not None:
                     record.add("stage", k, began, record.now(), transfer.nbytes)
                 staged.put(item)
