@@ -6,8 +6,10 @@ EasyOCR english_g2, MobileNetV2, Silero VAD), each cast to BF16, all fetched thr
 Tables, all from the same run:
 
 1. **Files**: bytes of the safetensors file, of the in-memory .szt form (1.0), of the at-rest form (1.1, the
-   defaults of ``save_file(at_rest="zstd")``), and of ZipNN (every BF16 tensor through ZipNN's byte-grouped
-   BF16 mode, other tensors as they are, no header: a lower bound on a ZipNN file); each over the raw tensor bytes.
+   defaults of ``save_file(at_rest="zstd")``), and of ZipNN: its file (the safetensors file through ZipNN's
+   byte-grouped BF16 mode, as a ``.safetensors.znn`` holds it), and every BF16 tensor
+   through that mode with the other tensors as they are and no container (a lower bound on any ZipNN file); each
+   over the raw tensor bytes.
    Padding + header of each .szt form, as a share of its file.
 2. **Stage choices** (payload bytes only, all models together): which streams pay under zstd, which level, which
    frame size: stored bytes of the SplitZip payloads over their raw bytes, and compression speed.
@@ -89,15 +91,22 @@ def overhead(path: Path) -> int:
         return f.file_length - sum(e.length for e in f.header.tensors)
 
 
-def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], None] | None]:
-    """ZipNN's bytes for the tensors (BF16 ones compressed, others as they are), and a timed decompression of all
-    BF16 ones (checked bit for bit first); ``(0, None)`` when zipnn is not installed."""
+def _zipnn():
+    """ZipNN's codec in its byte-grouped BF16 mode on one thread, or ``None`` when zipnn is not installed."""
     try:
         from zipnn import ZipNN
     except ImportError as e:
         print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` adds it", flush=True)
+        return None
+    return ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+
+
+def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], None] | None]:
+    """ZipNN's bytes for the tensors (BF16 ones compressed, others as they are), and a timed decompression of all
+    BF16 ones (checked bit for bit first); ``(0, None)`` when zipnn is not installed."""
+    codec = _zipnn()
+    if codec is None:
         return 0, None
-    codec = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
     total, compressed = 0, []
     for t in tensors.values():
         if t.dtype != torch.bfloat16:
@@ -109,6 +118,19 @@ def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], Non
         compressed.append(data)
         total += len(data)
     return total, lambda: [codec.decompress(data) for data in compressed]
+
+
+def zipnn_file_bytes(path: Path) -> int:
+    """Bytes of ZipNN's file of a safetensors checkpoint: the whole file through its byte-grouped BF16 mode in one
+    call (its Hugging Face files, ``.safetensors.znn``, hold the whole file compressed), checked bit for bit; 0 when
+    zipnn is not installed."""
+    codec = _zipnn()
+    if codec is None:
+        return 0
+    original = path.read_bytes()
+    compressed = codec.compress(bytearray(original))
+    assert bytes(codec.decompress(compressed)) == original, "ZipNN is not bit-exact"
+    return len(compressed)
 
 
 def same_tensors(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
@@ -159,7 +181,7 @@ def main(argv: list[str] | None = None) -> int:
             assert same_tensors(szformat.load_file(rest), tensors), f"{label}: at-rest form is not bit-exact"
             zipnn_total, zipnn_decompress = zipnn_bytes(tensors)
             file_rows.append((label, len(tensors), raw, path.stat().st_size, memory.stat().st_size, overhead(memory),
-                              rest.stat().st_size, overhead(rest), zipnn_total))
+                              rest.stat().st_size, overhead(rest), zipnn_total, zipnn_file_bytes(path)))
             for name, t in tensors.items():
                 encoded = encode_tensor(t.reshape(-1).view(torch.uint8), "BF16") if t.dtype == torch.bfloat16 \
                     else None
@@ -350,12 +372,13 @@ def gil_split(name: str, plan: list, memory: Path, rest: Path, ring: list, repea
 
 def print_files(rows) -> None:
     print("\n| model | tensors | raw MB | safetensors | szt in-memory (1.0) | padding+header | szt at-rest (1.1) "
-          "| padding+header | ZipNN (BF16 tensors + others) |")
-    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
-    for label, count, raw, st, mem, mem_over, rest, rest_over, zipnn in rows:
+          "| padding+header | ZipNN file (the safetensors file) | ZipNN (BF16 tensors + others) |")
+    print("| --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+    for label, count, raw, st, mem, mem_over, rest, rest_over, zipnn, zipnn_file in rows:
         zipnn_text = f"{zipnn / raw:.4f}" if zipnn else "-"
+        file_text = f"{zipnn_file / raw:.4f}" if zipnn_file else "-"
         print(f"| {label} | {count} | {raw / 1e6:.2f} | {st / raw:.4f} | {mem / raw:.4f} | {mem_over / mem:.2%} "
-              f"| {rest / raw:.4f} | {rest_over / rest:.2%} | {zipnn_text} |")
+              f"| {rest / raw:.4f} | {rest_over / rest:.2%} | {file_text} | {zipnn_text} |")
 
 
 def print_choices(payloads, payload_raw: int) -> None:
