@@ -53,6 +53,10 @@ class ZstdInflater:
     def __init__(self, fail: bool = False):
         self.frames = 0
         self.fail = fail
+        self.released = 0
+
+    def release(self):
+        self.released += 1
 
     def inflate(self, source, plan, out, statuses):
         for i in range(plan.count):

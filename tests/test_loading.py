@@ -9,11 +9,13 @@ the tests compare every tensor bit for bit with the source. The Triton kernels r
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import random
 import threading
 import time
+import weakref
 import zlib
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -1231,7 +1233,7 @@ def mixed_at_rest_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 16, 1 << 20])  # long.weight streamed, or packed with others
-def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoint, slot_bytes):
+def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoint, slot_bytes, monkeypatch):
     """With an inflater and ``verify``, the stored bytes cross as they are and the device inflates them (packed
     transfers into the in-memory payload buffer, with the payloads stored as they are; streamed tensors into
     scratch), bit-identical; without ``verify`` the readers inflate, and the inflater is never handed a frame."""
@@ -1239,6 +1241,14 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
     staging = StagingConfig(slot_bytes=slot_bytes, slots=3, threads=2)
     with SztFile(path) as f:
         frames = sum(len(e.at_rest.frames) for e in f.entries.values() if e.at_rest is not None)
+    made = []  # the payload buffers each load allocates: gone once it returns
+    provide = DeviceDecodeRoute._provide_payload_buffers
+
+    def recorded(self, packed, streamed):
+        provide(self, packed, streamed)
+        made.extend(weakref.ref(b) for b in self._slot_payloads + [self._scratch_payload] if b is not None)
+
+    monkeypatch.setattr(DeviceDecodeRoute, "_provide_payload_buffers", recorded)
     for verify in (True, False):
         inflater = ZstdInflater()
         with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps((1,)), codec=ReferenceCodec(),
@@ -1246,6 +1256,9 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
             _assert_same(loader.load(f), tensors)
             assert inflater.frames == (frames if verify else 0)
             _assert_same(loader.load(f, ["long.weight"]), {"long.weight": tensors["long.weight"]})
+            assert inflater.released == 2  # after each load, the open loader holds no scratch of it
+            gc.collect()
+            assert verify is False or (made and all(ref() is None for ref in made))
 
 
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 20])

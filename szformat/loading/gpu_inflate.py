@@ -83,6 +83,9 @@ class FrameInflater(Protocol):
         """Inflate every frame of ``plan`` from ``source`` (flat uint8) into ``out`` (flat uint8); ``statuses``
         (int32, ``plan.count``) gets a nonzero value for each frame that failed or did not fill its output."""
 
+    def release(self) -> None:
+        """Drop the scratch kept between calls; the device work of every call has finished."""
+
 
 class DecompressOptions(ctypes.Structure):
     """``nvcompBatchedZstdDecompressOpts_t``: the backend (0: nvCOMP's choice), then 60 reserved zero bytes."""
@@ -113,6 +116,9 @@ class NvcompInflater:
         if status:
             raise DecodeRouteError(f"nvCOMP refused to inflate {plan.count} zstd frames (status {status})")
         statuses.add_((inflated != plan.memory_lengths).to(torch.int32))
+
+    def release(self) -> None:
+        self._temp.clear()
 
     def _temp_for(self, stream: Any, plan: FramePlan, device: torch.device) -> torch.Tensor:
         size = ctypes.c_size_t()

@@ -149,6 +149,8 @@ class DeviceLoader:
                 route = self._route_for(entries, host=True)
                 flat = route.load(file, entries)
             route.loop.finish()
+            if checks is not None:  # the device route: what it inflated at-rest payloads in may go
+                route.release_scratch()
         except BaseException:
             for check in pending:
                 check.cancel()

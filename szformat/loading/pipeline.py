@@ -442,6 +442,14 @@ class DeviceDecodeRoute:
         self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
         return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], checks
 
+    def release_scratch(self) -> None:
+        """Drop the buffers a load of at-rest payloads used (a payload buffer per slot, scratch, the inflater's own),
+        once its device work has finished: an open file (``safe_open``) keeps its loader, and these can hold more
+        than a GB of device memory."""
+        self._slot_payloads, self._scratch_payload = [], None
+        if self.inflater is not None:
+            self.inflater.release()
+
     def _plan_inflation(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
                         rows: dict[int, list[int]]) -> tuple[dict[int, dict[int, int]], dict[int, _Inflation]]:
         """For each transfer with payloads stored at rest: where each SplitZip payload of a packed transfer lies in
