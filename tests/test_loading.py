@@ -1197,15 +1197,20 @@ def test_loader_inflates_files_stored_at_rest(at_rest_checkpoint, route, slot_by
             _assert_same(loader.load(file, ["long.weight"]), {"long.weight": tensors["long.weight"]})
 
 
+def _with_first_frame_corrupt(path: Path, name: str, bad: Path) -> Path:
+    """A copy of ``path`` at ``bad`` with one bit flipped inside the first zstd frame of tensor ``name``."""
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        entry = f.entries[name]
+        data[entry.offset + entry.at_rest.frames[0] // 2] ^= 0x10
+    bad.write_bytes(bytes(data))
+    return bad
+
+
 @pytest.mark.parametrize("route", ["gpu", "cpu"])
 def test_loader_checks_the_stored_bytes_of_files_at_rest(at_rest_checkpoint, tmp_path, route):
     path, _ = at_rest_checkpoint
-    bad = tmp_path / "bad.szt"
-    data = bytearray(path.read_bytes())
-    with SztFile(path) as f:
-        entry = f.entries["long.weight"]
-        data[entry.offset + entry.at_rest.frames[0] // 2] ^= 0x10  # inside the first zstd frame
-    bad.write_bytes(bytes(data))
+    bad = _with_first_frame_corrupt(path, "long.weight", tmp_path / "bad.szt")
     staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
     # With verify the stored CRC or zstd's frame checksum, whichever runs first; without it, zstd's alone.
     for verify, error in ((True, (ChecksumMismatchError, PayloadError)), (False, PayloadError)):
@@ -1266,12 +1271,7 @@ def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(at_res
     """A tensor whose stored bytes fail their CRC-32 is refused before any of its frames reaches the inflater (it
     validates little); a frame the inflater fails is reported with the tensor's name, after the load."""
     path, _ = at_rest_checkpoint
-    bad = tmp_path / "bad.szt"
-    data = bytearray(path.read_bytes())
-    with SztFile(path) as f:
-        entry = f.entries["long.weight"]
-        data[entry.offset + entry.at_rest.frames[0] // 2] ^= 0x10  # inside its first zstd frame
-    bad.write_bytes(bytes(data))
+    bad = _with_first_frame_corrupt(path, "long.weight", tmp_path / "bad.szt")
     staging = StagingConfig(slot_bytes=slot_bytes, slots=2, threads=2)
     inflater = ZstdInflater()
     with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as loader:

@@ -38,6 +38,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import os
 import platform
 import statistics
@@ -91,8 +92,10 @@ def overhead(path: Path) -> int:
         return f.file_length - sum(e.length for e in f.header.tensors)
 
 
+@functools.lru_cache(maxsize=1)
 def _zipnn():
-    """ZipNN's codec in its byte-grouped BF16 mode on one thread, or ``None`` when zipnn is not installed."""
+    """ZipNN's codec in its byte-grouped BF16 mode on one thread, or ``None`` when zipnn is not installed (said
+    once)."""
     try:
         from zipnn import ZipNN
     except ImportError as e:

@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from copyrate import median_copy_seconds
 from szformat.format import at_rest
 from szformat.loading.gpu_inflate import nvcomp_inflater, plan_frames
 
@@ -43,7 +43,8 @@ def pk_stream(pairs: int) -> torch.Tensor:
 
 
 def probe(pk: torch.Tensor, frames: list[bytes], batch: int, reps: int = 5) -> tuple[bool, float]:
-    """Inflate every frame on the device in calls of ``batch`` frames: (bit-exact, median ms)."""
+    """Inflate every frame on the device in calls of ``batch`` frames: (bit-exact, median ms after one untimed
+    round)."""
     inflater = nvcomp_inflater()
     if inflater is None:
         raise SystemExit("nvCOMP is not installed: pip install 'szformat[nvcomp-cu13]' (or nvcomp-cu12)")
@@ -54,26 +55,17 @@ def probe(pk: torch.Tensor, frames: list[bytes], batch: int, reps: int = 5) -> t
     stored = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8).cuda()
     out = torch.zeros(pk.numel(), dtype=torch.uint8, device="cuda")
     device = torch.device("cuda")
-    calls = [plan_frames([(offsets[i], len(frames[i]), i * frame_size, min(frame_size, pk.numel() - i * frame_size))
-                          for i in range(first, min(first + batch, len(frames)))], device)
-             for first in range(0, len(frames), batch)]
+    calls = plan_frames([[(offsets[i], len(frames[i]), i * frame_size, min(frame_size, pk.numel() - i * frame_size))
+                          for i in range(first, min(first + batch, len(frames)))]
+                         for first in range(0, len(frames), batch)], device)
     statuses = torch.zeros(len(frames), dtype=torch.int32, device="cuda")
 
     def inflate() -> None:
         for n, plan in enumerate(calls):
             inflater.inflate(stored, plan, out, statuses[n * batch: n * batch + plan.count])
 
-    inflate()
-    exact = bool(torch.equal(out.cpu(), pk)) and not bool(statuses.any())
-    times = []
-    for _ in range(reps):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        inflate()
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    return exact, statistics.median(times)
+    seconds = median_copy_seconds(inflate, reps)
+    return bool(torch.equal(out.cpu(), pk)) and not bool(statuses.any()), seconds * 1e3
 
 
 def main() -> None:
@@ -98,17 +90,8 @@ def main() -> None:
               f"{4 * pk.numel() / ms / 1e6:.1f} |")
     pinned = torch.empty(pk.numel(), dtype=torch.uint8, pin_memory=True)
     device = torch.empty(pk.numel(), dtype=torch.uint8, device="cuda")
-    times = []
-    for _ in range(3):
-        begin, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        begin.record()
-        device.copy_(pinned, non_blocking=True)
-        end.record()
-        end.synchronize()
-        times.append(begin.elapsed_time(end))
-    ms = statistics.median(times)
+    ms = median_copy_seconds(lambda: device.copy_(pinned, non_blocking=True), 3) * 1e3
     print(f"anchor: pinned host-to-device copy of the pk stream, {ms:.1f} ms ({pk.numel() / ms / 1e6:.1f} GB/s)")
-
 
 if __name__ == "__main__":
     main()

@@ -50,14 +50,23 @@ class FramePlan:
     memory_bytes: int
 
 
-def plan_frames(frames: Sequence[tuple[int, int, int, int]], device: torch.device) -> FramePlan:
-    """A :class:`FramePlan` of ``(stored, stored_length, memory, memory_length)`` tuples, its arrays sent to
-    ``device`` through pinned memory (the copy is only enqueued on the current stream)."""
+def plan_frames(calls: Sequence[Sequence[tuple[int, int, int, int]]], device: torch.device) -> list[FramePlan]:
+    """A :class:`FramePlan` for each call's ``(stored, stored_length, memory, memory_length)`` frames. All of
+    their arrays are views of one table sent to ``device`` in one copy through pinned memory (only enqueued on the
+    current stream): a pinned allocation and a copy per transfer, before a load's first read, would cost the
+    loading thread milliseconds each (as the batch tables did)."""
+    frames = [frame for call in calls for frame in call]
     table = torch.tensor(frames, dtype=torch.int64).reshape(-1, 4).t().contiguous()
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
-    lengths = [frame[3] for frame in frames]
-    return FramePlan(len(frames), table[0], table[1], table[2], table[3], max(lengths, default=0), sum(lengths))
+    plans, first = [], 0
+    for call in calls:
+        part = table[:, first: first + len(call)]
+        lengths = [frame[3] for frame in call]
+        plans.append(FramePlan(len(call), part[0], part[1], part[2], part[3], max(lengths, default=0),
+                               sum(lengths)))
+        first += len(call)
+    return plans
 
 
 def frames_of(segments: Sequence[Segment], stored_base: int, memory_base: int

@@ -159,9 +159,9 @@ class DeviceLoader:
             escapes, frames = checks.failed()
             for i in escapes:
                 self._refuse_escapes(file, entries[i])
-            for i in frames:
+            if frames:
                 raise PayloadError("a zstd frame of the stored bytes did not inflate to its size on the device",
-                                   path=file.path, tensor=entries[i].name)
+                                   path=file.path, tensor=entries[frames[0]].name)
         for check in pending:
             check.result()
         if inline is not None:

@@ -457,8 +457,8 @@ class DeviceDecodeRoute:
         inflated; a streamed tensor is inflated, whole, into a scratch buffer once its last piece is across.
         Returns the payload offsets per packed transfer and the inflations per transfer."""
         payload_offsets: dict[int, dict[int, int]] = {}
-        inflations: dict[int, _Inflation] = {}
-        first_status, packed, streamed = 0, 0, 0
+        laid_out = {}  # transfer -> (its entries, their frames, copies and frame owners)
+        packed, streamed = 0, 0
         for k, transfer in enumerate(transfers):
             if not any(entries[p.item].at_rest is not None for p in transfer.pieces):
                 continue
@@ -469,17 +469,21 @@ class DeviceDecodeRoute:
                     placed[item] = cursor
                     cursor += -(-entries[item].memory_length // INFLATED_ALIGNMENT) * INFLATED_ALIGNMENT
                 packed = max(packed, cursor)
-                inflation = self._inflation([(item, slot_offset[item], placed[item]) for item in placed], entries,
-                                            first_status, [p.item for p in transfer.pieces])
+                laid_out[k] = ([p.item for p in transfer.pieces],
+                               self._lay_out([(item, slot_offset[item], placed[item]) for item in placed], entries))
             else:
                 (piece,) = transfer.pieces
-                if not piece.last:
-                    continue
-                inflation = self._inflation([(piece.item, 0, 0)], entries, first_status, [piece.item])
-                streamed = max(streamed, entries[piece.item].memory_length)
-            inflations[k] = inflation
-            first_status += inflation.plan.count
+                if piece.last:
+                    laid_out[k] = ([piece.item], self._lay_out([(piece.item, 0, 0)], entries))
+                    streamed = max(streamed, entries[piece.item].memory_length)
         self._provide_payload_buffers(packed, streamed)
+        inflations: dict[int, _Inflation] = {}
+        if laid_out:
+            plans = plan_frames([frames for _, (frames, _, _) in laid_out.values()], self.loop.ops.device)
+            first_status = 0
+            for (k, (items, (_, copies, owners))), plan in zip(laid_out.items(), plans):
+                inflations[k] = _Inflation(plan, copies, first_status, items, owners)
+                first_status += plan.count
         return payload_offsets, inflations
 
     def _provide_payload_buffers(self, packed: int, streamed: int) -> None:
@@ -496,9 +500,11 @@ class DeviceDecodeRoute:
             self._scratch_payload = None
             self._scratch_payload = ops.device_buffer(streamed)
 
-    def _inflation(self, placed: Sequence[tuple[int, int, int]], entries: Sequence[TensorEntry], first_status: int,
-                   items: list[int]) -> _Inflation:
-        """The frames and copies that lay out payloads ``(item, stored offset, memory offset)`` in memory form."""
+    @staticmethod
+    def _lay_out(placed: Sequence[tuple[int, int, int]], entries: Sequence[TensorEntry]
+                 ) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]], list[int]]:
+        """The frames, the verbatim copies and the entry of each frame that lay out payloads ``(item, stored
+        offset, memory offset)`` in memory form."""
         frames: list[tuple[int, int, int, int]] = []
         copies: list[tuple[int, int, int]] = []
         owners: list[int] = []
@@ -511,7 +517,7 @@ class DeviceDecodeRoute:
             frames += more_frames
             copies += more_copies
             owners += [item] * len(more_frames)
-        return _Inflation(plan_frames(frames, self.loop.ops.device), copies, first_status, items, owners)
+        return frames, copies, owners
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
