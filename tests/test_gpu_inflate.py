@@ -1,0 +1,126 @@
+"""The device inflater's plumbing: frame plans, and the nvCOMP calls' arguments and failures.
+
+nvCOMP runs only on CUDA, so on the CPU :class:`NvcompInflater` is driven through a stand-in library that records
+what it is handed: the pointers and sizes of every frame, and a status to return. On a GPU with nvCOMP installed the
+real library is asked to fail (scratch too small), and must be reported as the package's own error.
+"""
+
+import ctypes
+from collections import namedtuple
+
+import pytest
+import torch
+import zstandard
+
+from szformat.errors import DecodeRouteError
+from szformat.format.at_rest import Segment
+from szformat.loading import gpu_inflate
+from szformat.loading.gpu_inflate import NvcompInflater, frames_of, plan_frames
+
+
+def test_frames_of_offsets_frames_and_merges_adjacent_verbatim_copies():
+    segments = [Segment(0, 100, 0, 40, True), Segment(100, 60, 40, 60, False), Segment(160, 30, 100, 30, False),
+                Segment(200, 8, 140, 8, False)]
+    frames, copies = frames_of(segments, stored_base=1000, memory_base=5000)
+    assert frames == [(1000, 40, 5000, 100)]
+    assert copies == [(1040, 5100, 90), (1140, 5200, 8)]  # the third segment is not adjacent in memory
+
+
+def test_plan_frames_gives_each_call_its_own_part_of_one_table():
+    calls = [[(0, 10, 0, 100), (10, 20, 100, 300)], [], [(5, 7, 9, 11)]]
+    plans = plan_frames(calls, torch.device("cpu"))
+    assert [p.count for p in plans] == [2, 0, 1]
+    assert plans[0].stored.tolist() == [0, 10] and plans[0].memory_lengths.tolist() == [100, 300]
+    assert plans[0].max_memory_length == 300 and plans[0].memory_bytes == 400
+    assert plans[2].stored_lengths.tolist() == [7] and plans[2].memory.tolist() == [9]
+    assert plans[1].max_memory_length == 0 and plans[1].memory_bytes == 0
+    assert plans[0].stored.untyped_storage().data_ptr() == plans[2].stored.untyped_storage().data_ptr()
+
+
+class FakeNvcomp:
+    """nvCOMP's two batched zstd calls, as a stand-in: the scratch size it asks for, the status each call returns,
+    and what the decompress call was handed. It "inflates" by reporting each frame's inflated size as
+    ``short`` bytes less than asked for the frames listed in ``short_frames``."""
+
+    def __init__(self, *, temp: int = 64, size_status: int = 0, call_status: int = 0, short_frames=()):
+        self.temp, self.size_status, self.call_status, self.short_frames = temp, size_status, call_status, short_frames
+        self.calls = []
+
+    def nvcompBatchedZstdDecompressGetTempSize(self, count, max_length, options, size_ref, total, _):
+        size_ref._obj.value = self.temp
+        return self.size_status
+
+    def nvcompBatchedZstdDecompressAsync(self, inputs, stored_lengths, memory_lengths, inflated, count, temp,
+                                         temp_bytes, outputs, options, statuses, stream):
+        read = lambda address: list((ctypes.c_int64 * count).from_address(address))  # noqa: E731
+        self.calls.append({"inputs": read(inputs), "outputs": read(outputs), "stored": read(stored_lengths),
+                           "temp_bytes": temp_bytes, "stream": stream})
+        sizes = (ctypes.c_int64 * count).from_address(inflated)
+        for i, length in enumerate(read(memory_lengths)):
+            sizes[i] = length - (1 if i in self.short_frames else 0)
+        return self.call_status
+
+
+Stream = namedtuple("Stream", "cuda_stream")  # hashable, as torch's streams are
+
+
+@pytest.fixture
+def plan_and_buffers(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream(7))
+    plan = plan_frames([[(0, 10, 0, 100), (16, 20, 100, 300)]], torch.device("cpu"))[0]
+    source, out = torch.zeros(64, dtype=torch.uint8), torch.zeros(400, dtype=torch.uint8)
+    return plan, source, out, torch.zeros(plan.count, dtype=torch.int32)
+
+
+def test_the_inflater_hands_nvcomp_each_frames_addresses_and_flags_short_frames(plan_and_buffers):
+    plan, source, out, statuses = plan_and_buffers
+    lib = FakeNvcomp(temp=4096, short_frames={1})
+    NvcompInflater(lib).inflate(source, plan, out, statuses)
+    (call,) = lib.calls
+    assert call["inputs"] == [source.data_ptr(), source.data_ptr() + 16]
+    assert call["outputs"] == [out.data_ptr(), out.data_ptr() + 100]
+    assert call["stored"] == [10, 20] and call["temp_bytes"] >= 4096 and call["stream"] == 7
+    assert statuses.tolist() == [0, 1]
+
+
+@pytest.mark.parametrize("failing", ["size_status", "call_status"])
+def test_an_nvcomp_api_error_is_the_packages_error(plan_and_buffers, failing):
+    plan, source, out, statuses = plan_and_buffers
+    lib = FakeNvcomp(**{failing: 11})
+    with pytest.raises(DecodeRouteError, match=r"nvCOMP .* 2 zstd frames \(status 11\)"):
+        NvcompInflater(lib).inflate(source, plan, out, statuses)
+
+
+def test_scratch_is_kept_per_stream_until_released(plan_and_buffers):
+    plan, source, out, statuses = plan_and_buffers
+    inflater = NvcompInflater(FakeNvcomp(temp=1000))
+    inflater.inflate(source, plan, out, statuses)
+    (scratch,) = inflater._temp.values()
+    inflater.inflate(source, plan, out, statuses)
+    assert list(inflater._temp.values()) == [scratch]  # reused, not grown
+    inflater.release()
+    assert not inflater._temp
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or gpu_inflate.nvcomp_library() is None,
+                    reason="needs CUDA and nvCOMP")
+def test_nvcomp_itself_inflates_and_its_refusals_raise(monkeypatch):
+    payload = torch.randint(0, 16, (3 << 20,), dtype=torch.uint8).numpy().tobytes()
+    frames = [zstandard.ZstdCompressor(level=1, write_content_size=True).compress(payload[i: i + (1 << 20)])
+              for i in range(0, len(payload), 1 << 20)]
+    stored, memory, calls = 0, 0, []
+    for frame in frames:
+        calls.append((stored, len(frame), memory, 1 << 20))
+        stored, memory = stored + len(frame), memory + (1 << 20)
+    device = torch.device("cuda")
+    source = torch.frombuffer(bytearray(b"".join(frames)), dtype=torch.uint8).to(device)
+    plan = plan_frames([calls], device)[0]
+    out = torch.zeros(len(payload), dtype=torch.uint8, device=device)
+    statuses = torch.zeros(plan.count, dtype=torch.int32, device=device)
+    inflater = gpu_inflate.nvcomp_inflater()
+    inflater.inflate(source, plan, out, statuses)
+    assert statuses.tolist() == [0] * plan.count
+    assert bytes(out.cpu().numpy()) == payload
+    monkeypatch.setattr(inflater, "_temp_for", lambda *args: torch.empty(1, dtype=torch.uint8, device=device))
+    with pytest.raises(DecodeRouteError, match="nvCOMP refused"):
+        inflater.inflate(source, plan, out, statuses)
