@@ -1,7 +1,7 @@
 """Cold GPU loads of both forms of a checkpoint, interleaved call by call, beside the disk's own read rate.
 
     PYTHONPATH=. python tools/bench_cold.py --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
-        [--synthetic-gb 4.2] [--rounds 5] [--json cold.json]
+        [--synthetic-gb 4.2] [--rounds 5] [--only REGEX] [--json cold.json]
 
 A cold load reads its file from the disk, so a smaller file should load sooner: the at-rest form (.szt 1.1) should
 beat the in-memory form by the bytes it saves. One cold call per path says little where the disk's rate wanders
@@ -24,6 +24,7 @@ import argparse
 import json
 import mmap
 import os
+import re
 import statistics
 import sys
 from concurrent.futures import ThreadPoolExecutor
@@ -40,6 +41,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_load import drop_caches, resident_share, timed_call  # noqa: E402
 from gpu_load_check import at_rest_copy, prepare  # noqa: E402
 
+ANCHOR = "in-memory form, load_file (verify on)"
 DIRECT_THREADS = 16
 DIRECT_CHUNK = 8 << 20
 
@@ -90,6 +92,8 @@ def main() -> int:
     parser.add_argument("--work", type=Path, default=Path("/tmp/szload"))
     parser.add_argument("--synthetic-gb", type=float, default=4.2)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--only", help="time only the paths whose label matches this regular expression (the "
+                                           "in-memory form's load with verify on always runs: it is the anchor)")
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
 
@@ -101,7 +105,7 @@ def main() -> int:
           + ", ".join(f"{form} {size / 1e9:.3f} GB" for form, size in sizes.items()), flush=True)
 
     loads: dict[str, tuple[str, Callable[[], object]]] = {
-        "in-memory form, load_file (verify on)": ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda")),
+        ANCHOR: ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda")),
         "in-memory form, verify off": ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda", verify=False)),
         "at rest, load_file (verify on)": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda")),
         "at rest, verify off": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda", verify=False)),
@@ -124,7 +128,8 @@ def main() -> int:
                for form in ("in-memory", "at rest")}
     anchors |= {f"{form} file, O_DIRECT reads (no device)": (form, direct_read(files[form]))
                 for form in ("in-memory", "at rest")}
-    paths = {**loads, **anchors}
+    paths = {label: path for label, path in {**loads, **anchors}.items()
+             if args.only is None or label == ANCHOR or re.search(args.only, label)}
     times: dict[str, list[float]] = {label: [] for label in paths}
     resident: list[float] = []
     labels = list(paths)
@@ -142,7 +147,7 @@ def main() -> int:
             times[label].append(seconds)
             print(f"round {round_}: {label:<44} {seconds:7.3f} s", flush=True)
 
-    anchor = statistics.median(times["in-memory form, load_file (verify on)"])
+    anchor = statistics.median(times[ANCHOR])
     lines = [f"| cold, {args.rounds} interleaved rounds | file GB | median s | min-max | file GB/s | "
              "x in-memory load (verify on) |", "|---|---:|---:|---:|---:|---:|"]
     rows = []
