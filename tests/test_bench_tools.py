@@ -219,3 +219,35 @@ def test_the_gil_clock_counts_a_release_per_read_and_per_zstd_frame(tool, tmp_pa
     assert bytes(out) == b"".join(contents)
     assert clock.tasks == 1 and clock.releases == 1 + 3
     assert os.preadv is preadv and at_rest.decompressor.__module__ == at_rest.__name__
+
+
+# -- both forms, interleaved (tools/bench_forms.py) ---------------------------------------------------------------
+
+
+def test_the_file_readers_read_every_byte(tool, tmp_path):
+    forms = tool("bench_forms")
+    path = tmp_path / "file.bin"
+    path.write_bytes(os.urandom(3 * 4096 + 123))
+    buffer = torch.zeros(path.stat().st_size + 10, dtype=torch.uint8)
+    forms.buffered_read(path, buffer)()
+    assert bytes(buffer[: path.stat().st_size].numpy()) == path.read_bytes()
+    try:
+        forms.direct_read(path)()  # the rate anchor: reads without a buffer to check, but must not fail midway
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused here: {e}")
+
+
+def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(tool, monkeypatch):
+    forms = tool("bench_forms")
+    calls, dropped = [], []
+    monkeypatch.setattr(forms, "timed_call", lambda run: (float(len(calls)), run()))
+    monkeypatch.setattr(forms, "drop_caches", lambda files: dropped.append(len(calls)))
+    monkeypatch.setattr(forms, "resident_share", lambda files: 0.0)
+    paths = {label: ("in-memory", lambda label=label: calls.append(label)) for label in "abc"}
+    warm = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "warm")
+    assert calls == list("cab" "abc" "bca") and not dropped
+    assert warm == {"a": [3.0, 8.0], "b": [4.0, 6.0], "c": [5.0, 7.0]}
+    calls.clear()
+    cold = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "cold")
+    assert calls == list("abc" "bca") and dropped == [0, 1, 2, 3, 4, 5]
+    assert cold["a"] == [0.0, 5.0]

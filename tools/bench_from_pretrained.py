@@ -117,7 +117,6 @@ def tokenizer(folder: Path, max_length: int = 77):
 
 def build(model: str, folder: Path, tiny: bool) -> None:
     """Save the model's safetensors original to ``folder`` and its szformat twin to ``folder``-szt."""
-    import diffusers
     import transformers
 
     from szformat.convert import convert
@@ -127,6 +126,8 @@ def build(model: str, folder: Path, tiny: bool) -> None:
         config = getattr(transformers, config_class)(**(TINY[model] if tiny else config))
         seeded_(getattr(transformers, model_class)(config), 0).save_pretrained(folder)
     else:
+        import diffusers  # a pipeline's only: a causal LM is built without it
+
         clip = lambda c, seed: seeded_(transformers.CLIPTextModelWithProjection(transformers.CLIPTextConfig(  # noqa
             vocab_size=49408, max_position_embeddings=77, **(dict(c, num_hidden_layers=1) if tiny else c))), seed)
         vae = diffusers.AutoencoderKL(**(dict(SD3_VAE, block_out_channels=[8, 8, 8, 8], norm_num_groups=4)
@@ -145,10 +146,8 @@ def build(model: str, folder: Path, tiny: bool) -> None:
 
 def loaders(model: str) -> dict:
     """Loader name -> function(folder) returning the model or pipeline, every tensor on the device."""
-    import diffusers
     import transformers
 
-    import szformat.diffusers
     import szformat.transformers
 
     if model in CAUSAL_LMS:
@@ -157,6 +156,10 @@ def loaders(model: str) -> dict:
                 f, dtype=torch.bfloat16, device_map=DEVICE),
             "szformat": lambda f: szformat.transformers.from_pretrained(f"{f}-szt", device=DEVICE),
         }
+    import diffusers  # a pipeline's only, as in build
+
+    import szformat.diffusers
+
     no_t5 = dict(text_encoder_3=None, tokenizer_3=None)  # saved as [null, null]: diffusers wants them named
 
     def diffusers_load(folder):
