@@ -174,6 +174,7 @@ def main() -> int:
     if not check_bits(loads, szformat.load_file(ckpt.szt, device="cuda")):
         return 1
 
+    os.sync()  # no writeback of the files just written beside the timed calls
     buffer = torch.empty(max(sizes.values()), dtype=torch.uint8)
     buffer.fill_(0)  # its pages faulted in before any timing
     anchors = {f"{form} file, reader threads (no device)": (form, buffered_read(files[form], buffer))
