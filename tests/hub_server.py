@@ -4,7 +4,8 @@ It implements the endpoints the client calls to identify a token (whoami), creat
 (preupload, LFS batch, the upload PUT, the ndjson commit), describe repos (repo info, tree) and resolve files (HEAD
 and GET with ``ETag``, ``X-Repo-Commit``, ``X-Linked-Etag``/``X-Linked-Size`` for LFS files, byte ranges), and
 answers errors with the ``X-Error-Code`` headers the client maps to ``RepositoryNotFoundError``,
-``RevisionNotFoundError`` and ``EntryNotFoundError``. Private repos are readable only with their owner's token. Only model repos exist here.
+``RevisionNotFoundError`` and ``EntryNotFoundError``. Private repos are readable only with their owner's token. Only
+model repos exist here.
 
 Repos live in memory. Every request is logged, so a test can assert that a call stayed in the local cache, and
 :meth:`LoopbackHub.stop` also cuts kept-alive connections, so a stopped server behaves like a network outage.
