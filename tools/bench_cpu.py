@@ -195,7 +195,8 @@ def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, r
             rows.append(Row(label, name, threads, ratio, *gbps(raw_bytes, seconds[name])))
             print(f"  {name:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
     torch.set_num_threads(all_threads)
-    del views, file_bytes
+    views.clear()  # the mapping closes only once no view of it is left
+    del file_bytes
     mapped.close()
     return rows
 
