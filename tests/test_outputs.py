@@ -194,10 +194,13 @@ def _temporary_of_child(target: Path, *, wait: bool) -> tuple[Path, subprocess.P
     """The temporary name a child process would give ``target``, created here; the child stays alive if ``wait``."""
     code = (f"from pathlib import Path; from szformat.format.atomic import temporary_name; "
             f"print(temporary_name(Path({str(target)!r})), flush=True)" + ("; input()" if wait else ""))
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     child = subprocess.Popen([sys.executable, "-c", code], env=env, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                             text=True)
-    path = Path(child.stdout.readline().strip())
+                             stderr=subprocess.PIPE, text=True)
+    line = child.stdout.readline().strip()
+    if not line:
+        pytest.fail(f"the child wrote no temporary name: {child.communicate(timeout=60)[1]}")
+    path = Path(line)
     if not wait:
         child.wait()
     path.write_bytes(b"partial")

@@ -98,9 +98,12 @@ def _histogram_kernel(x_ptr, hist_ptr, n, ROWS: tl.constexpr, WINDOW: tl.constex
     programs = tl.num_programs(0)
     full_tiles = (n // (2 * PAIRS)).to(tl.int32)
     counts = tl.zeros([256], dtype=tl.int32)
-    for tile in range(pid, full_tiles, programs):
+    tile = pid
+    while tile < full_tiles:  # not ``range(pid, full_tiles, programs)``: Triton 3.6's interpreter cannot index with
+        # the program id under NumPy >= 2.3; on the H200 both loops take 0.655 ms for 512 MiB (bench/RESULTS.md)
         _, words = _load_pairs(x_ptr, n, tl.cast(tile, tl.int64) * PAIRS, ROWS, False)
         counts += _tile_histogram(words, ROWS, WINDOW)
+        tile += programs
     tail = full_tiles.to(tl.int64) * PAIRS  # first pair of the partial tile, if any
     owns_tail = (pid == programs - 1) & (2 * tail < n)
     if owns_tail:
