@@ -26,7 +26,7 @@ import torch
 from .errors import ModelFolderError, UnknownArchitectureError
 from .format import constants as C
 from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, PreparedModel, checkpoint_entries, has_weights,
-                           load_weights, parameters_on_meta, place_buffers, plan_weights, prefetching,
+                           load_weights, parameters_on_meta, place_buffers, plan_weights, prefetched, prefetching,
                            refuse_mismatches, require, resolve_model_folder, weights_in)
 from .offload.binding import module_tensor, tensor_owner
 
@@ -100,13 +100,11 @@ def from_pretrained(path_or_repo: str | os.PathLike, pipeline_class: Any = None,
     with prefetching(device, verify=verify, staging=staging) as prefetch:
         try:
             for name, (library, class_name) in components.items():  # every component checked before any is used
-                route = offload if name in offloaded else None
                 prepared[name] = _prepare(diffusers, folder / name, library, class_name, torch_dtype, variant,
-                                          route, prefetch if route is None else None)
+                                          offload if name in offloaded else None, prefetch)
             for name, component in prepared.items():
-                route = offload if name in offloaded else None
-                loaded[name], handle = component.finish(device=device, offload=route, verify=verify,
-                                                        staging=staging, offload_options=offload_options)
+                loaded[name], handle = component.finish(device=device, verify=verify, staging=staging,
+                                                        offload_options=offload_options)
                 if handle is not None:
                     handles[name] = handle
             pipeline_class = pipeline_class if pipeline_class is not None else diffusers.DiffusionPipeline
@@ -192,7 +190,7 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
     if model_class is None or not issubclass(model_class, diffusers.ModelMixin):
         raise UnknownArchitectureError(f"{library}.{class_name} is not a diffusers model class this diffusers "
                                        f"{diffusers.__version__} has; it cannot load .szt weights", path=folder)
-    return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant, prefetch)
+    return _DiffusersComponent.prepare(model_class, folder, torch_dtype, variant, offload, prefetch)
 
 
 def _initialization_skipped() -> contextlib.AbstractContextManager:
@@ -224,10 +222,10 @@ class _TransformersComponent:
     def loading(self) -> Future | None:
         return self.prepared.loading
 
-    def finish(self, *, device, offload, verify, staging, offload_options):
+    def finish(self, *, device, verify, staging, offload_options):
         from . import transformers as szt
 
-        model, _ = szt.finish_model(self.prepared, device=device, offload=offload, verify=verify, staging=staging,
+        model, _ = szt.finish_model(self.prepared, device=device, verify=verify, staging=staging,
                                     offload_options=offload_options)
         return model, getattr(model, "szformat_offload", None)
 
@@ -235,7 +233,7 @@ class _TransformersComponent:
 class _DiffusersComponent(PreparedModel):
     @classmethod
     def prepare(cls, model_class, folder: Path, torch_dtype: torch.dtype | None, variant: str | None,
-                prefetch: Prefetch | None = None) -> "_DiffusersComponent":
+                offload: str | None = None, prefetch: Prefetch | None = None) -> "_DiffusersComponent":
         """Build as diffusers' ``from_pretrained`` does (default dtype ``torch_dtype``; the checkpoint's floating
         tensors, buffers included, cast to it, or to float32 in the modules the class keeps in float32); refuse
         missing names and shapes that do not fit, as it does."""
@@ -243,8 +241,7 @@ class _DiffusersComponent(PreparedModel):
             raise ModelFolderError(f"no {MODEL_CONFIG} in the component folder", path=folder)
         config = model_class.load_config(folder)
         checkpoint = weights_in(folder, variant)
-        loading = prefetch.start(checkpoint) if prefetch is not None else None
-        try:
+        with prefetched(prefetch, checkpoint, offload) as loading:
             with parameters_on_meta(torch_dtype), _initialization_skipped():
                 model = model_class.from_config(config)
             expected = model.state_dict()
@@ -256,15 +253,12 @@ class _DiffusersComponent(PreparedModel):
                         expected[name] = torch.empty(tensor.shape, dtype=wanted, device="meta")
             plan = plan_weights(expected, checkpoint_entries(checkpoint))
             refuse_mismatches(plan, model, folder, strict=True)
-        except BaseException:
-            Prefetch.discard(loading)
-            raise
-        return cls(model, folder, checkpoint, plan, expected, loading)
+        return cls(model, folder, checkpoint, plan, expected, loading, offload)
 
-    def finish(self, *, device, offload, verify, staging, offload_options):
+    def finish(self, *, device, verify, staging, offload_options):
         model = self.model
         handle = None
-        if offload is None:
+        if self.offload is None:
             load_weights(model, self.checkpoint, self.plan, self.expected, device=device, verify=verify,
                          staging=staging, loading=self.loading)
             place_buffers(model, device)
@@ -274,7 +268,7 @@ class _DiffusersComponent(PreparedModel):
             _cast_fed_buffers(model, self.expected, self.plan.sources)
             fed = {id(module_tensor(model, name)) for name in self.plan.sources}
             place_buffers(model, device, skip=fed)
-            handle = load_into_offloader(self.checkpoint, model, route=offload, device=device,
+            handle = load_into_offloader(self.checkpoint, model, route=self.offload, device=device,
                                          **(offload_options or {}))
             model.szformat_offload = handle
         if self.plan.unexpected:

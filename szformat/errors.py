@@ -94,6 +94,12 @@ def listing(items: list[str], separator: str = ", ") -> str:
     return f"{shown}{separator}... and {hidden} more" if hidden > 0 else shown
 
 
+def first_line(error: BaseException) -> str:
+    """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
+    message = str(error).strip()
+    return message.splitlines()[0] if message else type(error).__name__
+
+
 # FILE FORMAT ERRORS
 
 

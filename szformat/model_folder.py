@@ -25,8 +25,8 @@ import torch
 
 from .errors import CheckpointMismatchError, MissingDependencyError, ModelFolderError, listing
 from .format import constants as C
-from .paths import refuse_hub_options
 from .format.index import INDEX_TAIL
+from .paths import refuse_hub_options
 
 SAFETENSORS_SUFFIX = ".safetensors"
 _REPO_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
@@ -256,6 +256,8 @@ class PreparedModel:
     """The model's ``state_dict`` on ``meta``: the name, shape and dtype each tensor must have."""
     loading: Future | None = None
     """The checkpoint's load, started while the model was built (:class:`Prefetch`)."""
+    offload: str | None = None
+    """The offload route the model was prepared for, if any: it is handed to that route, not loaded."""
 
 
 READS_WAIT = 0.1
@@ -320,9 +322,21 @@ class Prefetch:
 
 
 @contextlib.contextmanager
+def prefetched(prefetch: Prefetch | None, checkpoint: Path, offload: str | None) -> Iterator[Future | None]:
+    """The load of ``checkpoint`` started on ``prefetch`` (none without one, or for an offload route, which reads
+    the checkpoint its own way), dropped if the block that prepares its model fails."""
+    loading = prefetch.start(checkpoint) if prefetch is not None and offload is None else None
+    try:
+        yield loading
+    except BaseException:
+        Prefetch.discard(loading)
+        raise
+
+
+@contextlib.contextmanager
 def prefetching(device: str | torch.device, *, verify: bool, staging: Any) -> Iterator[Prefetch | None]:
     """A :class:`Prefetch` for loads to a CUDA device, else ``None`` (a CPU decode would compete for the cores the
-    build runs on). Loads for an offload route are not prefetched: the route reads the checkpoint its own way."""
+    build runs on). :func:`prefetched` starts each load."""
     device = torch.device(device)
     if device.type != "cuda" or not torch.cuda.is_available():  # (the load then says why it cannot run)
         yield None
@@ -369,8 +383,3 @@ def meta_tensors(model: torch.nn.Module) -> list[str]:
     """Names of parameters and buffers still on ``meta`` (each storage once)."""
     return [name for name, tensor in [*model.named_parameters(), *model.named_buffers()]
             if tensor.device.type == "meta"]
-
-
-def first_line(error: BaseException) -> str:
-    """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
-    return str(error).strip().splitlines()[0] if str(error).strip() else type(error).__name__

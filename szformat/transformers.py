@@ -21,10 +21,10 @@ from typing import Any
 
 import torch
 
-from .errors import DecodeRouteError, UnknownArchitectureError
+from .errors import DecodeRouteError, UnknownArchitectureError, first_line
 from .format import constants as C
-from .model_folder import (Prefetch, PreparedModel, WeightPlan, checkpoint_entries, first_line, load_weights,
-                           meta_tensors, parameters_on_meta, place_buffers, plan_weights, prefetching,
+from .model_folder import (Prefetch, PreparedModel, WeightPlan, checkpoint_entries, load_weights,
+                           meta_tensors, parameters_on_meta, place_buffers, plan_weights, prefetched, prefetching,
                            refuse_mismatches, require, require_converted, resolve_model_folder, weights_in)
 from .offload.binding import module_tensor, tensor_owner
 from .transformers_conversions import checkpoint_conversions
@@ -98,7 +98,7 @@ def from_pretrained(path_or_repo: str | os.PathLike, auto_class: Any = None, *, 
         prepared = prepare_model(folder, auto_class, dtype=dtype, variant=variant, key_mapping=key_mapping,
                                  ignore_mismatched_sizes=ignore_mismatched_sizes,
                                  trust_remote_code=trust_remote_code, offload=offload, prefetch=prefetch, **kwargs)
-        model, info = finish_model(prepared, device=device, offload=offload, verify=verify, staging=staging,
+        model, info = finish_model(prepared, device=device, verify=verify, staging=staging,
                                    offload_options=offload_options)
     return (model, info) if output_loading_info else model
 
@@ -118,8 +118,7 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
     require("accelerate", "transformers")
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     checkpoint = weights_in(folder, variant)
-    loading = prefetch.start(checkpoint) if prefetch is not None and offload is None else None
-    try:
+    with prefetched(prefetch, checkpoint, offload) as loading:
         config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
         entries = checkpoint_entries(checkpoint)
         model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
@@ -131,19 +130,16 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
             refuse_mismatches(plan, model, folder, strict=False)
         if offload is not None and plan.conversions:
             _refuse_converted_offload(plan, offload, folder)
-    except BaseException:
-        Prefetch.discard(loading)
-        raise
-    return PreparedModel(model, folder, checkpoint, plan, expected, loading)
+    return PreparedModel(model, folder, checkpoint, plan, expected, loading, offload)
 
 
-def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", offload: str | None = None,
-                 verify: bool = True, staging: Any = None,
-                 offload_options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, list]]:
-    """Decode the weights of a prepared model onto ``device`` (or hand them to an offload route), tie, initialize
-    what the checkpoint lacks, and report it; returns the model in eval mode and its loading info."""
+def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu", verify: bool = True,
+                 staging: Any = None, offload_options: Mapping[str, Any] | None = None) -> tuple[Any, dict[str, list]]:
+    """Decode the weights of a prepared model onto ``device`` (or hand them to the offload route it was prepared
+    for), tie, initialize what the checkpoint lacks, and report it; returns the model in eval mode and its loading
+    info."""
     transformers = require("transformers", "transformers")
-    model, folder, plan = prepared.model, prepared.folder, prepared.plan
+    model, folder, plan, offload = prepared.model, prepared.folder, prepared.plan, prepared.offload
     device = torch.device(device)
     if offload is None:
         load_weights(model, prepared.checkpoint, plan, prepared.expected, device=device, verify=verify,

@@ -22,8 +22,7 @@ from typing import Any
 
 import torch
 
-from .errors import CheckpointMismatchError
-from .model_folder import first_line
+from .errors import CheckpointMismatchError, first_line
 
 __all__ = ["WeightConversion", "checkpoint_conversions"]
 

@@ -1,4 +1,5 @@
-"""Stand-ins shared by the loader and offloader tests, which run the device pipelines on the CPU."""
+"""Stand-ins shared by the tests: the device codec and inflater on the CPU (the loader and offloader tests run the
+device pipelines there), and a CPU encoder that writes one wrong byte."""
 
 from __future__ import annotations
 
@@ -72,3 +73,20 @@ class ZstdInflater:
                 statuses[i] = 2
                 continue
             out[memory: memory + memory_length] = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+
+
+def flip_in_last_slice(monkeypatch, n_pairs: int, stream: str, mask: int) -> list[int]:
+    """Make the sliced CPU encoder write one wrong byte (``stream`` "pk" or "sm", its last byte XOR ``mask``) in
+    the last slice of a tensor of ``n_pairs`` whole pairs only: a codec bug that the check, which decodes each slice
+    as it is written, must catch however late. Returns the pairs left to encode (``[0]`` once all were)."""
+    real = cpu_codec._encode_pairs
+    pairs_left = [n_pairs]
+
+    def wrong(bits, pk_table, pk, sm, scratch):
+        real(bits, pk_table, pk, sm, scratch)
+        pairs_left[0] -= pk.numel()
+        if not pairs_left[0]:
+            (pk if stream == "pk" else sm)[-1] ^= mask
+
+    monkeypatch.setattr(cpu_codec, "_encode_pairs", wrong)
+    return pairs_left

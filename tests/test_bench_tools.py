@@ -5,7 +5,6 @@ and a peer whose package is missing (``tools/bench_load.py``, ``tools/peer_loade
 from __future__ import annotations
 
 import argparse
-import importlib
 import math
 import os
 import time
@@ -14,14 +13,14 @@ from pathlib import Path
 import pytest
 import torch
 
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
+from tooling import TOOLS, load_tool
 
 
 @pytest.fixture
 def tool(monkeypatch):
     """Import a module of ``tools/`` (they import each other by bare name, as scripts run there)."""
     monkeypatch.syspath_prepend(str(TOOLS))
-    return importlib.import_module
+    return load_tool
 
 
 # -- the offload floor and the ratios -----------------------------------------------------------------------------

@@ -17,6 +17,8 @@ import torch
 from szformat.checksum import crc32_join
 from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
 
+from fakes import flip_in_last_slice
+
 pytestmark = pytest.mark.filterwarnings("error")  # e.g. PyTorch resizing an `out=` view: a slicing bug
 
 MINILM_BF16 = (Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser()
@@ -321,26 +323,14 @@ def test_encode_into_refuses_a_layout_that_does_not_fit(rng):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def flip_in_last_slice(monkeypatch, stream: str, mask: int) -> None:
-    """Make the sliced encoder write one wrong byte (``stream`` "pk" or "sm", XOR ``mask``) in every slice: a codec
-    bug that the check, which decodes each slice as it is written, must catch."""
-    real = cpu._encode_pairs
-
-    def wrong(bits, pk_table, pk, sm, scratch):
-        real(bits, pk_table, pk, sm, scratch)
-        target = pk if stream == "pk" else sm
-        target[-1] ^= mask
-
-    monkeypatch.setattr(cpu, "_encode_pairs", wrong)
-
-
 @pytest.mark.parametrize("stream, mask", [("sm", 0x80), ("sm", 0x01), ("pk", 0x01), ("pk", 0x10)])
 def test_a_wrong_byte_written_by_the_sliced_encoder_is_caught(stream, mask, rng, monkeypatch):
     monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
     x = weight_like(rng, 5001)
-    flip_in_last_slice(monkeypatch, stream, mask)
+    pairs_left = flip_in_last_slice(monkeypatch, 5001 // 2, stream, mask)
     with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
         cpu.encode(x)
+    assert pairs_left == [0]  # the wrong byte was in the last of 40 slices
 
 
 def test_a_wrong_code_is_not_taken_for_an_escape(rng, monkeypatch):

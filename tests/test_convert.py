@@ -34,6 +34,8 @@ from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRoute
                              WriteError)
 from szformat.format.reader import SztFile
 
+from fakes import flip_in_last_slice
+
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
 checkpoint_module = importlib.import_module("szformat.convert.checkpoint")
 sources_module = importlib.import_module("szformat.convert.sources")
@@ -648,16 +650,7 @@ def test_round_trip_mismatch_aborts_the_conversion(model_file, tmp_path):
 def test_cpu_round_trip_check_catches_a_bad_byte_in_a_late_slice(tmp_path, monkeypatch):
     """The CPU encoder checks slice by slice as it writes; a wrong byte in its last slice must still stop the file."""
     monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
-    real = cpu._encode_pairs
-    pairs_left = [50 * 70 // 2]
-
-    def encode_with_a_flipped_sign(bits, pk_table, pk, sm, scratch):
-        real(bits, pk_table, pk, sm, scratch)
-        pairs_left[0] -= pk.numel()
-        if not pairs_left[0]:
-            sm[-3] ^= 0x80
-
-    monkeypatch.setattr(cpu, "_encode_pairs", encode_with_a_flipped_sign)
+    pairs_left = flip_in_last_slice(monkeypatch, 50 * 70 // 2, "sm", 0x80)
     save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
     with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
         convert(tmp_path / "m.safetensors")

@@ -22,7 +22,6 @@ import torch
 
 from test_from_pretrained_transformers import (assert_same_model, bert_config, bits, llama_config, reference,
                                                save_and_convert, szconvert, szt, transformers)
-from test_from_pretrained_transformers import no_decoding  # noqa: F401  (the fixture: nothing may be decoded)
 
 import szformat
 from szformat.errors import CheckpointMismatchError, DecodeRouteError
@@ -297,23 +296,28 @@ def test_key_mapping_renames_as_in_transformers(tmp_path):
 # -- what cannot be converted ------------------------------------------------------------------------------------
 
 
-@pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
-def test_a_missing_expert_is_refused_before_anything_is_decoded(mixtral, tmp_path, no_decoding):  # noqa: F811
+def rewritten(original: Path, folder: Path, change) -> Path:
+    """``original``'s checkpoint with its weights passed through ``change`` (name -> tensor dict), converted."""
     from safetensors.torch import load_file as load_safetensors, save_file as save_safetensors
 
-    original, _ = mixtral
-    folder = tmp_path / "short"
     folder.mkdir()
     shutil.copy(original / "config.json", folder)
     weights = {}
     for file in original.glob("*.safetensors"):
         weights |= load_safetensors(file)
-    kept = {name: t for name, t in weights.items() if not name.startswith("model.layers.0.block_sparse_moe.experts.1.")}
-    assert len(weights) - len(kept) == 3
-    save_safetensors(kept, folder / "model.safetensors", metadata={"format": "pt"})
-    assert szconvert([str(folder), str(tmp_path / "short-szt"), "--quiet"]) == 0
+    save_safetensors(change(weights), folder / "model.safetensors", metadata={"format": "pt"})
+    converted = folder.with_name(folder.name + "-szt")
+    assert szconvert([str(folder), str(converted), "--quiet"]) == 0
+    return converted
+
+
+@pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
+def test_a_missing_expert_is_refused_before_anything_is_decoded(mixtral, tmp_path, no_decoding):
+    missing = "model.layers.0.block_sparse_moe.experts.1."
+    short = rewritten(mixtral[0], tmp_path / "short",
+                      lambda weights: {name: t for name, t in weights.items() if not name.startswith(missing)})
     with pytest.raises(CheckpointMismatchError) as caught:
-        szt.from_pretrained(tmp_path / "short-szt")
+        szt.from_pretrained(short)
     message = str(caught.value)
     assert "\n" not in message and "2 shape mismatch(es)" in message
     assert f"model.layers.0.mlp.experts.gate_up_proj: checkpoint [{EXPERTS - 1}, 96, 32], model [{EXPERTS}, 96, 32]" \
@@ -322,7 +326,22 @@ def test_a_missing_expert_is_refused_before_anything_is_decoded(mixtral, tmp_pat
 
 
 @pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
-def test_offloading_refuses_a_tensor_transformers_converts(mixtral, monkeypatch, no_decoding):  # noqa: F811
+def test_experts_that_cannot_be_stacked_are_refused_naming_the_fused_tensor(mixtral, tmp_path, no_decoding):
+    odd = "model.layers.1.block_sparse_moe.experts.3.w1.weight"
+
+    def narrower(weights):
+        weights[odd] = weights[odd][:-1].clone()
+        return weights
+
+    with pytest.raises(CheckpointMismatchError) as caught:
+        szt.from_pretrained(rewritten(mixtral[0], tmp_path / "odd", narrower))
+    message = str(caught.value)
+    assert "\n" not in message and "transformers cannot convert the" in message
+    assert "model.layers.1.mlp.experts.gate_up_proj" in message and str(caught.value.path).endswith("odd-szt")
+
+
+@pytest.mark.skipif(not CONVERTS, reason="transformers 4 holds experts as stored")
+def test_offloading_refuses_a_tensor_transformers_converts(mixtral, monkeypatch, no_decoding):
     monkeypatch.setitem(offload_loader.INSTALLERS, "accelerate", lambda installation: pytest.fail("installed"))
     env = OffloadEnvironment(cuda_available=True, versions={"accelerate": "1.15.0"})
     with pytest.raises(DecodeRouteError) as caught:

@@ -32,7 +32,7 @@ from szformat.model_folder import load_weights
 from szformat.offload import OffloadEnvironment
 from szformat.offload import loader as offload_loader
 
-from test_from_pretrained_transformers import assert_same_model, bits, prefetch_on_the_cpu  # noqa: F401
+from test_from_pretrained_transformers import assert_same_model, bits
 from test_hub import ALICE, card_of, hub  # noqa: F401  (the loopback Hub fixture)
 
 def tiny_tokenizer(folder: Path) -> "transformers.CLIPTokenizer":
@@ -193,7 +193,7 @@ def test_offload_puts_the_denoiser_behind_the_route_and_loads_the_rest(which, re
 
 
 def test_prefetched_components_load_beside_the_builds_and_are_bit_identical(sd3,
-                                                                            prefetch_on_the_cpu):  # noqa: F811
+                                                                            prefetch_on_the_cpu):
     original, converted = sd3
     pipe = szd.from_pretrained(converted, torch_dtype=torch.bfloat16, **SD3_OPTIONS)
     assert len(prefetch_on_the_cpu) == 4 and all(t.startswith("szformat-prefetch") for t, _ in prefetch_on_the_cpu)
@@ -208,14 +208,6 @@ def test_prefetched_components_load_beside_the_builds_and_are_bit_identical(sd3,
 def copy(pipeline, tmp_path):
     shutil.copytree(pipeline[1], tmp_path / "p")
     return tmp_path / "p"
-
-
-@pytest.fixture
-def no_decoding(monkeypatch):
-    def refuse(*args, **kwargs):
-        raise AssertionError("weights were decoded")
-
-    monkeypatch.setattr(szformat.api, "load_file", refuse)
 
 
 def test_a_missing_component_is_refused_before_anything_is_decoded(copy, no_decoding):
@@ -259,7 +251,7 @@ def test_a_component_that_does_not_fit_its_config_is_refused_with_every_name(cop
 
 
 def test_a_component_refused_after_others_started_loading_releases_their_loads(copy,
-                                                                              prefetch_on_the_cpu):  # noqa: F811
+                                                                              prefetch_on_the_cpu):
     """Components are checked in order while their loads run: the loads started before the refusal are waited for
     and dropped, and the refused component's own load too."""
     config = json.loads((copy / "vae" / "config.json").read_text())

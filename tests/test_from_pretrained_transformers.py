@@ -237,15 +237,6 @@ def test_the_integrations_are_imported_only_when_used():
 # -- bad input ---------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture
-def no_decoding(monkeypatch):
-    """Any decode fails the test: a refused folder must be refused from headers alone."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("weights were decoded")
-
-    monkeypatch.setattr(szformat.api, "load_file", refuse)
-
-
 def test_a_folder_without_config_is_refused(llama, tmp_path, no_decoding):
     shutil.copytree(llama[1], tmp_path / "m")
     (tmp_path / "m" / "config.json").unlink()
@@ -326,37 +317,6 @@ def test_offload_binds_every_weight_under_its_checkpoint_name(monkeypatch, tmp_p
     assert entries["embed_tokens.weight"] == ("model.embed_tokens.weight", "lm_head.weight")
     assert "layers.1.mlp.down_proj.weight" in entries and binding.unexpected == ()
     assert all(t.device.type == "meta" for t in model.model.parameters())  # the route owns them, nothing decoded
-
-
-@pytest.fixture
-def prefetch_on_the_cpu(monkeypatch):
-    """Loads prefetched as for a CUDA device, with the CPU decode standing in for the GPU's (no CUDA in CI): the
-    dicts each load returned, and the threads they ran on."""
-    import contextlib
-    import threading
-
-    from szformat.model_folder import Prefetch
-
-    loads: list[tuple[str, dict]] = []
-    decode = szformat.api.load_file
-
-    def recorded(*args, **kwargs):
-        tensors = decode(*args, **kwargs)
-        loads.append((threading.current_thread().name, tensors))
-        return tensors
-
-    @contextlib.contextmanager
-    def on_the_cpu(device, *, verify, staging):
-        with Prefetch(torch.device("cpu"), verify=verify, staging=staging) as prefetch:
-            yield prefetch
-
-    monkeypatch.setattr(szformat.api, "load_file", recorded)
-    monkeypatch.setattr(szt, "prefetching", on_the_cpu)
-    if importlib.util.find_spec("diffusers") is not None:
-        import szformat.diffusers as szd
-
-        monkeypatch.setattr(szd, "prefetching", on_the_cpu)
-    return loads
 
 
 def test_a_prefetched_load_runs_once_beside_the_build_and_is_bit_identical(llama, prefetch_on_the_cpu):

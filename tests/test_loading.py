@@ -1278,19 +1278,25 @@ def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(at_res
         with SztFile(bad) as f, pytest.raises(ChecksumMismatchError, match="long.weight"):
             loader.load(f, ["long.weight"])
         assert inflater.frames == 0
+        assert inflater.released == 1  # a failed load drops its scratch too
         with SztFile(path) as f, pytest.raises(PayloadError, match="did not inflate") as info:
             loader.inflater.fail = True
-            loader.load(f, ["a.weight", "long.weight"])
-    assert info.value.tensor == "a.weight"  # the first that failed, in load order
+            loader.load(f, ["long.weight", "a.weight"])
+        assert inflater.released == 2
+    assert info.value.tensor == "long.weight"  # the first that failed, in the order asked for
 
 
-def test_the_device_route_refuses_entries_at_rest_without_an_inflater_or_crcs(at_rest_checkpoint):
+@pytest.mark.parametrize("inflater, crcs", [(None, True), (ZstdInflater(), False)], ids=["no inflater", "no crcs"])
+def test_the_device_route_refuses_entries_at_rest_without_an_inflater_or_crcs(at_rest_checkpoint, inflater, crcs):
     path, _ = at_rest_checkpoint
     staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
-    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec()) as loader, SztFile(path) as f:
-        route = loader._route_for(list(f.entries.values()), host=True)
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as loader, \
+            SztFile(path) as f:
+        entries = list(f.entries.values())
+        route = loader._route_for(entries, host=True)
         with pytest.raises(ValueError, match="inflated on the device only with an inflater"):
-            route.load(list(f.entries.values()), ReadSource(FileReader(path, loader._pool, 2)))
+            route.load(entries, ReadSource(FileReader(path, loader._pool, 2)),
+                       verify=StoredCrcCheck(entries, path) if crcs else None)
 
 
 def _stage_tensor_from(source: inflate.InflatingSource, name: str, start: int) -> torch.Tensor:

@@ -11,10 +11,10 @@ import torch
 from torch import nn
 
 import szformat
+from szformat.errors import LISTED as LISTED_PER_PROBLEM
 from szformat.errors import BindingError, DecodeRouteError, SzformatError
 from szformat.format.reader import SztFile
 from szformat.offload import OffloadEnvironment, bind_module, load_into_offloader
-from szformat.errors import LISTED as LISTED_PER_PROBLEM
 
 
 @dataclass(frozen=True)

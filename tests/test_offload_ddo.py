@@ -572,6 +572,13 @@ def test_native_dmas_registered_payloads_without_reading_into_the_ring(setup):
     assert partly.ring.reads and all(same_bits(b.stable, tensors[b.parameter_name]) for b in bindings)
 
 
+def test_native_refuses_to_upload_before_szformat_attached_its_decoder(setup):
+    ops = FakeOps()
+    transport = native_transport(ops, 4096, 2)
+    arena = torch.zeros(1 << 15, dtype=torch.uint8)
+    with pytest.raises(DecodeRouteError, match="before szformat attached its decoder"):
+        transport.upload_batch(arena_bindings(setup, arena), arena, ops.streams["upload"])
+
 
 def test_native_refuses_a_slice_szformat_did_not_make(setup):
     ops = FakeOps()

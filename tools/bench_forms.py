@@ -15,7 +15,7 @@ loader's own reader threads (``hostio.FileReader``: buffered ``preadv`` in piece
 that bypass the page cache (16 threads, 8 MiB each). A cold load at its file's read time is bound by the disk.
 
 The checkpoint is ``tools/gpu_load_check.py``'s synthetic one (converted on the GPU), repacked at rest beside it.
-Every load is checked bit for bit against the in-memory form's load once, before the rounds.
+Every load is checked bit for bit against the safetensors original's once, before the rounds.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ import szformat
 from szformat.loading import hostio, loader
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_load import drop_caches, resident_share, timed_call  # noqa: E402
+from bench_load import drop_caches, mismatches, resident_share, timed_call  # noqa: E402
 from gpu_load_check import Checkpoint, at_rest_copy, prepare  # noqa: E402
 
 ANCHOR = "in-memory form, load_file (verify on)"
@@ -104,13 +104,12 @@ def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Ca
 
 
 def check_bits(loads: dict[str, tuple[str, Callable[[], object]]], reference: dict[str, torch.Tensor]) -> bool:
+    """Whether every load gives ``reference`` bit for bit (names, dtypes, shapes, device, bytes); says so for each."""
     same_everywhere = True
     for label, (_, load) in loads.items():
-        got = load()
-        same = got.keys() == reference.keys() and all(
-            torch.equal(got[k].view(-1).view(torch.uint8), reference[k].view(-1).view(torch.uint8)) for k in got)
-        print(f"{label}: {'bit-identical' if same else 'DIFFERS'}", flush=True)
-        same_everywhere &= same
+        bad = mismatches(load(), reference)
+        print(f"{label}: {'bit-identical' if not bad else 'DIFFERS: ' + ', '.join(bad[:5])}", flush=True)
+        same_everywhere &= not bad
     return same_everywhere
 
 
@@ -125,8 +124,9 @@ def interleaved(paths: dict[str, tuple[str, Callable[[], object]]], files: dict[
             form, run = paths[label]
             if cache == "cold":
                 drop_caches(list(files.values()))
-                if resident_share([files[form]]) > 0.01:
-                    print(f"{label}: {resident_share([files[form]]):.0%} of its file stayed resident", flush=True)
+                resident = resident_share([files[form]])
+                if resident > 0.01:
+                    print(f"{label}: {resident:.0%} of its file stayed resident", flush=True)
             try:
                 seconds, result = timed_call(run)
             except OSError as e:  # O_DIRECT refused by the file system
@@ -171,7 +171,7 @@ def main() -> int:
           f"{'found' if loader.nvcomp_inflater() else 'absent'}; files: "
           + ", ".join(f"{form} {size / 1e9:.3f} GB" for form, size in sizes.items()), flush=True)
     loads = load_paths(ckpt, at_rest)
-    if not check_bits(loads, szformat.load_file(ckpt.szt, device="cuda")):
+    if not check_bits(loads, st_load_file(ckpt.safetensors, device="cuda")):  # the tensors the files hold
         return 1
 
     os.sync()  # no writeback of the files just written beside the timed calls

@@ -251,12 +251,13 @@ def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> li
     raw = sum(p.stat().st_size for p in checkpoint_files(folder))
     stored = sum(p.stat().st_size for p in checkpoint_files(Path(f"{folder}-szt")))
     rows = []
-    timings = {name: [] for name in loaders(model)}
-    firsts = {name: timed(load, folder)[1] for name, load in loaders(model).items()}
+    loads = loaders(model)
+    timings = {name: [] for name in loads}
+    firsts = {name: timed(load, folder)[1] for name, load in loads.items()}
     for _ in range(reps):  # the loaders take turns, so that both meet the same state of the machine
-        for name, load in loaders(model).items():
+        for name, load in loads.items():
             timings[name].append(timed(load, folder)[1])
-    for name, load in loaders(model).items():
+    for name, load in loads.items():
         row = {"model": model, "loader": name, "bytes": raw, "szt_bytes": stored, "first_s": firsts[name],
                "warm_s": statistics.median(timings[name]), "warm_all_s": timings[name]}
         if cold:
@@ -266,8 +267,8 @@ def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> li
             row["cold_s"], row["cold_how"] = timed(load, folder)[1], how
         rows.append(row)
         print(json.dumps(row), flush=True)
-    anchor, ours = list(loaders(model))
-    a, b = loaders(model)[anchor](folder), loaders(model)[ours](folder)
+    anchor, ours = list(loads)
+    a, b = loads[anchor](folder), loads[ours](folder)
     synchronize()
     differing = differing_tensors(model, a, b)
     out_a, out_b = output(model, a), output(model, b)
@@ -387,8 +388,9 @@ def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
     if not Path(f"{folder}-szt").is_dir():
         print(f"building {model} in {folder} ...", flush=True)
         build(model, folder, tiny)
-    anchor_name, anchor = next((name, load) for name, load in loaders(model).items() if name != "szformat")
-    ours = loaders(model)["szformat"]
+    loads = loaders(model)
+    anchor_name, anchor = next((name, load) for name, load in loads.items() if name != "szformat")
+    ours = loads["szformat"]
     decode = szformat.api.load_file
     if DEVICE == "cpu":
         szformat.api.load_file = empty_weights
@@ -408,7 +410,7 @@ def profile(work: Path, model: str, reps: int, tiny: bool) -> str:
              f"anchor, {anchor_name}' own from_pretrained of the safetensors original (bfloat16, device_map="
              f"{DEVICE!r}, weights read): warm median {statistics.median(anchored) * 1e3:.1f} ms"]
     if DEVICE != "cpu":  # the decode alone, with the same emptied caching allocator before each call
-        weights = [p for p in checkpoint_files(Path(f"{folder}-szt"))]
+        weights = checkpoint_files(Path(f"{folder}-szt"))
         alone = [timed(lambda f: [szformat.api.load_file(p, device=DEVICE) for p in weights], folder)[1]
                  for _ in range(reps + 1)][1:]
         lines.append(f"szformat.load_file of its {len(weights)} weight files (device={DEVICE!r}) alone: warm median "

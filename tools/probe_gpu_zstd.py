@@ -24,7 +24,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-from copyrate import median_copy_seconds
+from copyrate import median_copy_seconds, pinned_h2d_gbps
 from szformat.format import at_rest
 from szformat.loading.gpu_inflate import nvcomp_inflater, plan_frames
 
@@ -46,8 +46,6 @@ def probe(pk: torch.Tensor, frames: list[bytes], batch: int, reps: int = 5) -> t
     """Inflate every frame on the device in calls of ``batch`` frames: (bit-exact, median ms after one untimed
     round)."""
     inflater = nvcomp_inflater()
-    if inflater is None:
-        raise SystemExit("nvCOMP is not installed: pip install 'szformat[nvcomp-cu13]' (or nvcomp-cu12)")
     frame_size = at_rest.DEFAULT_FRAME_SIZE
     offsets = [0]
     for frame in frames:
@@ -73,6 +71,8 @@ def main() -> None:
     parser.add_argument("--pk-mib", type=int, default=1024, help="size of the pk stream (raw-equivalent: 4x)")
     parser.add_argument("--batches", default="1024,128,32", help="frames per nvCOMP call")
     args = parser.parse_args()
+    if nvcomp_inflater() is None:
+        raise SystemExit("nvCOMP is not installed: pip install 'szformat[nvcomp-cu13]' (or nvcomp-cu12)")
     pk = pk_stream(args.pk_mib << 20)
     view = memoryview(pk.numpy())
     frame_size = at_rest.DEFAULT_FRAME_SIZE
@@ -88,10 +88,9 @@ def main() -> None:
         exact, ms = probe(pk, frames, batch)
         print(f"| {batch} | {'yes' if exact else 'NO'} | {ms:.1f} | {pk.numel() / ms / 1e6:.1f} | "
               f"{4 * pk.numel() / ms / 1e6:.1f} |")
-    pinned = torch.empty(pk.numel(), dtype=torch.uint8, pin_memory=True)
-    device = torch.empty(pk.numel(), dtype=torch.uint8, device="cuda")
-    ms = median_copy_seconds(lambda: device.copy_(pinned, non_blocking=True), 3) * 1e3
-    print(f"anchor: pinned host-to-device copy of the pk stream, {ms:.1f} ms ({pk.numel() / ms / 1e6:.1f} GB/s)")
+    gbps = pinned_h2d_gbps(pk.numel(), 3)
+    print(f"anchor: pinned host-to-device copy of the pk stream, {pk.numel() / gbps / 1e6:.1f} ms ({gbps:.1f} GB/s)")
+
 
 if __name__ == "__main__":
     main()

@@ -30,7 +30,7 @@ from ..codec.layout import PayloadLayout
 
 __all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
-           "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "stored_length", "parse_at_rest",
+           "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "check_frame_size", "parse_at_rest",
            "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress", "inflate",
            "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
            "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
@@ -124,11 +124,11 @@ def stream_extents(layout: PayloadLayout) -> list[tuple[str, int, int]]:
     return [(name, bounds[i], bounds[i + 1]) for i, name in enumerate(STREAMS)]
 
 
-def check_frame_size(frame_size: object) -> None:
-    """Raise ValueError unless ``frame_size`` is an integer within :data:`MIN_FRAME_SIZE`..:data:`MAX_FRAME_SIZE`
-    (what a reader accepts, so what a writer may write). The message says what the value must be; callers name it."""
+def check_frame_size(frame_size: object, what: str = "frame_size") -> None:
+    """Raise ValueError, naming the value ``what``, unless ``frame_size`` is an integer within
+    :data:`MIN_FRAME_SIZE`..:data:`MAX_FRAME_SIZE` (what a reader accepts, so what a writer may write)."""
     if type(frame_size) is not int or not MIN_FRAME_SIZE <= frame_size <= MAX_FRAME_SIZE:
-        raise ValueError(f"must be an integer in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], got {frame_size!r}")
+        raise ValueError(f"{what} must be an integer in [{MIN_FRAME_SIZE}, {MAX_FRAME_SIZE}], got {frame_size!r}")
 
 
 def _frame_count(length: int, frame_size: int) -> int:
@@ -143,7 +143,7 @@ def _check_frame_count(extents: Sequence[tuple[str, int, int]], stage: ZstdStage
                           f"layout in frames of {stage.frame_size} bytes make {expected}")
 
 
-def stored_length(layout: PayloadLayout, stage: ZstdStage) -> int:
+def _stored_length(layout: PayloadLayout, stage: ZstdStage) -> int:
     """The stored bytes of a payload stored with ``stage``: its frames and its verbatim streams.
 
     Raises:
@@ -205,9 +205,9 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
                           f"got {streams!r}")
     frame_size = config.get("frame_size")
     try:
-        check_frame_size(frame_size)
+        check_frame_size(frame_size, "zstd 'frame_size'")
     except ValueError as e:
-        raise AtRestError(f"zstd 'frame_size' {e}") from None
+        raise AtRestError(str(e)) from None
     frames = config.get("frames")
     if not isinstance(frames, list) or any(type(f) is not int or f <= 0 for f in frames):
         raise AtRestError("zstd 'frames' must be a list of positive integers (stored frame lengths)")
@@ -215,7 +215,7 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
     if level is not None and type(level) is not int:
         raise AtRestError(f"zstd 'level' must be an integer, got {level!r}")
     stage = ZstdStage(tuple(streams), frame_size, tuple(frames), level)
-    stored = stored_length(layout, stage)
+    stored = _stored_length(layout, stage)
     if stored != length:
         raise AtRestError(f"frames and verbatim streams add up to {stored} stored bytes, the entry records {length}")
     return stage
@@ -265,10 +265,7 @@ def compress(payload: torch.Tensor, layout: PayloadLayout, *, level: int = DEFAU
     nothing is copied before it is written (joining them cost more than compressing, on MiniLM). ``streams``
     defaults to :func:`writer_streams`.
     """
-    try:
-        check_frame_size(frame_size)
-    except ValueError as e:
-        raise ValueError(f"frame_size {e}") from None
+    check_frame_size(frame_size)
     streams = writer_streams(layout) if streams is None else tuple(s for s in STREAMS if s in streams)
     data = memoryview(payload.numpy())
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)

@@ -132,10 +132,11 @@ def payload_alignment(length: int, alignment: int, small_alignment: int | None) 
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def validate_small_alignment(value: object, alignment: int) -> None:
-    """Format 1.1: payloads under 1 MiB start at multiples of ``value``, a power of two in [16, ``alignment``)."""
+def validate_small_alignment(value: object, alignment: int, what: str = "small_alignment") -> None:
+    """Format 1.1: payloads under 1 MiB start at multiples of ``value``, a power of two in [16, ``alignment``);
+    raise ValueError naming it ``what`` otherwise."""
     if type(value) is not int or not C.MIN_SMALL_ALIGNMENT <= value < alignment or value & (value - 1):
-        raise ValueError(f"must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}), got {value!r}")
+        raise ValueError(f"{what} must be a power of two in [{C.MIN_SMALL_ALIGNMENT}, {alignment}), got {value!r}")
 
 
 def validate_name(name: object) -> None:
@@ -218,9 +219,9 @@ def parse_header(
             raise HeaderError(f"'small_alignment' is set but {C.FEATURE_SMALL_ALIGNMENT!r} is not among the "
                               "required features", path=path)
         try:
-            validate_small_alignment(small_alignment, alignment)
+            validate_small_alignment(small_alignment, alignment, "'small_alignment'")
         except ValueError as e:
-            raise HeaderError(f"'small_alignment' {e}", path=path) from None
+            raise HeaderError(str(e), path=path) from None
     elif C.FEATURE_SMALL_ALIGNMENT in features:
         raise HeaderError(f"required feature {C.FEATURE_SMALL_ALIGNMENT!r} is listed without 'small_alignment'",
                           path=path)

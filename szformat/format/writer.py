@@ -66,15 +66,9 @@ class SztWriter:
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
                              f"got {alignment!r}")
-        try:
-            if small_alignment is not None:
-                validate_small_alignment(small_alignment, alignment)
-        except ValueError as e:
-            raise ValueError(f"small_alignment {e}") from None
-        try:
-            at_rest_stage.check_frame_size(frame_size)
-        except ValueError as e:
-            raise ValueError(f"frame_size {e}") from None
+        if small_alignment is not None:
+            validate_small_alignment(small_alignment, alignment)
+        at_rest_stage.check_frame_size(frame_size)
         if metadata is not None:
             try:
                 validate_metadata(metadata)

@@ -10,7 +10,7 @@ from typing import Iterator
 from huggingface_hub import constants
 from huggingface_hub.utils import HfHubHTTPError, LocalEntryNotFoundError
 
-from ..errors import HubRequestError
+from ..errors import HubRequestError, first_line
 
 TRANSPORT_ERRORS = (("requests", "RequestException"), ("httpx", "TransportError"), ("httpx2", "TransportError"))
 """Where the HTTP clients of huggingface_hub releases keep their connection errors (requests before 1.0, httpx
@@ -48,7 +48,7 @@ def describe_http_error(error: HfHubHTTPError) -> str:
     response = error.response
     reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None)  # httpx, requests
     status = " ".join(str(part) for part in (getattr(response, "status_code", None), reason) if part)
-    message = error.server_message or str(error).strip().splitlines()[0]
+    message = error.server_message or first_line(error)
     return f"the Hub refused the request{f' ({status})' if status else ''}: {' '.join(message.split())}"
 
 

@@ -108,9 +108,11 @@ class DeviceLoader:
         self.ops = ops if ops is not None else cuda_ops(device)
         self.route = "cpu" if route == "cpu" else "gpu"
         self.codec = (codec if codec is not None else triton_codec()) if self.route == "gpu" else None
-        self.inflater = inflater if inflater is not None or ops is not None else nvcomp_inflater()
         self.staging = staging if staging is not None else StagingConfig()
         self.verify = verify
+        if inflater is None and ops is None and self._may_inflate_on_device():  # else nvCOMP is never called
+            inflater = nvcomp_inflater()
+        self.inflater = inflater
         self.threads = self.staging.threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="szformat-io")
         self._verify_pool: ThreadPoolExecutor | None = None
@@ -132,6 +134,7 @@ class DeviceLoader:
         pending: list[Future] = []
         inline: StoredCrcCheck | None = None
         checks: DeviceChecks | None = None
+        route: DeviceDecodeRoute | HostDecodeRoute | None = None
         try:
             if self.route == "gpu":
                 source = self._source(file)
@@ -149,19 +152,20 @@ class DeviceLoader:
                 route = self._route_for(entries, host=True)
                 flat = route.load(file, entries)
             route.loop.finish()
-            if checks is not None:  # the device route: what it inflated at-rest payloads in may go
-                route.release_scratch()
         except BaseException:
             for check in pending:
                 check.cancel()
             raise
+        finally:  # the device work has finished (a failed run waits for it): what at-rest payloads used may go
+            if isinstance(route, DeviceDecodeRoute):
+                route.release_scratch()
         if checks is not None:
             escapes, frames = checks.failed()
-            for i in escapes:
-                self._refuse_escapes(file, entries[i])
+            if escapes:
+                self._refuse_escapes(file, entries[min(escapes)])
             if frames:
                 raise PayloadError("a zstd frame of the stored bytes did not inflate to its size on the device",
-                                   path=file.path, tensor=entries[frames[0]].name)
+                                   path=file.path, tensor=entries[min(frames)].name)
         for check in pending:
             check.result()
         if inline is not None:
@@ -219,8 +223,13 @@ class DeviceLoader:
             source = self._sources[file.path] = self._open_source(file)
         return source
 
+    def _may_inflate_on_device(self) -> bool:
+        """Whether a load may inflate the at-rest form on the device, given an inflater: the GPU route, ``verify``
+        (nothing unchecked reaches the inflater) and staged reads (the CRC-32s are taken as the readers read)."""
+        return self.route == "gpu" and self.verify and self.staging.transport == "staged"
+
     def _open_source(self, file: SztFile) -> HostSource:
-        if file.at_rest and not (self.inflater is not None and self.verify and self.staging.transport == "staged"):
+        if file.at_rest and not (self.inflater is not None and self._may_inflate_on_device()):
             return InflatingSource(file, self._pool)  # the readers inflate: the device decodes the in-memory form
         if self.staging.transport == "registered":
             mapping = RegisteredMapping.open(file.path, self.ops.device)

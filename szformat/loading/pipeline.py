@@ -200,7 +200,7 @@ class TransferLoop:
                     record.add("wait_slot", k, began, record.now())
                     began = record.now()
                 item = (k, slot, stage(k, transfer, slot))
-                if self.reading is not None:
+                if k == 0 and self.reading is not None:
                     self.reading.set()
                 if record is not None:
                     record.add("stage", k, began, record.now(), transfer.nbytes)
@@ -282,10 +282,10 @@ class TransferLoop:
 
 
 ARENA_ALIGNMENT = 256
+"""Tensors sharing a packed transfer's output allocation start at multiples of this many bytes."""
 INFLATED_ALIGNMENT = 16
 """In-memory payloads inflated on the device start at multiples of this many bytes: the batched decode loads
 16-byte vectors."""
-"""Tensors sharing a packed transfer's output allocation start at multiples of this many bytes."""
 ALLOCATION_GRANULE = 512
 """PyTorch's caching allocator rounds every block up to a multiple of this many bytes: what one reserved segment
 must hold for a load's allocations to be carved out of it."""
@@ -326,11 +326,10 @@ class DeviceChecks:
         self._flags = ops.device_buffer(4 * len(self._items)).view(torch.int32).zero_() if self._items else None
 
     def escapes(self, items: Sequence[int]) -> torch.Tensor | None:
-        """The escape flags of ``items`` (consecutive in ``escapes``), for one decode call; ``None`` for none."""
-        if not items:
-            return None
-        start = self._index[items[0]]
-        return self._flags[start: start + len(items)]
+        """The escape flags of ``items`` (consecutive in ``escapes``), for one decode call; ``None`` for none, or
+        for items given no flag (a tensor without escapes)."""
+        start = self._index.get(items[0]) if items else None
+        return None if start is None else self._flags[start: start + len(items)]
 
     def frames(self, first: int, count: int) -> torch.Tensor:
         """The statuses of frames ``[first, first + count)`` of ``frames``, for one inflate call."""
@@ -343,7 +342,7 @@ class DeviceChecks:
         flags = self._flags.cpu().tolist()
         escapes = [item for item, flag in zip(self._items[: self._escapes], flags) if flag]
         frames = [item for item, flag in zip(self._items[self._escapes:], flags[self._escapes:]) if flag]
-        return escapes, list(dict.fromkeys(frames))
+        return escapes, frames
 
 
 @dataclass
@@ -396,7 +395,8 @@ class DeviceDecodeRoute:
 
         ``verify`` (a source with ``host_writes`` only) takes the CRC-32 of each piece on the thread that read it;
         call its ``check()`` once this returns. Entries stored at rest need an ``inflater`` and ``verify``."""
-        if any(e.at_rest is not None for e in entries) and (self.inflater is None or verify is None):
+        at_rest = any(e.at_rest is not None for e in entries)
+        if at_rest and (self.inflater is None or verify is None):
             raise ValueError("entries stored at rest are inflated on the device only with an inflater and the "
                              "CRC-32 of their stored bytes checked first")
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
@@ -408,7 +408,7 @@ class DeviceDecodeRoute:
         rows = {k: items for k, items in rows.items() if items}
         streamed = [p.item for t in transfers if not t.packed for p in t.pieces
                     if p.last and entries[p.item].encoding == ENCODING_SPLITZIP and entries[p.item].layout.n_esc]
-        payload_offsets, inflations = self._plan_inflation(transfers, entries, rows)
+        payload_offsets, inflations = self._plan_inflation(transfers, entries, rows) if at_rest else ({}, {})
         checks = DeviceChecks(self.loop.ops, [item for items in rows.values() for item in items] + streamed,
                               [item for inflation in inflations.values() for item in inflation.owners])
         tables = self._batch_tables(rows, transfers, entries, arenas, payload_offsets)
@@ -612,7 +612,7 @@ class DeviceDecodeRoute:
         if piece.last and entry.encoding == ENCODING_SPLITZIP:
             ops, loop = self.loop.ops, self.loop
             ops.wait(loop.decode_stream, copied)
-            dest, errors = dests[piece.item], checks.escapes([piece.item]) if entry.layout.n_esc else None
+            dest, errors = dests[piece.item], checks.escapes([piece.item])
             if inflation is None:
                 work = lambda: self.codec.decode_in_place(  # noqa: E731
                     dest, entry.layout, entry.codebook, self._scratch, errors)

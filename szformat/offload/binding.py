@@ -234,8 +234,6 @@ def _dtype_name(dtype: torch.dtype) -> str:
     return C.TORCH_TO_DTYPE.get(dtype, str(dtype).removeprefix("torch."))
 
 
-
-
 def module_tensor(module: torch.nn.Module, name: str) -> torch.Tensor:
     """The parameter or buffer ``name`` (dotted, as in ``state_dict``) of ``module`` as it is now."""
     owner, key = tensor_owner(module, name)

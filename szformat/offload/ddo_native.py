@@ -103,6 +103,7 @@ class SztNativeShardTransport(_NativeShardTransport):
     """DDO's native shard transport, reading .szt payloads into a device staging buffer and expanding them there."""
 
     decoder: SlotDecoder | None = None
+    _pages: RegisteredPages | None = None
 
     def attach(self, decoder: SlotDecoder, pages: RegisteredPages | None = None) -> None:
         """Start serving uploads with ``decoder``, DMA'ing what ``pages`` registered straight from the page cache
@@ -118,11 +119,13 @@ class SztNativeShardTransport(_NativeShardTransport):
         """Bytes DMA'd host to device so far: the stored bytes of every upload (with run padding)."""
 
     def begin_read(self, bindings: list[Any]) -> Any:
+        self._require_decoder()
         if self._all_registered(bindings):
             return RegisteredTicket(list(bindings))
         return super().begin_read(bindings)
 
     def upload_batch(self, bindings: list[Any], arena: Any, stream: Any) -> Any:
+        self._require_decoder()
         if self._all_registered(bindings):
             return self._upload_registered(bindings, stream)
         return super().upload_batch(bindings, arena, stream)
@@ -138,16 +141,23 @@ class SztNativeShardTransport(_NativeShardTransport):
             return
         super().discard_ticket(ticket)
 
+    def _require_decoder(self) -> None:
+        """Refuse DDO's calls before :meth:`attach` (the transport's state is set there)."""
+        if self.decoder is None:
+            raise DecodeRouteError("DDO uploaded a checkpoint slice before szformat attached its decoder")
+
     def _all_registered(self, bindings: list[Any]) -> bool:
         return self._registered_group(bindings) is not None
 
     def _registered_group(self, bindings: list[Any]) -> tuple[ScatterPlan, list, int] | None:
         """A group's upload out of registered pages (its plan, its copies, their bytes), described at its first
         upload; None when some payload of it is not registered."""
+        if self._pages is None:  # closed, or nothing registered
+            return None
         key = tuple(binding.offset for binding in bindings)
         if key not in self._registered_groups:
             group = None
-            if self._pages is not None and all(isinstance(b.file_slice, SztFileSlice) for b in bindings):
+            if all(isinstance(b.file_slice, SztFileSlice) for b in bindings):
                 windows = list(staged_windows(bindings, self.window_size_bytes))
                 pieces = [(w.arena_offset, self._pages.view(w.path, w.file_offset, w.file_offset + w.size_bytes))
                           for w in windows]
@@ -185,8 +195,7 @@ class SztNativeShardTransport(_NativeShardTransport):
         """
         if isinstance(ticket, _NativeCacheReadTicket):
             raise DecodeRouteError("DDO's native source cache is not supported with .szt checkpoints")
-        if self.decoder is None:
-            raise DecodeRouteError("DDO uploaded a checkpoint slice before szformat attached its decoder")
+        self._require_decoder()
         if not self.ticket_active(ticket):
             raise DecodeRouteError("DDO uploaded a native read ticket that is no longer active")
         if isinstance(ticket, RegisteredTicket):
@@ -248,7 +257,7 @@ class SztNativeShardTransport(_NativeShardTransport):
                 self.decoder.ops.synchronize(done)
             self._slot_done = {}
         super().close()
-        if getattr(self, "_pages", None) is not None:
+        if self._pages is not None:
             self._registered_groups.clear()  # their copies are views of the pages' mappings, which must go first
             self._pages.close()
             self._pages = None
