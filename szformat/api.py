@@ -7,35 +7,24 @@ touching the mapping would be SIGBUS).
 
 from __future__ import annotations
 
-import math
-import operator
 import os
-import threading
 from pathlib import Path
-from typing import Any, Iterable
 
-import numpy as np
 import torch
 
-from .codec import cpu as cpu_codec
-from .codec.gate import RoundTripMismatch, encode_tensor
-from .errors import ConversionError, FormatError, PayloadError, RoundTripError
-from .format import at_rest
+from .errors import ConversionError, FormatError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
-from .format.reader import PayloadDescriptor, SztFile, check_crc
+from .format.reader import PayloadDescriptor, SztFile
 from .format.at_rest import parse_at_rest_option as at_rest_level
-from .format.writer import SztWriter, writer_form
+from .format.writer import SztWriter, tensor_bytes, write_tensor, writer_form
 from .loading import DeviceLoader, StagingConfig, load_to_device
 from .loading.host_decode import decode_entries
-from .loading.loader import load_checkpoint
+from .loading.host_reader import HostReader, TensorSlice
+from .loading.device_loader import load_checkpoint
 from .paths import resolve_path
 
 __all__ = ["safe_open", "load_file", "save_file"]
-
-SCRATCH_BYTES = 256 << 20
-"""Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
-
 
 class safe_open:
     """Open a .szt file for lazy reading, like ``safetensors.safe_open``.
@@ -85,8 +74,7 @@ class safe_open:
             if self._device_loader is not None:
                 self._device_loader.close()
             raise
-        self._verified: set[str] = set()
-        self._scratch = threading.local()
+        self._host = HostReader(self._file, verify=verify)
 
     @property
     def path(self) -> Path:
@@ -104,7 +92,7 @@ class safe_open:
         if self._device_loader is not None:
             self._device_loader.close()
         self._file.close()
-        self._scratch = threading.local()
+        self._host.release()
 
     def keys(self) -> list[str]:
         """Tensor names in file order."""
@@ -138,16 +126,7 @@ class safe_open:
         """
         if self._device_loader is not None:
             return self._device_loader.load(self._file, [name])[name]
-        return self._decode_all([name])[0]
-
-    def _decode_all(self, names: list[str]) -> list[torch.Tensor]:
-        """Tensors ``names``, decoded on the CPU (several threads; see :mod:`szformat.loading.host_decode`)."""
-        entries = [self._file.entry(name) for name in names]
-        check_stored = [self.verify and name not in self._verified for name in names]
-        tensors = decode_entries(self._file, entries, check_stored=check_stored, check_decoded=self.verify)
-        if self.verify:
-            self._verified.update(names)
-        return tensors
+        return self._host.tensors([name])[0]
 
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers.
@@ -156,134 +135,7 @@ class safe_open:
         but the decoded bytes' CRC-32 cannot be: it covers the whole tensor. A payload edited with its stored CRC-32
         recomputed then gives the values it decodes to, where :meth:`get_tensor` refuses it.
         """
-        return TensorSlice(self, self._file.entry(name))
-
-    def _unchecked(self, entry: TensorEntry) -> bool:
-        return self.verify and entry.name not in self._verified
-
-    def _read_stored(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
-        """Read all stored bytes of a tensor into ``out``, CRC-checked the first time when ``verify`` is on.
-
-        Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
-        TruncatedFileError rather than SIGBUS.
-        """
-        self._file.read(entry.name, out=out)
-        if self._unchecked(entry):
-            check_crc(out, entry.crc32, what="stored bytes", path=self.path, tensor=entry.name)
-            self._verified.add(entry.name)
-        return out
-
-    def _buffer(self, nbytes: int, role: str = "stored") -> torch.Tensor:
-        """A uint8 buffer to read stored bytes into (``role`` ``"stored"``) or inflate a payload stored at rest into
-        (``"memory"``) and decode them from: up to :data:`SCRATCH_BYTES`, one per role this thread keeps while the
-        file is open (a fresh one costs a page fault and a zeroed page per 4 KiB, about as much again as reading
-        into it); larger, zeroed memory whose pages cost only when written."""
-        if nbytes > SCRATCH_BYTES:
-            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
-        buffers = self._scratch.__dict__.setdefault("buffers", {})
-        buffer = buffers.get(role)
-        if buffer is None or buffer.numel() < nbytes:
-            buffer = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
-        return buffer[:nbytes]
-
-    def _payload(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
-        """The in-memory payload of a SplitZip tensor, with at least what decoding elements ``[start, stop)`` reads
-        in place: read whole (and CRC-checked, the first time when ``verify`` is on) or only those bytes; for a
-        payload stored at rest, the stored bytes of the frames holding them, inflated."""
-        whole = (start, stop) == (0, entry.numel)
-        ranges = entry.layout.byte_ranges(start, stop)
-        stored = self._buffer(entry.length)
-        if whole or self._unchecked(entry):
-            self._read_stored(entry, stored)
-        else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
-            spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.layout, entry.at_rest, ranges)
-            for begin, end in spans:
-                self._file.read(entry.name, begin, end, out=stored[begin:end])
-        if entry.at_rest is None:
-            return stored
-        payload = self._buffer(entry.memory_length, "memory")
-        try:
-            if whole:
-                return at_rest.inflate(stored, entry.layout, entry.at_rest, payload)
-            return at_rest.inflate_ranges(stored, entry.layout, entry.at_rest, ranges, payload)
-        except at_rest.AtRestError as e:
-            raise PayloadError(str(e), path=self.path, tensor=entry.name) from None
-
-    def _read(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
-        """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
-        dtype = entry.torch_dtype(self.path)
-        row_shape = entry.shape[1:]
-        row_numel = math.prod(row_shape)
-        start, stop = row_start * row_numel, row_stop * row_numel
-        shape = (row_stop - row_start, *row_shape) if entry.shape else ()
-        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes
-            itemsize = C.itemsize(entry.dtype)
-            begin, end = start * itemsize, stop * itemsize
-            if (begin, end) == (0, entry.length):
-                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8))
-            elif self._unchecked(entry):
-                raw = self._read_stored(entry, self._buffer(entry.length))[begin:end].clone()
-            else:
-                raw = self._file.read(entry.name, begin, end)
-            return raw.view(dtype).reshape(shape)
-        payload = self._payload(entry, start, stop)
-        out = torch.empty(stop - start, dtype=torch.bfloat16)
-        try:
-            cpu_codec.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
-        except ValueError as e:
-            raise PayloadError(str(e), path=self.path, tensor=entry.name) from None
-        if self.verify and start == 0 and stop == entry.numel:
-            check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.path,
-                      tensor=entry.name)
-        return out.reshape(shape)
-
-
-class TensorSlice:
-    """Lazy handle on one tensor; indexing the first dimension decodes only the rows it covers.
-
-    Indexing follows ``torch.Tensor`` exactly: ``f.get_slice(name)[index]`` equals ``f.get_tensor(name)[index]``.
-    """
-
-    def __init__(self, owner: safe_open, entry: TensorEntry):
-        self._owner = owner
-        self._entry = entry
-
-    def get_shape(self) -> list[int]:
-        """The tensor's shape, read from the header (nothing is decoded)."""
-        return list(self._entry.shape)
-
-    def get_dtype(self) -> str:
-        """The tensor's safetensors dtype name (``"BF16"``, ``"F32"``...)."""
-        return self._entry.dtype
-
-    def __getitem__(self, index: Any) -> torch.Tensor:
-        entry = self._entry
-        first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
-        if not entry.shape:
-            picked = self._owner._read(entry, 0, 1)[index]
-        elif isinstance(first, slice) and (first.step is None or (_as_int(first.step) or 0) > 0):
-            row_start, row_stop, step = first.indices(entry.shape[0])
-            rows = self._owner._read(entry, row_start, max(row_start, row_stop))
-            picked = rows[(slice(None, None, step), *rest)]
-        elif _as_int(first) is not None:
-            row = _as_int(first)
-            row = row + entry.shape[0] if row < 0 else row
-            if not 0 <= row < entry.shape[0]:
-                raise IndexError(f"index {first} is out of bounds for dimension 0 with size {entry.shape[0]}")
-            picked = self._owner._read(entry, row, row + 1)[(0, *rest)]
-        else:  # Ellipsis, None, lists, tensors, negative steps: let torch interpret the whole tensor
-            picked = self._owner._read(entry, 0, entry.shape[0])[index]
-        return picked.to(self._owner.device)
-
-
-def _as_int(index: Any) -> int | None:
-    """``index`` as a Python int when it is an integer index (not a bool: torch reads those as masks)."""
-    if isinstance(index, (bool, torch.Tensor)) or index is None:
-        return None
-    try:
-        return operator.index(index)
-    except TypeError:
-        return None
+        return TensorSlice(self._host, self._file.entry(name), self.device)
 
 
 def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *,
@@ -354,19 +206,3 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
     with SztWriter(filename, metadata=metadata, alignment=alignment, **writer_form(level)) as writer:
         for name, t in items:
             write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))
-
-
-def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
-    """The raw bytes of a tensor as a flat uint8 CPU tensor (a view where possible)."""
-    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
-
-
-def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor,
-                 **encode_kw: Any) -> TensorEntry:
-    """Encode (with the round-trip check, and the coverage gate of the writer's form) and append one tensor; a
-    mismatch aborts the whole file."""
-    try:
-        encoded = encode_tensor(raw, dtype, gate=writer.coverage_gate, **encode_kw)
-    except RoundTripMismatch as e:
-        raise RoundTripError(str(e), path=writer.path, tensor=name) from None
-    return writer.add(name, dtype, tuple(shape), encoded)

@@ -10,7 +10,12 @@ import pytest
 import torch
 
 import szformat
-from szformat.model_folder import Prefetch
+from szformat.integrations.model_folder import Prefetch
+from support import ALICE, BOB, point_client_at
+import huggingface_hub
+from huggingface_hub import constants
+
+from hub_server import LoopbackHub
 
 
 @pytest.fixture
@@ -26,7 +31,7 @@ def no_decoding(monkeypatch):
 def prefetch_on_the_cpu(monkeypatch):
     """Loads prefetched as for a CUDA device, with the CPU decode standing in for the GPU's (no CUDA in CI): the
     dicts each load returned, and the threads they ran on."""
-    import szformat.transformers as szt
+    import szformat.integrations.transformers as szt
 
     loads: list[tuple[str, dict]] = []
     decode = szformat.api.load_file
@@ -44,7 +49,26 @@ def prefetch_on_the_cpu(monkeypatch):
     monkeypatch.setattr(szformat.api, "load_file", recorded)
     monkeypatch.setattr(szt, "prefetching", on_the_cpu)
     if importlib.util.find_spec("diffusers") is not None:
-        import szformat.diffusers as szd
+        import szformat.integrations.diffusers as szd
 
         monkeypatch.setattr(szd, "prefetching", on_the_cpu)
     return loads
+
+
+@pytest.fixture
+def hub(tmp_path, monkeypatch):
+    """A running loopback Hub that huggingface_hub uses by default, with an empty cache and no token."""
+    for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
+        monkeypatch.delenv(var, raising=False)
+    home = tmp_path / "hf_home"
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HOME", str(home))
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
+    monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    server = LoopbackHub(tokens={ALICE: "alice", BOB: "bob"}).start()
+    point_client_at(monkeypatch, server.endpoint)
+    yield server
+    server.stop()
+    huggingface_hub.close_session()  # drop kept-alive connections to this server

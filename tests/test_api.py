@@ -12,9 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 
-import szformat.api as api
+import szformat.format.writer as writer_module
+import szformat.loading.host_reader as host_reader
+from szformat.codec import cpu as cpu_codec
 from szformat import SzformatError, load_file, safe_open, save_file
-from szformat.api import tensor_bytes
+from szformat.format.writer import tensor_bytes
 from szformat.errors import ChecksumMismatchError, ConversionError, FormatError, PayloadError, RoundTripError
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
@@ -136,18 +138,18 @@ def test_save_file_refuses_bad_arguments_before_writing(tmp_path, tensors, reaso
 def test_save_file_is_atomic(tmp_path, monkeypatch, failure):
     path = tmp_path / "model.szt"
     path.write_bytes(b"the previous file")
-    real = api.encode_tensor
+    real = writer_module.encode_tensor
     calls = []
 
     def failing(raw, dtype, **kw):
         calls.append(dtype)
         if len(calls) == 3:  # after two tensors were written
             if failure == "round_trip":
-                raise api.RoundTripMismatch("SplitZip payload does not decode bit for bit")
+                raise writer_module.RoundTripMismatch("SplitZip payload does not decode bit for bit")
             raise failure("interrupted")
         return real(raw, dtype, **kw)
 
-    monkeypatch.setattr(api, "encode_tensor", failing)
+    monkeypatch.setattr(writer_module, "encode_tensor", failing)
     expected = RoundTripError if failure == "round_trip" else failure
     with pytest.raises(expected) as info:
         save_file(MODEL, path)
@@ -279,13 +281,13 @@ def test_get_slice_of_scalars_and_empty_tensors(model_file):
 
 def test_get_slice_decodes_only_the_rows_it_needs(model_file, monkeypatch):
     ranges = []
-    real = api.cpu_codec.decode
+    real = cpu_codec.decode
 
     def spy(*args, **kwargs):
         ranges.append((kwargs["start"], kwargs["stop"]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(api.cpu_codec, "decode", spy)
+    monkeypatch.setattr(cpu_codec, "decode", spy)
     with safe_open(model_file, framework="pt") as f:
         rows = f.get_slice("weight")
         assert same_bits(rows[10:13], MODEL["weight"][10:13])
@@ -367,7 +369,7 @@ def test_verify_false_skips_checksums_but_not_structure(model_file, tmp_path):
 
 def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
     checked = []
-    real = api.check_crc
+    real = host_reader.check_crc
 
     def spy(*args, **kwargs):
         checked.append((kwargs["tensor"], kwargs["what"]))
@@ -379,7 +381,7 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         checked.append((tensor, what))
         return real_compare(actual, expected, what=what, path=path, tensor=tensor)
 
-    monkeypatch.setattr(api, "check_crc", spy)
+    monkeypatch.setattr(host_reader, "check_crc", spy)
     monkeypatch.setattr(host_decode, "check_crc", spy)
     monkeypatch.setattr(host_decode, "compare_crc", compare_spy)
     with safe_open(model_file, framework="pt") as f:
@@ -397,7 +399,7 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
 
 TRUNCATE_WHILE_READING = """
 import os, sys
-import szformat, szformat.api as api
+import szformat, szformat.loading.host_reader as host_reader
 from szformat.errors import TruncatedFileError
 
 path, how = sys.argv[1], sys.argv[2]
@@ -410,7 +412,7 @@ def truncating_first(real):
     return call
 
 
-api.check_crc = truncating_first(api.check_crc)  # reads the bytes it checks
+host_reader.check_crc = truncating_first(host_reader.check_crc)  # reads the bytes it checks
 if hasattr(os, "preadv"):
     os.preadv = truncating_first(os.preadv)
 try:

@@ -16,7 +16,7 @@ model already written. ``<dest>`` defaults to ``$SZFORMAT_MODELS_DIR`` or ``~/.c
 
 Usage::
 
-    python tools/fetch_models.py [--dest DIR] [MODEL ...]
+    python -m tools.fetch_models [--dest DIR] [MODEL ...]
 """
 
 from __future__ import annotations
@@ -34,8 +34,7 @@ import torch
 from safetensors.torch import load as load_safetensors
 from safetensors.torch import save_file
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from fetch_minilm import sha256_of, write_atomically  # noqa: E402
+from tools.fetch_minilm import sha256_of, write_atomically  # noqa: E402
 
 
 @dataclass(frozen=True)

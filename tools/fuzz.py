@@ -48,16 +48,14 @@ from hypothesis import HealthCheck, given, seed, settings
 from hypothesis import strategies as st
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
 
 from szformat import SzformatError, load_file, safe_open  # noqa: E402
-from szformat.api import tensor_bytes  # noqa: E402
 from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.at_rest import compress_frame  # noqa: E402
 from szformat.format.header import parse_header, payload_alignment  # noqa: E402
 from szformat.format.index import checkpoint_shards, read_index  # noqa: E402
+from szformat.format.writer import tensor_bytes  # noqa: E402
 
 VECTORS = ROOT / "spec" / "vectors"
 

@@ -29,22 +29,20 @@ from pathlib import Path
 from typing import Any, Callable
 
 import msgpack
-import zstandard
 import numpy as np
+import zstandard
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:  # run as a script from a checkout
-    sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from szformat.api import load_file, safe_open, tensor_bytes, write_tensor  # noqa: E402
+from szformat.api import load_file, safe_open  # noqa: E402
 from szformat.codec.layout import PayloadLayout  # noqa: E402
 from szformat.errors import SzformatError  # noqa: E402
 from szformat.format import at_rest as A  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.reader import SztFile  # noqa: E402
-from szformat.format.writer import SztWriter, writer_form  # noqa: E402
+from szformat.format.writer import SztWriter, tensor_bytes, write_tensor, writer_form  # noqa: E402  # noqa: E402
 
 DEFAULT_OUT = ROOT / "spec" / "vectors"
 

@@ -31,7 +31,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..convert.describe import describe, describe_lines
+    from ..convert.info import describe, describe_lines
 
     description = describe(args.path)
     if args.json:

@@ -1,7 +1,7 @@
 """SplitZip on the CPU in pure PyTorch: the reference every other path is tested against, bit for bit.
 
 It runs wherever PyTorch runs (Windows included) and needs no compiled extension. Its speed comes from a few
-choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
+choices, each measured with ``bench/cpu.py`` and PyTorch's profiler:
 
 - **Pairs, not elements.** Two BF16 elements are one little-endian int32 word, and the payload keeps their two
   exponent codes in one ``pk`` byte. Decoding a pair is one gather from a 256-entry int32 table (``pk`` byte -> both
@@ -18,7 +18,7 @@ choices, each measured with ``tools/bench_cpu.py`` and PyTorch's profiler:
   exactly the escapes (an escape's nibble decodes to a code of the codebook, never to the escape's exponent), so
   the check also finds them, and their streams are read back through the decoder's validation. Decoding the
   finished payload in a pass of its own read the tensor and its payload from DRAM once more, and cost 1.6 s of a
-  2.2 GB conversion's 8 against about 0.8 s this way (timed apart on ``tools/bench_convert.py``'s
+  2.2 GB conversion's 8 against about 0.8 s this way (timed apart on ``bench/convert.py``'s
   checkpoint).
 - **int32 indices.** ``torch.index_select`` with an int32 index is the fastest gather PyTorch offers on the CPU
   (several times faster than ``Tensor.__getitem__``, ``torch.take`` or NumPy's ``take``).

@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..errors import ConversionError, WriteError
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
-from .atomic import atomic_directory, check_output
+from .outputs import atomic_directory, check_output
 
 OTHER_WEIGHT_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf",
                         ".bin.index.json", ".pt.index.json")

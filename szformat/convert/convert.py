@@ -15,7 +15,7 @@ from pathlib import Path
 
 import torch
 
-from ..api import write_tensor
+from ..format.writer import write_tensor
 from ..codec.cpu import one_intra_op_thread
 from ..codec.gate import CodecBackend
 from ..errors import ConversionError
@@ -100,7 +100,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
 
     # The codec's ops on one intra-op thread, and the CRC-32s on a thread of their own beside it (codec/gate.py):
     # sharing the cores with PyTorch's intra-op threads too made every elementwise op wait for a descheduled thread
-    # (tools/bench_convert.py: 2 cores, 11-13 s against 9 s).
+    # (bench/convert.py: 2 cores, 11-13 s against 9 s).
     with one_intra_op_thread():
         report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,
                           write_file=write_file, overwrite=overwrite, progress=progress, description="converting")

@@ -12,10 +12,10 @@ from typing import Iterator
 import torch
 
 from ..checksum import crc32
-from ..codec import cpu
-from ..errors import ChecksumMismatchError, PayloadError
+from ..errors import ChecksumMismatchError
 from ..format import constants as C
 from ..format.header import TensorEntry
+from ..format.payloads import decode_entry
 from ..format.reader import SztFile
 from .pages import drop_pages
 
@@ -57,10 +57,7 @@ def _decoded_slices(file: SztFile, entry: TensorEntry, payload: torch.Tensor,
     for start in range(0, n, slice_elements):
         stop = min(start + slice_elements, n)
         out = buffer[: stop - start]
-        try:
-            cpu.decode(payload, entry.layout, entry.codebook, start=start, stop=stop, out=out)
-        except ValueError as e:
-            raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
+        decode_entry(file.path, entry, payload, out, start=start, stop=stop)
         chunk = out.view(torch.uint8)
         crc = crc32(memoryview(chunk.numpy()), crc)
         yield chunk

@@ -19,7 +19,7 @@ import torch
 
 from ..errors import ConversionError
 from ..format import constants as C
-from .atomic import OutputFile
+from .outputs import OutputFile
 from .sources import HEADER_LENGTH, METADATA_KEY
 
 TensorSpec = tuple[str, str, Sequence[int]]

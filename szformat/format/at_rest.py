@@ -43,7 +43,7 @@ STREAMS = ("pk", "sm", "chunk_id", "local_pos", "esc_val")
 
 DEFAULT_STREAMS = ("pk",)
 """Streams the writer compresses: on real BF16 weights ``pk`` shrinks to ~0.65 and ``sm`` not at all (1.0000);
-the escape streams are usually a fraction of a per mille of the payload (``tools/bench_at_rest.py``)."""
+the escape streams are usually a fraction of a per mille of the payload (``bench/at_rest.py``)."""
 
 ESCAPE_STREAMS = ("chunk_id", "local_pos", "esc_val")
 ESCAPE_STREAMS_MIN_BYTES = 4096

@@ -194,7 +194,7 @@ def remove(path: Path) -> None:
 WRITE_PIECE = 1 << 20
 """Bytes per ``write`` call when appending a large buffer. On the 2-core build VM (Linux 6.18, ext4) the kernel's copy
 into the page cache cost 3.4 s of system time over a 2.2 GB conversion when each payload (up to 98 MB) went in one
-call, and 0.8-1.9 s in pieces of 1 MiB; 256 KiB and 4 MiB pieces did no better (``tools/bench_convert.py``)."""
+call, and 0.8-1.9 s in pieces of 1 MiB; 256 KiB and 4 MiB pieces did no better (``bench/convert.py``)."""
 
 
 class AtomicFile:

@@ -9,7 +9,7 @@ decoding is the caller's choice of route.
 A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
 which no Python code can catch. So ``safe_open`` and ``load_file`` on the CPU copy the bytes out with ``pread``
 (:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`; the copy
-costs 3-31 % more CPU time than decoding from the mapping (``tools/bench_reads.py``). Zero-copy views of the
+costs 3-31 % more CPU time than decoding from the mapping (``bench/RESULTS.md``). Zero-copy views of the
 mapping (:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for the routes that stream or hand bytes to a
 device: the file size is re-checked before each view is handed out, but a view kept while the file is truncated
 stays exposed. Replacing a
@@ -37,6 +37,7 @@ from ..errors import (ChecksumMismatchError, DecodeRouteError, FormatError, Head
 from . import at_rest
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
+from .payloads import inflate_entry
 
 
 @dataclass(frozen=True)
@@ -276,12 +277,7 @@ class SztFile:
         stored = self.payload(name, verify=verify)
         if e.at_rest is None:
             return stored
-        try:
-            if ranges is None:
-                return at_rest.inflate(stored, e.layout, e.at_rest, out)
-            return at_rest.inflate_ranges(stored, e.layout, e.at_rest, ranges, out)
-        except at_rest.AtRestError as error:
-            raise PayloadError(str(error), path=self.path, tensor=name) from None
+        return inflate_entry(self.path, e, stored, out, ranges=ranges)
 
     def check_escapes(self, name: str) -> None:
         """Raise PayloadError unless the escape stream of SplitZip tensor ``name`` is in range and strictly ascending

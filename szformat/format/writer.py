@@ -13,14 +13,14 @@ import enum
 import operator
 import os
 from pathlib import Path
-from typing import Any, Sequence
+from typing import Any, Iterable, Sequence
 
 import torch
 
 from ..checksum import crc32
 from ..codec.codebook import COVERAGE_GATE
-from ..codec.gate import EncodedTensor
-from ..errors import ConversionError, WriteError
+from ..codec.gate import EncodedTensor, RoundTripMismatch, encode_tensor
+from ..errors import ConversionError, RoundTripError, WriteError
 from . import at_rest as at_rest_stage
 from . import constants as C
 from .atomic import AtomicFile
@@ -252,3 +252,19 @@ def writer_form(at_rest: int | None) -> dict[str, Any]:
     if at_rest is None:
         return {"at_rest": None, "small_alignment": None, "compress_header": False}
     return {"at_rest": at_rest, "small_alignment": C.DEFAULT_SMALL_ALIGNMENT, "compress_header": True}
+
+
+def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The raw bytes of a tensor as a flat uint8 CPU tensor (a view where possible)."""
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor,
+                 **encode_kw: Any) -> TensorEntry:
+    """Encode (with the round-trip check, and the coverage gate of the writer's form) and append one tensor; a
+    mismatch aborts the whole file."""
+    try:
+        encoded = encode_tensor(raw, dtype, gate=writer.coverage_gate, **encode_kw)
+    except RoundTripMismatch as e:
+        raise RoundTripError(str(e), path=writer.path, tensor=name) from None
+    return writer.add(name, dtype, tuple(shape), encoded)

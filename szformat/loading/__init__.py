@@ -10,7 +10,7 @@
 """
 
 from ..format.index import checkpoint_shards
-from .loader import DeviceLoader, StagingConfig, load_to_device
+from .device_loader import DeviceLoader, StagingConfig, load_to_device
 from .slot_decoder import SlotDecoder
 from .staging_pool import StagedEntry, StagingPoolDecoder, copy_and_expand, stage_entry
 

@@ -4,7 +4,7 @@ A GPU load of a file stored at rest (.szt 1.1) is bound by its reader threads wh
 (about 1.5 GB/s of output per core, on top of the reads that already bound the in-memory form). With nvCOMP the
 stored bytes cross to the device as they are (fewer of them) and its batched zstd decoder inflates every frame of
 a transfer in one call: 14 GB/s for the ~128 frames of a 128 MiB slot on the H200, 71 GB/s for 1024 frames
-(``tools/probe_gpu_zstd.py``).
+(``bench/RESULTS.md``; the probe, ``tools/probe_gpu_zstd.py``, is in commit 98d3c4b).
 
 nvCOMP validates little of what it inflates ("corrupt data leads to undefined behavior"), so a load inflates on
 the device only with ``verify`` on, and only bytes whose CRC-32 has already been checked (:class:`FrameInflater`

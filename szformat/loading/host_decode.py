@@ -2,7 +2,7 @@
 taken while the bytes are in cache.
 
 What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Four choices, each measured with
-``tools/bench_cpu.py`` (``bench/RESULTS.md``):
+``bench/cpu.py`` (``bench/RESULTS.md``):
 
 - **Ranges on independent threads.** Every tensor is cut into ranges of :data:`RANGE_ELEMENTS` (a small tensor is
   one range); up to ``threads`` threads, the caller's included, each take the next range until none is left, and
@@ -37,9 +37,9 @@ import torch
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
 from ..errors import PayloadError
-from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
+from ..format.payloads import inflate_entry
 from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
@@ -149,10 +149,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
-        try:
-            payload = at_rest.inflate(stored, layout, entry.at_rest)
-        except at_rest.AtRestError as e:
-            raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
+        payload = inflate_entry(file.path, entry, stored)
         del stored
     try:
         decoder = PayloadDecoder(payload, layout, entry.codebook)

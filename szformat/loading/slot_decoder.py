@@ -26,7 +26,7 @@ from ..codec.codebook import Codebook
 from ..codec.gate import ENCODING_SPLITZIP
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
-from .gpu_codec import DeviceCodec, triton_codec
+from .device_codec import DeviceCodec, triton_codec
 from .ops import DeviceOps, cuda_ops
 
 __all__ = ["PayloadLike", "Placement", "ScatterPlan", "SlotDecoder"]

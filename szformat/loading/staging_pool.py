@@ -19,13 +19,13 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec import cpu as cpu_codec
 from ..codec.codebook import Codebook
 from ..codec.gate import ENCODING_SPLITZIP
 from ..codec.layout import PayloadLayout
-from ..errors import DecodeRouteError, PayloadError
+from ..errors import DecodeRouteError
+from ..format.payloads import decode_entry
 from ..format.reader import SztFile
-from .gpu_codec import DeviceCodec, triton_codec
+from .device_codec import DeviceCodec, triton_codec
 from .ops import DeviceOps, cuda_ops
 from .ring import Slot, StagingRing
 from .slot_decoder import SlotDecoder
@@ -85,10 +85,7 @@ def stage_entry(source: SztFile, name: str, host: torch.Tensor, offset: int, *, 
     payload = source.memory_payload(name)  # (inflated, for a file at rest: only once the tensor fits)
     target = host[offset: offset + staged.payload_bytes]
     if entry.encoding == ENCODING_SPLITZIP and decode_on_host:
-        try:
-            cpu_codec.decode(payload, entry.layout, entry.codebook, out=target.view(torch.bfloat16))
-        except ValueError as e:
-            raise PayloadError(str(e), path=source.path, tensor=name) from None
+        decode_entry(source.path, entry, payload, target.view(torch.bfloat16))
     else:
         target.copy_(payload)
     return staged

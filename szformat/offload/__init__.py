@@ -6,7 +6,7 @@ pool, or an installed engine: diffusers group offloading, accelerate hooks) and 
 
 from .binding import ModuleBinding, TensorBinding, bind_module
 from .handle import OffloadedModel
-from .loader import load_into_offloader
+from .install import load_into_offloader
 from .routes import ROUTES, OffloadEnvironment, Route, detect_environment, select_route
 
 __all__ = [

@@ -19,7 +19,7 @@ from accelerate.hooks import remove_hook_from_module
 from .binding import assign_tensor, snapshot_tensors
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
-from .loader import Installation
+from .install import Installation
 from .placeholders import Placeholders
 
 __all__ = ["SztWeightsMap", "install_accelerate_hooks"]

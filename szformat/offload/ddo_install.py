@@ -30,7 +30,7 @@ from .ddo_staging import StagingContext, SztStagingPool, group_destinations
 from .registered import RegisteredPages
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
-from .loader import Installation
+from .install import Installation
 from .placeholders import Placeholders
 
 __all__ = ["install_staging", "install_native"]

@@ -40,7 +40,7 @@ from ddo_vmm_allocator.model_arena_adapter import (ModelArenaWeightStore, _Nativ
 from ..errors import DecodeRouteError
 from ..loading import SlotDecoder
 from ..loading.slot_decoder import PACKED_ALIGNMENT, Placement, ScatterPlan
-from .checkpoint import Checkpoint
+from .shards import Checkpoint
 from .ddo_compat import SztFileSlice
 from .decoding import decode_on_cpu
 from .registered import RUN_GAP_BYTES, RegisteredPages

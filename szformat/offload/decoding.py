@@ -13,13 +13,12 @@ from collections.abc import Iterable
 
 import torch
 
-from ..codec import cpu as cpu_codec
 from ..codec.gate import ENCODING_SPLITZIP
-from ..errors import PayloadError
 from ..format.header import TensorEntry
+from ..format.payloads import decode_entry
 from ..format.reader import SztFile
-from ..loading.loader import DeviceLoader, StagingConfig
-from .checkpoint import Checkpoint
+from ..loading.device_loader import DeviceLoader, StagingConfig
+from .shards import Checkpoint
 
 __all__ = ["CheckpointDecoder", "decode_on_cpu"]
 
@@ -77,8 +76,5 @@ def decode_on_cpu(file: SztFile, entry: TensorEntry) -> torch.Tensor:
     if entry.encoding != ENCODING_SPLITZIP:
         out.view(-1).view(torch.uint8).copy_(payload)
         return out
-    try:
-        cpu_codec.decode(payload, entry.layout, entry.codebook, out=out.view(-1))
-    except ValueError as e:
-        raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
+    decode_entry(file.path, entry, payload, out.view(-1))
     return out

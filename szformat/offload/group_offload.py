@@ -20,7 +20,7 @@ from diffusers.hooks import HookRegistry, apply_group_offloading
 from .binding import module_tensor, snapshot_tensors
 from .decoding import CheckpointDecoder
 from .handle import OffloadedModel
-from .loader import Installation
+from .install import Installation
 from .placeholders import Placeholders
 
 __all__ = ["install_group_offloading", "OPTIONS"]

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from .checkpoint import Checkpoint
+from .shards import Checkpoint
 from .routes import Route
 
 __all__ = ["OffloadedModel"]

@@ -29,7 +29,7 @@ OUTPUT_ALIGNMENT = 8
 """Output offsets are multiples of this many elements (16 bytes), for the same reason."""
 BATCH_WARPS = 8
 """Warps per dense program of the batch launch: the batch kernel holds more registers than the single-tensor one,
-and with 4 warps it ran 13% slower on the H200 (``tools/bench_gpu.py``)."""
+and with 4 warps it ran 13% slower on the H200 (``bench/gpu.py``)."""
 
 # Columns of the descriptor table (int64, one row per tensor).
 _PAY, _N, _NESC, _OUT, _SM, _CID, _LUT01, _LUT23, _CHUNK, _TILE0, _ESC0 = (tl.constexpr(i) for i in range(11))

@@ -29,7 +29,7 @@ ROWS = 512
 
 DECODE_WARPS = 4
 """Warps per dense program of :func:`decode` (four rows each thread): the fastest shape measured on the H200 for one
-large tensor, within 1% of the others tried (``tools/bench_gpu.py``)."""
+large tensor, within 1% of the others tried (``bench/gpu.py``)."""
 ESCAPE_BLOCK = 1024
 """Escapes fixed per program of the escape pass."""
 

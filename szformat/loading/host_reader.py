@@ -1,0 +1,179 @@
+"""Reading one open .szt file on the CPU, tensor by tensor or rows at a time: what ``safe_open`` runs.
+
+Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
+(:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are read,
+for the at-rest form only the frames holding them are read and inflated. Stored bytes are copied out of the file
+(``pread``), never touched through the mapping, so a file truncated meanwhile is an error, not SIGBUS; each stored
+payload's CRC-32 is checked once per open file.
+"""
+
+from __future__ import annotations
+
+import math
+import operator
+import threading
+from typing import Any, Sequence
+
+import numpy as np
+import torch
+
+from ..format import at_rest
+from ..format import constants as C
+from ..format.header import TensorEntry
+from ..format.payloads import decode_entry, inflate_entry
+from ..format.reader import SztFile, check_crc
+from .host_decode import decode_entries
+
+__all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
+
+SCRATCH_BYTES = 256 << 20
+"""Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
+
+
+class HostReader:
+    """The CPU reads of one open file: whole tensors, or rows of one; the stored bytes of each tensor CRC-checked
+    the first time they are read when ``verify`` is on.
+
+    Args:
+        file (`SztFile`): the open file (the caller closes it).
+        verify (`bool`): check CRC-32s (stored bytes once per tensor; decoded bytes of every whole tensor).
+    """
+
+    def __init__(self, file: SztFile, *, verify: bool):
+        self.file = file
+        self.verify = verify
+        self.verified: set[str] = set()
+        self._scratch = threading.local()
+
+    def release(self) -> None:
+        """Drop the read buffers this reader's threads keep."""
+        self._scratch = threading.local()
+
+    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
+        """Tensors ``names``, decoded on the CPU (several threads; see :mod:`.host_decode`)."""
+        entries = [self.file.entry(name) for name in names]
+        check_stored = [self.verify and name not in self.verified for name in names]
+        tensors = decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify)
+        if self.verify:
+            self.verified.update(names)
+        return tensors
+
+    def _unchecked(self, entry: TensorEntry) -> bool:
+        return self.verify and entry.name not in self.verified
+
+    def _read_stored(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+        """Read all stored bytes of a tensor into ``out``, CRC-checked the first time when ``verify`` is on.
+
+        Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
+        TruncatedFileError rather than SIGBUS.
+        """
+        self.file.read(entry.name, out=out)
+        if self._unchecked(entry):
+            check_crc(out, entry.crc32, what="stored bytes", path=self.file.path, tensor=entry.name)
+            self.verified.add(entry.name)
+        return out
+
+    def _buffer(self, nbytes: int, role: str = "stored") -> torch.Tensor:
+        """A uint8 buffer to read stored bytes into (``role`` ``"stored"``) or inflate a payload stored at rest into
+        (``"memory"``) and decode them from: up to :data:`SCRATCH_BYTES`, one per role this thread keeps while the
+        file is open (a fresh one costs a page fault and a zeroed page per 4 KiB, about as much again as reading
+        into it); larger, zeroed memory whose pages cost only when written."""
+        if nbytes > SCRATCH_BYTES:
+            return torch.from_numpy(np.zeros(nbytes, dtype=np.uint8))
+        buffers = self._scratch.__dict__.setdefault("buffers", {})
+        buffer = buffers.get(role)
+        if buffer is None or buffer.numel() < nbytes:
+            buffer = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
+        return buffer[:nbytes]
+
+    def _payload(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
+        """The in-memory payload of a SplitZip tensor, with at least what decoding elements ``[start, stop)`` reads
+        in place: read whole (and CRC-checked, the first time when ``verify`` is on) or only those bytes; for a
+        payload stored at rest, the stored bytes of the frames holding them, inflated."""
+        whole = (start, stop) == (0, entry.numel)
+        ranges = entry.layout.byte_ranges(start, stop)
+        stored = self._buffer(entry.length)
+        if whole or self._unchecked(entry):
+            self._read_stored(entry, stored)
+        else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
+            spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.layout, entry.at_rest, ranges)
+            for begin, end in spans:
+                self.file.read(entry.name, begin, end, out=stored[begin:end])
+        if entry.at_rest is None:
+            return stored
+        payload = self._buffer(entry.memory_length, "memory")
+        return inflate_entry(self.file.path, entry, stored, payload, ranges=None if whole else ranges)
+
+    def rows(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
+        """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
+        dtype = entry.torch_dtype(self.file.path)
+        row_shape = entry.shape[1:]
+        row_numel = math.prod(row_shape)
+        start, stop = row_start * row_numel, row_stop * row_numel
+        shape = (row_stop - row_start, *row_shape) if entry.shape else ()
+        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes
+            itemsize = C.itemsize(entry.dtype)
+            begin, end = start * itemsize, stop * itemsize
+            if (begin, end) == (0, entry.length):
+                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8))
+            elif self._unchecked(entry):
+                raw = self._read_stored(entry, self._buffer(entry.length))[begin:end].clone()
+            else:
+                raw = self.file.read(entry.name, begin, end)
+            return raw.view(dtype).reshape(shape)
+        payload = self._payload(entry, start, stop)
+        out = torch.empty(stop - start, dtype=torch.bfloat16)
+        decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
+        if self.verify and start == 0 and stop == entry.numel:
+            check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.file.path,
+                      tensor=entry.name)
+        return out.reshape(shape)
+
+
+class TensorSlice:
+    """Lazy handle on one tensor; indexing the first dimension decodes only the rows it covers.
+
+    Indexing follows ``torch.Tensor`` exactly: ``f.get_slice(name)[index]`` equals ``f.get_tensor(name)[index]``.
+    """
+
+    def __init__(self, reader: HostReader, entry: TensorEntry, device: torch.device):
+        self._reader = reader
+        self._entry = entry
+        self._device = device
+
+    def get_shape(self) -> list[int]:
+        """The tensor's shape, read from the header (nothing is decoded)."""
+        return list(self._entry.shape)
+
+    def get_dtype(self) -> str:
+        """The tensor's safetensors dtype name (``"BF16"``, ``"F32"``...)."""
+        return self._entry.dtype
+
+    def __getitem__(self, index: Any) -> torch.Tensor:
+        entry = self._entry
+        first, rest = (index[0], index[1:]) if isinstance(index, tuple) and index else (index, ())
+        if not entry.shape:
+            picked = self._reader.rows(entry, 0, 1)[index]
+        elif isinstance(first, slice) and (first.step is None or (_as_int(first.step) or 0) > 0):
+            row_start, row_stop, step = first.indices(entry.shape[0])
+            rows = self._reader.rows(entry, row_start, max(row_start, row_stop))
+            picked = rows[(slice(None, None, step), *rest)]
+        elif _as_int(first) is not None:
+            row = _as_int(first)
+            row = row + entry.shape[0] if row < 0 else row
+            if not 0 <= row < entry.shape[0]:
+                raise IndexError(f"index {first} is out of bounds for dimension 0 with size {entry.shape[0]}")
+            picked = self._reader.rows(entry, row, row + 1)[(0, *rest)]
+        else:  # Ellipsis, None, lists, tensors, negative steps: let torch interpret the whole tensor
+            picked = self._reader.rows(entry, 0, entry.shape[0])[index]
+        return picked.to(self._device)
+
+
+def _as_int(index: Any) -> int | None:
+    """``index`` as a Python int when it is an integer index (not a bool: torch reads those as masks)."""
+    if isinstance(index, (bool, torch.Tensor)) or index is None:
+        return None
+    try:
+        return operator.index(index)
+    except TypeError:
+        return None

@@ -1,0 +1,280 @@
+"""The GPU benchmarks' arithmetic and checks, run where no GPU is: the offload floor and the ratios against it and
+against DDO (``bench/offload.py``), the peer loaders' bit-for-bit check, their comparison with the fastest peer
+and a peer whose package is missing (``bench/load.py``, ``bench/common.py``), the 7B-class layout."""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from bench import common, forms, load, offload
+from bench.checks import load_gpu
+
+
+# -- the offload floor and the ratios -----------------------------------------------------------------------------
+
+
+def test_offload_floor_streams_the_blocks_beyond_the_resident_budget_at_their_stored_ratio():
+    e2e = offload
+    floor = e2e.offload_floor(4_000_000_000, 3_000_000_000, 400_000_000, 55.0, 0.027)
+    assert floor["raw_bytes_per_forward"] == 3_600_000_000
+    assert floor["stored_bytes_per_forward"] == pytest.approx(2_700_000_000)
+    assert floor["floor_s"] == pytest.approx(2.7 / 55 + 0.027)
+    assert floor["raw_floor_s"] == pytest.approx(3.6 / 55 + 0.027)
+
+
+def test_offload_floor_of_a_model_that_fits_the_budget_is_the_forward_itself():
+    floor = offload.offload_floor(100, 75, 500, 55.0, 0.004)
+    assert floor["stored_bytes_per_forward"] == 0
+    assert floor["floor_s"] == floor["raw_floor_s"] == 0.004
+
+
+@pytest.mark.parametrize("raw, rate", [(0, 55.0), (100, 0.0)])
+def test_offload_floor_refuses_what_it_cannot_divide_by(raw, rate):
+    with pytest.raises(ValueError, match="the floor needs"):
+        offload.offload_floor(raw, 75, 0, rate, 0.004)
+
+
+def _result(config: str, forward_ms: float, sha: str = "same", **extra) -> dict:
+    return {"model": "dit-large", "config": config, "forward_s": forward_ms / 1e3, "output_sha256": sha,
+            "setup_s": 1.0, "first_forward_s": 0.5, "h2d_bytes_per_forward": 2**30, "setup_h2d_bytes": 0,
+            "rss_bytes": 0, "checkpoint_mapping_rss_bytes": 0, "gpu_peak_bytes": 0, **extra}
+
+
+FACTS = {"pinned_h2d_gbps": 50.0,
+         "dit-large": {"block_raw_bytes": 4_000_000_000, "block_stored_bytes": 3_000_000_000,
+                       "resident_budget_bytes": 0, "resident_share": 0.12, "safetensors_bytes": 4_085_000_000,
+                       "szt_bytes": 3_070_000_000}}
+
+
+def test_annotate_marks_each_row_against_the_gpu_output_the_floor_and_ddo():
+    e2e = offload
+    results = [_result("gpu", 20.0), _result("ddo-native-st", 800.0), _result("ddo-staging-st", 3200.0),
+               _result("szt-native", 400.0), _result("szt-staging", 100.0, sha="other"),
+               {"model": "dit-large", "config": "st-accelerate", "error": "Traceback\nRuntimeError: boom"}]
+    floors = e2e.annotate(results, FACTS, ["dit-large"])
+    assert floors["dit-large"]["floor_s"] == pytest.approx(3.0 / 50 + 0.020)  # 80 ms
+    rows = {r["config"]: r for r in results}
+    assert rows["szt-native"]["identical_to_gpu"] and not rows["szt-staging"]["identical_to_gpu"]
+    assert rows["szt-native"]["x_vmm_fast"] == pytest.approx(0.5)
+    assert rows["szt-staging"]["x_vmm_runtime"] == pytest.approx(100 / 3200)
+    assert rows["szt-staging"]["x_floor"] == pytest.approx(100 / 80)
+    assert rows["szt-staging"]["x_raw_floor"] == pytest.approx(100 / (4000 / 50 + 20))
+    assert "identical_to_gpu" not in rows["st-accelerate"]
+
+
+def test_annotate_without_the_gpu_row_has_no_floor_and_nothing_identical():
+    results = [_result("szt-native", 400.0), _result("ddo-native-st", 800.0)]
+    assert offload.annotate(results, FACTS, ["dit-large"]) == {}
+    assert not results[0]["identical_to_gpu"] and "x_floor" not in results[0]
+
+
+def test_render_shows_the_floor_the_failures_and_the_derived_byte_counts():
+    e2e = offload
+    results = [_result("gpu", 20.0), _result("st-group", 900.0),
+               {"model": "dit-large", "config": "szt-native", "error": "Traceback\nRuntimeError: boom"}]
+    table = e2e.render(results, FACTS, ["dit-large"])
+    assert "= **80.0 ms** (uncompressed: 100.0 ms)" in table
+    assert "the no-offload forward 20.0 ms" in table
+    assert "| st-group | - / - | yes |" in table and "| 1024.0* |" in table
+    assert "szt-native FAILED: RuntimeError: boom" in table
+
+
+def test_names_of_refuses_an_unknown_name():
+    parse = offload.names_of(("gpu", "szt-native"))
+    assert parse("gpu,szt-native") == "gpu,szt-native"
+    with pytest.raises(argparse.ArgumentTypeError, match="unknown: szt-nat"):
+        parse("gpu,szt-nat")
+
+
+# -- peers --------------------------------------------------------------------------------------------------------
+
+
+def _reference() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    return {"a": (torch.randn(64, 32, generator=gen) * 0.02).to(torch.bfloat16),
+            "b": torch.zeros(17, dtype=torch.bfloat16)}
+
+
+def test_mismatches_are_bitwise_and_name_every_difference():
+    bench = load
+    reference = _reference()
+    assert bench.mismatches({k: v.clone() for k, v in reference.items()}, reference) == []
+    signed = {"a": reference["a"].clone(), "b": -reference["b"]}  # -0.0 == 0.0, but not bit for bit
+    assert torch.equal(signed["b"], reference["b"]) and bench.mismatches(signed, reference) == ["b"]
+    flipped = reference["a"].clone()
+    flipped.view(torch.int16)[3, 5] ^= 1
+    assert bench.mismatches({"a": flipped, "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"].float(), "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"].reshape(32, 64), "b": reference["b"]}, reference) == ["a"]
+    assert bench.mismatches({"a": reference["a"], "c": reference["b"]}, reference) == ["b", "c"]
+
+
+def _row(medium: str, loader: str, seconds: float, identical: bool = True) -> dict:
+    return {"medium": medium, "loader": loader, "seconds": seconds, "status": "ok", "identical": identical,
+            "gbps": 4.0 / seconds, "mismatches": []}
+
+
+def test_szformat_is_measured_against_the_fastest_bit_identical_peer_of_its_medium():
+    bench = load
+    verify_off = "szformat load_file, verify off"
+    rows = [_row("disk", "safetensors", 0.8), _row("disk", "instanttensor-buffered", 0.24),
+            _row("disk", "runai", 0.1, identical=False), _row("disk", verify_off, 0.2),
+            _row("tmpfs", "instanttensor", 0.17), _row("tmpfs", verify_off, 0.18),
+            {"medium": "cold", "loader": "fastsafetensors", "status": "failed: OSError: no io_uring"},
+            _row("cold", verify_off, 1.7)]
+    bench.compare_to_peers(rows)
+    assert rows[3]["vs_fastest_peer"] == pytest.approx(1.2) and rows[3]["fastest_peer"] == "instanttensor-buffered"
+    assert rows[0]["vs_fastest_peer"] == pytest.approx(0.3)
+    assert rows[5]["vs_fastest_peer"] == pytest.approx(0.17 / 0.18)
+    assert "vs_fastest_peer" not in rows[7]  # no peer ran cold
+    table = bench.peer_markdown(rows, {"runai-old": "import runai failed"})
+    assert f"- disk: {verify_off} **1.20x** the fastest peer (instanttensor-buffered)" in table
+    assert "| cold | fastsafetensors | | | | | | failed: OSError: no io_uring |" in table
+    assert "skipped: import runai failed" in table
+    assert "| NO |" in table  # the peer whose output differs is shown, and not counted as fastest
+
+
+def test_a_peer_whose_package_does_not_import_is_skipped_with_the_reason(monkeypatch):
+    peers = common
+    monkeypatch.setitem(peers.PEERS, "missing", ("szformat_no_such_module", lambda path: {}))
+    loaders, skipped = peers.available_peers(["safetensors", "missing"])
+    assert list(loaders) == ["safetensors"]
+    assert "ModuleNotFoundError" in skipped["missing"] and "szformat_no_such_module" in skipped["missing"]
+
+
+def test_copy_to_tmpfs_says_why_not_where_there_is_none(tmp_path):
+    assert load.copy_to_tmpfs([], tmp_path / "absent" / "peers") == f"no {tmp_path / 'absent'}"
+
+
+def test_filesystem_reads_the_mount_table():
+    assert load.filesystem(Path("/proc/self")) == "proc"
+
+
+def test_llama_shapes_make_a_7b_class_checkpoint_of_the_size_asked():
+    shapes = load_gpu.llama_shapes(4_000_000_000)
+    total = sum(2 * math.prod(shape) for shape in shapes.values())
+    assert 3.5e9 <= total <= 4.5e9
+    assert shapes["model.layers.0.mlp.down_proj.weight"] == (4096, 11008)
+    assert shapes["model.embed_tokens.weight"] == shapes["lm_head.weight"] == (32000, 4096)
+    assert list(shapes)[0] == "model.embed_tokens.weight" and list(shapes)[-1] == "lm_head.weight"
+
+
+# -- the GIL clock of bench/at_rest.py ------------------------------------------------------------------------
+
+
+def test_the_gil_clock_tells_time_holding_the_gil_from_time_in_calls_that_release_it():
+    gil = common
+    clock = gil.GilClock()
+    clock.calibrate()
+    sleep = clock.timed(time.sleep)  # as a call that releases the GIL
+
+    def task() -> None:
+        sleep(0.2)
+        end = time.perf_counter() + 0.03
+        while time.perf_counter() < end:  # Python, holding the GIL
+            pass
+
+    with gil.TimedPool(clock) as pool:
+        pool.submit(task).result()
+    sleep(0.1)  # not on the reader thread: not counted
+    assert clock.tasks == 1 and clock.releases == 1
+    assert 0.2 <= clock.released_seconds < 0.3
+    assert 0.03 <= clock.held_seconds < 0.2
+
+
+def test_the_gil_clock_counts_a_release_per_read_and_per_zstd_frame(tmp_path):
+    gil = common
+    from szformat.format import at_rest
+    from szformat.format.reader import pread_exactly
+    contents = [bytes([i]) * 5000 for i in range(3)]
+    frames = [at_rest.compress_frame(c) for c in contents]
+    (tmp_path / "frames").write_bytes(b"".join(frames))
+    run = [at_rest.Segment(5000 * i, 5000, sum(map(len, frames[:i])), len(f), True) for i, f in enumerate(frames)]
+    out = bytearray(15000)
+
+    def task() -> None:
+        stored = memoryview(bytearray(sum(map(len, frames))))
+        with open(tmp_path / "frames", "rb") as f:
+            pread_exactly(f.fileno(), stored, 0, path=tmp_path / "frames")
+        at_rest._inflate_frames(stored, run, memoryview(out), at_rest.decompressor())
+
+    clock = gil.GilClock()
+    preadv = os.preadv
+    with clock.installed(), gil.TimedPool(clock) as pool:
+        pool.submit(task).result()
+    assert bytes(out) == b"".join(contents)
+    assert clock.tasks == 1 and clock.releases == 1 + 3
+    assert os.preadv is preadv and at_rest.decompressor.__module__ == at_rest.__name__
+
+
+# -- both forms, interleaved (bench/forms.py) ---------------------------------------------------------------
+
+
+def test_the_file_readers_read_every_byte(tmp_path):
+
+    path = tmp_path / "file.bin"
+    path.write_bytes(os.urandom(3 * 4096 + 123))
+    buffer = torch.zeros(path.stat().st_size + 10, dtype=torch.uint8)
+    forms.buffered_read(path, buffer)()
+    assert bytes(buffer[: path.stat().st_size].numpy()) == path.read_bytes()
+    try:
+        forms.direct_read(path)()  # the rate anchor: reads without a buffer to check, but must not fail midway
+    except OSError as e:
+        pytest.skip(f"O_DIRECT refused here: {e}")
+
+
+def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(monkeypatch):
+
+    calls, dropped = [], []
+    monkeypatch.setattr(forms, "timed_call", lambda run: (float(len(calls)), run()))
+    monkeypatch.setattr(forms, "drop_caches", lambda files: dropped.append(len(calls)))
+    monkeypatch.setattr(forms, "resident_share", lambda files: 0.0)
+    paths = {label: ("in-memory", lambda label=label: calls.append(label)) for label in "abc"}
+    warm = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "warm")
+    assert calls == list("cab" "abc" "bca") and not dropped
+    assert warm == {"a": [3.0, 8.0], "b": [4.0, 6.0], "c": [5.0, 7.0]}
+    calls.clear()
+    cold = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "cold")
+    assert calls == list("abc" "bca") and dropped == [0, 1, 2, 3, 4, 5]
+    assert cold["a"] == [0.0, 5.0]
+
+
+# -- every benchmark runs from the checkout as ``python -m bench.<name>`` -------------------------------------------
+
+BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "cpu", "gpu", "convert", "checks.codec_gpu",
+              "checks.load_gpu")
+REPO_ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_module(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+    import subprocess
+    import sys
+
+    return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def test_every_benchmark_answers_help_without_a_gpu():
+    for name in BENCHMARKS:
+        done = _run_module(f"bench.{name}", "--help")
+        assert done.returncode == 0, (name, done.stderr[-2000:])
+        assert done.stdout.startswith("usage:"), name
+
+
+def test_the_cpu_benchmark_runs_its_codec_section_on_a_small_model(tmp_path):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(0)
+    save_file({"w": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16),
+               "b": torch.randn(512, generator=g).to(torch.bfloat16)}, tmp_path / "model.safetensors")
+    done = _run_module("bench.cpu", "--model", str(tmp_path / "model.safetensors"), "--tile-mb", "1",
+                       "--repeats", "1", "--sections", "codec")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "GB/s" in done.stdout
