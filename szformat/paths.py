@@ -6,6 +6,7 @@ Kept apart from :mod:`szformat.hub` so that loading a local file never imports `
 from __future__ import annotations
 
 import os
+import stat
 from pathlib import Path
 from typing import Any
 
@@ -40,3 +41,36 @@ def refuse_hub_options(path: str | os.PathLike, hub_kwargs: dict[str, Any], appl
     given = [k for k, v in hub_kwargs.items() if v not in (None, False)]
     if given:
         raise HubReferenceError(f"{', '.join(given)} only apply to {applies_to}", path=path)
+
+
+def outside_the_folder(root: Path, path: Path) -> str | None:
+    """Why ``path``, found in model folder ``root``, must not be copied out of it or uploaded; ``None`` when it
+    may: a regular file that lies inside ``root`` once links are resolved.
+
+    A link can point anywhere (``/proc/self/environ`` holds the environment, Hub token included), so what a folder
+    shows is not what it holds. One exception: a folder that is a snapshot of the Hugging Face cache
+    (``models--owner--name/snapshots/<commit>/``) holds links into that repo's ``blobs/``, which are its own files.
+    """
+    try:
+        is_link = path.is_symlink()
+        real = path.resolve(strict=True)
+        mode = real.stat().st_mode
+    except (OSError, RuntimeError, ValueError):
+        return "a link to nothing that can be read"
+    if stat.S_ISDIR(mode):
+        return "a linked folder (not followed)" if is_link else None
+    if not stat.S_ISREG(mode):
+        return f"not a regular file ({'a link to ' + str(real) if is_link else 'a FIFO, socket or device'})"
+    allowed = _own_tree(root)
+    if not any(real == a or a in real.parents for a in allowed):
+        return f"a link to {real}, outside the folder"
+    return None
+
+
+def _own_tree(root: Path) -> list[Path]:
+    """The folders whose files ``root``'s links may point into: itself, and a Hub cache snapshot's repo folder."""
+    real = root.resolve()
+    trees = [real]
+    if real.parent.name == "snapshots" and (real.parent.parent / "blobs").is_dir():
+        trees.append(real.parent.parent / "blobs")
+    return trees

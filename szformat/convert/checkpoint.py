@@ -20,6 +20,7 @@ from typing import Callable
 
 from ..errors import ConversionError, WriteError
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
+from ..paths import outside_the_folder
 from .outputs import atomic_directory, check_output
 
 OTHER_WEIGHT_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf",
@@ -44,6 +45,8 @@ class CheckpointFiles:
     weights: tuple[str, ...]
     indexes: tuple[str, ...]
     others: tuple[str, ...]
+    left_out: tuple[tuple[str, str], ...] = ()
+    """Entries of the folder not copied, and why (links out of it, FIFOs, devices, linked folders)."""
 
 
 @dataclass(frozen=True)
@@ -100,23 +103,35 @@ def _starts_with(path: Path, magic: bytes) -> bool:
 
 
 def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
-    weights, indexes, others = [], [], []
+    """The folder's weight files, indexes and other files: regular files inside it (links resolved), the rest left
+    out and said why; a weight file or index that breaks that rule is refused (the model would be incomplete)."""
+    weights, indexes, others, left_out = [], [], [], []
     for directory, subdirs, names in os.walk(folder):
-        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for name in sorted(subdirs):
+            problem = outside_the_folder(folder, Path(directory, name)) if not name.startswith(".") else None
+            if problem:
+                left_out.append((Path(directory, name).relative_to(folder).as_posix(), problem))
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith(".") and not Path(directory, d).is_symlink())
         for name in sorted(names):
             full = Path(directory, name)
             if name.startswith(".") or name.endswith(OTHER_WEIGHT_FORMATS):
                 continue
             rel = full.relative_to(folder).as_posix()
-            if name.endswith(suffix + INDEX_TAIL) and _is_file(full):
+            problem = outside_the_folder(folder, full)
+            is_weights = name.endswith(suffix) or name.endswith(suffix + INDEX_TAIL)
+            if problem and is_weights:
+                raise ConversionError(f"{rel} is {problem}; only files inside the folder are converted", path=folder)
+            if problem:
+                left_out.append((rel, problem))
+            elif name.endswith(suffix + INDEX_TAIL):
                 indexes.append(rel)
-            elif name.endswith(suffix):  # a link to nowhere too: left out, a weight file would go missing unsaid
+            elif name.endswith(suffix):
                 weights.append(rel)
-            elif _is_file(full):
+            else:
                 others.append(rel)
     if not weights:
         raise ConversionError(f"folder holds no {suffix} file", path=folder)
-    return CheckpointFiles(folder, folder, False, tuple(weights), tuple(indexes), tuple(others))
+    return CheckpointFiles(folder, folder, False, tuple(weights), tuple(indexes), tuple(others), tuple(left_out))
 
 
 def _is_file(path: Path) -> bool:
@@ -167,11 +182,12 @@ def output_path(files: CheckpointFiles, target: str | os.PathLike | None, old_su
 
 
 def write_checkpoint(checkpoint: Checkpoint, target: str | os.PathLike, *, old_suffix: str, new_suffix: str,
-                     write_weights: WriteWeights, overwrite: bool = False) -> None:
+                     write_weights: WriteWeights, overwrite: bool = False, kept: list[str] | None = None) -> None:
     """Produce the converted twin of ``checkpoint`` at ``target``, atomically.
 
     A single weight file becomes a single file (``write_weights`` writes it atomically); anything else becomes a
-    folder, built in a temporary folder beside ``target`` and renamed at the end.
+    folder, built in a temporary folder beside ``target`` and renamed at the end, or, where ``target`` is a folder
+    already, moved into it file by file; the files it held besides stay and are listed in ``kept``.
     """
     files = checkpoint.files
     target = Path(target)
@@ -181,7 +197,7 @@ def write_checkpoint(checkpoint: Checkpoint, target: str | os.PathLike, *, old_s
         write_weights(files.root / files.weights[0], target)
         return
     rename = lambda name: renamed(name, old_suffix, new_suffix)  # noqa: E731
-    with atomic_directory(target, overwrite=overwrite) as tmp:
+    with atomic_directory(target, overwrite=overwrite, kept=kept) as tmp:
         for rel in files.weights:
             destination = tmp / rename(rel)
             destination.parent.mkdir(parents=True, exist_ok=True)

@@ -32,7 +32,8 @@ def run_pass(source: str | os.PathLike, target: str | os.PathLike | None, *, old
     started = time.perf_counter()
     checkpoint = open_checkpoint(source, old_suffix, read_sizes, magic=old_magic)
     target = output_path(checkpoint.files, target, old_suffix, new_suffix)
-    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others))
+    report = ConversionReport(output=target, files_copied=len(checkpoint.files.others),
+                              left_out=list(checkpoint.files.left_out))
     with progress_bar(checkpoint.raw_bytes, enabled=progress, description=description) as bar:
         def write_weights(src: Path, dst: Path) -> None:
             name = src.relative_to(checkpoint.files.root).as_posix()
@@ -47,6 +48,6 @@ def run_pass(source: str | os.PathLike, target: str | os.PathLike | None, *, old
             report.output_file_bytes += dst.stat().st_size
 
         write_checkpoint(checkpoint, target, old_suffix=old_suffix, new_suffix=new_suffix,
-                         write_weights=write_weights, overwrite=overwrite)
+                         write_weights=write_weights, overwrite=overwrite, kept=report.kept)
     report.seconds = time.perf_counter() - started
     return report

@@ -4,7 +4,9 @@ Built on :mod:`szformat.format.atomic` (temporaries beside the target, renamed a
 converter refuses an existing output unless ``overwrite`` is set: checked first, so no work is wasted, and settled
 at the end by a rename that never replaces (of two conversions racing to one output, one wins, the other gets
 :class:`~szformat.errors.OutputExistsError`). It replaces a folder as well as a file: a model folder is built in a
-temporary folder and renamed at the end.
+temporary folder and renamed at the end. An existing folder is never replaced whole: the files of the new output
+are moved into it one by one (each replacing its namesake in one step), and every other file there, the user's
+own, stays where it is (:func:`atomic_directory` lists them). An existing empty folder is taken as it is.
 """
 
 from __future__ import annotations
@@ -18,10 +20,43 @@ from ..errors import OutputExistsError, WriteError
 from ..format.atomic import AtomicFile, create_beside, fsync_directory, publish, remove, temporary_name
 
 
-def check_output(target: Path, *, overwrite: bool) -> None:
-    """Raise OutputExistsError if ``target`` exists and may not be replaced."""
-    if not overwrite and (target.exists() or target.is_symlink()):
-        raise OutputExistsError(target)
+def check_output(target: Path, *, overwrite: bool, folder: bool = False) -> None:
+    """Raise OutputExistsError if ``target`` exists and may not be replaced (an empty folder may, for a ``folder``
+    output)."""
+    if overwrite or not (target.exists() or target.is_symlink()):
+        return
+    if folder and _is_empty_folder(target):
+        return
+    raise OutputExistsError(target)
+
+
+def _is_empty_folder(path: Path) -> bool:
+    return path.is_dir() and not path.is_symlink() and next(path.iterdir(), None) is None
+
+
+def _merge_into(tmp: Path, target: Path, *, overwrite: bool) -> list[str]:
+    """Move every file of folder ``tmp`` into the existing folder ``target`` (with ``overwrite`` replacing its
+    namesake in one step, without it only where there is none), then remove ``tmp``; returns the files ``target``
+    held that the output did not replace, relative to it."""
+    written = set()
+    for directory, _, names in os.walk(tmp):
+        for name in sorted(names):
+            source = Path(directory, name)
+            rel = source.relative_to(tmp)
+            destination = target / rel
+            destination.parent.mkdir(parents=True, exist_ok=True)
+            if overwrite:
+                os.replace(source, destination)
+            else:
+                try:
+                    publish(source, destination)
+                except OutputExistsError:  # another writer is filling the folder too
+                    raise OutputExistsError(target) from None
+            written.add(rel.as_posix())
+    remove(tmp)
+    fsync_directory(target)
+    return sorted(p.relative_to(target).as_posix() for p in target.rglob("*")
+                  if (p.is_file() or p.is_symlink()) and p.relative_to(target).as_posix() not in written)
 
 
 def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
@@ -33,7 +68,7 @@ def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
         fsync_directory(target.parent)
         return
     old = None
-    if (target.exists() or target.is_symlink()) and (tmp.is_dir() or target.is_dir()):
+    if target.is_symlink() or (target.exists() and not (tmp.is_dir() and target.is_dir())):
         old = temporary_name(target)
         os.rename(target, old)
     try:
@@ -48,15 +83,20 @@ def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
 
 
 @contextlib.contextmanager
-def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> Iterator[Path]:
+def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False,
+                     kept: list[str] | None = None) -> Iterator[Path]:
     """Yield a fresh temporary folder beside ``target``; on success it becomes ``target``, on any exception it goes.
 
+    Where ``target`` is a folder already (with ``overwrite``, or empty), the files of the output are moved into it
+    one by one and the files it held besides are left there, listed in ``kept`` when given.
+
     Raises:
-        OutputExistsError: ``target`` exists and ``overwrite`` is false (checked first and again at the rename).
+        OutputExistsError: ``target`` exists, is not an empty folder, and ``overwrite`` is false (checked first and
+            again at the rename).
         WriteError: the folder cannot be created or renamed.
     """
     target = Path(target)
-    check_output(target, overwrite=overwrite)
+    check_output(target, overwrite=overwrite, folder=True)
     tmp, _ = create_beside(target, os.mkdir, kind="folder")
     try:
         yield tmp
@@ -64,7 +104,12 @@ def atomic_directory(target: str | os.PathLike, *, overwrite: bool = False) -> I
         remove(tmp)
         raise
     try:
-        _move_into_place(tmp, target, overwrite=overwrite)
+        if target.is_dir() and not target.is_symlink() and (overwrite or _is_empty_folder(target)):
+            left = _merge_into(tmp, target, overwrite=overwrite)
+            if kept is not None:
+                kept.extend(left)
+        else:
+            _move_into_place(tmp, target, overwrite=overwrite)
     except BaseException as e:
         remove(tmp)
         if isinstance(e, OSError) and not isinstance(e, OutputExistsError):

@@ -75,6 +75,10 @@ class ConversionReport:
     """The cast asked for (``"bf16"``), if any."""
     cast_from: dict[str, int] = field(default_factory=dict)
     """Source dtype -> number of tensors cast from it (their records show the cast dtype)."""
+    left_out: list[tuple[str, str]] = field(default_factory=list)
+    """Entries of the source folder not copied, and why (see :func:`szformat.paths.outside_the_folder`)."""
+    kept: list[str] = field(default_factory=list)
+    """Files the output folder held already that the conversion did not write, left where they were."""
 
     @property
     def raw_bytes(self) -> int:
@@ -129,6 +133,9 @@ class ConversionReport:
             f"  raw       {len(raw):>6} tensors  {format_bytes(sum(r.raw_bytes for r in raw)):>10}",
         ]
         lines += [f"    {n:>6} x {reason} ({format_bytes(nbytes)})" for reason, n, nbytes in self.raw_reasons()]
+        lines += [f"  not copied: {name} ({why})" for name, why in self.left_out]
+        if self.kept:
+            lines.append(f"  kept      {len(self.kept)} file(s) already in the output folder: {', '.join(self.kept)}")
         lines.append(f"  on disk   {format_bytes(self.source_file_bytes)} -> {format_bytes(self.output_file_bytes)}: "
                      f"ratio {self.ratio:.4f} ({size_change(self.ratio)}; headers and alignment padding included)")
         lines.append(f"  payloads  {format_bytes(self.raw_bytes)} -> {format_bytes(self.stored_bytes)}: ratio "

@@ -19,6 +19,7 @@ from huggingface_hub import CommitInfo, CommitOperationAdd, CommitOperationDelet
 from ..errors import PushError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
 from ..format.index import read_index, shard_path
+from ..paths import outside_the_folder
 from .card import carried_metadata, checkpoint_stats, render_model_card
 from .client import library_info
 from .refs import HubRef
@@ -130,12 +131,21 @@ def _files_to_push(path: Path, *, keep_readme: bool) -> dict[str, Path]:
         return {path.name: path}
     if not path.is_dir():
         raise PushError("no such file or folder", path=path)
-    files = {}
-    for local in sorted(path.rglob("*")):
-        name = local.relative_to(path).as_posix()
-        hidden = any(part.startswith(".") for part in name.split("/"))
-        if local.is_file() and not hidden and (keep_readme or name != MODEL_CARD):
-            files[name] = local
+    files, refused = {}, []
+    for directory, subdirs, names in os.walk(path):
+        subdirs[:] = sorted(d for d in subdirs if not d.startswith("."))
+        for entry in [*subdirs, *sorted(n for n in names if not n.startswith("."))]:
+            local = Path(directory, entry)
+            name = local.relative_to(path).as_posix()
+            problem = outside_the_folder(path, local)
+            if problem:
+                refused.append(f"{name} ({problem})")
+            elif entry in names and (keep_readme or name != MODEL_CARD):
+                files[name] = local
+        subdirs[:] = [d for d in subdirs if not Path(directory, d).is_symlink()]
+    if refused:
+        raise PushError(f"not pushed: only files inside the folder are uploaded; remove {', '.join(refused)}",
+                        path=path)
     if not any(name.endswith(FILE_SUFFIX) for name in files):
         raise PushError("the folder holds no .szt file; convert it first with szconvert", path=path)
     return files

@@ -393,9 +393,75 @@ def test_existing_output_folder_is_replaced_only_with_overwrite(tmp_path):
     with pytest.raises(FileExistsError):
         convert(tmp_path / "src", tmp_path / "out")
     assert listing(tmp_path / "out") == ["old.txt"]
-    convert(tmp_path / "src", tmp_path / "out", overwrite=True)
-    assert "old.txt" not in listing(tmp_path / "out") and "model.szt.index.json" in listing(tmp_path / "out")
+    report = convert(tmp_path / "src", tmp_path / "out", overwrite=True)
+    assert "old.txt" in listing(tmp_path / "out") and "model.szt.index.json" in listing(tmp_path / "out")
+    assert (tmp_path / "out" / "old.txt").read_text() == "old"  # the user's file is theirs
+    assert report.kept == ["old.txt"]
+    assert "  kept      1 file(s) already in the output folder: old.txt" in report.summary()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["out", "src"]
+
+
+def test_overwrite_replaces_what_a_conversion_writes_and_keeps_the_users_files(tmp_path):
+    write_sharded(tmp_path / "src")
+    (tmp_path / "src" / "config.json").write_text('{"new": true}')
+    out = tmp_path / "out"
+    convert(tmp_path / "src", out)
+    (out / "config.json").write_text('{"old": true}')
+    (out / "notes").mkdir()
+    (out / "notes" / "MY_NOTES.txt").write_text("mine")
+    convert(tmp_path / "src", out, overwrite=True)
+    assert (out / "config.json").read_text() == '{"new": true}'
+    assert (out / "notes" / "MY_NOTES.txt").read_text() == "mine"
+    with szformat.safe_open(out / "model-00001-of-00002.szt", framework="pt") as f:
+        assert f.keys()
+
+
+def test_an_existing_empty_output_folder_is_used_without_overwrite(tmp_path):
+    write_sharded(tmp_path / "src")
+    (tmp_path / "out").mkdir()
+    report = convert(tmp_path / "src", tmp_path / "out")
+    assert "model.szt.index.json" in listing(tmp_path / "out") and report.kept == []
+    with pytest.raises(FileExistsError):  # no longer empty
+        convert(tmp_path / "src", tmp_path / "out")
+
+
+def test_links_in_a_model_folder_are_not_followed_out_of_it(tmp_path, monkeypatch):
+    """A link to /proc/self/environ put the environment, Hub token included, into the output; now only regular
+    files inside the folder are copied, and the report says what was left out and why."""
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_copied")
+    src = tmp_path / "src"
+    write_sharded(src)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("hf_secret_never_copied")
+    links = {"environ.txt": "/proc/self/environ", "hostname": "/etc/hostname", "zero.txt": "/dev/zero",
+             "outside.txt": outside / "secret.txt", "linked-dir": outside, "dangling.json": "/nonexistent"}
+    for name, where in links.items():
+        os.symlink(where, src / name)
+    os.mkfifo(src / "fifo")
+    os.symlink("config.json", src / "config-link.json")
+    (src / "config.json").write_text("{}")
+    report = convert(src, tmp_path / "out")
+    out = tmp_path / "out"
+    assert not any(b"hf_secret_never_copied" in p.read_bytes() for p in out.rglob("*") if p.is_file())
+    assert not {*links, "fifo"} & set(listing(out))
+    assert (out / "config-link.json").read_text() == "{}"  # a link inside the folder is copied as its file
+    reasons = dict(report.left_out)
+    assert set(reasons) == {*links, "fifo"}
+    assert "outside the folder" in reasons["environ.txt"] and "outside the folder" in reasons["outside.txt"]
+    assert "not a regular file" in reasons["zero.txt"] and "not a regular file" in reasons["fifo"]
+    assert reasons["linked-dir"] == "a linked folder (not followed)"
+    assert any(line.startswith("  not copied: environ.txt") for line in report.summary())
+
+
+def test_a_weight_file_linked_from_outside_the_folder_is_refused(tmp_path):
+    src = tmp_path / "src"
+    src.mkdir()
+    save_safetensors(model_tensors(), tmp_path / "elsewhere.safetensors")
+    os.symlink(tmp_path / "elsewhere.safetensors", src / "model.safetensors")
+    with pytest.raises(ConversionError, match="model.safetensors is a link to .*, outside the folder"):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
 
 
 @pytest.mark.parametrize("break_index, message", [

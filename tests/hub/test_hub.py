@@ -7,6 +7,7 @@ at import, so the ``hub`` fixture patches those constants (not the environment) 
 
 from __future__ import annotations
 
+import os
 import json
 import types
 from pathlib import Path
@@ -573,3 +574,44 @@ def test_download_model_repo_takes_the_converted_model_and_leaves_other_weights(
     assert download_model_repo("hf://alice/model/text_encoder") == local / "text_encoder"
     with pytest.raises(HubReferenceError, match="names a file"):
         download_model_repo("hf://alice/model/model.szt")
+
+
+LINKS = {  # name in the folder -> what it points to (None: made in the test), what the refusal says
+    "environ.txt": ("/proc/self/environ", "outside the folder"),
+    "hostname": ("/etc/hostname", "outside the folder"),
+    "zero.bin": ("/dev/zero", "not a regular file"),
+    "dangling.json": ("/nonexistent/file", "a link to nothing"),
+}
+
+
+@pytest.mark.parametrize("name", [*LINKS, "outside.txt", "linked-dir", "fifo"])
+def test_push_refuses_a_folder_whose_entries_lead_outside_it(hub, tmp_path, monkeypatch, name):
+    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_uploaded")
+    folder = tmp_path / "model-szt"
+    write_sharded_folder(folder)
+    outside = tmp_path / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.txt").write_text("hf_secret_never_uploaded")
+    if name in LINKS:
+        os.symlink(LINKS[name][0], folder / name)
+        expected = LINKS[name][1]
+    elif name == "outside.txt":
+        os.symlink(outside / "secret.txt", folder / name)
+        expected = "outside the folder"
+    elif name == "linked-dir":
+        os.symlink(outside, folder / name)
+        expected = "a linked folder"
+    else:
+        os.mkfifo(folder / name)
+        expected = "not a regular file"
+    with pytest.raises(PushError, match=f"remove {name} \\([^)]*{expected}"):
+        push_to_hub(folder, "alice/links", token=ALICE)
+    assert "alice/links" not in hub.state.repos or not hub.files("alice/links")  # nothing uploaded
+
+
+def test_push_uploads_links_that_stay_inside_the_folder(hub, tmp_path):
+    folder = tmp_path / "model-szt"
+    write_sharded_folder(folder)
+    os.symlink("config.json", folder / "config-copy.json")
+    push_to_hub(folder, "alice/inside", token=ALICE)
+    assert hub.files("alice/inside")["config-copy.json"] == (folder / "config.json").read_bytes()
