@@ -43,6 +43,10 @@ def refuse_hub_options(path: str | os.PathLike, hub_kwargs: dict[str, Any], appl
         raise HubReferenceError(f"{', '.join(given)} only apply to {applies_to}", path=path)
 
 
+UNREADABLE = "a link to nothing that can be read"
+"""What :func:`outside_the_folder` says of a link to nowhere (or a loop of links)."""
+
+
 def outside_the_folder(root: Path, path: Path) -> str | None:
     """Why ``path``, found in model folder ``root``, must not be copied out of it or uploaded; ``None`` when it
     may: a regular file that lies inside ``root`` once links are resolved.
@@ -56,7 +60,7 @@ def outside_the_folder(root: Path, path: Path) -> str | None:
         real = path.resolve(strict=True)
         mode = real.stat().st_mode
     except (OSError, RuntimeError, ValueError):
-        return "a link to nothing that can be read"
+        return UNREADABLE
     if stat.S_ISDIR(mode):
         return "a linked folder (not followed)" if is_link else None
     if not stat.S_ISREG(mode):

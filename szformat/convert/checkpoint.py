@@ -20,7 +20,7 @@ from typing import Callable
 
 from ..errors import ConversionError, WriteError
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
-from ..paths import outside_the_folder
+from ..paths import UNREADABLE, outside_the_folder
 from .outputs import atomic_directory, check_output
 
 OTHER_WEIGHT_FORMATS = (".bin", ".pt", ".pth", ".ckpt", ".h5", ".msgpack", ".onnx", ".onnx_data", ".gguf",
@@ -118,15 +118,17 @@ def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:
                 continue
             rel = full.relative_to(folder).as_posix()
             problem = outside_the_folder(folder, full)
-            is_weights = name.endswith(suffix) or name.endswith(suffix + INDEX_TAIL)
-            if problem and is_weights:
-                raise ConversionError(f"{rel} is {problem}; only files inside the folder are converted", path=folder)
-            if problem:
+            if name.endswith(suffix + INDEX_TAIL) or name.endswith(suffix):
+                if problem and problem != UNREADABLE:  # an unreadable one is kept: opening it says exactly why
+                    raise ConversionError(f"{rel} is {problem}; only files inside the folder are converted",
+                                          path=folder)
+                if not name.endswith(suffix):
+                    if _is_file(full):
+                        indexes.append(rel)
+                else:
+                    weights.append(rel)
+            elif problem:
                 left_out.append((rel, problem))
-            elif name.endswith(suffix + INDEX_TAIL):
-                indexes.append(rel)
-            elif name.endswith(suffix):
-                weights.append(rel)
             else:
                 others.append(rel)
     if not weights:
