@@ -44,8 +44,14 @@ from typing import Any, Callable
 
 import msgpack
 import zstandard
-from hypothesis import HealthCheck, given, seed, settings
-from hypothesis import strategies as st
+
+try:
+    from hypothesis import HealthCheck, given, seed, settings
+    from hypothesis import strategies as st
+except ImportError:  # the fuzz targets are hypothesis strategies: say what to install rather than a traceback
+    if __name__ == "__main__":
+        sys.exit("tools/fuzz.py needs hypothesis, one of the test extras: pip install -e \".[test]\"")
+    raise
 
 ROOT = Path(__file__).resolve().parents[1]
 

@@ -16,6 +16,7 @@ The command modules import torch and huggingface_hub inside the functions that r
 from __future__ import annotations
 
 import argparse
+import difflib
 import os
 import sys
 from typing import Sequence
@@ -80,6 +81,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 def _run(argv: list[str]) -> int:
     parser, commands = build_parser()
     command, rest = split_command(argv, commands)
+    mistyped = _mistyped_command(command, rest, commands)
+    if mistyped is not None:
+        print(f"szconvert: error: {mistyped}", file=sys.stderr)
+        return 2
     if command is None:
         parser.parse_args(rest)  # --help, --version, or a usage error
         parser.print_help(sys.stderr)
@@ -126,6 +131,18 @@ def split_command(argv: list[str], commands: dict[str, argparse.ArgumentParser])
         else:
             return DEFAULT_COMMAND, argv
     return None, argv
+
+
+def _mistyped_command(command: str | None, argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> str | None:
+    """What to say when the path a conversion was given is no file but looks like a command misspelt
+    (``szconvert verfiy m.szt``), rather than reporting a missing file."""
+    if command != DEFAULT_COMMAND:
+        return None
+    first = next((token for token in argv if not token.startswith("-")), None)
+    if first is None or os.path.lexists(first):
+        return None
+    close = difflib.get_close_matches(first, list(commands), n=1, cutoff=0.6)
+    return f"{first!r} is neither a command nor a file; did you mean 'szconvert {close[0]}'?" if close else None
 
 
 def _discard_stdout() -> None:

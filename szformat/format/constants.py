@@ -103,6 +103,8 @@ DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
     "F8_E4M3": (getattr(torch, "float8_e4m3fn", None), 1),
     "F8_E5M2": (getattr(torch, "float8_e5m2", None), 1),
     "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 1),
+    "F8_E4M3FNUZ": (getattr(torch, "float8_e4m3fnuz", None), 1),
+    "F8_E5M2FNUZ": (getattr(torch, "float8_e5m2fnuz", None), 1),
     "C64": (torch.complex64, 8),
 }
 """safetensors dtype name -> (torch dtype or None where this torch lacks it, bytes per element)."""

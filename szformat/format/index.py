@@ -55,10 +55,12 @@ def read_index(path: str | os.PathLike) -> ShardIndex:
     try:
         with open(path, encoding="utf-8") as f:
             obj = json.load(f, object_pairs_hook=_unique_keys)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ShardIndexError(f"sharded index is not valid JSON ({e})", path=path) from None
     except ShardIndexError as e:
         raise e.with_context(path=path) from None
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ShardIndexError(f"sharded index is not valid JSON ({e})", path=path) from None
+    except ValueError as e:  # an integer past Python's digit limit for int(str)
+        raise ShardIndexError(f"sharded index cannot be read ({str(e).split(';')[0]})", path=path) from None
     if not isinstance(obj, dict) or not isinstance(obj.get("weight_map"), dict):
         raise ShardIndexError("sharded index has no 'weight_map' object", path=path)
     metadata = obj.get("metadata", {})

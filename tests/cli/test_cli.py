@@ -641,3 +641,12 @@ def test_a_refused_push_or_download_is_one_line(hub, model_file, tmp_path, capsy
     assert main(["hf://alice/model-szt", str(tmp_path / "from-hub"), "--token", OWNER_TOKEN]) == 1
     assert error_line(capsys.readouterr().err) == (f"szconvert: error: cannot reach the Hub at {hub.endpoint}: "
                                                    "[Errno 111] Connection refused")
+
+
+def test_a_mistyped_command_is_suggested_not_reported_as_a_missing_file(tmp_path, capsys, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    assert main(["verfiy", "m.szt"]) == 2
+    assert capsys.readouterr().err == ("szconvert: error: 'verfiy' is neither a command nor a file; "
+                                       "did you mean 'szconvert verify'?\n")
+    assert main(["nothere.safetensors"]) == 1  # a missing file that looks like no command stays a missing file
+    assert "no such file or folder: 'nothere.safetensors'" in capsys.readouterr().err

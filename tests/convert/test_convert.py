@@ -739,3 +739,19 @@ def test_real_minilm_fp32_cast_equals_the_bf16_checkpoint_torch_made(tmp_path):
     report = convert(MINILM_FP32, tmp_path / "cast.szt", cast="bf16")
     assert report.cast_from == {"F32": 103} and report.ratio < 0.4
     assert_same_tensors(szformat.load_file(tmp_path / "cast.szt"), load_safetensors(MINILM_DIR / "model.safetensors"))
+
+
+@pytest.mark.parametrize("dtype", ["float8_e4m3fnuz", "float8_e5m2fnuz"])
+def test_safetensors_fnuz_fp8_tensors_pass_through_raw_bit_for_bit(tmp_path, dtype):
+    torch_dtype = getattr(torch, dtype, None)
+    if torch_dtype is None:
+        pytest.skip(f"this torch has no {dtype}")
+    g = torch.Generator().manual_seed(1)
+    fp8 = torch.randint(0, 256, (33, 7), dtype=torch.uint8, generator=g).view(torch_dtype)
+    tensors = {"fp8": fp8, "w": (torch.randn(64, 64, generator=g) * 0.02).to(torch.bfloat16)}
+    save_safetensors(tensors, tmp_path / "m.safetensors")
+    convert(tmp_path / "m.safetensors", tmp_path / "m.szt")
+    with szformat.safe_open(tmp_path / "m.szt", framework="pt") as f:
+        assert f.entry("fp8").encoding == "raw" and f.entry("fp8").dtype == dtype.replace("float8_", "F8_").upper()
+        back = f.get_tensor("fp8")
+    assert back.dtype == torch_dtype and torch.equal(back.view(torch.uint8), fp8.view(torch.uint8))

@@ -249,3 +249,10 @@ def test_a_broken_sharded_checkpoint_is_refused_by_load_and_reported_by_verify(t
         assert main(["verify", str(target)]) == 1
         err = capsys.readouterr().err
         assert err.startswith("FAILED: 1 problem(s)") and expected[2] in err
+
+
+def test_an_integer_past_the_digit_limit_is_the_package_error_naming_the_index(tmp_path):
+    path = tmp_path / "model.szt.index.json"
+    path.write_text('{"metadata": {"total_size": ' + "9" * 5000 + '}, "weight_map": {}}')
+    with pytest.raises(ShardIndexError, match=r"model\.szt\.index\.json.*cannot be read \(Exceeds the limit"):
+        read_index(path)

@@ -52,3 +52,16 @@ def test_the_index_target_notices_a_shard_outside_the_folder(tmp_path, monkeypat
     monkeypatch.setattr(fuzz, "checkpoint_shards", elsewhere)
     _, findings = fuzz.run_target("index", 20, rng_seed=None, tmp=tmp_path)
     assert len(findings) == 1 and "outside its folder" in findings[0]
+
+
+def test_without_hypothesis_the_fuzzer_says_what_to_install_in_one_line(tmp_path):
+    import subprocess
+    import sys
+
+    blocker = tmp_path / "hypothesis.py"
+    blocker.write_text("raise ImportError('No module named hypothesis')\n")  # as if it were not installed
+    root = Path(__file__).resolve().parents[2]
+    done = subprocess.run([sys.executable, str(root / "tools" / "fuzz.py"), "--examples", "1"], cwd=tmp_path,
+                          capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+    assert done.returncode == 1
+    assert done.stderr == 'tools/fuzz.py needs hypothesis, one of the test extras: pip install -e ".[test]"\n'
