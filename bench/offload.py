@@ -25,6 +25,7 @@ was torn down and every cache released:
 ``szt-native``         ``load_into_offloader(route="native")`` (DDO's bootstrap)
 ``szt-group``          ``route="diffusers_group"``: diffusers group offloading fed by szformat
 ``szt-accelerate``     ``route="accelerate"``: accelerate's CPU-offload hooks fed by szformat
+``szt-resident``       ``route="resident"``: weights compressed in device memory, expanded per block
 ``st-group``           diffusers ``apply_group_offloading`` on the safetensors-loaded model, szformat's options
 ``st-group-stream``    the same with ``use_stream=True, non_blocking=True`` (pinned copies, next group prefetched)
 ``st-accelerate``      ``accelerate.cpu_offload`` on the safetensors-loaded model
@@ -80,8 +81,8 @@ from pathlib import Path  # noqa: E402
 
 from .common import memory_status  # noqa: E402
 
-CONFIGS = ("gpu", "szt-staging", "szt-staging-cpu", "ddo-staging-st", "szt-group", "szt-accelerate", "st-group",
-           "st-group-stream", "st-accelerate", "szt-native", "ddo-native-st")
+CONFIGS = ("gpu", "szt-resident", "szt-staging", "szt-staging-cpu", "ddo-staging-st", "szt-group", "szt-accelerate",
+           "st-group", "st-group-stream", "st-accelerate", "szt-native", "ddo-native-st")
 DERIVED_H2D_CONFIGS = ("st-group", "st-group-stream", "st-accelerate")
 """Anchors whose engine counts no bytes: theirs are the bytes of the tensors kept off the device, times forwards."""
 MODELS = ("minilm", "dit", "dit-large")
@@ -363,7 +364,7 @@ def setup_config(config: str, model: str, module, work: Path, device):
     from szformat.offload import detect_environment
 
     route = {"szt-staging": "staging", "szt-staging-cpu": "staging", "szt-native": "native",
-             "szt-group": "diffusers_group", "szt-accelerate": "accelerate"}[config]
+             "szt-group": "diffusers_group", "szt-accelerate": "accelerate", "szt-resident": "resident"}[config]
     env = detect_environment()
     options = budgets(model, module, route) if route in ("staging", "native") else {}
     if config == "szt-staging-cpu":

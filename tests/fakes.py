@@ -1,25 +1,21 @@
 """Stand-ins shared by the tests: the device codec and inflater on the CPU (the loader and offloader tests run the
-device pipelines there), and a CPU encoder that writes one wrong byte."""
+device pipelines there), streams that defer work as a GPU's do, and a CPU encoder that writes one wrong byte."""
 
 from __future__ import annotations
+
+import threading
+from collections import deque
 
 import torch
 import zstandard
 
 from szformat.codec import cpu as cpu_codec
+from szformat.loading.device_codec import HostCodec
 
 
-class ReferenceCodec:
+class ReferenceCodec(HostCodec):
     """The device codec's contract, fulfilled by the CPU reference decoder: like the kernels, it flags escape streams
     that break a rule in ``errors`` when given (the reference refuses them; the kernels decode them as they stand)."""
-
-    def batch_tables(self, batches, device):
-        return [list(entries) for entries in batches]
-
-    def decode_batch(self, payloads, table, out, errors=None):
-        for i, (layout, codebook, payload_offset, output_offset) in enumerate(table):
-            self._decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
-                         out[output_offset: output_offset + layout.n], None if errors is None else errors[i:i + 1])
 
     @staticmethod
     def _decode(payload, layout, codebook, out, errors):
@@ -90,3 +86,98 @@ def flip_in_last_slice(monkeypatch, n_pairs: int, stream: str, mask: int) -> lis
 
     monkeypatch.setattr(cpu_codec, "_encode_pairs", wrong)
     return pairs_left
+
+
+POISON = 0xA5
+
+class FakeEvent:
+    def __init__(self, stream: "FakeStream", position: int):
+        self.stream = stream
+        self.position = position
+
+
+class FakeStream:
+    def __init__(self, index: int, eager: bool):
+        self.index = index
+        self.eager = eager
+        self.queue: deque = deque()
+        self.enqueued = 0
+        self.executed = 0
+
+
+class FakeOps:
+    """Streams that defer work like a GPU's. ``eager`` holds the creation indices of streams that run as soon as
+    their waits allow (0 is the current stream, then the order of ``new_stream`` calls); the others run only when
+    the host synchronizes on them or an eager stream waits on them. ``log`` records every step in host order."""
+
+    device = torch.device("cpu")
+
+    def __init__(self, eager: tuple[int, ...] = ()):
+        self._eager = set(eager)
+        self.streams = [FakeStream(0, 0 in self._eager)]
+        self.log: list[tuple] = []
+        self.lock = threading.RLock()  # the loop calls in from two threads, as it may on a real device
+        self.allocated = 0
+        self.reserved: list[tuple[int, int]] = []  # (bytes reserved, bytes allocated before)
+        self.callers: list[str] = []
+        """The thread that made each step of ``log``."""
+
+    def new_stream(self) -> FakeStream:
+        stream = FakeStream(len(self.streams), len(self.streams) in self._eager)
+        self.streams.append(stream)
+        return stream
+
+    def current_stream(self) -> FakeStream:
+        return self.streams[0]
+
+    def _push(self, stream: FakeStream, op: tuple) -> None:
+        stream.queue.append(op)
+        stream.enqueued += 1
+        if stream.eager:
+            self._run(stream, stream.enqueued)
+
+    def _note(self, step: tuple) -> None:
+        self.log.append(step)
+        self.callers.append(threading.current_thread().name)
+
+    def enqueue(self, stream, work, label) -> None:
+        with self.lock:
+            self._note((label, stream.index))
+            self._push(stream, ("work", work))
+
+    def record(self, stream) -> FakeEvent:
+        with self.lock:
+            event = FakeEvent(stream, stream.enqueued)
+            self._note(("record", stream.index, event))
+            return event
+
+    def wait(self, stream, event) -> None:
+        with self.lock:
+            self._note(("wait", stream.index, event))
+            self._push(stream, ("wait", event))
+
+    def synchronize(self, event) -> None:
+        with self.lock:
+            self._note(("sync", event))
+            self._run(event.stream, event.position)
+
+    def _run(self, stream: FakeStream, position: int) -> None:
+        while stream.executed < position:
+            kind, arg = stream.queue.popleft()
+            stream.executed += 1
+            if kind == "wait":
+                self._run(arg.stream, arg.position)
+            else:
+                arg()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        return torch.full((nbytes,), POISON, dtype=torch.uint8)
+
+    def device_buffer(self, nbytes: int) -> torch.Tensor:
+        with self.lock:
+            self.allocated += nbytes
+        return torch.full((nbytes,), POISON ^ 0xFF, dtype=torch.uint8)
+
+    def reserve(self, nbytes: int) -> None:
+        with self.lock:
+            self.reserved.append((nbytes, self.allocated))

@@ -204,9 +204,9 @@ def flip_payload_byte(path: Path, tensor: str) -> None:
 def llama_config(**overrides):
     import transformers
 
-    return transformers.LlamaConfig(vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
-                                    **overrides)
+    return transformers.LlamaConfig(**{**dict(vocab_size=128, hidden_size=32, intermediate_size=64,
+                                              num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                              max_position_embeddings=64), **overrides})
 
 
 def bert_config(**overrides):

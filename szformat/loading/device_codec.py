@@ -12,11 +12,12 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from ..codec import cpu as cpu_codec
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
 
-__all__ = ["BatchEntry", "DeviceCodec", "TritonCodec", "triton_codec", "pack_arrays", "unpack_arrays"]
+__all__ = ["BatchEntry", "DeviceCodec", "HostCodec", "TritonCodec", "triton_codec", "pack_arrays", "unpack_arrays"]
 
 _TABLE_ALIGNMENT = 16
 """Bytes each array of an uploaded batch table starts on (the widest element is 8 bytes)."""
@@ -57,6 +58,24 @@ class DeviceCodec(Protocol):
                         errors: torch.Tensor | None = None) -> None:
         """Expand the payload in the leading ``layout.comp_bytes`` of ``buffer`` over ``buffer[:layout.raw_bytes]``;
         ``errors`` (one int32 on the device) as for :meth:`decode_batch`."""
+
+
+class HostCodec:
+    """The batched decode of :class:`DeviceCodec` on CPU tensors, by the reference decoder (the resident route on
+    the CPU); one decode per tensor of a batch."""
+
+    def batch_tables(self, batches: Sequence[Sequence[BatchEntry]], device: torch.device) -> list[Any]:
+        return [list(entries) for entries in batches]
+
+    def decode_batch(self, payloads: torch.Tensor, table: Any, out: torch.Tensor,
+                     errors: torch.Tensor | None = None) -> None:
+        for i, (layout, codebook, payload_offset, output_offset) in enumerate(table):
+            self.decode(payloads[payload_offset: payload_offset + layout.comp_bytes], layout, codebook,
+                        out[output_offset: output_offset + layout.n], None if errors is None else errors[i:i + 1])
+
+    def decode(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor,
+               errors: torch.Tensor | None = None) -> None:
+        cpu_codec.decode(payload, layout, codebook, out=out)
 
 
 class TritonCodec:

@@ -7,6 +7,7 @@ runtime. Installers are looked up by route name in :data:`INSTALLERS`; each impo
 
 from __future__ import annotations
 
+import dataclasses
 import importlib
 import os
 from collections.abc import Callable, Mapping
@@ -20,8 +21,8 @@ from ..paths import resolve_path
 from .binding import ModuleBinding, bind_module
 from .shards import Checkpoint
 from .handle import OffloadedModel
-from .routes import ACCELERATE, DIFFUSERS_GROUP, NATIVE, STAGING, OffloadEnvironment, Route, detect_environment, \
-    select_route
+from .routes import ACCELERATE, DIFFUSERS_GROUP, NATIVE, RESIDENT, STAGING, OffloadEnvironment, Route, \
+    detect_environment, select_route
 
 __all__ = ["load_into_offloader", "INSTALLERS", "Installation", "Installer"]
 
@@ -55,6 +56,7 @@ INSTALLERS: dict[str, Installer] = {
     STAGING: _lazy(".ddo_install", "install_staging"),
     DIFFUSERS_GROUP: _lazy(".group_offload", "install_group_offloading"),
     ACCELERATE: _lazy(".accelerate_hooks", "install_accelerate_hooks"),
+    RESIDENT: _lazy(".resident", "install_resident"),
 }
 """Route name -> installer. A selected route without one is refused with DecodeRouteError."""
 
@@ -77,8 +79,11 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
         module (`torch.nn.Module`): the model, with the checkpoint's names, shapes and dtypes (on any device,
             ``meta`` included).
         route (`str`, *optional*, defaults to `"auto"`): ``"auto"``, ``"native"``, ``"staging"``,
-            ``"diffusers_group"`` or ``"accelerate"`` (see :mod:`szformat.offload.routes`).
-        device (`str` or `torch.device`, *optional*, defaults to `"cuda:0"`): where the module computes.
+            ``"diffusers_group"`` or ``"accelerate"`` (see :mod:`szformat.offload.routes`), or ``"resident"``:
+            the compressed weights kept in device memory, expanded block by block as the model runs (see
+            :mod:`szformat.offload.resident`; engine options ``blocks``, ``slots``, ``min_tensor_bytes``).
+        device (`str` or `torch.device`, *optional*, defaults to `"cuda:0"`): where the module computes (the CPU
+            too, for ``"resident"``).
         strict (`bool`, *optional*, defaults to `True`): refuse module tensors missing from the checkpoint and
             checkpoint entries the module does not have.
         entry_names (`Mapping[str, str]`, *optional*): the checkpoint entry of each module name stored under
@@ -102,8 +107,9 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
         >>> out = offloaded.module(**inputs)  # doctest: +SKIP
     """
     device = torch.device(device)
-    if device.type != "cuda":
-        raise ValueError(f"offloading computes on a CUDA device; got device {str(device)!r}")
+    if device.type != "cuda" and not (route == RESIDENT and device.type == "cpu"):
+        raise ValueError(f"offloading computes on a CUDA device (route='resident' on the CPU too); got device "
+                         f"{str(device)!r}")
     path = resolve_path(path, repo_id=repo_id, revision=revision, token=token, local_files_only=local_files_only,
                         cache_dir=cache_dir)
     checkpoint = Checkpoint(path)
@@ -112,6 +118,8 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
                               entry_names=entry_names)
         env = environment if environment is not None else detect_environment()
         selected = select_route(route, env)
+        if selected.name == RESIDENT and device.type == "cpu":
+            selected = dataclasses.replace(selected, decoder="cpu")
         install = INSTALLERS.get(selected.name)
         if install is None:
             raise DecodeRouteError(f"offload route {selected.name!r} was selected ({selected.reason}) but this "

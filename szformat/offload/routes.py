@@ -36,15 +36,18 @@ from pathlib import Path
 from ..errors import DecodeRouteError
 
 __all__ = [
-    "ROUTES", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV", "DISTRIBUTIONS",
+    "ROUTES", "RESIDENT", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV", "DISTRIBUTIONS",
     "SUPPORTED_DDO_VERSIONS", "MIN_VERSIONS", "Route", "OffloadEnvironment", "detect_environment",
     "route_availability", "select_route", "parse_version",
 ]
 
 NATIVE, STAGING, DIFFUSERS_GROUP, ACCELERATE = "native", "staging", "diffusers_group", "accelerate"
 ROUTES = (NATIVE, STAGING, DIFFUSERS_GROUP, ACCELERATE)
-"""Every route, in the order ``auto`` prefers them."""
-REQUESTS = ("auto", *ROUTES)
+"""Every route that streams weights from host memory, in the order ``auto`` prefers them."""
+RESIDENT = "resident"
+"""Weights kept compressed in device memory, expanded per block (:mod:`szformat.offload.resident`); never chosen
+by ``auto``, which streams: it asks for 0.75 of the weights' device memory where the others ask for little."""
+REQUESTS = ("auto", *ROUTES, RESIDENT)
 
 DDO_DISTRIBUTION = "diffusers-dynamic-offloader"
 DDO_ALLOCATOR_DISTRIBUTION = "ddo-vmm-allocator"
@@ -125,6 +128,9 @@ def select_route(requested: str = "auto", environment: OffloadEnvironment | None
     if requested not in REQUESTS:
         raise ValueError(f"unknown offload route {requested!r}; choose one of {', '.join(REQUESTS)}")
     env = environment if environment is not None else detect_environment()
+    if requested == RESIDENT:
+        return Route(RESIDENT, "triton" if env.triton_available else "cpu",
+                     "requested: weights stay compressed on the device and expand per block")
     verdicts = {name: route_availability(name, env) for name in ROUTES}
     if requested != "auto":
         available, why = verdicts[requested]

@@ -248,8 +248,8 @@ def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(monkeypatc
 
 # -- every benchmark runs from the checkout as ``python -m bench.<name>`` -------------------------------------------
 
-BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "cpu", "gpu", "convert", "checks.codec_gpu",
-              "checks.load_gpu")
+BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "cpu", "gpu", "convert", "resident",
+              "checks.codec_gpu", "checks.load_gpu")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -278,3 +278,10 @@ def test_the_cpu_benchmark_runs_its_codec_section_on_a_small_model(tmp_path):
                        "--repeats", "1", "--sections", "codec")
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GB/s" in done.stdout
+
+
+def test_the_resident_benchmark_runs_tiny_models_on_the_cpu_and_checks_their_outputs(tmp_path):
+    done = _run_module("bench.resident", "--tiny", "--device", "cpu", "--reps", "2", "--work", str(tmp_path))
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "outputs: bit-identical to the plain model on every row" in done.stdout
+    assert "llm    prefill (ms)" in done.stdout and "dit    forward (ms)" in done.stdout

@@ -17,7 +17,6 @@ import threading
 import time
 import weakref
 import zlib
-from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from types import SimpleNamespace
@@ -55,106 +54,7 @@ from szformat.loading.ring import StagingRing
 from szformat.loading.slot_decoder import Placement
 from szformat.loading.stored_crc import StoredCrcCheck
 
-from fakes import ReferenceCodec, ZstdInflater
-
-POISON = 0xA5
-
-# ---------------------------------------------------------------------------------------------------------------
-# A CPU stand-in for the device
-# ---------------------------------------------------------------------------------------------------------------
-
-
-class FakeEvent:
-    def __init__(self, stream: "FakeStream", position: int):
-        self.stream = stream
-        self.position = position
-
-
-class FakeStream:
-    def __init__(self, index: int, eager: bool):
-        self.index = index
-        self.eager = eager
-        self.queue: deque = deque()
-        self.enqueued = 0
-        self.executed = 0
-
-
-class FakeOps:
-    """Streams that defer work like a GPU's. ``eager`` holds the creation indices of streams that run as soon as
-    their waits allow (0 is the current stream, then the order of ``new_stream`` calls); the others run only when
-    the host synchronizes on them or an eager stream waits on them. ``log`` records every step in host order."""
-
-    device = torch.device("cpu")
-
-    def __init__(self, eager: tuple[int, ...] = ()):
-        self._eager = set(eager)
-        self.streams = [FakeStream(0, 0 in self._eager)]
-        self.log: list[tuple] = []
-        self.lock = threading.RLock()  # the loop calls in from two threads, as it may on a real device
-        self.allocated = 0
-        self.reserved: list[tuple[int, int]] = []  # (bytes reserved, bytes allocated before)
-        self.callers: list[str] = []
-        """The thread that made each step of ``log``."""
-
-    def new_stream(self) -> FakeStream:
-        stream = FakeStream(len(self.streams), len(self.streams) in self._eager)
-        self.streams.append(stream)
-        return stream
-
-    def current_stream(self) -> FakeStream:
-        return self.streams[0]
-
-    def _push(self, stream: FakeStream, op: tuple) -> None:
-        stream.queue.append(op)
-        stream.enqueued += 1
-        if stream.eager:
-            self._run(stream, stream.enqueued)
-
-    def _note(self, step: tuple) -> None:
-        self.log.append(step)
-        self.callers.append(threading.current_thread().name)
-
-    def enqueue(self, stream, work, label) -> None:
-        with self.lock:
-            self._note((label, stream.index))
-            self._push(stream, ("work", work))
-
-    def record(self, stream) -> FakeEvent:
-        with self.lock:
-            event = FakeEvent(stream, stream.enqueued)
-            self._note(("record", stream.index, event))
-            return event
-
-    def wait(self, stream, event) -> None:
-        with self.lock:
-            self._note(("wait", stream.index, event))
-            self._push(stream, ("wait", event))
-
-    def synchronize(self, event) -> None:
-        with self.lock:
-            self._note(("sync", event))
-            self._run(event.stream, event.position)
-
-    def _run(self, stream: FakeStream, position: int) -> None:
-        while stream.executed < position:
-            kind, arg = stream.queue.popleft()
-            stream.executed += 1
-            if kind == "wait":
-                self._run(arg.stream, arg.position)
-            else:
-                arg()
-
-    def host_buffer(self, nbytes: int) -> torch.Tensor:
-        return torch.full((nbytes,), POISON, dtype=torch.uint8)
-
-    def device_buffer(self, nbytes: int) -> torch.Tensor:
-        with self.lock:
-            self.allocated += nbytes
-        return torch.full((nbytes,), POISON ^ 0xFF, dtype=torch.uint8)
-
-    def reserve(self, nbytes: int) -> None:
-        with self.lock:
-            self.reserved.append((nbytes, self.allocated))
+from fakes import FakeEvent, FakeOps, ReferenceCodec, ZstdInflater
 
 
 class NoWaitOps(FakeOps):

@@ -1,0 +1,209 @@
+"""The resident route (``load_into_offloader(route="resident")``) against the plain BF16 model on the same device.
+
+    python -m bench.resident --work /tmp/szresident [--device cuda] [--models llm,dit] [--reps 5] [--tiny]
+
+Models, random weights (``randn * 0.02``, BF16) saved as safetensors and converted with ``szformat.convert``:
+
+* ``llm``: a Llama-shaped causal LM (hidden 2048, 16 layers, vocab 32000: 2.28 GB), timed on a prefill of
+  ``--prefill`` tokens and ``--decode`` greedy decode steps at batch 1 (``generate`` with its KV cache);
+* ``dit``: the SD3-medium-shaped 4.1 GB DiT of ``bench/offload.py`` at 1024x1024 (128x128 latents), batch 1,
+  one forward.
+
+Each row runs the plain model (loaded from safetensors onto the device) and the resident route, interleaved, and
+checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is reported. Reported:
+median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
+the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
+script runs on a CPU in seconds: that is how the CI-side test runs it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import szformat
+from szformat.convert import convert
+from szformat.convert.report import format_bytes
+
+LLM = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+           num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
+LLM_TINY = dict(LLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
+                num_attention_heads=4, num_key_value_heads=2)
+DIT = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
+           num_attention_heads=24, joint_attention_dim=4096, caption_projection_dim=1536, pooled_projection_dim=2048,
+           out_channels=16, pos_embed_max_size=192)
+DIT_TINY = dict(DIT, sample_size=16, num_layers=3, num_attention_heads=2, joint_attention_dim=64,
+                caption_projection_dim=128, pooled_projection_dim=32, pos_embed_max_size=32)
+
+
+def build(kind: str, tiny: bool) -> torch.nn.Module:
+    torch.manual_seed(0)
+    if kind == "llm":
+        import transformers
+
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**(LLM_TINY if tiny else LLM)))
+    else:
+        from diffusers import SD3Transformer2DModel
+
+        model = SD3Transformer2DModel(**(DIT_TINY if tiny else DIT))
+    model = model.to(torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randn(p.shape, generator=g, dtype=torch.float32).mul_(0.02))
+    return model.eval()
+
+
+def prepare(kind: str, work: Path, tiny: bool) -> tuple[Path, Path]:
+    """The model folder (``save_pretrained``, BF16) and its szconvert twin, made once per ``work`` folder."""
+    folder = work / f"{kind}{'-tiny' if tiny else ''}"
+    converted = folder.with_name(folder.name + "-szt")
+    if not converted.exists():
+        build(kind, tiny).save_pretrained(folder)
+        convert(folder, converted, overwrite=True, device="cuda" if torch.cuda.is_available() else "cpu")
+    return folder, converted
+
+
+def load_plain(kind: str, folder: Path, device: torch.device) -> torch.nn.Module:
+    """The model as its library loads it from safetensors, moved to ``device``."""
+    if kind == "llm":
+        import transformers
+
+        return transformers.AutoModelForCausalLM.from_pretrained(folder, dtype=torch.bfloat16).to(device).eval()
+    from diffusers import SD3Transformer2DModel
+
+    return SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device).eval()
+
+
+def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool):
+    """The model with ``route="resident"``: returns the model and the route's handle."""
+    if kind == "llm":
+        from szformat import transformers as szt
+
+        model = szt.from_pretrained(converted, device=device, offload="resident")
+        return model, model.szformat_offload
+    from diffusers import SD3Transformer2DModel
+
+    with torch.device("meta"):
+        model = SD3Transformer2DModel(**(DIT_TINY if tiny else DIT)).to(torch.bfloat16).eval()
+    return model, szformat.load_into_offloader(converted, model, route="resident", device=device)
+
+
+def inputs_for(kind: str, tiny: bool, device: torch.device, args) -> dict:
+    g = torch.Generator().manual_seed(7)
+    if kind == "llm":
+        vocab = (LLM_TINY if tiny else LLM)["vocab_size"]
+        return {"input_ids": torch.randint(0, vocab, (1, 16 if tiny else args.prefill), generator=g).to(device)}
+    cfg = DIT_TINY if tiny else DIT
+    bf16 = lambda *size: torch.randn(*size, generator=g).to(torch.bfloat16).to(device)  # noqa: E731
+    return dict(hidden_states=bf16(1, 16, cfg["sample_size"], cfg["sample_size"]),
+                encoder_hidden_states=bf16(1, 77, cfg["joint_attention_dim"]),
+                pooled_projections=bf16(1, cfg["pooled_projection_dim"]), timestep=torch.tensor([500.0]).to(device))
+
+
+def run(kind: str, model: torch.nn.Module, inputs: dict, args, tiny: bool) -> dict[str, object]:
+    """Outputs and times of one model: the DiT's forward, or the LM's prefill and its greedy decode steps."""
+    sync = (lambda: torch.cuda.synchronize()) if inputs_device(inputs).type == "cuda" else (lambda: None)
+    times: dict[str, float] = {}
+    with torch.no_grad():
+        if kind == "dit":
+            sync()
+            start = time.perf_counter()
+            out = model(**inputs).sample
+            sync()
+            times["forward"] = time.perf_counter() - start
+            return {"outputs": [out], "times": times}
+        start = time.perf_counter()
+        prefill = model(**inputs).logits
+        sync()
+        times["prefill"] = time.perf_counter() - start
+        steps = 4 if tiny else args.decode
+        start = time.perf_counter()
+        tokens = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
+        sync()
+        times[f"prefill + {steps} decode steps"] = time.perf_counter() - start
+        return {"outputs": [prefill, tokens], "times": times}
+
+
+def inputs_device(inputs: dict) -> torch.device:
+    return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
+
+
+def measure(kind: str, args, device: torch.device) -> list[list[str]]:
+    folder, converted = prepare(kind, Path(args.work), args.tiny)
+    inputs = inputs_for(kind, args.tiny, device, args)
+    samples: dict[str, list[dict[str, float]]] = {"plain": [], "resident": []}
+    peaks: dict[str, int] = {}
+    held: dict[str, int] = {}
+    reference = None
+    for rep in range(args.reps):
+        for label in ("plain", "resident") if rep % 2 == 0 else ("resident", "plain"):
+            gc.collect()
+            if device.type == "cuda":
+                torch.cuda.empty_cache()
+                torch.cuda.reset_peak_memory_stats(device)
+            handle = None
+            if label == "plain":
+                model = load_plain(kind, folder, device)
+            else:
+                model, handle = load_resident(kind, converted, device, args.tiny)
+                held = handle.counters()
+            result = run(kind, model, inputs, args, args.tiny)
+            if reference is None:
+                reference = result["outputs"]
+            elif not all(torch.equal(a, b) for a, b in zip(result["outputs"], reference)):
+                raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is reported")
+            samples[label].append(result["times"])
+            if device.type == "cuda":
+                peaks[label] = max(peaks.get(label, 0), torch.cuda.max_memory_allocated(device))
+            if handle is not None:
+                handle.close()
+            del model
+    rows = []
+    for phase in samples["plain"][0]:
+        plain = statistics.median(s[phase] for s in samples["plain"])
+        resident = statistics.median(s[phase] for s in samples["resident"])
+        rows.append([kind, f"{phase} (ms)", f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
+    if peaks:
+        rows.append([kind, "device memory peak", format_bytes(peaks["plain"]), format_bytes(peaks["resident"]),
+                     f"{peaks['resident'] / peaks['plain']:.2f}"])
+    weights = held["resident_stored_bytes"] + held["arena_bytes"] + held["plain_bytes"]
+    rows.append([kind, "weights: raw / compressed + arena + plain", format_bytes(held["raw_bytes"]),
+                 format_bytes(weights), f"{weights / held['raw_bytes']:.2f}"])
+    rows.append([kind, "of which compressed / arena / plain", "",
+                 " / ".join(format_bytes(held[k]) for k in ("resident_stored_bytes", "arena_bytes", "plain_bytes")),
+                 ""])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="/tmp/szresident")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--models", default="llm,dit")
+    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--prefill", type=int, default=2048)
+    parser.add_argument("--decode", type=int, default=64)
+    parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU")
+    args = parser.parse_args(argv)
+    Path(args.work).mkdir(parents=True, exist_ok=True)
+    device = torch.device(args.device)
+    rows = []
+    for kind in args.models.split(","):
+        rows += measure(kind, args, device)
+    header = ["model", "what", "plain", "resident", "resident / plain"]
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
+    for row in [header, *rows]:
+        print("  ".join(str(c).rjust(w) if i >= 2 else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print("outputs: bit-identical to the plain model on every row")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,358 @@
+"""The resident route: weights stay compressed in device memory while the model runs, expanded block by block.
+
+``load_into_offloader(path, module, route="resident", device=...)``. The stored bytes of every SplitZip weight are
+copied to the device once, as they are (0.75 of the raw bytes on real BF16 weights, CRC-checked on the way); the
+module's weights become hollow placeholders. A *group* is what expands at once: each repeated block (the children
+of the module's largest ``ModuleList`` of one class, as diffusers' group offloading and DDO find them), and each
+leaf module outside the blocks that holds compressed weights (an embedding, an output head). Just before a group
+runs, one batched decode expands all of its weights into a slot of a small device arena, its parameters are bound
+to views of that slot for its forward, and after the forward they are hollow again and the slot may be reused.
+
+Ordering (CUDA): while a group computes, the next group of the order is expanded into another slot on a side
+stream; the compute stream waits for that decode's event before the group runs, and a slot is written again only
+after the event recorded when its last group's forward finished. Groups run in module order (the order a forward
+takes through most models); a group that runs out of that order is expanded on the compute stream when it is
+needed, into a slot no running group holds, so the outputs are the same either way, only slower.
+
+Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors smaller than ``min_group_bytes``'s
+share (norms, biases), tied tensors (one storage used by two modules) and weights of modules outside the blocks
+that are not leaves. On the CPU the same plan runs with the reference decoder and no streams.
+
+Memory: the stored bytes of the grouped weights, plus ``slots`` x the largest group's raw bytes, plus the plain
+tensors; :meth:`ResidentPlan.device_bytes` gives the figures before anything is allocated, and the returned
+``OffloadedModel.counters()`` reports them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from ..errors import DecodeRouteError
+from ..format import constants as C
+from ..loading.device_codec import DeviceCodec, HostCodec, triton_codec
+from ..loading.ops import CudaOps, DeviceOps
+from .binding import TensorBinding, assign_tensor, module_tensor, snapshot_tensors, tensor_owner
+from .decoding import CheckpointDecoder
+from .handle import OffloadedModel
+
+__all__ = ["ResidentGroup", "ResidentPlan", "find_blocks", "plan_resident", "install_resident", "RESIDENT_OPTIONS"]
+
+PAYLOAD_ALIGNMENT = 16
+"""Each tensor's stored bytes start at a multiple of this in its group's device buffer (the batch decode's rule)."""
+OUTPUT_ALIGNMENT = 64
+"""Each tensor's expansion starts at a multiple of this many elements in a slot (128 bytes; the decode needs 8)."""
+DEFAULT_SLOTS = 2
+DEFAULT_MIN_TENSOR_BYTES = 1 << 16
+"""BF16 tensors smaller than this (norms, biases) stay plain: decoding them saves little and costs a table row."""
+RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "ops")
+"""Engine options: the blocks (default: found), arena slots, the size under which a tensor stays plain, and the
+:class:`~szformat.loading.ops.DeviceOps` work is ordered through (default: CUDA streams; on the CPU, none)."""
+
+
+@dataclasses.dataclass
+class ResidentGroup:
+    """The weights that expand together: the module that runs them, and where each tensor lands in a slot."""
+
+    module: torch.nn.Module
+    name: str
+    tensors: list[TensorBinding]
+    output_offsets: list[int]
+    raw_elements: int
+    stored_bytes: int = 0
+    payloads: torch.Tensor | None = None
+    table: Any = None
+
+
+@dataclasses.dataclass
+class ResidentPlan:
+    """What the route will hold on the device, decided from the headers before anything moves."""
+
+    groups: list[ResidentGroup]
+    plain: list[TensorBinding]
+    slots: int
+    raw_bytes: int
+
+    @property
+    def slot_elements(self) -> int:
+        return max((g.raw_elements for g in self.groups), default=0)
+
+    def device_bytes(self, entries: Any) -> dict[str, int]:
+        """Device bytes by kind: ``resident_stored_bytes`` (the groups' compressed weights), ``arena_bytes``,
+        ``plain_bytes``, and ``raw_bytes`` (the whole model decoded, for comparison)."""
+        stored = sum(_padded(entries[t.entry].length) for g in self.groups for t in g.tensors)
+        plain = sum(entries[t.entry].raw_length for t in self.plain)
+        return {"resident_stored_bytes": stored, "arena_bytes": 2 * self.slots * self.slot_elements,
+                "plain_bytes": plain, "raw_bytes": self.raw_bytes}
+
+
+def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
+    """The repeated blocks of ``module``: the children of its ``ModuleList`` holding the most parameters whose
+    children are all of one class (transformer layers, DiT blocks); none when it has no such list."""
+    best, best_size = [], 0
+    for child in module.modules():
+        if not isinstance(child, torch.nn.ModuleList) or len(child) < 2:
+            continue
+        kinds = {type(block) for block in child}
+        size = sum(p.numel() for p in child.parameters())
+        if len(kinds) == 1 and size > best_size:
+            best, best_size = list(child), size
+    return best
+
+
+def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], entries: Any, *,
+                  blocks: Sequence[torch.nn.Module] | None = None, slots: int = DEFAULT_SLOTS,
+                  min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES) -> ResidentPlan:
+    """Group the bound tensors (see the module docstring); raises ValueError for a bad ``slots``/``blocks``."""
+    if not isinstance(slots, int) or slots < 2:
+        raise ValueError(f"slots must be an integer of at least 2 (one running, one expanding), got {slots!r}")
+    blocks = find_blocks(module) if blocks is None else list(blocks)
+    block_of = {id(sub): block for block in blocks for sub in block.modules()}
+    if len(block_of) != sum(len(list(b.modules())) for b in blocks):
+        raise ValueError("blocks must not contain one another")
+    groups: dict[int, ResidentGroup] = {}
+    names = {id(m): name for name, m in module.named_modules()}
+    plain: list[TensorBinding] = []
+    for binding in bindings:
+        entry = entries[binding.entry]
+        owners = {id(tensor_owner(module, name)[0]) for name in binding.names}
+        owner = tensor_owner(module, binding.names[0])[0]
+        group_module = block_of.get(id(owner))
+        if group_module is None and not list(owner.children()):
+            group_module = owner  # a leaf outside the blocks: its own group
+        tied_across = len({id(block_of.get(o, o)) for o in owners}) > 1
+        if (binding.is_buffer or entry.encoding != C.ENCODING_SPLITZIP or entry.raw_length < min_tensor_bytes
+                or group_module is None or tied_across):
+            plain.append(binding)
+            continue
+        group = groups.get(id(group_module))
+        if group is None:
+            group = groups[id(group_module)] = ResidentGroup(group_module, names.get(id(group_module), ""), [], [], 0)
+        group.tensors.append(binding)
+        group.output_offsets.append(group.raw_elements)
+        group.raw_elements += -(-entry.layout.n // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT
+    order = {id(m): i for i, m in enumerate(module.modules())}
+    ordered = sorted(groups.values(), key=lambda g: order[id(g.module)])
+    raw = sum(entries[b.entry].raw_length for b in bindings)
+    return ResidentPlan(ordered, plain, slots, raw)
+
+
+class _Slot:
+    """One arena slot: its buffer, the group it holds, and the events that order its reuse: ``ready`` when the
+    expansion into it has run, ``free`` when the forward of the group that used it has."""
+
+    def __init__(self, buffer: torch.Tensor):
+        self.buffer = buffer
+        self.holds: ResidentGroup | None = None
+        self.ready: Any = None
+        self.free: Any = None
+        self.used = 0
+
+
+class _Arena:
+    """The slots, and the hooks that expand each group into one before it runs and release it after.
+
+    Work goes through ``ops`` (:class:`~szformat.loading.ops.DeviceOps`): CUDA streams and events on a GPU, work
+    run at once on the CPU, and in the tests streams that defer work until something waits for it."""
+
+    def __init__(self, root: torch.nn.Module, plan: ResidentPlan, codec: DeviceCodec, device: torch.device,
+                 ops: DeviceOps):
+        self.root, self.plan, self.codec, self.ops = root, plan, codec, ops
+        self.side = ops.new_stream()
+        self.slots = [_Slot(torch.empty(plan.slot_elements, dtype=torch.bfloat16, device=device))
+                      for _ in range(plan.slots)]
+        self.running: set[int] = set()
+        self.clock = 0
+        self.decodes = 0
+        self.order = {id(g): i for i, g in enumerate(plan.groups)}
+        self.hollow = {t.entry: _hollow(t.tensor, device) for g in plan.groups for t in g.tensors}
+
+    def before(self, group: ResidentGroup) -> None:
+        if torch.is_grad_enabled() and group.module.training:
+            raise DecodeRouteError("route='resident' runs inference only: its weights are expanded into shared "
+                                   "slots; call model.eval() and run under torch.no_grad() or torch.inference_mode()")
+        compute = self.ops.current_stream()
+        slot = self._holding(group)
+        if slot is None:
+            slot = self._free_slot()
+            self._expand(group, slot, compute)
+        else:
+            self.ops.wait(compute, slot.ready)
+        self.running.add(id(slot))
+        self.clock += 1
+        slot.used = self.clock
+        for binding, offset in zip(group.tensors, group.output_offsets):
+            view = slot.buffer[offset: offset + binding.tensor.numel()].view(binding.tensor.shape)
+            assign_tensor(self.root, binding.names, view)
+        following = self.plan.groups[(self.order[id(group)] + 1) % len(self.plan.groups)]
+        if self.side is not None and following is not group and self._holding(following) is None:
+            self._expand(following, self._free_slot(), self.side)
+
+    def after(self, group: ResidentGroup) -> None:
+        for binding in group.tensors:
+            assign_tensor(self.root, binding.names, self.hollow[binding.entry])
+        slot = self._holding(group)
+        if slot is not None:
+            slot.free = self.ops.record(self.ops.current_stream())
+            self.running.discard(id(slot))
+
+    def finish(self) -> None:
+        """Wait for the expansions still enqueued (before the buffers they write are released)."""
+        if self.side is not None:
+            self.ops.synchronize(self.ops.record(self.side))
+
+    def _holding(self, group: ResidentGroup) -> _Slot | None:
+        return next((s for s in self.slots if s.holds is group), None)
+
+    def _free_slot(self) -> _Slot:
+        """The least recently used slot no running group holds (there is one: groups do not nest, so one runs at
+        a time, and there are at least two slots)."""
+        return min((s for s in self.slots if id(s) not in self.running), key=lambda s: s.used)
+
+    def _expand(self, group: ResidentGroup, slot: _Slot, stream: Any) -> None:
+        """Enqueue the expansion of ``group`` into ``slot`` on ``stream``, after the slot's last group has finished
+        with it and any expansion still writing it."""
+        slot.holds = group
+        self.decodes += 1
+        for event in (slot.free, slot.ready):
+            if event is not None:
+                self.ops.wait(stream, event)
+        self.ops.enqueue(stream, lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer),
+                         "expand")
+        slot.ready = self.ops.record(stream)
+
+
+class _Immediate:
+    """:class:`~szformat.loading.ops.DeviceOps` for the CPU: one stream, work run when enqueued, no side stream
+    (so nothing is expanded ahead)."""
+
+    def new_stream(self) -> None:
+        return None
+
+    def current_stream(self) -> None:
+        return None
+
+    def enqueue(self, stream: Any, work: Any, label: str) -> None:
+        work()
+
+    def record(self, stream: Any) -> None:
+        return None
+
+    def wait(self, stream: Any, event: Any) -> None:
+        pass
+
+    def synchronize(self, event: Any) -> None:
+        pass
+
+
+def install_resident(installation: Any) -> OffloadedModel:
+    """The resident route's installer (see the module docstring); ``installation.options`` may hold ``blocks``,
+    ``slots`` and ``min_tensor_bytes``."""
+    unknown = set(installation.options) - set(RESIDENT_OPTIONS)
+    if unknown:
+        raise ValueError(f"the resident route takes {', '.join(RESIDENT_OPTIONS)}; got {', '.join(sorted(unknown))}")
+    module, binding, device, checkpoint = (installation.module, installation.binding, installation.device,
+                                           installation.checkpoint)
+    codec = _codec_for(device, checkpoint.path)
+    options = dict(installation.options)
+    ops = options.pop("ops", None) or (CudaOps(device) if device.type == "cuda" else _Immediate())
+    plan = plan_resident(module, list(binding), checkpoint.entries, **options)
+    if not plan.groups:
+        raise DecodeRouteError("route='resident' found no compressed weights to keep resident (no BF16 tensor "
+                               "SplitZip-encoded, or none outside plain tensors); load the model plainly",
+                               path=checkpoint.path)
+    _refuse_what_does_not_fit(plan, checkpoint, device)
+    restore = snapshot_tensors(module, [name for tensor in binding for name in tensor.names])
+    decoder = CheckpointDecoder(checkpoint, device, "cpu" if device.type == "cpu" else installation.route.decoder)
+    handles: list[Any] = []
+    arena: _Arena | None = None
+    try:
+        for t in plan.plain:  # refused by name before anything runs, as the grouped tensors are in _upload
+            checkpoint.file(t.entry).payload(t.entry, verify=True)
+        values = decoder.load(t.entry for t in plan.plain)
+        for t in plan.plain:
+            assign_tensor(module, t.names, values.pop(t.entry))
+        for group in plan.groups:
+            _upload(group, checkpoint, codec, device)
+        arena = _Arena(module, plan, codec, device, ops)
+        for group in plan.groups:
+            for t in group.tensors:
+                assign_tensor(module, t.names, arena.hollow[t.entry])
+                module_tensor(module, t.names[0]).requires_grad_(False)
+            handles.append(group.module.register_forward_pre_hook(lambda m, args, g=group: arena.before(g)))
+            handles.append(group.module.register_forward_hook(lambda m, args, out, g=group: arena.after(g)))
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+    except BaseException:
+        if arena is not None:
+            arena.finish()
+        for handle in handles:
+            handle.remove()
+        decoder.close()
+        restore()
+        raise
+
+    def release() -> None:
+        for handle in handles:
+            handle.remove()
+        arena.finish()
+        decoder.close()
+        for group in plan.groups:
+            group.payloads = group.table = None
+        arena.slots.clear()
+
+    held = plan.device_bytes(checkpoint.entries)
+    return OffloadedModel(module, installation.route, checkpoint, setup_bytes=held["resident_stored_bytes"],
+                          counters=lambda: {**held, "h2d_bytes": 0, "decodes": arena.decodes}, release=release)
+
+
+def _codec_for(device: torch.device, path: Any) -> DeviceCodec:
+    if device.type == "cpu":
+        return HostCodec()
+    if device.type != "cuda":
+        raise DecodeRouteError(f"route='resident' has no decoder for device {str(device)!r}: it runs on CUDA "
+                               "(Triton) or on the CPU", path=path)
+    return triton_codec()
+
+
+def _refuse_what_does_not_fit(plan: ResidentPlan, checkpoint: Any, device: torch.device) -> None:
+    if device.type != "cuda":
+        return
+    need = sum(plan.device_bytes(checkpoint.entries)[k] for k in ("resident_stored_bytes", "arena_bytes",
+                                                                   "plain_bytes"))
+    free, _ = torch.cuda.mem_get_info(device)
+    if need > free:
+        raise DecodeRouteError(f"route='resident' needs {need / 1e9:.2f} GB of device memory for this model "
+                               f"(compressed weights, arena, plain tensors) and {free / 1e9:.2f} GB are free; "
+                               "route='staging' streams the weights from host memory instead", path=checkpoint.path)
+
+
+def _upload(group: ResidentGroup, checkpoint: Any, codec: DeviceCodec, device: torch.device) -> None:
+    """The group's stored bytes (CRC-checked) in one device buffer, and its batch table."""
+    entries, offsets, cursor = [], [], 0
+    for t in group.tensors:
+        offsets.append(cursor)
+        cursor += _padded(checkpoint.entries[t.entry].length)
+    host = torch.empty(max(cursor, PAYLOAD_ALIGNMENT), dtype=torch.uint8)
+    for t, offset in zip(group.tensors, offsets):
+        stored = checkpoint.file(t.entry).payload(t.entry, verify=True)
+        host[offset: offset + stored.numel()].copy_(stored)
+    for t, offset, out in zip(group.tensors, offsets, group.output_offsets):
+        entry = checkpoint.entries[t.entry]
+        entries.append((entry.layout, entry.codebook, offset, out))
+    group.payloads = host.to(device)
+    group.stored_bytes = cursor
+    group.table = codec.batch_tables([entries], device)[0]
+
+
+def _padded(nbytes: int) -> int:
+    return -(-nbytes // PAYLOAD_ALIGNMENT) * PAYLOAD_ALIGNMENT
+
+
+def _hollow(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """A stand-in of ``tensor``'s shape and dtype on ``device`` that holds one element (an expanded zero)."""
+    return torch.zeros((), dtype=tensor.dtype, device=device).expand(tensor.shape)
+

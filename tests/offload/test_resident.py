@@ -1,0 +1,149 @@
+"""The resident route on the CPU: weights kept compressed, expanded per block, outputs bit-identical to the plain
+model (forward, greedy ``generate`` with its KV cache); the plan, the memory figures, slot reuse and the ordering of
+expansions against the compute stream (streams that defer work until waited for), and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import szformat
+from szformat.errors import ChecksumMismatchError, DecodeRouteError
+from szformat.format.reader import SztFile
+from szformat.offload.resident import find_blocks
+
+from fakes import FakeOps
+from support import llama_config, reference, save_and_convert
+
+transformers = pytest.importorskip("transformers")
+LLAMA = dict(hidden_size=64, intermediate_size=256, num_hidden_layers=3, num_attention_heads=4,
+             num_key_value_heads=2, vocab_size=256)
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """A tiny Llama (GQA, untied head) in BF16 and its converted twin."""
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(**LLAMA))
+    folder = tmp_path_factory.mktemp("resident") / "llama"
+    return folder, save_and_convert(model, folder)
+
+
+def plain(folder):
+    return reference(transformers.AutoModelForCausalLM, folder).eval()
+
+
+def resident(converted, original, **options):
+    model = plain(original)  # its weights are replaced: the route holds its own
+    offloaded = szformat.load_into_offloader(converted, model, route="resident", device="cpu", min_tensor_bytes=0,
+                                             **options)
+    return model, offloaded
+
+
+IDS = torch.tensor([[1, 7, 42, 3, 99, 12, 5, 250]])
+
+
+def test_forward_and_greedy_generate_are_bit_identical_to_the_plain_model(llama):
+    expected_model = plain(llama[0])
+    model, offloaded = resident(llama[1], llama[0])
+    with offloaded, torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        got = model.generate(IDS, max_new_tokens=16, do_sample=False)
+        want = expected_model.generate(IDS, max_new_tokens=16, do_sample=False)
+        assert torch.equal(got, want) and got.shape[1] == IDS.shape[1] + 16
+
+
+def test_weights_are_hollow_between_forwards_and_held_compressed(llama):
+    model, offloaded = resident(llama[1], llama[0])
+    with offloaded, torch.no_grad():
+        model(IDS)
+        q = model.model.layers[0].self_attn.q_proj.weight
+        assert q.stride() == (0, 0) and q.shape == (64, 64)  # no bytes of its own outside its block's forward
+        held = offloaded.counters()
+        assert held["decodes"] >= 5  # embedding, 3 blocks, head
+        with SztFile(next(llama[1].glob("*.szt"))) as f:
+            stored = sum(f.entry(n).length for n in f.entries if f.entry(n).encoding == "splitzip")
+        assert stored <= held["resident_stored_bytes"] < stored + 16 * len(f.entries)
+        assert held["resident_stored_bytes"] + held["plain_bytes"] < 0.8 * held["raw_bytes"]
+        largest = max(4 * 64 * 256 * 2, 256 * 64 * 2 + 64)  # the largest group's raw bytes, give or take padding
+        assert held["arena_bytes"] <= 2 * (largest + 1024) * 1.1
+
+
+def test_the_blocks_are_the_repeated_layers():
+    model = transformers.LlamaForCausalLM(llama_config(**LLAMA))
+    assert find_blocks(model) == list(model.model.layers)
+    assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+
+
+@pytest.mark.parametrize("slots", [2, 3])
+def test_expansions_wait_for_their_slot_and_the_compute_stream_waits_for_them(llama, slots):
+    """Side-stream work runs only when something waits for it: a missing wait leaves a slot unexpanded or
+    overwritten under a running block, and the logits differ."""
+    expected_model = plain(llama[0])
+    ops = FakeOps(eager=(0,))  # the compute stream runs at once, the side stream only when waited for
+    model, offloaded = resident(llama[1], llama[0], ops=ops, slots=slots)
+    with offloaded, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+    labels = [step[0] for step in ops.log]
+    assert "expand" in labels and any(step[0] == "expand" and step[1] == 1 for step in ops.log)  # ahead, on the side
+
+
+def test_a_tied_head_stays_plain_and_the_model_still_matches(tmp_path):
+    torch.manual_seed(1)
+    model = transformers.LlamaForCausalLM(llama_config(**LLAMA, tie_word_embeddings=True))
+    converted = save_and_convert(model, tmp_path / "tied")
+    expected_model = plain(tmp_path / "tied")
+    got, offloaded = resident(converted, tmp_path / "tied")
+    with offloaded, torch.no_grad():
+        assert got.lm_head.weight is got.model.embed_tokens.weight and got.lm_head.weight.stride()[1] == 1
+        assert torch.equal(got(IDS).logits, expected_model(IDS).logits)
+
+
+def test_training_is_refused(llama):
+    model, offloaded = resident(llama[1], llama[0])
+    with offloaded:
+        model.train()
+        with pytest.raises(DecodeRouteError, match="inference only"):
+            model(IDS)
+
+
+def test_stored_bytes_that_fail_their_checksum_are_refused_before_any_forward(llama, tmp_path):
+    import shutil
+
+    broken = tmp_path / "broken"
+    shutil.copytree(llama[1], broken)
+    shard = next(broken.glob("*.szt"))
+    with SztFile(shard) as f:
+        name = next(n for n in f.entries if f.entry(n).encoding == "splitzip" and "layers.1" in n)
+        offset = f.entry(name).offset
+    data = bytearray(shard.read_bytes())
+    data[offset + 5] ^= 0x40
+    shard.write_bytes(bytes(data))
+    model = plain(llama[0])
+    with pytest.raises(ChecksumMismatchError, match=name.replace(".", r"\.")):
+        szformat.load_into_offloader(broken, model, route="resident", device="cpu", min_tensor_bytes=0)
+    assert not model._forward_pre_hooks and not model.model.layers[1]._forward_pre_hooks  # nothing left installed
+
+
+def test_bad_options_and_devices_are_refused(llama):
+    model = plain(llama[0])
+    with pytest.raises(ValueError, match="slots must be an integer of at least 2"):
+        szformat.load_into_offloader(llama[1], model, route="resident", device="cpu", slots=1)
+    with pytest.raises(ValueError, match="the resident route takes"):
+        szformat.load_into_offloader(llama[1], model, route="resident", device="cpu", budget=3)
+    with pytest.raises(ValueError, match="route='resident' on the CPU too"):
+        szformat.load_into_offloader(llama[1], model, route="staging", device="cpu")
+
+
+def test_one_line_loading_with_offload_resident_matches_the_plain_model(llama):
+    import szformat.transformers as szt
+
+    expected_model = plain(llama[0])
+    model = szt.from_pretrained(llama[1], device="cpu", offload="resident",
+                                offload_options={"min_tensor_bytes": 0})
+    with model.szformat_offload, torch.no_grad():
+        assert model.szformat_offload.route.name == "resident"
+        assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        assert torch.equal(model.generate(IDS, max_new_tokens=16, do_sample=False),
+                           expected_model.generate(IDS, max_new_tokens=16, do_sample=False))
