@@ -253,7 +253,7 @@ BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "cpu", "
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_module(*args: str, timeout: float = 300) -> "subprocess.CompletedProcess[str]":
+def _run_module(*args: str, timeout: float = 300):
     import subprocess
     import sys
 
