@@ -276,3 +276,19 @@ def test_a_pipeline_without_weights_or_a_component_config_is_refused(copy, no_de
                                                        if k not in ("unet", "vae", "text_encoder")}))
     with pytest.raises(ModelFolderError, match="no component holds .szt weights"):
         szd.from_pretrained(copy)
+
+
+@pytest.mark.parametrize("which", ["pipeline", "sd3"])
+def test_offload_resident_gives_the_same_image_on_the_cpu(which, request):
+    """The denoiser kept compressed and expanded block by block (the CPU decoder here): a 2-step image equal to the
+    plain pipeline's, bit for bit."""
+    original, converted = request.getfixturevalue(which)
+    options = SD3_OPTIONS if which == "sd3" else {}
+    expected = diffusers.DiffusionPipeline.from_pretrained(original, torch_dtype=torch.bfloat16, **options)
+    pipe = szd.from_pretrained(converted, device="cpu", offload="resident", torch_dtype=torch.bfloat16,
+                               offload_options={"min_tensor_bytes": 0}, **options)
+    denoiser = "transformer" if which == "sd3" else "unet"
+    handle = pipe.szformat_offload[denoiser]
+    with handle, torch.no_grad():
+        assert handle.route.name == "resident" and handle.counters()["resident_stored_bytes"] > 0
+        assert torch.equal(image(pipe), image(expected))
