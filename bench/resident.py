@@ -181,6 +181,53 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     return rows
 
 
+def profile(kind: str, args, device: torch.device) -> None:
+    """Where one resident forward's time goes: the hooks' host time, and the device kernels by total time."""
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    from szformat.offload import resident
+
+    folder, converted = prepare(kind, Path(args.work), args.tiny)
+    inputs = inputs_for(kind, args.tiny, device, args)
+    model, handle = load_resident(kind, converted, device, args.tiny)
+    host = {"before": 0.0, "after": 0.0, "calls": 0}
+
+    def timed(name):
+        real = getattr(resident._Arena, name)
+
+        def call(self, group):
+            start = time.perf_counter()
+            real(self, group)
+            host[name] += time.perf_counter() - start
+            host["calls"] += name == "before"
+        return call
+
+    originals = {name: getattr(resident._Arena, name) for name in ("before", "after")}
+    try:
+        for name in originals:
+            setattr(resident._Arena, name, timed(name))
+        with torch.no_grad():
+            for _ in range(2):
+                model(**inputs)
+            torch.cuda.synchronize() if device.type == "cuda" else None
+            host.update(before=0.0, after=0.0, calls=0)
+            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+            start = time.perf_counter()
+            with torch_profile(activities=activities) as prof:
+                model(**inputs)
+                torch.cuda.synchronize() if device.type == "cuda" else None
+            wall = time.perf_counter() - start
+    finally:
+        for name, real in originals.items():
+            setattr(resident._Arena, name, real)
+    print(f"{kind}: one resident forward {wall * 1e3:.1f} ms (profiled); hooks on the host: before "
+          f"{host['before'] * 1e3:.2f} ms, after {host['after'] * 1e3:.2f} ms over {host['calls']} groups")
+    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
+    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60))
+    handle.close()
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--work", default="/tmp/szresident")
@@ -190,9 +237,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU")
+    parser.add_argument("--profile", action="store_true", help="profile one resident forward of each model instead")
     args = parser.parse_args(argv)
     Path(args.work).mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
+    if args.profile:
+        for kind in args.models.split(","):
+            profile(kind, args, device)
+        return 0
     rows = []
     for kind in args.models.split(","):
         rows += measure(kind, args, device)

@@ -14,9 +14,9 @@ after the event recorded when its last group's forward finished. Groups run in m
 takes through most models); a group that runs out of that order is expanded on the compute stream when it is
 needed, into a slot no running group holds, so the outputs are the same either way, only slower.
 
-Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors smaller than ``min_group_bytes``'s
-share (norms, biases), tied tensors (one storage used by two modules) and weights of modules outside the blocks
-that are not leaves. On the CPU the same plan runs with the reference decoder and no streams.
+Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors under ``min_tensor_bytes`` (norms,
+biases), tied tensors (one storage used by two modules), weights of modules outside the blocks that are not leaves,
+and leaves outside the blocks under ``min_leaf_bytes``. On the CPU the same plan runs with the reference decoder and no streams.
 
 Memory: the stored bytes of the grouped weights, plus ``slots`` x the largest group's raw bytes, plus the plain
 tensors; :meth:`ResidentPlan.device_bytes` gives the figures before anything is allocated, and the returned
@@ -48,7 +48,11 @@ OUTPUT_ALIGNMENT = 64
 DEFAULT_SLOTS = 2
 DEFAULT_MIN_TENSOR_BYTES = 1 << 16
 """BF16 tensors smaller than this (norms, biases) stay plain: decoding them saves little and costs a table row."""
-RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "ops")
+DEFAULT_MIN_LEAF_BYTES = 32 << 20
+"""A leaf module outside the blocks becomes a group of its own only with at least this many raw bytes of
+compressed weights (an embedding, an output head); smaller ones (a DiT's input projections) stay plain: each group
+costs its expansion's host work on every forward, about 0.1 ms, which only a large tensor repays in memory."""
+RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "min_leaf_bytes", "ops")
 """Engine options: the blocks (default: found), arena slots, the size under which a tensor stays plain, and the
 :class:`~szformat.loading.ops.DeviceOps` work is ordered through (default: CUDA streams; on the CPU, none)."""
 
@@ -105,7 +109,8 @@ def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], entries: Any, *,
                   blocks: Sequence[torch.nn.Module] | None = None, slots: int = DEFAULT_SLOTS,
-                  min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES) -> ResidentPlan:
+                  min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+                  min_leaf_bytes: int = DEFAULT_MIN_LEAF_BYTES) -> ResidentPlan:
     """Group the bound tensors (see the module docstring); raises ValueError for a bad ``slots``/``blocks``."""
     if not isinstance(slots, int) or slots < 2:
         raise ValueError(f"slots must be an integer of at least 2 (one running, one expanding), got {slots!r}")
@@ -134,6 +139,11 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
         group.tensors.append(binding)
         group.output_offsets.append(group.raw_elements)
         group.raw_elements += -(-entry.layout.n // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT
+    blocks_ids = {id(b) for b in blocks}
+    for key, group in list(groups.items()):
+        if id(group.module) not in blocks_ids and 2 * group.raw_elements < min_leaf_bytes:
+            plain.extend(group.tensors)
+            del groups[key]
     order = {id(m): i for i, m in enumerate(module.modules())}
     ordered = sorted(groups.values(), key=lambda g: order[id(g.module)])
     raw = sum(entries[b.entry].raw_length for b in bindings)
@@ -169,6 +179,24 @@ class _Arena:
         self.decodes = 0
         self.order = {id(g): i for i, g in enumerate(plan.groups)}
         self.hollow = {t.entry: _hollow(t.tensor, device) for g in plan.groups for t in g.tensors}
+        self._parameters: dict[int, list[torch.Tensor]] = {}
+        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+
+    def bind_hollow(self) -> None:
+        """Point every grouped weight at its hollow stand-in, and note the parameter objects the hooks rebind
+        (from then on a forward costs one ``.data`` assignment per weight, nothing looked up by name)."""
+        for group in self.plan.groups:
+            for t in group.tensors:
+                assign_tensor(self.root, t.names, self.hollow[t.entry])
+            self._parameters[id(group)] = [module_tensor(self.root, t.names[0]) for t in group.tensors]
+
+    def _slot_views(self, group: ResidentGroup, slot: _Slot) -> list[torch.Tensor]:
+        key = (id(group), id(slot))
+        views = self._views.get(key)
+        if views is None:
+            views = self._views[key] = [slot.buffer[offset: offset + t.tensor.numel()].view(t.tensor.shape)
+                                        for t, offset in zip(group.tensors, group.output_offsets)]
+        return views
 
     def before(self, group: ResidentGroup) -> None:
         if torch.is_grad_enabled() and group.module.training:
@@ -184,16 +212,15 @@ class _Arena:
         self.running.add(id(slot))
         self.clock += 1
         slot.used = self.clock
-        for binding, offset in zip(group.tensors, group.output_offsets):
-            view = slot.buffer[offset: offset + binding.tensor.numel()].view(binding.tensor.shape)
-            assign_tensor(self.root, binding.names, view)
+        for parameter, view in zip(self._parameters[id(group)], self._slot_views(group, slot)):
+            parameter.data = view
         following = self.plan.groups[(self.order[id(group)] + 1) % len(self.plan.groups)]
         if self.side is not None and following is not group and self._holding(following) is None:
             self._expand(following, self._free_slot(), self.side)
 
     def after(self, group: ResidentGroup) -> None:
-        for binding in group.tensors:
-            assign_tensor(self.root, binding.names, self.hollow[binding.entry])
+        for parameter, binding in zip(self._parameters[id(group)], group.tensors):
+            parameter.data = self.hollow[binding.entry]
         slot = self._holding(group)
         if slot is not None:
             slot.free = self.ops.record(self.ops.current_stream())
@@ -278,9 +305,9 @@ def install_resident(installation: Any) -> OffloadedModel:
         for group in plan.groups:
             _upload(group, checkpoint, codec, device)
         arena = _Arena(module, plan, codec, device, ops)
+        arena.bind_hollow()
         for group in plan.groups:
             for t in group.tensors:
-                assign_tensor(module, t.names, arena.hollow[t.entry])
                 module_tensor(module, t.names[0]).requires_grad_(False)
             handles.append(group.module.register_forward_pre_hook(lambda m, args, g=group: arena.before(g)))
             handles.append(group.module.register_forward_hook(lambda m, args, out, g=group: arena.after(g)))

@@ -286,7 +286,7 @@ def test_offload_resident_gives_the_same_image_on_the_cpu(which, request):
     options = SD3_OPTIONS if which == "sd3" else {}
     expected = diffusers.DiffusionPipeline.from_pretrained(original, torch_dtype=torch.bfloat16, **options)
     pipe = szd.from_pretrained(converted, device="cpu", offload="resident", torch_dtype=torch.bfloat16,
-                               offload_options={"min_tensor_bytes": 0}, **options)
+                               offload_options={"min_tensor_bytes": 0, "min_leaf_bytes": 0}, **options)
     denoiser = "transformer" if which == "sd3" else "unet"
     handle = pipe.szformat_offload[denoiser]
     with handle, torch.no_grad():

@@ -229,5 +229,5 @@ def test_load_into_offloader_refuses_an_unavailable_route_after_binding(tmp_path
 
 
 def test_load_into_offloader_needs_a_cuda_execution_device(tmp_path):
-    with pytest.raises(ValueError, match="CUDA device; got device 'cpu'"):
+    with pytest.raises(ValueError, match=r"CUDA device \(route='resident' on the CPU too\); got device 'cpu'"):
         load_into_offloader(tmp_path / "absent.szt", Block(), device="cpu")

@@ -10,7 +10,7 @@ import torch
 import szformat
 from szformat.errors import ChecksumMismatchError, DecodeRouteError
 from szformat.format.reader import SztFile
-from szformat.offload.resident import find_blocks
+from szformat.offload.resident import find_blocks, plan_resident
 
 from fakes import FakeOps
 from support import llama_config, reference, save_and_convert
@@ -36,6 +36,7 @@ def plain(folder):
 def resident(converted, original, **options):
     model = plain(original)  # its weights are replaced: the route holds its own
     offloaded = szformat.load_into_offloader(converted, model, route="resident", device="cpu", min_tensor_bytes=0,
+                                             min_leaf_bytes=0,
                                              **options)
     return model, offloaded
 
@@ -69,10 +70,20 @@ def test_weights_are_hollow_between_forwards_and_held_compressed(llama):
         assert held["arena_bytes"] <= 2 * (largest + 1024) * 1.1
 
 
-def test_the_blocks_are_the_repeated_layers():
+def test_the_blocks_are_the_repeated_layers_and_small_leaves_outside_them_stay_plain(llama):
     model = transformers.LlamaForCausalLM(llama_config(**LLAMA))
     assert find_blocks(model) == list(model.model.layers)
     assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
+    from szformat.offload.binding import bind_module
+    from szformat.offload.shards import Checkpoint
+
+    with Checkpoint(llama[1]) as checkpoint:
+        bindings = list(bind_module(model, checkpoint.entries))
+        by_default = plan_resident(model, bindings, checkpoint.entries, min_tensor_bytes=0)
+        leaves_too = plan_resident(model, bindings, checkpoint.entries, min_tensor_bytes=0, min_leaf_bytes=0)
+    assert [g.module for g in by_default.groups] == list(model.model.layers)  # a 32 kB embedding stays plain
+    assert [g.module for g in leaves_too.groups] == [model.model.embed_tokens, *model.model.layers, model.lm_head]
+    assert {t.entry for t in by_default.plain} >= {"model.embed_tokens.weight", "lm_head.weight"}
 
 
 @pytest.mark.parametrize("slots", [2, 3])
@@ -141,7 +152,7 @@ def test_one_line_loading_with_offload_resident_matches_the_plain_model(llama):
 
     expected_model = plain(llama[0])
     model = szt.from_pretrained(llama[1], device="cpu", offload="resident",
-                                offload_options={"min_tensor_bytes": 0})
+                                offload_options={"min_tensor_bytes": 0, "min_leaf_bytes": 0})
     with model.szformat_offload, torch.no_grad():
         assert model.szformat_offload.route.name == "resident"
         assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
