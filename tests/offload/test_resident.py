@@ -71,7 +71,7 @@ def test_weights_are_hollow_between_forwards_and_held_compressed(llama):
 
 
 def test_the_blocks_are_the_repeated_layers_and_small_leaves_outside_them_stay_plain(llama):
-    model = transformers.LlamaForCausalLM(llama_config(**LLAMA))
+    model = transformers.LlamaForCausalLM(llama_config(**LLAMA)).to(torch.bfloat16)
     assert find_blocks(model) == list(model.model.layers)
     assert find_blocks(torch.nn.Sequential(torch.nn.Linear(2, 2))) == []
     from szformat.offload.binding import bind_module
