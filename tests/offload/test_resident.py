@@ -82,7 +82,8 @@ def test_the_blocks_are_the_repeated_layers_and_small_leaves_outside_them_stay_p
         by_default = plan_resident(model, bindings, checkpoint.entries, min_tensor_bytes=0)
         leaves_too = plan_resident(model, bindings, checkpoint.entries, min_tensor_bytes=0, min_leaf_bytes=0)
     assert [g.module for g in by_default.groups] == list(model.model.layers)  # a 32 kB embedding stays plain
-    assert [g.module for g in leaves_too.groups] == [model.model.embed_tokens, *model.model.layers, model.lm_head]
+    assert [g.module for g in leaves_too.groups] == [model.model.embed_tokens, *model.model.layers, model.model.norm,
+                                                    model.lm_head]
     assert {t.entry for t in by_default.plain} >= {"model.embed_tokens.weight", "lm_head.weight"}
 
 
