@@ -116,21 +116,29 @@ def split_command(argv: list[str], commands: dict[str, argparse.ArgumentParser])
     names one, and is taken out; otherwise it is a path and the command is ``convert``. ``None`` when there is no
     positional argument at all: the top-level parser answers (``--help``, ``--version``, usage).
     """
+    i = _first_positional(argv, commands)
+    if i is None:
+        return None, argv
+    if argv[i] == "--":  # everything after it is a path
+        return (DEFAULT_COMMAND, argv) if i + 1 < len(argv) else (None, argv)
+    if argv[i] in commands:
+        return argv[i], argv[:i] + argv[i + 1:]
+    return DEFAULT_COMMAND, argv
+
+
+def _first_positional(argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> int | None:
+    """Where the first argument that is neither an option nor an option's value stands (``--`` counts)."""
     takes_value = {option for parser in commands.values() for action in parser._actions if action.nargs != 0
                    for option in action.option_strings}
     skip_next = False
     for i, token in enumerate(argv):
         if skip_next:
             skip_next = False
-        elif token == "--":  # everything after it is a path
-            return (DEFAULT_COMMAND, argv) if i + 1 < len(argv) else (None, argv)
-        elif token.startswith("-") and token != "-":
+        elif token.startswith("-") and token not in ("-", "--"):
             skip_next = token in takes_value
-        elif token in commands:
-            return token, argv[:i] + argv[i + 1:]
         else:
-            return DEFAULT_COMMAND, argv
-    return None, argv
+            return i
+    return None
 
 
 def _mistyped_command(command: str | None, argv: list[str], commands: dict[str, argparse.ArgumentParser]) -> str | None:
@@ -138,8 +146,9 @@ def _mistyped_command(command: str | None, argv: list[str], commands: dict[str, 
     (``szconvert verfiy m.szt``), rather than reporting a missing file."""
     if command != DEFAULT_COMMAND:
         return None
-    first = next((token for token in argv if not token.startswith("-")), None)
-    if first is None or os.path.lexists(first):
+    i = _first_positional(argv, commands)
+    first = None if i is None else argv[i]
+    if first is None or first == "--" or os.path.lexists(first):
         return None
     close = difflib.get_close_matches(first, list(commands), n=1, cutoff=0.6)
     return f"{first!r} is neither a command nor a file; did you mean 'szconvert {close[0]}'?" if close else None

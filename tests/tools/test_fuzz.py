@@ -3,6 +3,7 @@ them for longer), and proof that each target notices a reader that breaks its co
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
@@ -62,6 +63,8 @@ def test_without_hypothesis_the_fuzzer_says_what_to_install_in_one_line(tmp_path
     blocker.write_text("raise ImportError('No module named hypothesis')\n")  # as if it were not installed
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, str(root / "tools" / "fuzz.py"), "--examples", "1"], cwd=tmp_path,
-                          capture_output=True, text=True, env={"PYTHONPATH": str(tmp_path), "PATH": "/usr/bin:/bin"})
+                          capture_output=True, text=True,
+                          env={"PYTHONPATH": os.pathsep.join([str(tmp_path), os.environ.get("PYTHONPATH", "")]),
+                               "PATH": "/usr/bin:/bin"})
     assert done.returncode == 1
     assert done.stderr == 'tools/fuzz.py needs hypothesis, one of the test extras: pip install -e ".[test]"\n'
