@@ -1,0 +1,145 @@
+"""vLLM's load time for ``--load-format szt`` against ``safetensors`` on the same checkpoint, in one run.
+
+    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2]
+
+A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``randn * 0.02``), saved with
+``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
+the order rotated each round, and reads from vLLM's own log the weight-loading phase ("Loading weights took") and the
+time from the engine's start to ready (one greedy request answered), plus the peak RSS of every process of the engine
+(``/proc``, sampled). Runs unchanged on a CUDA machine (vLLM picks its device). Medians are printed as a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import re
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+ENGINE = """
+import sys
+def main():
+    from vllm import LLM, SamplingParams
+    llm = LLM(model=sys.argv[1], load_format=sys.argv[2], skip_tokenizer_init=True, dtype="bfloat16",
+              tensor_parallel_size=int(sys.argv[3]), max_model_len=128, enforce_eager=True)
+    llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1))
+    print("READY", flush=True)
+if __name__ == "__main__":
+    main()
+"""
+LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
+
+
+def prepare(work: Path, size_mb: int) -> tuple[Path, Path]:
+    import torch
+    import transformers
+
+    from szformat.cli.main import main as szconvert
+
+    folder = work / f"llama-{size_mb}mb"
+    if not (folder.parent / (folder.name + "-szt")).exists():
+        hidden = 1024
+        layers = max(1, round((size_mb * 1e6 / 2 - 2 * 32000 * hidden) / (12 * hidden * hidden)))
+        config = transformers.LlamaConfig(vocab_size=32000, hidden_size=hidden, intermediate_size=4 * hidden,
+                                          num_hidden_layers=layers, num_attention_heads=16, num_key_value_heads=4,
+                                          max_position_embeddings=256, tie_word_embeddings=False)
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(config).to(torch.bfloat16)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.normal_(0, 0.02)
+        model.save_pretrained(folder)
+        del model
+        assert szconvert([str(folder), str(folder) + "-szt", "--quiet", "--overwrite"]) == 0
+    return folder, folder.parent / (folder.name + "-szt")
+
+
+def peak_rss(pid: int, stop: threading.Event, out: list[int]) -> None:
+    """The largest sum of VmRSS over ``pid`` and its descendants, sampled every 50 ms until ``stop``."""
+    peak = 0
+    while not stop.is_set():
+        total = 0
+        for proc in Path("/proc").iterdir():
+            if not proc.name.isdigit():
+                continue
+            try:
+                status = (proc / "status").read_text()
+                ppid = int(re.search(r"PPid:\s+(\d+)", status).group(1))
+                if int(proc.name) == pid or ppid == pid or _descends(int(proc.name), pid):
+                    total += int(re.search(r"VmRSS:\s+(\d+)", status).group(1)) * 1024
+            except (OSError, AttributeError, ValueError):
+                continue
+        peak = max(peak, total)
+        stop.wait(0.05)
+    out.append(peak)
+
+
+def _descends(pid: int, ancestor: int) -> bool:
+    for _ in range(8):
+        try:
+            pid = int(re.search(r"PPid:\s+(\d+)", Path(f"/proc/{pid}/status").read_text()).group(1))
+        except (OSError, AttributeError):
+            return False
+        if pid == ancestor:
+            return True
+        if pid <= 1:
+            return False
+    return False
+
+
+def start_engine(work: Path, model: Path, load_format: str, tp: int) -> dict[str, float]:
+    script = work / "engine.py"
+    script.write_text(ENGINE)
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    if tp == 2:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
+    started = time.perf_counter()
+    child = subprocess.Popen([sys.executable, str(script), str(model), load_format, str(tp)], stdout=subprocess.PIPE,
+                             stderr=subprocess.STDOUT, text=True, env=env)
+    stop, peaks = threading.Event(), []
+    sampler = threading.Thread(target=peak_rss, args=(child.pid, stop, peaks))
+    sampler.start()
+    output = child.communicate(timeout=900)[0]
+    ready = time.perf_counter() - started
+    stop.set()
+    sampler.join()
+    if child.returncode != 0 or "READY" not in output:
+        raise SystemExit(f"{load_format} tp={tp}: the engine failed:\n{output[-3000:]}")
+    loads = [float(x) for x in LOADING.findall(output)]
+    return {"ready_s": ready, "load_s": max(loads) if loads else float("nan"), "peak_rss": peaks[0]}
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--work", default="/tmp/szvllm")
+    parser.add_argument("--size-mb", type=int, default=600)
+    parser.add_argument("--tp", default="1,2")
+    parser.add_argument("--rounds", type=int, default=2)
+    args = parser.parse_args(argv)
+    work = Path(args.work)
+    work.mkdir(parents=True, exist_ok=True)
+    original, converted = prepare(work, args.size_mb)
+    runs = [(fmt, int(tp)) for tp in args.tp.split(",") for fmt in ("safetensors", "szt")]
+    samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
+    for r in range(args.rounds):
+        for fmt, tp in runs[r % len(runs):] + runs[: r % len(runs)]:
+            samples[(fmt, tp)].append(start_engine(work, converted if fmt == "szt" else original, fmt, tp))
+            print(f"round {r + 1}: {fmt} tp={tp}: {samples[(fmt, tp)][-1]}", flush=True)
+    print(f"\ncheckpoint: {original.name}, median of {args.rounds} rounds")
+    print(f"{'format':<12} {'tp':>3} {'load weights (s)':>17} {'start to ready (s)':>19} {'peak RSS (GB)':>14} "
+          f"{'load / safetensors':>19}")
+    for fmt, tp in runs:
+        med = {k: statistics.median(s[k] for s in samples[(fmt, tp)]) for k in ("load_s", "ready_s", "peak_rss")}
+        base = statistics.median(s["load_s"] for s in samples[("safetensors", tp)])
+        print(f"{fmt:<12} {tp:>3} {med['load_s']:>17.2f} {med['ready_s']:>19.1f} {med['peak_rss'] / 1e9:>14.2f} "
+              f"{med['load_s'] / base:>19.2f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

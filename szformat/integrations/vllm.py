@@ -1,0 +1,122 @@
+"""Serve .szt checkpoints with vLLM: ``--load-format szt`` (``LLM(model=..., load_format="szt")``).
+
+Registered through the ``vllm.general_plugins`` entry point (the ``szformat[vllm]`` extra installs it with
+szformat), which vLLM calls in every process it starts, so the engine, its workers and every tensor-parallel rank
+know the format with no import in user code. ``MODEL`` is a converted folder (shards and ``model.szt.index.json``, the
+configs and tokenizer beside them) or a Hub repo of one (``user/model-szt``; vLLM reads its config, szformat fetches
+its .szt files, index and configs, and no other weights).
+
+Each rank opens the files itself and streams their tensors, decoded where they go (CUDA: through the GPU load
+pipeline, stored bytes over PCIe and expanded on the device, ``BATCH_BYTES`` of raw tensors at a time; CPU: the CPU
+decoder, one tensor at a time), into the model's own ``load_weights``: vLLM's name mapping, stacked ``qkv``/``gate_up``
+projections, tensor-parallel narrowing and expert loaders stay vLLM's. Bad input fails the start-up with szformat's
+one-line error naming the file and the tensor.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from ..errors import ModelFolderError
+from ..format import constants as C
+
+__all__ = ["LOAD_FORMAT", "BATCH_BYTES", "register", "szt_weights"]
+
+LOAD_FORMAT = "szt"
+BATCH_BYTES = 512 << 20
+"""Raw bytes of tensors decoded together on a CUDA rank before they are handed to ``load_weights`` (one batched
+load through the staging ring); the device holds at most this much beside the model while it loads."""
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``load_format="szt"`` known to this process's vLLM."""
+    from vllm.model_executor.model_loader import register_model_loader
+
+    register_model_loader(LOAD_FORMAT)(_loader_class())
+
+
+def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool = True,
+                batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path`` as ``(name, tensor)``, decoded on ``device``, shard by shard: on
+    the CPU one tensor at a time, on CUDA in batches of ``batch_bytes`` raw bytes (checksums checked as
+    ``load_file`` checks them)."""
+    from ..format.index import checkpoint_shards, open_shard
+    from ..loading.device_loader import DeviceLoader
+    from ..loading.host_decode import decode_entries
+
+    loader = DeviceLoader(device, verify=verify) if device.type == "cuda" else None
+    try:
+        for shard in checkpoint_shards(path):
+            with open_shard(shard) as file:
+                names = list(file.entries) if shard.names is None else shard.names
+                for batch in _batches(file, names, batch_bytes if loader is not None else 0):
+                    if loader is not None:
+                        yield from loader.load(file, batch).items()
+                        continue
+                    entries = [file.entry(name) for name in batch]
+                    tensors = decode_entries(file, entries, check_stored=[verify] * len(entries),
+                                             check_decoded=verify)
+                    yield from zip(batch, tensors)
+                if loader is not None:
+                    loader.release(file)
+    finally:
+        if loader is not None:
+            loader.close()
+
+
+def _batches(file, names: list[str], budget: int) -> Iterator[list[str]]:
+    """``names`` in runs of at most ``budget`` raw bytes (one name per run for a budget of 0)."""
+    batch, size = [], 0
+    for name in names:
+        raw = file.entry(name).raw_length
+        if batch and size + raw > budget:
+            yield batch
+            batch, size = [], 0
+        batch.append(name)
+        size += raw
+    if batch:
+        yield batch
+
+
+def local_checkpoint(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:
+    """The local folder of ``model``: itself, or its .szt files fetched from the Hub (only those, the index and
+    the configs and tokenizer files)."""
+    folder = Path(model)
+    if folder.is_dir():
+        if not any(folder.glob("*" + C.FILE_SUFFIX)):
+            hint = (f" it holds safetensors weights: convert it with `szconvert {model} {model}-szt` and serve "
+                    "that folder") if any(folder.glob("*.safetensors")) else ""
+            raise ModelFolderError(f"--load-format szt needs .szt weights and this folder has none;{hint}",
+                                   path=folder)
+        return folder
+    from ..hub import download_model_repo
+
+    reference = model if model.startswith("hf://") else f"hf://{model}"
+    return download_model_repo(reference, revision=revision, cache_dir=download_dir)
+
+
+def _loader_class():
+    """The loader class, defined once vLLM is importable (vLLM is imported only by the plugin's processes)."""
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+
+    class SztModelLoader(BaseModelLoader):
+        """vLLM model loader for .szt checkpoints (``load_format="szt"``)."""
+
+        def download_model(self, model_config) -> None:
+            local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
+
+        def load_weights(self, model: torch.nn.Module, model_config) -> None:
+            folder = local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
+            device = next((p.device for p in model.parameters()), torch.device("cpu"))
+            loaded = model.load_weights(szt_weights(folder, device))
+            if loaded is not None:
+                missing = {name for name, _ in model.named_parameters()} - set(loaded)
+                if missing:
+                    raise ModelFolderError(f"the checkpoint does not fill {len(missing)} parameter(s) of "
+                                           f"{type(model).__name__}: {', '.join(sorted(missing)[:5])}", path=folder)
+
+    return SztModelLoader
