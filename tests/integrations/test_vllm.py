@@ -1,7 +1,7 @@
 """vLLM serving .szt checkpoints (``load_format="szt"``), with the real engine on the CPU: greedy tokens and their
 logprobs identical to ``load_format="safetensors"`` of the originals, for a GQA Llama in shards (both file forms,
 tensor parallel 1 and 2), a Qwen2 with tied embeddings and a Qwen2-MoE; bad input fails the start-up with szformat's
-one-line message. Each engine runs in a child process (vLLM spawns its own), about a minute each on two cores."""
+one-line message in the engine's log. Each engine runs in a child process (vLLM spawns its own), about a minute each on two cores."""
 
 from __future__ import annotations
 
@@ -101,7 +101,7 @@ def test_a_safetensors_folder_is_refused_naming_szconvert(llama, tmp_path):
     done = engine(tmp_path, llama[0], "szt")
     assert done.returncode != 0
     assert "--load-format szt needs .szt weights and this folder has none; it holds safetensors weights: convert " \
-           f"it with `szconvert {llama[0]} {llama[0]}-szt`" in done.stderr
+           f"it with `szconvert {llama[0]} {llama[0]}-szt`" in done.stdout + done.stderr  # the engine's log
 
 
 def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tmp_path):
@@ -120,4 +120,4 @@ def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tm
     shard.write_bytes(bytes(data))
     done = engine(tmp_path, broken, "szt")
     assert done.returncode != 0 and "RESULT" not in done.stdout
-    assert f"file '{shard}', tensor '{name}': CRC-32 of the stored bytes" in done.stderr
+    assert f"file '{shard}', tensor '{name}': CRC-32 of the stored bytes" in done.stdout + done.stderr
