@@ -12,6 +12,7 @@ from types import ModuleType
 
 import torch
 
+from .._install import install_hint
 from ..codec import cpu
 from ..codec.gate import CodecBackend
 from ..errors import DecodeRouteError
@@ -40,7 +41,7 @@ def codec_for(device: str | torch.device) -> tuple[CodecBackend | ModuleType, to
         raise DecodeRouteError(f"converting on {device} needs a CUDA GPU, and torch {torch.__version__} "
                                f"({build}) sees none; convert on the CPU instead (same bytes)")
     if importlib.util.find_spec("triton") is None:
-        raise DecodeRouteError(f"converting on {device} needs Triton: pip install 'szformat[gpu]'")
+        raise DecodeRouteError(f"converting on {device} needs Triton: {install_hint('gpu')}")
     for name in GPU_CODEC_MODULES:
         try:
             return importlib.import_module(name), device

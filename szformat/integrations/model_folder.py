@@ -23,7 +23,13 @@ from typing import Any, Protocol
 
 import torch
 
-from ..errors import CheckpointMismatchError, MissingDependencyError, ModelFolderError, listing
+from .._install import install_hint
+from ..errors import (
+    CheckpointMismatchError,
+    MissingDependencyError,
+    ModelFolderError,
+    listing,
+)
 from ..format import constants as C
 from ..format.index import INDEX_TAIL
 from ..paths import refuse_hub_options
@@ -38,7 +44,7 @@ def require(package: str, extra: str) -> ModuleType:
     try:
         return importlib.import_module(package)
     except ImportError as e:
-        raise MissingDependencyError(f"{package} is not installed ({e}); pip install 'szformat[{extra}]'") from None
+        raise MissingDependencyError(f"{package} is not installed ({e}); {install_hint(extra)}") from None
 
 
 def resolve_model_folder(path_or_repo: str | os.PathLike, *, revision: str | None = None,

@@ -12,6 +12,7 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
+from .._install import install_hint
 from ..codec import cpu as cpu_codec
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
@@ -144,6 +145,6 @@ def triton_codec() -> TritonCodec:
         kernels.decode_in_place  # noqa: B018 - the first use imports Triton
     except (ImportError, DecodeRouteError) as e:
         raise DecodeRouteError(
-            f"decoding on the device needs Triton ({e}); install it with pip install 'szformat[gpu]', or pass "
+            f"decoding on the device needs Triton ({e}); install it with {install_hint('gpu')}, or pass "
             "route='cpu' to decode on the CPU and copy the tensors") from None
     return TritonCodec(kernels)

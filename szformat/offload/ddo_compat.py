@@ -22,10 +22,18 @@ import diffusers_dynamic_offloader as ddo
 from ddo_vmm_allocator import model_arena_adapter
 from diffusers_dynamic_offloader import vmm_weight_store
 
+from .._install import install_hint
 from ..errors import DecodeRouteError
 from ..format.header import TensorEntry
-from .routes import (DDO_ALLOCATOR_DISTRIBUTION, DDO_DISTRIBUTION, DDO_LIBRARY_ENV, NATIVE, SUPPORTED_DDO_VERSIONS,
-                     OffloadEnvironment, parse_version)
+from .routes import (
+    DDO_ALLOCATOR_DISTRIBUTION,
+    DDO_DISTRIBUTION,
+    DDO_LIBRARY_ENV,
+    NATIVE,
+    SUPPORTED_DDO_VERSIONS,
+    OffloadEnvironment,
+    parse_version,
+)
 
 __all__ = ["REFUSED_OPTIONS", "SEAMS", "SztFileSlice", "check_ddo", "check_members", "ddo_config", "native_library",
            "substituted"]
@@ -88,7 +96,7 @@ def check_ddo(env: OffloadEnvironment) -> None:
         version = env.versions.get(distribution) or _installed(distribution)
         if version is None or parse_version(version) not in {parse_version(v) for v in SUPPORTED_DDO_VERSIONS}:
             raise DecodeRouteError(f"{distribution} {version} is not supported (szformat supports {supported}; "
-                                   "pip install 'szformat[ddo]')")
+                                   f"{install_hint('ddo')})")
     for cls, members in SEAMS.items():
         missing = [m for m in members if not hasattr(cls, m)]
         if missing:

@@ -33,6 +33,7 @@ from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from .._install import install_hint
 from ..errors import DecodeRouteError
 
 __all__ = [
@@ -68,7 +69,7 @@ DDO_LIBRARY_ENV = "DDO_VMM_LIBRARY_PATH"
 _PACKAGED_LIBRARY = {"linux": "native/linux/libddo_vmm.so", "win32": "native/win32/ddo_vmm.dll"}
 _BOOTSTRAP_HINT = ("call `from ddo_vmm_bootstrap import ensure_vmm_fast_process; ensure_vmm_fast_process()` "
                    "as the script's first statement")
-_INSTALL_HINT = "pip install 'szformat[ddo]'"
+_INSTALL_HINT = install_hint("ddo")
 
 
 @dataclass(frozen=True)

@@ -57,7 +57,9 @@ def test_without_triton_the_staging_pool_decodes_on_the_cpu_and_native_is_skippe
 
 @pytest.mark.parametrize("changes, why", [
     ({"versions": {DDO_DISTRIBUTION: None}}, "diffusers-dynamic-offloader is not installed (pip install "
-                                             "'szformat[ddo]')"),
+                                             "'diffusers-dynamic-offloader[vmm]==0.1.0rc2' "
+                                             "'ddo-vmm-allocator==0.1.0rc2' (szformat's ddo extra: pip install -e "
+                                             "\".[ddo]\" from its source tree))"),
     ({"versions": {DDO_DISTRIBUTION: "0.1.0"}}, "diffusers-dynamic-offloader 0.1.0 is not supported (szformat "
                                                 "supports 0.1.0rc2"),
     ({"versions": {DDO_ALLOCATOR_DISTRIBUTION: "0.1.0rc3"}}, "ddo-vmm-allocator 0.1.0rc3 is not supported"),

@@ -11,6 +11,7 @@ from typing import Iterator
 
 import torch
 
+from ..._install import install_hint
 from ...errors import DecodeRouteError
 from ..codebook import Codebook
 from . import interpreting
@@ -19,7 +20,7 @@ try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only where Triton is absent
-    raise DecodeRouteError("the GPU codec needs Triton: pip install 'szformat[gpu]'") from exc
+    raise DecodeRouteError(f"the GPU codec needs Triton: {install_hint('gpu')}") from exc
 
 __all__ = ["triton", "tl", "interpreting", "check_device", "check_aligned", "on_stream", "codebook_words",
            "program_slots"]

@@ -1,0 +1,56 @@
+"""The package as a user gets it without a checkout: ``python -m build --wheel`` makes a wheel that installs into a
+fresh virtual environment and runs ``szconvert --version`` there; the wheel holds every subpackage and none of the
+checkout's benchmarks, tools or tests; an install hint names packages that exist."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+import venv
+import zipfile
+from pathlib import Path
+
+import pytest
+
+import szformat
+from szformat._install import install_hint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def wheel(tmp_path_factory) -> Path:
+    pytest.importorskip("build")
+    out = tmp_path_factory.mktemp("dist")
+    done = subprocess.run([sys.executable, "-m", "build", "--wheel", "--outdir", str(out), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (found,) = out.glob("szformat-*.whl")
+    return found
+
+
+def test_the_wheel_holds_the_package_and_nothing_of_the_checkout(wheel):
+    names = zipfile.ZipFile(wheel).namelist()
+    for module in ("szformat/api.py", "szformat/integrations/vllm.py", "szformat/offload/resident.py",
+                   "szformat/loading/transfer.py", "szformat/codec/gpu/_decode.py", "szformat/format/payloads.py"):
+        assert module in names, module
+    assert not [n for n in names if n.startswith(("bench/", "tools/", "tests/"))]
+    entry_points = next(n for n in names if n.endswith("entry_points.txt"))
+    text = zipfile.ZipFile(wheel).read(entry_points).decode()
+    assert "szconvert = szformat.cli.main:main" in text and "szt = szformat.integrations.vllm:register" in text
+
+
+def test_the_wheel_installs_into_a_fresh_environment_and_runs(wheel, tmp_path):
+    env = tmp_path / "venv"
+    venv.EnvBuilder(with_pip=True).create(env)
+    pip = [str(env / "bin" / "python"), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)]
+    done = subprocess.run(pip, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    version = subprocess.run([str(env / "bin" / "szconvert"), "--version"], capture_output=True, text=True,
+                             timeout=60)
+    assert version.returncode == 0 and version.stdout.strip().endswith(szformat.__version__), version
+
+
+def test_install_hints_name_the_packages_of_the_extra():
+    assert install_hint("gpu").startswith("pip install 'triton>=3.2' (szformat's gpu extra: pip install -e")
+    assert install_hint("no-such-extra") == "pip install -e \".[no-such-extra]\" in szformat's source tree"
