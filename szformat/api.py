@@ -12,7 +12,7 @@ from pathlib import Path
 
 import torch
 
-from .errors import ConversionError, FormatError
+from .errors import ConversionError, FormatError, InvalidArgumentError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile
@@ -59,7 +59,7 @@ class safe_open:
                  repo_id: str | None = None, revision: str | None = None, token: str | bool | None = None,
                  local_files_only: bool = False, cache_dir: str | os.PathLike | None = None):
         if framework not in ("pt", "torch", "pytorch"):
-            raise ValueError(f"framework {framework!r} is not supported; use 'pt'")
+            raise InvalidArgumentError(f"framework {framework!r} is not supported; use 'pt'")
         filename = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
                                 local_files_only=local_files_only, cache_dir=cache_dir)
         if Path(filename).name.endswith(C.INDEX_SUFFIX):
@@ -200,6 +200,9 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
         if t.dtype not in C.TORCH_TO_DTYPE:
             raise ConversionError(f"dtype {t.dtype} cannot be stored in .szt (nor in safetensors)", path=filename,
                                   tensor=name)
+        if t.device.type == "meta":
+            raise ConversionError("tensor is on the meta device and holds no values; load or initialize it first",
+                                  path=filename, tensor=name)
         if t.layout is not torch.strided:
             raise ConversionError(f"tensor is {t.layout}; convert it with .to_dense() first", path=filename,
                                   tensor=name)

@@ -29,6 +29,10 @@ __all__ = [
     "OutputExistsError",
     "DecodeRouteError",
     "BindingError",
+    "InvalidArgumentError",
+    "CheckpointNotFoundError",
+    "TensorNotFoundError",
+    "ClosedFileError",
     "CLIError",
     "HubReferenceError",
     "HubCheckpointNotFoundError",
@@ -98,6 +102,36 @@ def first_line(error: BaseException) -> str:
     """An error's message cut to its first line (its type's name when it has none), for one-line messages."""
     message = str(error).strip()
     return message.splitlines()[0] if message else type(error).__name__
+
+
+# ARGUMENTS AND FILES
+
+class InvalidArgumentError(SzformatError, ValueError):
+    """Raised when an argument is not one szformat takes: a framework other than ``"pt"``, an unknown offload
+    route, a device a route cannot compute on."""
+
+
+class CheckpointNotFoundError(SzformatError, FileNotFoundError):
+    """Raised when a local path names no file or folder; ``errno``, ``strerror`` and ``filename`` are set as the
+    ``FileNotFoundError`` a caller catches today has them."""
+
+    def __init__(self, message: str, *, path: str | os.PathLike | None = None, tensor: str | None = None):
+        super().__init__(message, path=path, tensor=tensor)
+        self.errno, self.strerror, self.filename = errno.ENOENT, os.strerror(errno.ENOENT), self.path
+
+    def __str__(self) -> str:  # OSError would format errno, strerror and filename instead
+        return self.args[0] if self.args else ""
+
+
+class TensorNotFoundError(SzformatError, KeyError):
+    """Raised when a file holds no tensor of the name asked for."""
+
+    def __str__(self) -> str:  # KeyError would repr() the message
+        return self.args[0] if self.args else ""
+
+
+class ClosedFileError(SzformatError, ValueError):
+    """Raised when an open file is used after ``close()`` (as Python's own files raise ``ValueError``)."""
 
 
 # FILE FORMAT ERRORS

@@ -1,13 +1,21 @@
-"""Fixtures shared by the tests of one-line loading (transformers, diffusers, their conversions)."""
+"""Fixtures shared by the tests: the loopback Hub, decoding refused or moved to the CPU for one-line loading.
+
+Without CUDA the Triton kernels run under the interpreter: ``TRITON_INTERPRET=1`` must be set before any test
+module imports them, whatever order the modules are collected in, so it is set here, first.
+"""
 
 from __future__ import annotations
 
 import contextlib
 import importlib.util
+import os
 import threading
 
 import pytest
 import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 import szformat
 from szformat.integrations.model_folder import Prefetch

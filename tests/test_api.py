@@ -186,8 +186,9 @@ def test_keys_are_in_file_order_and_entries_describe_the_tensors(model_file):
         for name, t in MODEL.items():
             e = f.entry(name)
             assert e.shape == tuple(t.shape) and e.dtype == C.TORCH_TO_DTYPE[t.dtype]
-        with pytest.raises(KeyError, match="'missing' is not in"):
+        with pytest.raises(KeyError, match="tensor 'missing': no such tensor in this file") as info:
             f.get_tensor("missing")
+        assert isinstance(info.value, SzformatError) and info.value.tensor == "missing"
 
 
 def test_framework_other_than_pytorch_is_refused(model_file):
@@ -434,3 +435,23 @@ def test_a_file_truncated_while_it_is_read_is_an_error_not_a_signal(tmp_path, ho
     run = subprocess.run([sys.executable, "-c", TRUNCATE_WHILE_READING, str(path), how], env=env,
                          capture_output=True, text=True, timeout=300)
     assert (run.returncode, run.stdout) == (0, "TruncatedFileError weight\n"), run.stderr  # SIGBUS: -7
+
+
+def test_common_mistakes_raise_the_package_errors_callers_already_catch(tmp_path):
+    """Each also subclasses the builtin a caller would catch (FileNotFoundError, ValueError, KeyError)."""
+    from szformat.errors import CheckpointNotFoundError, ClosedFileError, InvalidArgumentError
+
+    with pytest.raises(CheckpointNotFoundError, match="absent.szt': no such file") as missing:
+        load_file(tmp_path / "absent.szt")
+    assert isinstance(missing.value, FileNotFoundError)
+    save_file({"w": torch.zeros(4, dtype=torch.bfloat16)}, tmp_path / "w.szt")
+    with pytest.raises(InvalidArgumentError, match="framework 'np' is not supported; use 'pt'"):
+        safe_open(tmp_path / "w.szt", framework="np")
+    f = safe_open(tmp_path / "w.szt", framework="pt")
+    f.close()
+    with pytest.raises(ClosedFileError, match="the file is closed") as closed:
+        f.get_tensor("w")
+    assert isinstance(closed.value, ValueError)
+    with pytest.raises(ConversionError, match="tensor 'w': tensor is on the meta device and holds no values"):
+        save_file({"w": torch.empty(3, device="meta")}, tmp_path / "meta.szt")
+    assert not (tmp_path / "meta.szt").exists()

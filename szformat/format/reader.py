@@ -32,8 +32,9 @@ from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
 from ..codec.cpu import escape_positions
 from ..codec.layout import PayloadLayout
-from ..errors import (ChecksumMismatchError, DecodeRouteError, FormatError, HeaderError, HeaderTooLargeError,
-                      InvalidOffsetError, PayloadError, TruncatedFileError, UnsupportedVersionError)
+from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, ClosedFileError, DecodeRouteError, FormatError,
+                      HeaderError, HeaderTooLargeError, InvalidOffsetError, PayloadError, TensorNotFoundError,
+                      TruncatedFileError, UnsupportedVersionError)
 from . import at_rest
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
@@ -76,7 +77,10 @@ class SztFile:
         self.path = Path(path)
         self._mmap: mmap.mmap | None = None
         # O_NONBLOCK: opening a FIFO must not wait for a writer; it is refused below as not a regular file.
-        fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        try:
+            fd = os.open(self.path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_BINARY", 0))
+        except FileNotFoundError:
+            raise CheckpointNotFoundError("no such file", path=path) from None
         try:
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
@@ -187,7 +191,7 @@ class SztFile:
         try:
             return self.entries[name]
         except KeyError:
-            raise KeyError(f"tensor {name!r} is not in {self.path}") from None
+            raise TensorNotFoundError("no such tensor in this file", path=self.path, tensor=name) from None
 
     def descriptor(self, name: str) -> PayloadDescriptor:
         """Where the stored bytes of tensor ``name`` are and how to expand them.
@@ -255,7 +259,7 @@ class SztFile:
 
     def _read_into(self, offset: int, out: memoryview, *, tensor: str) -> None:
         if self._mmap is None:
-            raise ValueError(f"{self.path} is closed")
+            raise ClosedFileError("the file is closed", path=self.path)
         if not hasattr(os, "preadv"):  # Windows, where a file cannot be truncated while it is mapped
             if len(out):
                 torch.frombuffer(out, dtype=torch.uint8).copy_(self._slice(offset, len(out), tensor=tensor))
@@ -300,7 +304,7 @@ class SztFile:
         alone does not, and reading such a tensor after ``close()`` would crash the process.
         """
         if self._mmap is None:
-            raise ValueError(f"{self.path} is closed")
+            raise ClosedFileError("the file is closed", path=self.path)
         return self._mmap
 
     def _slice(self, offset: int, length: int, *, tensor: str | None = None) -> torch.Tensor:

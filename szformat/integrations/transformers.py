@@ -184,6 +184,12 @@ def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
 
 def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: dict[str, Any], folder: Path):
     """The model class built from ``config`` with parameters on ``meta``, in ``dtype``."""
+    if isinstance(auto_class, str):  # by name, as "AutoModelForMaskedLM"
+        found = getattr(transformers, auto_class, None)
+        if found is None:
+            raise UnknownArchitectureError(f"transformers {transformers.__version__} has no class {auto_class!r}",
+                                           path=folder)
+        auto_class = found
     model_class = auto_class if auto_class is not None else _config_class(transformers, config, folder)
     _set_config_dtype(config, dtype)
     build = model_class._from_config if hasattr(model_class, "_from_config") else model_class.from_config

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from ..errors import DecodeRouteError
+from ..errors import DecodeRouteError, InvalidArgumentError
 from ..paths import resolve_path
 from .binding import ModuleBinding, bind_module
 from .shards import Checkpoint
@@ -108,7 +108,7 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
     """
     device = torch.device(device)
     if device.type != "cuda" and not (route == RESIDENT and device.type == "cpu"):
-        raise ValueError(f"offloading computes on a CUDA device (route='resident' on the CPU too); got device "
+        raise InvalidArgumentError(f"offloading computes on a CUDA device (route='resident' on the CPU too); got device "
                          f"{str(device)!r}")
     path = resolve_path(path, repo_id=repo_id, revision=revision, token=token, local_files_only=local_files_only,
                         cache_dir=cache_dir)

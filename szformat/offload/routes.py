@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._install import install_hint
-from ..errors import DecodeRouteError
+from ..errors import DecodeRouteError, InvalidArgumentError
 
 __all__ = [
     "ROUTES", "RESIDENT", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV", "DISTRIBUTIONS",
@@ -127,7 +127,7 @@ def select_route(requested: str = "auto", environment: OffloadEnvironment | None
             and which routes can.
     """
     if requested not in REQUESTS:
-        raise ValueError(f"unknown offload route {requested!r}; choose one of {', '.join(REQUESTS)}")
+        raise InvalidArgumentError(f"unknown offload route {requested!r}; choose one of {', '.join(REQUESTS)}")
     env = environment if environment is not None else detect_environment()
     if requested == RESIDENT:
         return Route(RESIDENT, "triton" if env.triton_available else "cpu",

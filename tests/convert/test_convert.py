@@ -665,7 +665,8 @@ def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkey
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
                         real_find_spec(name, *a))
-    with pytest.raises(DecodeRouteError, match=r"needs Triton: pip install 'szformat\[gpu\]'"):
+    with pytest.raises(DecodeRouteError,
+                       match=r"needs Triton: pip install 'triton>=3.2' \(szformat's gpu extra: pip install -e \".\[gpu\]\""):
         codec_for("cuda")
 
 

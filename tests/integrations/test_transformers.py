@@ -232,7 +232,8 @@ def test_shapes_that_do_not_fit_are_all_listed_before_anything_is_decoded(llama,
 
 def test_missing_dependency_names_the_extra(monkeypatch, llama):
     monkeypatch.setitem(sys.modules, "accelerate", None)  # what an import of an absent package finds
-    with pytest.raises(SzformatError, match=r"accelerate is not installed.*pip install 'szformat\[transformers\]'"):
+    with pytest.raises(SzformatError, match=r"accelerate is not installed.*pip install 'transformers>=4.40' "
+                                            r"'accelerate>=1.0' \(szformat's transformers extra"):
         szt.from_pretrained(llama[1])
 
 

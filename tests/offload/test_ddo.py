@@ -188,7 +188,8 @@ def test_placeholders_are_distinct_zero_views_and_tied_names_share_one(setup):
 def test_an_unsupported_ddo_version_is_refused_with_the_supported_one():
     env = OffloadEnvironment(versions={DDO: "0.2.0", "ddo-vmm-allocator": "0.1.0rc2"})
     with pytest.raises(DecodeRouteError, match=r"diffusers-dynamic-offloader 0\.2\.0 is not supported \(szformat "
-                                               r"supports 0\.1\.0rc2; pip install 'szformat\[ddo\]'\)"):
+                                               r"supports 0\.1\.0rc2; pip install "
+                                               r"'diffusers-dynamic-offloader\[vmm\]==0\.1\.0rc2'"):
         check_ddo(env)
 
 
