@@ -106,4 +106,5 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
                           write_file=write_file, overwrite=overwrite, progress=progress, description="converting")
     report.cast_from = dict(sorted(cast_counts.items()))
     report.cast = cast
+    report.at_rest = at_rest is not None
     return report

@@ -756,3 +756,19 @@ def test_safetensors_fnuz_fp8_tensors_pass_through_raw_bit_for_bit(tmp_path, dty
         assert f.entry("fp8").encoding == "raw" and f.entry("fp8").dtype == dtype.replace("float8_", "F8_").upper()
         back = f.get_tensor("fp8")
     assert back.dtype == torch_dtype and torch.equal(back.view(torch.uint8), fp8.view(torch.uint8))
+
+
+def test_the_report_says_what_the_at_rest_form_gives_when_page_padding_costs(tmp_path):
+    g = torch.Generator().manual_seed(3)
+    save_safetensors({f"w{i}": (torch.randn(300, generator=g) * 0.02).to(torch.bfloat16) for i in range(200)},
+                     tmp_path / "small.safetensors")
+    save_safetensors({"w": (torch.randn(1024, 1024, generator=g) * 0.02).to(torch.bfloat16)},
+                     tmp_path / "big.safetensors")
+    small = convert(tmp_path / "small.safetensors", tmp_path / "small.szt").summary()
+    hint = [line for line in small if line.startswith("  hint ")]
+    assert len(hint) == 1 and "of the source's size is page padding" in hint[0]
+    assert any("--at-rest zstd packs payloads under 1 MiB at 16 bytes" in line for line in small)
+    assert not [line for line in convert(tmp_path / "big.safetensors", tmp_path / "big.szt").summary()
+                if line.startswith("  hint ")]
+    at_rest = convert(tmp_path / "small.safetensors", tmp_path / "rest.szt", at_rest=3).summary()
+    assert not [line for line in at_rest if line.startswith("  hint ")]
