@@ -133,7 +133,9 @@ class safe_open:
 
         With ``verify`` the stored bytes' CRC-32 is checked before the first slice (the whole payload is read once),
         but the decoded bytes' CRC-32 cannot be: it covers the whole tensor. A payload edited with its stored CRC-32
-        recomputed then gives the values it decodes to, where :meth:`get_tensor` refuses it.
+        recomputed, or a codebook edited with the header's CRC-32 recomputed (no checksum but the decoded bytes'
+        covers the codebook), then gives the values it decodes to, where :meth:`get_tensor` refuses it (the spec's
+        checksum table says the same).
         """
         return TensorSlice(self._host, self._file.entry(name), self.device)
 

@@ -757,3 +757,20 @@ def test_every_error_class_is_an_szformat_value_error():
         assert issubclass(error, SzformatError) and issubclass(error, ValueError)
 
 
+
+
+def test_a_codebook_edited_with_the_header_crc_recomputed_is_refused_whole_and_sliced_as_the_spec_says(tmp_path):
+    """No checksum but ``raw_crc32`` covers the codebook (spec, "What each checksum covers"): ``get_tensor``
+    refuses the edit; ``get_slice``, which cannot check ``raw_crc32``, decodes under the edited codebook."""
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(64, 32, generator=g) * 0.02).to(torch.bfloat16)
+    save_file({"w": w}, tmp_path / "valid.szt")
+    forge = Forge.load(tmp_path / "valid.szt")
+    codebook = forge.entry("w")["encoding"]["configuration"]["codebook"]
+    codebook[0], codebook[1] = codebook[1], codebook[0]  # the two most frequent exponents swapped
+    edited = forge.write(tmp_path / "edited.szt")
+    with safe_open(edited, framework="pt") as f:
+        with pytest.raises(ChecksumMismatchError, match="tensor 'w': CRC-32 of the decoded bytes"):
+            f.get_tensor("w")
+        rows = f.get_slice("w")[0:4]
+    assert rows.shape == (4, 32) and not torch.equal(rows, w[0:4])  # the documented limit, not a silent pass
