@@ -22,9 +22,10 @@ from typing import Any, Iterator
 
 import torch
 
-from ..errors import ConversionError, SzformatError
+from ..errors import ConversionError, SzformatError, TruncatedFileError
 from ..format import constants as C
 from ..format.header import validate_metadata, validate_name, validate_shape
+from ..format.reader import pread_exactly
 from .pages import drop_pages
 
 SUFFIX = ".safetensors"
@@ -162,7 +163,12 @@ def _parse_tensor(name: str, info: Any, *, path) -> SourceTensor:
 
 
 class SafetensorsSource:
-    """An open .safetensors file whose tensors are read one at a time, in data order, from one mapping.
+    """An open .safetensors file whose tensors are read one at a time, in data order.
+
+    Each tensor's bytes are copied out with ``pread`` into one buffer reused from tensor to tensor (as the .szt
+    readers read): a file another process truncates meanwhile gives a short read, reported as ConversionError,
+    where touching a mapping past the file's new end would kill the process with SIGBUS. Only where ``preadv`` is
+    missing (Windows, which cannot truncate a mapped file) are the bytes read through a mapping.
 
     Example:
         >>> with SafetensorsSource("model.safetensors") as src:  # doctest: +SKIP
@@ -176,7 +182,7 @@ class SafetensorsSource:
         self._mmap: mmap.mmap | None = None
         self._file = open(self.path, "rb")
         try:
-            if self.header.tensors and self.header.tensors[-1].end:
+            if self.header.tensors and self.header.tensors[-1].end and not hasattr(os, "preadv"):
                 try:
                     self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
                 except ValueError:  # the file is empty now
@@ -228,20 +234,30 @@ class SafetensorsSource:
                                "writes to it", path=self.path, tensor=tensor.name)
 
     def tensors(self) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
-        """Yield each tensor with its raw bytes as a flat, read-only, zero-copy uint8 view.
-
-        A view is valid until the next step: its pages are released from this process then, so memory stays
-        bounded by the largest tensor however large the file is.
+        """Yield each tensor with its raw bytes as a flat uint8 tensor, valid until the next step (the buffer is
+        reused), so memory stays bounded by the largest tensor however large the file is.
 
         Raises:
             ConversionError: the file shrank since its header was read.
         """
+        buffer = torch.empty(0, dtype=torch.uint8)
         for tensor in self.header.tensors:
             offset = self.header.data_start + tensor.begin
             if tensor.nbytes == 0:
                 yield tensor, torch.empty(0, dtype=torch.uint8)
                 continue
-            assert self._mmap is not None, "file is closed"
+            if self._mmap is None:
+                if buffer.numel() < tensor.nbytes:
+                    buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one is made
+                    buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
+                raw = buffer[: tensor.nbytes]
+                try:
+                    pread_exactly(self._file.fileno(), raw, offset, path=self.path, tensor=tensor.name)
+                except TruncatedFileError as e:
+                    raise ConversionError(f"{e.reason} while it was converted", path=self.path,
+                                          tensor=tensor.name) from None
+                yield tensor, raw
+                continue
             if self._mmap.size() < offset + tensor.nbytes:  # reading a page past the new end would raise SIGBUS
                 raise ConversionError(f"file shrank to {self._mmap.size()} bytes while it was converted",
                                       path=self.path, tensor=tensor.name)

@@ -141,7 +141,9 @@ def test_a_source_that_shrinks_is_a_conversion_error_not_a_crash(model_file, tmp
             for _ in source.tensors():
                 if when == "while streaming":
                     os.truncate(path, cut)
-    assert info.value.tensor == (None if cut == 0 else second.name) and "shrinks.safetensors" in str(info.value)
+    # read with pread, the first tensor whose bytes are gone is named (the first of all when the file was emptied)
+    assert info.value.tensor == (header.tensors[0].name if cut == 0 else second.name)
+    assert "shrinks.safetensors" in str(info.value)
 
 
 def test_dtypes_torch_has_no_type_for_pass_through_byte_for_byte(tmp_path):
@@ -772,3 +774,17 @@ def test_the_report_says_what_the_at_rest_form_gives_when_page_padding_costs(tmp
                 if line.startswith("  hint ")]
     at_rest = convert(tmp_path / "small.safetensors", tmp_path / "rest.szt", at_rest=3).summary()
     assert not [line for line in at_rest if line.startswith("  hint ")]
+
+
+def test_a_source_truncated_while_it_is_converted_is_refused_naming_the_tensor_not_sigbus(tmp_path):
+    """The bytes are read with pread: a file that shrank gives a short read, never a touch past the mapping."""
+    path = tmp_path / "m.safetensors"
+    save_safetensors({"a": torch.ones(4096, dtype=torch.bfloat16), "b": torch.ones(4096, dtype=torch.bfloat16)},
+                     path)
+    with sources_module.SafetensorsSource(path) as source:
+        tensors = source.tensors()
+        first, _ = next(tensors)
+        os.truncate(path, path.stat().st_size - 4096)
+        with pytest.raises(ConversionError, match=r"tensor 'b': file shrank to \d+ bytes after it was opened; "
+                                                  r"bytes \[\d+, \d+\) were to be read while it was converted"):
+            next(tensors)

@@ -263,7 +263,7 @@ HUGE = torch.full((4,), 2.0 ** 100, dtype=torch.bfloat16).view(torch.uint8).nump
 
 
 @pytest.mark.parametrize("written, detail", [
-    ("layers.0.attn.q.weight", " (the codebook leaves 4 escapes, the layout expects 0)"),  # under the codec
+    ("layers.0.attn.q.weight", ""),  # under the codec: it works on its own copy, the file's new time gives it away
     ("layers.0.norm.bias", ""),  # another tensor: the bytes converted may mix old and new
 ])
 def test_a_source_changed_during_conversion_is_one_error_naming_file_and_tensor(tmp_path, monkeypatch, capsys,
