@@ -38,6 +38,7 @@ __all__ = [
     "HubCheckpointNotFoundError",
     "PushError",
     "HubRequestError",
+    "HubOfflineError",
     "ModelFolderError",
     "UnknownArchitectureError",
     "CheckpointMismatchError",
@@ -239,7 +240,13 @@ class PushError(SzformatError, ValueError):
 
 class HubRequestError(SzformatError, OSError):
     """Raised by the command line when the Hub cannot be reached or refuses a request; the message is one line. (The
-    library lets huggingface_hub's own errors through.)"""
+    library lets huggingface_hub's own errors through, but for :class:`HubOfflineError`.)"""
+
+
+class HubOfflineError(HubRequestError, FileNotFoundError):
+    """Raised when a file must come from the Hub, is not in the local cache, and the Hub cannot be asked: it does
+    not answer (found out in one quick connection, not a minute of retries) or ``HF_HUB_OFFLINE`` /
+    ``local_files_only`` forbid asking."""
 
 
 # MODELS AND PIPELINES (transformers, diffusers)

@@ -10,15 +10,18 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+import socket
+from collections.abc import Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import replace
 from pathlib import Path
+from urllib.parse import urlsplit
 
-from huggingface_hub import hf_hub_download, snapshot_download
+from huggingface_hub import constants, hf_hub_download, snapshot_download
 from huggingface_hub.utils import EntryNotFoundError, LocalEntryNotFoundError
 
-from ..errors import HubCheckpointNotFoundError, HubReferenceError
+from ..errors import HubCheckpointNotFoundError, HubOfflineError, HubReferenceError
 from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
 from ..format.index import read_index, shard_path
 from .client import library_info
@@ -188,18 +191,35 @@ class _Downloader:
     def __init__(self, ref: HubRef, *, local_files_only: bool, token: str | bool | None,
                  cache_dir: str | os.PathLike | None, endpoint: str | None):
         self.ref = ref
-        self.options = dict(repo_id=ref.repo_id, repo_type=ref.repo_type, local_files_only=local_files_only,
-                            token=token, cache_dir=cache_dir, endpoint=endpoint, **library_info())
+        self.endpoint = endpoint or constants.ENDPOINT
+        self.unreachable = None if local_files_only or constants.HF_HUB_OFFLINE else hub_unreachable(self.endpoint)
+        """Why the Hub did not answer a quick connection, if it did not: then only the cache is read (huggingface_hub
+        would retry for about a minute before falling back to it)."""
+        self.options = dict(repo_id=ref.repo_id, repo_type=ref.repo_type,
+                            local_files_only=local_files_only or self.unreachable is not None, token=token,
+                            cache_dir=cache_dir, endpoint=endpoint, **library_info())
 
     def file(self, filename: str, revision: str | None = None) -> Path:
-        return Path(hf_hub_download(filename=filename, revision=revision or self.ref.revision, **self.options))
+        with self.offline_as_ours():
+            return Path(hf_hub_download(filename=filename, revision=revision or self.ref.revision, **self.options))
+
+    @contextmanager
+    def offline_as_ours(self) -> Iterator[None]:
+        """A file neither downloadable nor cached: :class:`HubOfflineError`, saying why, in one line."""
+        try:
+            yield
+        except LocalEntryNotFoundError:
+            why = (f"cannot reach the Hub at {self.endpoint} ({self.unreachable})" if self.unreachable else
+                   "downloads are off (HF_HUB_OFFLINE or local_files_only)")
+            raise HubOfflineError(f"{why}, and {self.ref} is not in the local cache") from None
 
     def folder(self, patterns: Sequence[str]) -> Path:
         """The files of the referenced folder (the whole repo when it names none) that ``patterns`` match, from
         one commit; returns that folder's local path."""
         within = self.ref.filename
         allow = [f"{within}/{p}" if within else p for p in patterns]
-        root = Path(snapshot_download(revision=self.ref.revision, allow_patterns=allow, **self.options))
+        with self.offline_as_ours():
+            root = Path(snapshot_download(revision=self.ref.revision, allow_patterns=allow, **self.options))
         return root.joinpath(*within.split("/")) if within else root
 
     def checkpoint(self) -> Path:
@@ -210,12 +230,10 @@ class _Downloader:
             return self.sharded(self.ref.filename)
         try:
             index = self.file(DEFAULT_INDEX)
-        except EntryNotFoundError as index_error:
+        except EntryNotFoundError:
             try:
                 single = self.file(DEFAULT_FILE)
-            except EntryNotFoundError as file_error:
-                if isinstance(index_error, LocalEntryNotFoundError) or isinstance(file_error, LocalEntryNotFoundError):
-                    raise  # offline or unreachable: say that, rather than "no checkpoint"
+            except EntryNotFoundError:
                 raise HubCheckpointNotFoundError(
                     f"{self.ref} holds neither {DEFAULT_INDEX} nor {DEFAULT_FILE}; name the file to load "
                     f"(hf://{self.ref.repo_id}/<file>.szt)") from None
@@ -235,6 +253,22 @@ class _Downloader:
         names = [shard_path(index_name, shard) for shard in read_index(index).shard_names()]
         with ThreadPoolExecutor(max_workers=max(1, min(_MAX_PARALLEL_DOWNLOADS, len(names)))) as pool:
             list(pool.map(lambda name: self.file(name, revision=commit), names))
+
+
+PROBE_SECONDS = 3.0
+"""How long the quick connection to the Hub may take before it counts as unreachable."""
+
+
+def hub_unreachable(endpoint: str) -> str | None:
+    """``None`` when a TCP connection to ``endpoint``'s host opens within :data:`PROBE_SECONDS`, else why not. One
+    connection per Hub reference resolved (a load, not a file): a few milliseconds where the Hub answers."""
+    url = urlsplit(endpoint)
+    try:
+        with socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                      timeout=PROBE_SECONDS):
+            return None
+    except OSError as e:
+        return e.strerror or str(e) or type(e).__name__
 
 
 def _snapshot_commit(local: Path, filename: str) -> str | None:

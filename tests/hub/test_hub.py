@@ -16,12 +16,13 @@ import huggingface_hub
 import pytest
 import torch
 from huggingface_hub import HfApi, constants
-from huggingface_hub.utils import (EntryNotFoundError, LocalEntryNotFoundError, RepositoryNotFoundError,
+from huggingface_hub.utils import (EntryNotFoundError, RepositoryNotFoundError,
                                    RevisionNotFoundError)
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.errors import FormatError, HubCheckpointNotFoundError, HubReferenceError, PushError, ShardIndexError
+from szformat.errors import (FormatError, HubCheckpointNotFoundError, HubOfflineError, HubReferenceError, PushError,
+                             ShardIndexError)
 from szformat.format.reader import SztFile
 from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_hub, resolve
 from szformat.hub.card import checkpoint_stats
@@ -451,20 +452,23 @@ def test_errors_name_what_is_missing(hub, tmp_path):
         resolve("hf://alice/tiny@no-such-branch/model.szt")
     with pytest.raises(HubCheckpointNotFoundError, match="holds neither model.szt.index.json nor model.szt"):
         resolve("hf://alice/empty")
-    with pytest.raises(LocalEntryNotFoundError):
+    with pytest.raises(HubOfflineError, match="downloads are off .*, and hf://alice/tiny/model.szt is not in the "
+                                              "local cache") as offline:
         resolve("hf://alice/tiny/model.szt", local_files_only=True, cache_dir=tmp_path / "empty-cache")
+    assert isinstance(offline.value, FileNotFoundError)
 
 
-def test_hub_unreachable_and_nothing_cached(hub, monkeypatch):
+def test_hub_unreachable_and_nothing_cached_fails_at_once_in_one_line(hub, monkeypatch):
     sleeps = []
-    # huggingface_hub retries a failed connection with backoff before giving up; record the waits instead.
+    # huggingface_hub retries a failed connection with backoff (about a minute) before giving up; record any wait.
     monkeypatch.setattr(huggingface_hub.utils._http, "time", types.SimpleNamespace(sleep=sleeps.append))
     hub.stop()
-    with pytest.raises(LocalEntryNotFoundError, match="connection"):
-        resolve("hf://alice/tiny/model.szt")
-    with pytest.raises(LocalEntryNotFoundError):
-        resolve("hf://alice/tiny")
-    assert sleeps  # the client did retry
+    for ref in ("hf://alice/tiny/model.szt", "hf://alice/tiny"):
+        with pytest.raises(HubOfflineError, match=f"cannot reach the Hub at {constants.ENDPOINT} .*, and {ref} is "
+                                                  "not in the local cache") as info:
+            resolve(ref)
+        assert "\n" not in str(info.value) and isinstance(info.value, FileNotFoundError)
+    assert not sleeps  # one quick connection said it all: no retries
 
 
 def test_malformed_index_on_the_hub_is_refused(hub):
