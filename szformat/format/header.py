@@ -209,6 +209,9 @@ def parse_header(
     features = obj.get("required_features", [])
     if not isinstance(features, list) or not all(isinstance(f, str) for f in features):
         raise HeaderError("'required_features' must be a list of strings", path=path)
+    if len(set(features)) != len(features):
+        twice = next(f for i, f in enumerate(features) if f in features[:i])
+        raise HeaderError(f"'required_features' lists {twice!r} twice", path=path)
     unknown = sorted(set(features) - C.FEATURES)
     if unknown:
         raise UnsupportedVersionError(
@@ -280,8 +283,22 @@ def _unpack(raw: bytes | memoryview, *, path) -> Any:
             raise HeaderError(f"header holds more than one map or array per {C.HEADER_BYTES_PER_CONTAINER} bytes; "
                               "refusing it as a decompression bomb", path=path)
 
+    depths: dict[int, int] = {}
+    """Levels of maps and arrays in each container built so far (the hooks see the innermost first)."""
+
+    def nest(container: Any, children: Any) -> None:
+        level = 1 + max((depths.get(id(child), 0) for child in children), default=0)
+        if level > C.MAX_HEADER_DEPTH:
+            raise HeaderError(f"header nests maps and arrays deeper than {C.MAX_HEADER_DEPTH} levels (the top map "
+                              "counted)", path=path)
+        depths[id(container)] = level
+
     def pairs_hook(pairs: list[tuple[Any, Any]]) -> dict:
         spend()
+        for key, _ in pairs:
+            if type(key) is not str:
+                raise HeaderError(f"a map in the header has the key {short_repr(key)}, not a string (msgpack str)",
+                                  path=path)
         mapping = dict(pairs)
         if len(mapping) != len(pairs):
             seen: set = set()
@@ -289,10 +306,12 @@ def _unpack(raw: bytes | memoryview, *, path) -> Any:
             name = mapping.get("name")
             tensor = name if "dtype" in mapping and isinstance(name, str) and len(name) <= C.MAX_NAME_BYTES else None
             raise HeaderError(f"a map in the header holds the key {short_repr(twice)} twice", path=path, tensor=tensor)
+        nest(mapping, mapping.values())
         return mapping
 
     def list_hook(items: list) -> list:
         spend()
+        nest(items, items)
         return items
 
     try:

@@ -211,8 +211,15 @@ def _is_int(value, lo: int = 0, hi: int = 1 << 63) -> bool:
 
 
 def _no_repeats(pairs: list) -> dict:
+    _require(all(type(k) is str for k, _ in pairs), "a map key that is not a string")
     _require(len({k for k, _ in pairs}) == len(pairs), "a map holds a key twice")
     return dict(pairs)
+
+
+def _depth(value) -> int:
+    """Levels of maps and arrays in ``value``, itself counted."""
+    children = value.values() if isinstance(value, dict) else value if isinstance(value, list) else None
+    return 0 if children is None else 1 + max((_depth(child) for child in children), default=0)
 
 
 def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[str, bytes]]:
@@ -235,9 +242,10 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     except (ValueError, TypeError, msgpack.ExtraData) as e:  # invalid UTF-8 is a ValueError too
         raise Refused("open", f"msgpack: {e}") from None
     _require(isinstance(header, dict), "top level")
+    _require(_depth(header) <= 16, "nested deeper than 16 levels")
     features = header.get("required_features", [])
-    _require(isinstance(features, list) and set(features) <= {"at_rest_zstd", "small_alignment"},
-             "required features")  # those 1.1 defines; 1.0 defines none
+    _require(isinstance(features, list) and set(features) <= {"at_rest_zstd", "small_alignment"}
+             and len(set(features)) == len(features), "required features")  # those 1.1 defines, each once
     small = header.get("small_alignment")
     _require(("small_alignment" in features) == ("small_alignment" in header)
              and (small is None or (_is_int(small, 16, align - 1) and small & (small - 1) == 0)), "small_alignment")
