@@ -91,6 +91,7 @@ def _run(argv: list[str]) -> int:
         return 2
     args = commands[command].parse_intermixed_args(rest)
     args.command = command
+    mark = len(_published_since(0))
     try:
         with termination_as_interrupt():
             return args.run(args)
@@ -105,6 +106,10 @@ def _run(argv: list[str]) -> int:
         if os.environ.get(DEBUG_VARIABLE, "") not in ("", "0"):
             raise
         status, what = exit_status(e)
+        done = _published_since(mark)
+        if done:  # the work is done: say so and succeed, or a script would run it again into "exists"
+            print(f"szconvert: {what} after the output was complete: {done[-1]} (kept)", file=sys.stderr)
+            return 0
         print(f"szconvert: {what}; no partial output was left", file=sys.stderr)
         return status
 
@@ -152,6 +157,13 @@ def _mistyped_command(command: str | None, argv: list[str], commands: dict[str, 
         return None
     close = difflib.get_close_matches(first, list(commands), n=1, cutoff=0.6)
     return f"{first!r} is neither a command nor a file; did you mean 'szconvert {close[0]}'?" if close else None
+
+
+def _published_since(mark: int) -> list:
+    """The outputs this process put in place after the first ``mark`` (none if it wrote none: the module that
+    records them is not even imported then)."""
+    atomic = sys.modules.get("szformat.format.atomic")
+    return [] if atomic is None else atomic.PUBLISHED[mark:]
 
 
 def _discard_stdout() -> None:

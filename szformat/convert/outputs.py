@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Iterator
 
 from ..errors import OutputExistsError, WriteError
-from ..format.atomic import AtomicFile, create_beside, fsync_directory, publish, remove, temporary_name
+from ..format.atomic import AtomicFile, create_beside, fsync_directory, publish, published, remove, temporary_name
 
 
 def check_output(target: Path, *, overwrite: bool, folder: bool = False) -> None:
@@ -49,12 +49,13 @@ def _merge_into(tmp: Path, target: Path, *, overwrite: bool) -> list[str]:
                 os.replace(source, destination)
             else:
                 try:
-                    publish(source, destination)
+                    publish(source, destination, record=False)
                 except OutputExistsError:  # another writer is filling the folder too
                     raise OutputExistsError(target) from None
             written.add(rel.as_posix())
     remove(tmp)
     fsync_directory(target)
+    published(target)
     return sorted(p.relative_to(target).as_posix() for p in target.rglob("*")
                   if (p.is_file() or p.is_symlink()) and p.relative_to(target).as_posix() not in written)
 
@@ -77,6 +78,7 @@ def _move_into_place(tmp: Path, target: Path, *, overwrite: bool) -> None:
         if old is not None:
             os.rename(old, target)
         raise
+    published(target)
     if old is not None:
         remove(old)
     fsync_directory(target.parent)

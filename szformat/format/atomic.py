@@ -280,13 +280,25 @@ class AtomicFile:
         """Replace the target, a file or nothing, in one step (or refuse to, without ``overwrite``)."""
         if self.overwrite:
             os.replace(self.tmp, self.target)
+            published(self.target)
         else:
             publish(self.tmp, self.target)
         fsync_directory(self.target.parent)
 
 
-def publish(tmp: Path, target: Path) -> None:
-    """Rename ``tmp`` to ``target`` unless something is there already.
+PUBLISHED: list[Path] = []
+"""Every output this process has put in place, in order (:func:`published`): a command interrupted after its
+output was complete says so rather than that nothing was left."""
+
+
+def published(target: Path) -> None:
+    """Note that ``target`` is now in place, whole."""
+    PUBLISHED.append(Path(target))
+
+
+def publish(tmp: Path, target: Path, *, record: bool = True) -> None:
+    """Rename ``tmp`` to ``target`` unless something is there already (and note it, with ``record``: not for the
+    files of a folder output moved one by one, which is complete only once all are there).
 
     Raises:
         OutputExistsError: ``target`` exists (it may have appeared a moment ago: another writer won the race).
@@ -299,3 +311,5 @@ def publish(tmp: Path, target: Path) -> None:
         if e.errno != errno.ENOTEMPTY:  # a folder's rename onto a folder that is not empty
             raise
         raise OutputExistsError(target) from None
+    if record:
+        published(target)

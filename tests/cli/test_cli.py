@@ -651,3 +651,21 @@ def test_a_mistyped_command_is_suggested_not_reported_as_a_missing_file(tmp_path
                                        "did you mean 'szconvert verify'?\n")
     assert main(["nothere.safetensors"]) == 1  # a missing file that looks like no command stays a missing file
     assert "no such file or folder: 'nothere.safetensors'" in capsys.readouterr().err
+
+
+def test_a_signal_after_the_output_is_complete_reports_it_kept_and_succeeds(model_file, tmp_path, capsys,
+                                                                             monkeypatch):
+    """Interrupted while the report is printed: the output is in place and whole, so the run says so and exits 0
+    (a script that retries on failure would otherwise run into "exists")."""
+    import szformat.cli.convert as convert_command
+
+    def interrupted(lines):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(convert_command, "print_lines", interrupted)
+    target = tmp_path / "out.szt"
+    assert main([str(model_file), str(target)]) == 0
+    assert capsys.readouterr().err == f"szconvert: interrupted after the output was complete: {target} (kept)\n"
+    assert szformat.load_file(target).keys() == model_tensors().keys()
+    monkeypatch.undo()
+    assert main([str(model_file), str(tmp_path / "other.szt"), "--overwrite", "-q"]) == 0  # a later run: no mix-up
