@@ -340,3 +340,11 @@ def test_what_is_not_a_converted_model_folder_is_refused_by_name(llama, tmp_path
 def test_a_dtype_that_names_no_torch_dtype_is_refused(llama, no_decoding):
     with pytest.raises(ValueError, match="dtype must be 'auto', a torch.dtype or its name, got 'bfloat17'"):
         szt.from_pretrained(llama[1], dtype="bfloat17")
+
+
+def test_the_auto_class_may_be_given_by_name(llama):
+    original, converted = llama
+    expected = reference(transformers.AutoModelForCausalLM, original)
+    assert_same_model(szt.from_pretrained(converted, "AutoModelForCausalLM"), expected)
+    with pytest.raises(UnknownArchitectureError, match="has no class 'AutoModelForNothing'"):
+        szt.from_pretrained(converted, "AutoModelForNothing")
