@@ -30,7 +30,8 @@ __all__ = ["GilClock", "TimedPool", "median_copy_seconds", "pinned_h2d_gbps", "m
 #
 # * every task the thread runs is timed end to end;
 # * every call of the staging paths that releases the GIL is wrapped for the measurement and timed: ``os.preadv``,
-#   zlib-ng's CRC-32, zstd's ``readinto``/``read``/``decompress`` (through :func:`szformat.format.at_rest.decompressor`),
+#   zlib-ng's CRC-32, zstd's ``readinto``/``read``/``decompress``
+#   (through :func:`szformat.format.at_rest.decompressor`),
 #   torch's ``Tensor.copy_``. A zstd ``readinto`` counts one release per zstd frame in its input (python-zstandard
 #   releases the GIL once per ``ZSTD_decompressStream`` call, which ends at each frame); a ``read`` after it, which
 #   finds its input used up and returns at once, counts none;
@@ -224,7 +225,8 @@ class _TimedReader:
 
 
 
-# --- copyrate: Same-run copy ceilings for the GPU benchmarks: how fast this machine moves bytes from pinned host memory to the
+# --- copyrate: Same-run copy ceilings for the GPU benchmarks: how fast this machine moves bytes from pinned host
+# memory to the
 # device, timed with CUDA events, so that every figure can be read against the link it crossed.
 def median_copy_seconds(copy: Callable[[], object], reps: int) -> float:
     """Median device time of ``copy()`` over ``reps`` calls after one untimed call (CUDA events)."""
@@ -269,7 +271,8 @@ def memory_status() -> dict[str, int]:
 
 
 
-# --- peer loaders: Other projects' fastest ways from a safetensors file to CUDA tensors, each as one function, for the same-run peer
+# --- peer loaders: Other projects' fastest ways from a safetensors file to CUDA tensors, each as one function, for
+# the same-run peer
 # rows of ``bench/load.py``.
 #
 # Every loader takes the file's path and returns ``{name: tensor on the current CUDA device}``, owning its memory, so

@@ -538,7 +538,8 @@ def run_all(args) -> None:
             continue
         result_path = work / f"batch-{kind}.json"
         result_path.unlink(missing_ok=True)
-        command = [sys.executable, "-m", __spec__.name, "batch", str(work), str(result_path), str(args.forwards), *batch]
+        command = [sys.executable, "-m", __spec__.name, "batch", str(work), str(result_path), str(args.forwards),
+                   *batch]
         try:
             returncode = subprocess.run(command, timeout=args.batch_timeout).returncode
         except subprocess.TimeoutExpired:

@@ -266,6 +266,15 @@ def card_of(hub: LoopbackHub, repo_id: str, revision: str = "main") -> ModelCard
 BOB = "hf_bob_write_token"
 
 
+def secret_outside(root: Path, monkeypatch, token: str) -> Path:
+    """A Hub token in the environment and in a file outside the model folder: what no link may copy or upload."""
+    monkeypatch.setenv("HF_TOKEN", token)
+    outside = root / "elsewhere"
+    outside.mkdir()
+    (outside / "secret.txt").write_text(token)
+    return outside
+
+
 def point_client_at(monkeypatch, endpoint: str) -> None:
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
     monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")

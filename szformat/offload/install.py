@@ -108,8 +108,8 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
     """
     device = torch.device(device)
     if device.type != "cuda" and not (route == RESIDENT and device.type == "cpu"):
-        raise InvalidArgumentError(f"offloading computes on a CUDA device (route='resident' on the CPU too); got device "
-                         f"{str(device)!r}")
+        raise InvalidArgumentError("offloading computes on a CUDA device (route='resident' on the CPU too); got "
+                                   f"device {str(device)!r}")
     path = resolve_path(path, repo_id=repo_id, revision=revision, token=token, local_files_only=local_files_only,
                         cache_dir=cache_dir)
     checkpoint = Checkpoint(path)

@@ -16,7 +16,8 @@ needed, into a slot no running group holds, so the outputs are the same either w
 
 Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors under ``min_tensor_bytes`` (norms,
 biases), tied tensors (one storage used by two modules), weights of modules outside the blocks that are not leaves,
-and leaves outside the blocks under ``min_leaf_bytes``. On the CPU the same plan runs with the reference decoder and no streams.
+and leaves outside the blocks under ``min_leaf_bytes``. On the CPU the same plan runs with the reference decoder
+and no streams.
 
 Memory: the stored bytes of the grouped weights, plus ``slots`` x the largest group's raw bytes, plus the plain
 tensors; :meth:`ResidentPlan.device_bytes` gives the figures before anything is allocated, and the returned
@@ -66,7 +67,6 @@ class ResidentGroup:
     tensors: list[TensorBinding]
     output_offsets: list[int]
     raw_elements: int
-    stored_bytes: int = 0
     payloads: torch.Tensor | None = None
     table: Any = None
 
@@ -123,8 +123,9 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
     plain: list[TensorBinding] = []
     for binding in bindings:
         entry = entries[binding.entry]
-        owners = {id(tensor_owner(module, name)[0]) for name in binding.names}
-        owner = tensor_owner(module, binding.names[0])[0]
+        owner_modules = [tensor_owner(module, name)[0] for name in binding.names]
+        owners = {id(m) for m in owner_modules}
+        owner = owner_modules[0]
         group_module = block_of.get(id(owner))
         if group_module is None and not list(owner.children()):
             group_module = owner  # a leaf outside the blocks: its own group
@@ -291,7 +292,8 @@ def install_resident(installation: Any) -> OffloadedModel:
         raise DecodeRouteError("route='resident' found no compressed weights to keep resident (no BF16 tensor "
                                "SplitZip-encoded, or none outside plain tensors); load the model plainly",
                                path=checkpoint.path)
-    _refuse_what_does_not_fit(plan, checkpoint, device)
+    held = plan.device_bytes(checkpoint.entries)
+    _refuse_what_does_not_fit(held, checkpoint.path, device)
     restore = snapshot_tensors(module, [name for tensor in binding for name in tensor.names])
     decoder = CheckpointDecoder(checkpoint, device, "cpu" if device.type == "cpu" else installation.route.decoder)
     handles: list[Any] = []
@@ -331,7 +333,6 @@ def install_resident(installation: Any) -> OffloadedModel:
             group.payloads = group.table = None
         arena.slots.clear()
 
-    held = plan.device_bytes(checkpoint.entries)
     return OffloadedModel(module, installation.route, checkpoint, setup_bytes=held["resident_stored_bytes"],
                           counters=lambda: {**held, "h2d_bytes": 0, "decodes": arena.decodes}, release=release)
 
@@ -345,16 +346,17 @@ def _codec_for(device: torch.device, path: Any) -> DeviceCodec:
     return triton_codec()
 
 
-def _refuse_what_does_not_fit(plan: ResidentPlan, checkpoint: Any, device: torch.device) -> None:
+def _refuse_what_does_not_fit(held: dict[str, int], path: Any, device: torch.device) -> None:
+    """DecodeRouteError, saying how much is needed, when ``held`` (:meth:`ResidentPlan.device_bytes`) is more than
+    the CUDA device has free."""
     if device.type != "cuda":
         return
-    need = sum(plan.device_bytes(checkpoint.entries)[k] for k in ("resident_stored_bytes", "arena_bytes",
-                                                                   "plain_bytes"))
+    need = held["resident_stored_bytes"] + held["arena_bytes"] + held["plain_bytes"]
     free, _ = torch.cuda.mem_get_info(device)
     if need > free:
         raise DecodeRouteError(f"route='resident' needs {need / 1e9:.2f} GB of device memory for this model "
                                f"(compressed weights, arena, plain tensors) and {free / 1e9:.2f} GB are free; "
-                               "route='staging' streams the weights from host memory instead", path=checkpoint.path)
+                               "route='staging' streams the weights from host memory instead", path=path)
 
 
 def _upload(group: ResidentGroup, checkpoint: Any, codec: DeviceCodec, device: torch.device) -> None:
@@ -371,7 +373,6 @@ def _upload(group: ResidentGroup, checkpoint: Any, codec: DeviceCodec, device: t
         entry = checkpoint.entries[t.entry]
         entries.append((entry.layout, entry.codebook, offset, out))
     group.payloads = host.to(device)
-    group.stored_bytes = cursor
     group.table = codec.batch_tables([entries], device)[0]
 
 

@@ -37,7 +37,8 @@ from .._install import install_hint
 from ..errors import DecodeRouteError, InvalidArgumentError
 
 __all__ = [
-    "ROUTES", "RESIDENT", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV", "DISTRIBUTIONS",
+    "ROUTES", "RESIDENT", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV",
+    "DISTRIBUTIONS",
     "SUPPORTED_DDO_VERSIONS", "MIN_VERSIONS", "Route", "OffloadEnvironment", "detect_environment",
     "route_availability", "select_route", "parse_version",
 ]
@@ -69,7 +70,6 @@ DDO_LIBRARY_ENV = "DDO_VMM_LIBRARY_PATH"
 _PACKAGED_LIBRARY = {"linux": "native/linux/libddo_vmm.so", "win32": "native/win32/ddo_vmm.dll"}
 _BOOTSTRAP_HINT = ("call `from ddo_vmm_bootstrap import ensure_vmm_fast_process; ensure_vmm_fast_process()` "
                    "as the script's first statement")
-_INSTALL_HINT = install_hint("ddo")
 
 
 @dataclass(frozen=True)
@@ -198,9 +198,10 @@ def _needs_ddo(env: OffloadEnvironment) -> str | None:
     for distribution in (DDO_DISTRIBUTION, DDO_ALLOCATOR_DISTRIBUTION):
         version = env.versions.get(distribution)
         if version is None:
-            return f"{distribution} is not installed ({_INSTALL_HINT})"
+            return f"{distribution} is not installed ({install_hint('ddo')})"
         if not _is_one_of(version, SUPPORTED_DDO_VERSIONS):
-            return f"{distribution} {version} is not supported (szformat supports {supported}; {_INSTALL_HINT})"
+            return (f"{distribution} {version} is not supported (szformat supports {supported}; "
+                    f"{install_hint('ddo')})")
     for distribution in ("cuda-bindings", "cuda-core"):
         problem = _needs_version(env, distribution)
         if problem is not None:

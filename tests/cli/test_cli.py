@@ -23,7 +23,8 @@ from szformat.convert.report import format_bytes
 from szformat.errors import ConversionError
 
 from hub_server import HubError, LoopbackHub
-from support import METADATA, RecordingBackend, assert_same_tensors, flip_payload_byte, listing, model_tensors, write_sharded
+from support import (METADATA, RecordingBackend, assert_same_tensors, flip_payload_byte, listing, model_tensors,
+                     write_sharded)
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
 
 REPO_ROOT = Path(szformat.__file__).resolve().parent.parent

@@ -35,7 +35,8 @@ from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRoute
 from szformat.format.reader import SztFile
 
 from fakes import flip_in_last_slice
-from support import METADATA, RecordingBackend, assert_same_tensors, bf16_weights, flip_payload_byte, listing, model_tensors, write_pipeline, write_sharded
+from support import (METADATA, RecordingBackend, assert_same_tensors, bf16_weights, flip_payload_byte, listing,
+                     model_tensors, secret_outside, write_pipeline, write_sharded)
 
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
 checkpoint_module = importlib.import_module("szformat.convert.checkpoint")
@@ -430,12 +431,9 @@ def test_an_existing_empty_output_folder_is_used_without_overwrite(tmp_path):
 def test_links_in_a_model_folder_are_not_followed_out_of_it(tmp_path, monkeypatch):
     """A link to /proc/self/environ put the environment, Hub token included, into the output; now only regular
     files inside the folder are copied, and the report says what was left out and why."""
-    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_copied")
     src = tmp_path / "src"
     write_sharded(src)
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    (outside / "secret.txt").write_text("hf_secret_never_copied")
+    outside = secret_outside(tmp_path, monkeypatch, "hf_secret_never_copied")
     links = {"environ.txt": "/proc/self/environ", "hostname": "/etc/hostname", "zero.txt": "/dev/zero",
              "outside.txt": outside / "secret.txt", "linked-dir": outside, "dangling.json": "/nonexistent"}
     for name, where in links.items():
@@ -668,7 +666,8 @@ def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkey
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
                         real_find_spec(name, *a))
     with pytest.raises(DecodeRouteError,
-                       match=r"needs Triton: pip install 'triton>=3.2' \(szformat's gpu extra: pip install -e \".\[gpu\]\""):
+                       match=r"needs Triton: pip install 'triton>=3.2' \(szformat's gpu extra: pip install "
+                             r"-e \".\[gpu\]\""):
         codec_for("cuda")
 
 

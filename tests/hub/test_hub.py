@@ -28,7 +28,7 @@ from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_
 from szformat.hub.card import checkpoint_stats
 from szformat.hub.resolve import download_model_repo, download_safetensors_repo
 
-from support import ALICE, BOB, card_of, point_client_at
+from support import ALICE, BOB, card_of, point_client_at, secret_outside
 
 
 # -- test data ---------------------------------------------------------------------------------------------------
@@ -590,12 +590,9 @@ LINKS = {  # name in the folder -> what it points to (None: made in the test), w
 
 @pytest.mark.parametrize("name", [*LINKS, "outside.txt", "linked-dir", "fifo"])
 def test_push_refuses_a_folder_whose_entries_lead_outside_it(hub, tmp_path, monkeypatch, name):
-    monkeypatch.setenv("HF_TOKEN", "hf_secret_never_uploaded")
     folder = tmp_path / "model-szt"
     write_sharded_folder(folder)
-    outside = tmp_path / "elsewhere"
-    outside.mkdir()
-    (outside / "secret.txt").write_text("hf_secret_never_uploaded")
+    outside = secret_outside(tmp_path, monkeypatch, "hf_secret_never_uploaded")
     if name in LINKS:
         os.symlink(LINKS[name][0], folder / name)
         expected = LINKS[name][1]

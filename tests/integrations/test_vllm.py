@@ -1,7 +1,8 @@
 """vLLM serving .szt checkpoints (``load_format="szt"``), with the real engine on the CPU: greedy tokens and their
 logprobs identical to ``load_format="safetensors"`` of the originals, for a GQA Llama in shards (both file forms,
 tensor parallel 1 and 2), a Qwen2 with tied embeddings and a Qwen2-MoE; bad input fails the start-up with szformat's
-one-line message in the engine's log. Each engine runs in a child process (vLLM spawns its own), about a minute each on two cores."""
+one-line message in the engine's log. Each engine runs in a child process (vLLM spawns its own), about a minute
+each on two cores."""
 
 from __future__ import annotations
 

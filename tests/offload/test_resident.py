@@ -159,3 +159,14 @@ def test_one_line_loading_with_offload_resident_matches_the_plain_model(llama):
         assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
         assert torch.equal(model.generate(IDS, max_new_tokens=16, do_sample=False),
                            expected_model.generate(IDS, max_new_tokens=16, do_sample=False))
+
+
+def test_a_model_that_does_not_fit_even_compressed_is_refused_saying_how_much_it_needs(monkeypatch):
+    from szformat.offload import resident
+
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (2_000_000_000, 80_000_000_000))
+    held = {"resident_stored_bytes": 1_500_000_000, "arena_bytes": 400_000_000, "plain_bytes": 200_000_000}
+    with pytest.raises(DecodeRouteError, match=r"needs 2\.10 GB of device memory .* and 2\.00 GB are free; "
+                                               r"route='staging' streams"):
+        resident._refuse_what_does_not_fit(held, "m.szt", torch.device("cuda", 0))
+    resident._refuse_what_does_not_fit({**held, "plain_bytes": 0}, "m.szt", torch.device("cuda", 0))  # 1.9 GB fits
