@@ -22,6 +22,7 @@ __all__ = [
     "UnknownEncodingError",
     "PayloadError",
     "ChecksumMismatchError",
+    "TensorAllocationError",
     "ShardIndexError",
     "ConversionError",
     "RoundTripError",
@@ -172,6 +173,10 @@ class PayloadError(FormatError):
 
 class ChecksumMismatchError(FormatError):
     """Raised when stored bytes or decoded bytes do not match the checksum recorded in the header."""
+
+
+class TensorAllocationError(SzformatError, MemoryError):
+    """The memory to read a tensor into could not be allocated (the file is valid; the machine is too small)."""
 
 
 class ShardIndexError(FormatError):

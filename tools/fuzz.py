@@ -15,6 +15,9 @@ recomputed so they reach the checks behind them:
 - ``index``: ``read_index`` and ``checkpoint_shards`` on mutated ``model.szt.index.json`` files beside two real
   shards, with the shard names and JSON values that break readers most; they must agree, and name no shard outside
   the index's folder. ``index_load`` also loads through them: every shard name must fail as an SzformatError.
+- ``bombs``: small files that declare gigabytes (an all-zero tensor whose streams are zstd frames, a zstd header of
+  short strings): a file past the spec's expansion or header bound must be refused, every other one read right,
+  and no read may raise the peak memory by more than about 12 times the file's size.
 
 Usage:
     python tools/fuzz.py --minutes 5                 # every target, rounds of each in turn until time is up
@@ -31,6 +34,7 @@ import argparse
 import json
 import os
 import random
+import resource
 import shutil
 import sys
 import tempfile
@@ -58,10 +62,12 @@ ROOT = Path(__file__).resolve().parents[1]
 from szformat import SzformatError, load_file, safe_open  # noqa: E402
 from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
+from szformat.format import at_rest as A  # noqa: E402
 from szformat.format.at_rest import compress_frame  # noqa: E402
 from szformat.format.header import parse_header, payload_alignment  # noqa: E402
 from szformat.format.index import checkpoint_shards, read_index  # noqa: E402
 from szformat.format.writer import tensor_bytes  # noqa: E402
+from tools import make_vectors  # noqa: E402
 
 VECTORS = ROOT / "spec" / "vectors"
 
@@ -396,11 +402,56 @@ def _check_index_load(data: bytes, tmp: Path) -> None:
     _expect_szformat_error(lambda: load_file(path))
 
 
+def _bomb_inputs() -> st.SearchStrategy:
+    """(file bytes, whether it breaks a bound): the all-zero tensor of ``at_rest_zeros`` restaged to declare up to
+    2^32 elements with some of its streams as zstd frames, and its header padded with short strings under an unknown
+    key, stored through zstd as that seed's is: small files that would cost up to gigabytes."""
+    zeros = next(s for s in SEEDS if s.name == "at_rest_zeros.szt")
+    short_strings = [f"{i:04x}"[2:] for i in range(1 << 20)]  # two characters each: what costs a parser most
+
+    @st.composite
+    def build(draw: st.DrawFn) -> tuple[bytes, bool]:
+        big = draw(st.booleans())
+        streams = ("pk", "sm") if big else draw(st.sampled_from([("pk",), ("sm",), ("pk", "sm")]))
+        numel = draw(st.integers(64, 2048) if big else st.integers(1, 4)) << 21
+        parts = make_vectors.Parts.of(zeros.data)
+        make_vectors.restage_zeros(parts, "zeros", numel, streams)
+        padding = draw(st.sampled_from([0, 1 << 10, 1 << 20]))
+        parts.header["padding"] = short_strings[:padding]
+        header = msgpack.packb(parts.header)
+        parts.header_bytes = compress_frame(header, 3)
+        layout_bytes = 3 * numel // 2  # pk and sm of a tensor without escapes
+        broken = (layout_bytes > A.MAX_EXPANSION * parts.entry("zeros")["length"]
+                  or len(header) > C.header_inflate_limit(len(parts.header_bytes)))
+        return parts.to_bytes(), broken
+    return build()
+
+
+def _peak_rss() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+def _check_bomb(case: tuple[bytes, bool], tmp: Path) -> None:
+    data, broken = case
+    path = tmp / "bomb.szt"
+    path.write_bytes(data)
+    before = _peak_rss()
+    loaded = _expect_szformat_error(lambda: load_file(path))
+    grown = _peak_rss() - before
+    if grown > 12 * len(data) + (64 << 20):
+        raise Finding(f"reading a file of {len(data)} bytes raised the peak memory by {grown} bytes")
+    if broken and loaded is not None:
+        raise Finding("a file past the expansion or header bound was read")
+    if not broken and (loaded is None or any(t.count_nonzero() for t in loaded.values())):
+        raise Finding("a valid all-zero file was refused or read wrong")
+
+
 TARGETS: dict[str, tuple[Callable[[], st.SearchStrategy], Callable[[Any, Path], None]]] = {
     "header": (_header_inputs, _check_header),
     "file": (_file_inputs, _check_file),
     "index": (_index_inputs, _check_index),
     "index_load": (_index_inputs, _check_index_load),
+    "bombs": (_bomb_inputs, _check_bomb),
 }
 DEFAULT_TARGETS = list(TARGETS)
 

@@ -37,11 +37,13 @@ ROOT = Path(__file__).resolve().parents[1]
 import torch  # noqa: E402
 
 from szformat.api import load_file, safe_open  # noqa: E402
+from szformat.checksum import crc32_join  # noqa: E402
 from szformat.codec.layout import PayloadLayout  # noqa: E402
 from szformat.errors import SzformatError  # noqa: E402
 from szformat.format import at_rest as A  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format.reader import SztFile  # noqa: E402
+from szformat.format.header import payload_alignment  # noqa: E402
 from szformat.format.writer import SztWriter, tensor_bytes, write_tensor, writer_form  # noqa: E402  # noqa: E402
 
 DEFAULT_OUT = ROOT / "spec" / "vectors"
@@ -203,6 +205,10 @@ def cases() -> list[Case]:
                                                           forced_rare=(45000,)))],
              at_rest=A.DEFAULT_LEVEL, frame_size=A.MIN_FRAME_SIZE, expect={"long": "splitzip"},
              expect_streams={"long": ("pk",)}),
+        Case("at_rest_zeros", "1.1 at-rest form of an all-zero BF16 tensor: its pk frame shrinks about 180x, and "
+             "the payload stays within the 8x expansion bound because sm is stored verbatim",
+             [Tensor("zeros", "BF16", (64, 128), bytes(2 * 64 * 128))],
+             at_rest=A.DEFAULT_LEVEL, expect={"zeros": "splitzip"}, expect_streams={"zeros": ("pk",)}),
     ]
 
 
@@ -500,6 +506,44 @@ def _frame_bomb(parts: Parts) -> None:
     parts.patch("escapes", start, bomb + bytes(length - len(bomb)))
 
 
+def restage_zeros(parts: Parts, name: str, numel: int, streams: tuple[str, ...],
+                  frame_size: int = A.DEFAULT_FRAME_SIZE) -> None:
+    """Make ``name``, an all-zero BF16 tensor stored at rest and the last payload of the file, an all-zero tensor of
+    ``numel`` elements whose ``streams`` are zstd frames of ``frame_size`` (the others verbatim), every checksum
+    right. With ``sm`` among them a few bytes can stand for gigabytes: a decompression bomb for the readers."""
+    e = parts.entry(name)
+    layout = PayloadLayout(n=numel, n_esc=0)
+    full = A.compress_frame(bytes(frame_size))
+    pieces: list[bytes] = []
+    frames: list[int] = []
+    for stream, start, stop in A.stream_extents(layout):
+        if stream not in streams:
+            pieces.append(bytes(stop - start))
+            continue
+        for memory in range(start, stop, frame_size):
+            size = min(frame_size, stop - memory)
+            pieces.append(full if size == frame_size else A.compress_frame(bytes(size)))
+            frames.append(len(pieces[-1]))
+    stored = b"".join(pieces)
+    cursor = max([C.PREAMBLE_SIZE] + [t["offset"] + t["length"] for t in parts.header["tensors"] if t is not e])
+    offset = C.pad_to(cursor, payload_alignment(len(stored), parts.fields["alignment"],
+                                                parts.header.get("small_alignment")))
+    del parts.body[cursor:]
+    parts.body += bytes(offset - cursor) + stored
+    e["offset"] = offset
+    mib = zlib.crc32(bytes(1 << 20))
+    raw_crc = crc32_join([(mib, 1 << 20)] * (2 * numel >> 20) + [(zlib.crc32(bytes(2 * numel % (1 << 20))),
+                                                                 2 * numel % (1 << 20))])
+    e.update(shape=[numel], raw_length=2 * numel, length=len(stored), crc32=zlib.crc32(stored), raw_crc32=raw_crc)
+    e["encoding"]["configuration"].update(n=numel, streams=layout.stream_offsets())
+    e["encoding"]["at_rest"]["configuration"].update(streams=list(streams), frame_size=frame_size, frames=frames)
+
+
+def _expansion_bomb(parts: Parts) -> None:
+    """``zeros`` restaged with ``sm`` compressed too: its payload becomes over 200 times its stored bytes."""
+    restage_zeros(parts, "zeros", 64 * 128, ("pk", "sm"))
+
+
 def forged_cases() -> list[Forged]:
     """Files a reader must read although this writer never makes them, then files it must refuse (one broken rule
     each; every checksum but the one a case is about recomputed, so each file reaches the check it targets)."""
@@ -633,7 +677,10 @@ def forged_cases() -> list[Forged]:
                _corrupt_frame, r("PayloadError", "decode", "zstd frame is corrupt")),
         Forged("at_rest_bomb", "1.1: a frame that declares 64 MiB where the layout gives it 10 kB", "at_rest_zstd",
                _frame_bomb, r("PayloadError", "decode", "declares 67108864 bytes")),
-        Forged("header_bomb", "1.1: a header through zstd that declares 64 MiB (past 64 times its size + 1 MiB)",
+        Forged("at_rest_expansion", "1.1: an all-zero tensor whose pk and sm are both zstd frames: 46 stored bytes "
+               "for a 12,288-byte payload, past the 8x bound", "at_rest_zeros", _expansion_bomb,
+               r("HeaderError", "open", "decompression bomb")),
+        Forged("header_bomb", "1.1: a header through zstd that declares 64 MiB (past 16 times its size + 1 MiB)",
                "at_rest_zstd", lambda parts: setattr(parts, "header_bytes", A.compress_frame(bytes(64 << 20), 19)),
                r("HeaderError", "open", "more than the limit")),
         Forged("small_alignment", "1.1: small_alignment 8, under the 16 the batched decoder needs", "at_rest_zstd",

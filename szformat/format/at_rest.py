@@ -30,7 +30,7 @@ from ..codec.layout import PayloadLayout
 
 __all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
-           "MAX_FRAME_SIZE", "ZstdStage", "Segment", "AtRestError", "check_frame_size", "parse_at_rest",
+           "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size", "parse_at_rest",
            "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress", "inflate",
            "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
            "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
@@ -67,6 +67,14 @@ share one large tensor, large enough that the per-frame cost (header, checksum, 
 MIN_FRAME_SIZE = 1 << 12
 MAX_FRAME_SIZE = 1 << 26
 """Bounds on ``frame_size``: they bound both the header's frame list and the memory one frame may claim."""
+
+MAX_EXPANSION = 8
+"""A staged payload's in-memory bytes are at most this many times its stored bytes, so no file is a decompression
+bomb: the memory a read can cost is a stated multiple of the bytes the file holds (the tensor's raw bytes are at most
+4/3 of its in-memory payload, so at most ~11x its stored bytes). The writer's payloads stay under 1.6: ``sm``, two
+thirds of the payload, is stored verbatim, and the escape streams are compressed only under the at-rest coverage
+gate. A frame may shrink far more (``pk`` of an all-zero tensor, ~20,000x): the bound is per tensor, and checked
+from the header, before a frame is read."""
 
 _MAX_WINDOW = MAX_FRAME_SIZE
 """A frame never needs a window larger than its content; a hostile frame asking for more is refused by zstd."""
@@ -218,6 +226,9 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
     stored = _stored_length(layout, stage)
     if stored != length:
         raise AtRestError(f"frames and verbatim streams add up to {stored} stored bytes, the entry records {length}")
+    if layout.comp_bytes > MAX_EXPANSION * length:
+        raise AtRestError(f"{length} stored bytes would inflate to {layout.comp_bytes}, more than {MAX_EXPANSION} "
+                          "times as many; refusing a decompression bomb")
     return stage
 
 
@@ -267,7 +278,16 @@ def compress(payload: torch.Tensor, layout: PayloadLayout, *, level: int = DEFAU
     """
     check_frame_size(frame_size)
     streams = writer_streams(layout) if streams is None else tuple(s for s in STREAMS if s in streams)
-    data = memoryview(payload.numpy())
+    parts, stage = _compress(memoryview(payload.numpy()), layout, level, frame_size, streams)
+    if streams != DEFAULT_STREAMS and layout.comp_bytes > MAX_EXPANSION * sum(map(len, parts)):
+        parts, stage = _compress(memoryview(payload.numpy()), layout, level, frame_size, DEFAULT_STREAMS)
+    return parts, stage
+
+
+def _compress(data: memoryview, layout: PayloadLayout, level: int, frame_size: int,
+              streams: tuple[str, ...]) -> tuple[list[memoryview | bytes], ZstdStage]:
+    """:func:`compress` with the given streams. With ``sm`` verbatim (two thirds of a payload) the stored bytes
+    always respect :data:`MAX_EXPANSION`; with more streams compressed the caller checks."""
     compressor = zstandard.ZstdCompressor(level=level, write_checksum=True, write_content_size=True)
     parts: list[memoryview | bytes] = []
     frames: list[int] = []

@@ -16,11 +16,11 @@ from typing import Sequence
 import torch
 
 from ..codec import cpu as cpu_codec
-from ..errors import PayloadError, SzformatError
+from ..errors import PayloadError, SzformatError, TensorAllocationError
 from . import at_rest
 from .header import TensorEntry
 
-__all__ = ["payload_errors", "decode_entry", "inflate_entry"]
+__all__ = ["payload_errors", "allocation_errors", "decode_entry", "inflate_entry"]
 
 
 @contextlib.contextmanager
@@ -32,6 +32,23 @@ def payload_errors(path: str | os.PathLike, tensor: str) -> Iterator[None]:
         raise
     except (ValueError, at_rest.AtRestError) as e:
         raise PayloadError(str(e), path=path, tensor=tensor) from None
+
+
+@contextlib.contextmanager
+def allocation_errors(path: str | os.PathLike, tensor: str) -> Iterator[None]:
+    """Turn a failed allocation while a tensor is read (``MemoryError``, torch's ``RuntimeError`` from its CPU
+    allocator, ``torch.OutOfMemoryError``) into :class:`TensorAllocationError` naming the file and the tensor."""
+    try:
+        yield
+    except SzformatError:
+        raise
+    except MemoryError as e:
+        raise TensorAllocationError(f"out of memory ({e})", path=path, tensor=tensor) from None
+    except RuntimeError as e:
+        if not isinstance(e, getattr(torch, "OutOfMemoryError", ())) and "allocate" not in str(e):
+            raise
+        raise TensorAllocationError(f"out of memory ({str(e).strip().splitlines()[-1]})", path=path,
+                                    tensor=tensor) from None
 
 
 def decode_entry(path: str | os.PathLike, entry: TensorEntry, payload: torch.Tensor, out: torch.Tensor, *,

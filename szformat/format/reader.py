@@ -157,9 +157,8 @@ class SztFile:
 
     def _inflate_header(self, stored: bytes) -> bytes:
         """The msgpack header held in a zstd-stored header (1.1), with its size bounded before it is allocated."""
-        limit = min(C.MAX_HEADER_BYTES, C.HEADER_INFLATE_FACTOR * len(stored) + (1 << 20))
         try:
-            return bytes(at_rest.inflate_bounded(stored, limit))
+            return bytes(at_rest.inflate_bounded(stored, C.header_inflate_limit(len(stored))))
         except at_rest.AtRestError as e:
             raise HeaderError(f"zstd-stored header: {e}", path=self.path) from None
 

@@ -195,7 +195,7 @@ class SztWriter:
             flags = 0
             if self.compress_header:
                 stored = at_rest_stage.compress_frame(header)
-                if len(stored) < len(header):
+                if len(stored) < len(header) <= C.header_inflate_limit(len(stored)):
                     header, flags = stored, C.FLAG_HEADER_ZSTD
             header_offset = self._cursor
             self._write(header)

@@ -39,7 +39,7 @@ from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
 from ..errors import PayloadError
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
-from ..format.payloads import inflate_entry
+from ..format.payloads import allocation_errors, inflate_entry
 from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
@@ -136,6 +136,11 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
     """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
     bytes around the streams (padding, escape streams) read now and the streams left to the ranges; at rest, the
     stored bytes read whole, checked, and inflated."""
+    with allocation_errors(file.path, entry.name):
+        return _new_job(file, entry, check_stored, check_decoded)
+
+
+def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool) -> _Job:
     dtype = entry.torch_dtype(file.path)
     if entry.encoding == ENCODING_RAW:
         out = torch.empty(entry.length, dtype=torch.uint8)

@@ -20,7 +20,7 @@ import torch
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
-from ..format.payloads import decode_entry, inflate_entry
+from ..format.payloads import allocation_errors, decode_entry, inflate_entry
 from ..format.reader import SztFile, check_crc
 from .host_decode import decode_entries
 
@@ -106,6 +106,10 @@ class HostReader:
 
     def rows(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
+        with allocation_errors(self.file.path, entry.name):
+            return self._rows(entry, row_start, row_stop)
+
+    def _rows(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
         dtype = entry.torch_dtype(self.file.path)
         row_shape = entry.shape[1:]
         row_numel = math.prod(row_shape)

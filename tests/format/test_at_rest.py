@@ -8,6 +8,8 @@ the forge can edit it; the header through zstd has cases of its own at the end.
 
 from __future__ import annotations
 
+import subprocess
+import sys
 from pathlib import Path
 
 import msgpack
@@ -19,13 +21,15 @@ import szformat
 from szformat.format.writer import tensor_bytes, write_tensor
 from szformat.cli.main import main as szconvert
 from szformat.convert import decompress, repack, verify
+from szformat.codec.layout import PayloadLayout
 from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRouteError, HeaderError, PayloadError,
-                             UnknownEncodingError, UnsupportedVersionError)
+                             TensorAllocationError, UnknownEncodingError, UnsupportedVersionError)
 from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
 from szformat.format.writer import SztWriter
 from support import Forge, peak_memory, refused
+from tools.make_vectors import Parts, restage_zeros
 
 
 FRAME = at_rest.MIN_FRAME_SIZE
@@ -266,6 +270,57 @@ def test_a_decompression_bomb_is_refused_before_anything_is_allocated(forge, bad
     assert peak_memory(lambda: pytest.raises(PayloadError, szformat.load_file, path)) < 4 << 20
 
 
+def test_a_tiny_file_that_would_inflate_to_gigabytes_is_refused_from_its_header(tmp_path):
+    """Every frame declares its true size and checksum, yet 48 kB of frames would inflate to 1.5 GiB and decode to
+    2 GiB: the 8x bound on a staged payload refuses it at open, under a memory ceiling far below what it claims."""
+    zeros = write_at_rest({"zeros": torch.zeros(4096, dtype=torch.bfloat16)}, tmp_path / "zeros.szt")
+    parts = Parts.of(zeros.read_bytes())
+    restage_zeros(parts, "zeros", 1 << 30, ("pk", "sm"))
+    bomb = tmp_path / "bomb.szt"
+    bomb.write_bytes(parts.to_bytes())
+    assert bomb.stat().st_size < 100_000
+    refused(bomb, HeaderError, "would inflate to 1610612736", "decompression bomb", tensor="zeros")
+    script = f"""
+import resource, sys, szformat
+from szformat.errors import HeaderError
+szformat.load_file({str(zeros)!r})  # every module a load needs imported before the ceiling is set
+with open("/proc/self/status") as status:
+    size = next(int(line.split()[1]) * 1024 for line in status if line.startswith("VmSize:"))
+resource.setrlimit(resource.RLIMIT_AS, (size + (256 << 20),) * 2)  # far under the 3.5 GiB the file claims
+try:
+    szformat.load_file({str(bomb)!r})
+except HeaderError as e:
+    sys.exit(0 if "decompression bomb" in str(e) else 1)
+sys.exit(2)
+"""
+    assert subprocess.run([sys.executable, "-c", script], timeout=120).returncode == 0
+
+
+def test_the_writer_keeps_a_staged_payload_within_the_bound():
+    """Asked to compress ``sm`` too, the writer stores it verbatim where the bound would break (all zeros)."""
+    layout = PayloadLayout(n=1 << 16, n_esc=0)
+    parts, stage = at_rest.compress(torch.zeros(layout.comp_bytes, dtype=torch.uint8), layout, streams=("pk", "sm"))
+    assert stage.streams == ("pk",)
+    assert layout.comp_bytes <= at_rest.MAX_EXPANSION * sum(map(len, parts))
+    noise = torch.randint(0, 256, (layout.comp_bytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(5))
+    assert at_rest.compress(noise, layout, streams=("pk", "sm"))[1].streams == ("pk", "sm")  # within it: as asked
+
+
+def test_an_allocation_that_fails_is_the_packages_error(valid_file, monkeypatch):
+    """A valid file on a machine too small for a tensor: TensorAllocationError (a MemoryError) naming both."""
+    import szformat.loading.host_reader as host_reader
+
+    def empty(*args, **kwargs):
+        raise RuntimeError("[enforce fail at alloc_cpu.cpp:117] DefaultCPUAllocator: can't allocate memory: you "
+                           "tried to allocate 17179869184 bytes.")
+
+    monkeypatch.setattr(host_reader.torch, "empty", empty)
+    with szformat.safe_open(valid_file, "pt") as f, pytest.raises(TensorAllocationError) as info:
+        f.get_tensor("w")
+    assert isinstance(info.value, MemoryError) and info.value.tensor == "w" and "valid.szt" in str(info.value)
+    assert "can't allocate memory" in str(info.value)
+
+
 def test_a_frame_without_content_size_or_checksum(forge, bad):
     data = bytes(FRAME)
     _replace_frame(forge, "w", 0, _streamed(data))
@@ -352,11 +407,30 @@ def test_bad_zstd_headers(forge, bad, stored, reason):
 
 
 def test_a_header_bomb_is_refused_before_it_is_allocated(forge, bad):
-    """A 4 KB frame declaring 64 MiB of header: more than 64x its size plus 1 MiB."""
+    """A 4 KB frame declaring 64 MiB of header: more than 16x its size plus 1 MiB."""
     bomb = at_rest.compress_frame(bytes(64 << 20), level=19)
     path = forge.write(bad, minor=1, flags=1, header_bytes=bomb)
     refused(path, HeaderError, "declares 67108864 bytes, more than the limit")
     assert peak_memory(lambda: pytest.raises(HeaderError, szformat.load_file, path)) < 4 << 20
+
+
+def test_a_header_of_small_strings_that_would_cost_far_more_than_its_file_is_refused(forge, bad):
+    """A header of two-character strings under an unknown key inflates 17x: past the bound, refused before it is
+    inflated (parsed, it would cost ~24x its msgpack bytes)."""
+    strings = [f"{i % 2500:04x}"[:2] for i in range(1 << 20)]
+    header = msgpack.packb({"tensors": forge.header["tensors"], "padding": strings})
+    stored = at_rest.compress_frame(header, level=19)
+    assert len(header) > C.HEADER_INFLATE_FACTOR * len(stored) + (1 << 20)
+    refused(forge.write(bad, minor=1, flags=1, header_bytes=stored), HeaderError, "more than the limit")
+
+
+def test_a_header_that_shrinks_past_the_bound_is_written_as_plain_msgpack(tmp_path):
+    """20,000 empty tensors named alike make a header that zstd shrinks ~120x: the writer stores it as it is, and
+    the file reads back."""
+    tensors = {f"model.layers.{i}.weight": torch.zeros(0) for i in range(20_000)}
+    path = write_at_rest(tensors, tmp_path / "many.szt")
+    with SztFile(path) as f:
+        assert f.flags == 0 and len(f.header.tensors) == 20_000
 
 
 def test_descriptors_of_tensors_at_rest_are_refused(valid_file):

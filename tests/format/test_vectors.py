@@ -236,7 +236,7 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     _require(zlib.crc32(data[h_off:]) == h_crc, "header checksum")
     stored_header = data[h_off:]
     if flags & 1:  # 1.1: the header through zstd, one frame with its size (bounded) and a checksum
-        stored_header = _spec_zstd_frame(stored_header, limit=min(100 << 20, 64 * h_len + (1 << 20)))
+        stored_header = _spec_zstd_frame(stored_header, limit=min(100 << 20, 16 * h_len + (1 << 20)))
     try:
         header = msgpack.unpackb(stored_header, raw=False, strict_map_key=True, object_pairs_hook=_no_repeats)
     except (ValueError, TypeError, msgpack.ExtraData) as e:  # invalid UTF-8 is a ValueError too
@@ -352,6 +352,7 @@ def _spec_at_rest_config(stage: object, config: dict, length: int) -> None:
     extents = dict(_spec_extents(config))
     _require(len(frames) == sum(-(-extents[s] // frame_size) for s in streams), "frame count")
     _require(sum(frames) + sum(n for s, n in extents.items() if s not in streams) == length, "stored length")
+    _require(sum(extents.values()) <= 8 * length, "in-memory payload at most 8 times the stored bytes")
 
 
 def _spec_zstd_frame(frame: bytes, *, limit: int, exact: bool = False) -> bytes:
