@@ -37,7 +37,7 @@ def test_the_wheel_holds_the_package_and_nothing_of_the_checkout(wheel):
     assert not [n for n in names if n.startswith(("bench/", "tools/", "tests/"))]
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
-    assert "szconvert = szformat.cli.main:main" in text and "szt = szformat.integrations.vllm:register" in text
+    assert "szconvert = szformat.cli:main" in text and "szt = szformat.integrations.vllm:register" in text
 
 
 def test_the_wheel_installs_into_a_fresh_environment_and_runs(wheel, tmp_path):

@@ -5,6 +5,11 @@ manager's stop, a closed terminal). Raised as :class:`Terminated`, a ``KeyboardI
 the same ``finally`` and ``except BaseException`` blocks as Ctrl-C does. A second signal while that runs is ignored,
 so the clean-up finishes; SIGKILL cannot be caught, and the next writer to the same output removes what it left
 (:mod:`szformat.format.atomic`).
+
+A signal that arrives while a module is being imported is held until the import is over: an exception raised in
+the middle of an import leaves the module half-initialised (NumPy's lazily imported ``np.matrix`` missing, say),
+and the clean-up that follows would fail on it with a traceback instead of the one line. Ctrl-C is handled the same
+way within the block.
 """
 
 from __future__ import annotations
@@ -14,7 +19,9 @@ import signal
 import threading
 from typing import Iterator
 
-HANDLED = tuple(getattr(signal, name) for name in ("SIGTERM", "SIGHUP") if hasattr(signal, name))
+HANDLED = tuple(getattr(signal, name) for name in ("SIGINT", "SIGTERM", "SIGHUP") if hasattr(signal, name))
+RETRY_SECONDS = 0.02
+"""How often a signal held during an import looks again whether the import is over."""
 
 
 class Terminated(KeyboardInterrupt):
@@ -25,10 +32,34 @@ class Terminated(KeyboardInterrupt):
         self.signum = signum
 
 
+_held: list[int] = []
+"""The signal held while an import runs (at most one: the first)."""
+
+
+def _importing(frame) -> bool:
+    """Whether ``frame`` (where the main thread was interrupted) runs inside an import."""
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib"):
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _terminate(signum: int, frame) -> None:
+    if _importing(frame) and hasattr(signal, "setitimer"):
+        if not _held:
+            _held.append(signum)
+        signal.setitimer(signal.ITIMER_REAL, RETRY_SECONDS)
+        return
     for handled in HANDLED:
         signal.signal(handled, signal.SIG_IGN)
     raise Terminated(signum)
+
+
+def _retry(signum: int, frame) -> None:
+    """SIGALRM: raise the held signal now, unless the import is still running."""
+    if _held:
+        _terminate(_held[0], frame)
 
 
 @contextlib.contextmanager
@@ -43,9 +74,14 @@ def termination_as_interrupt() -> Iterator[None]:
         return
     previous = {signum: signal.signal(signum, _terminate) for signum in HANDLED
                 if signal.getsignal(signum) is not signal.SIG_IGN}
+    if hasattr(signal, "SIGALRM"):
+        previous[signal.SIGALRM] = signal.signal(signal.SIGALRM, _retry)
     try:
         yield
     finally:
+        if hasattr(signal, "setitimer"):
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        _held.clear()
         for signum, handler in previous.items():
             signal.signal(signum, handler)
 

@@ -178,6 +178,29 @@ def test_a_stopping_signal_removes_the_temporaries_and_prints_one_line(tmp_path,
     assert listing(tmp_path) == before
 
 
+@pytest.mark.skipif(os.name != "posix", reason="POSIX signals")
+@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_during_an_import_is_held_until_the_import_is_over(tmp_path, signum):
+    """A module that receives the signal halfway through its import still finishes it (an exception raised inside
+    an import leaves a half-initialised module that the clean-up would trip on); the signal is raised right after."""
+    (tmp_path / "slow_module.py").write_text(
+        "import os, signal, time\n"
+        f"os.kill(os.getpid(), {int(signum)})\n"
+        "time.sleep(0.3)\n"
+        "COMPLETE = True\n")
+    code = ("import sys, time\n"
+            "from szformat.cli._signals import Terminated, termination_as_interrupt\n"
+            "try:\n"
+            "    with termination_as_interrupt():\n"
+            "        import slow_module\n"
+            "        time.sleep(5)\n"
+            "except Terminated as e:\n"
+            "    print(e.signum, sys.modules['slow_module'].COMPLETE)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stdout, done.stderr) == (0, f"{int(signum)} True\n", "")
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="process probing through /proc")
 @pytest.mark.parametrize("layout", ["file", "folder"])
 def test_the_next_run_removes_what_a_killed_writer_left(tmp_path, layout):
