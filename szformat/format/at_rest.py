@@ -348,6 +348,10 @@ def _check_frame(frame: memoryview, size: int) -> None:
             else f"zstd frame declares {params.content_size} bytes, the layout gives it {size}")
     if not params.has_checksum:
         raise AtRestError("zstd frame carries no content checksum")
+    if params.dict_id:
+        raise AtRestError(f"zstd frame names dictionary {params.dict_id}; frames are independent")
+    if params.window_size > _MAX_WINDOW:
+        raise AtRestError(f"zstd frame asks for a window of {params.window_size} bytes, more than {_MAX_WINDOW}")
     walked = frame_compressed_size(frame, has_checksum=True)
     if walked != len(frame):
         raise AtRestError(f"zstd frame is {walked} bytes long, the header records {len(frame)}")

@@ -330,6 +330,21 @@ def test_a_frame_without_content_size_or_checksum(forge, bad):
     refused(forge.write(bad, minor=1), PayloadError, "carries no content checksum", tensor="w")
 
 
+def test_a_frame_that_names_a_dictionary_or_asks_for_a_large_window(forge, bad):
+    """Both refused from the frame header: frames are independent, and none needs a window past 64 MiB."""
+    data = bytes(range(256)) * (FRAME // 256)
+    samples = [bytes([i % 7]) * 100 + bytes(range(i % 50)) for i in range(2000)]
+    dictionary = zstandard.train_dictionary(2048, samples)
+    named = zstandard.ZstdCompressor(dict_data=dictionary, write_checksum=True).compress(data)
+    _replace_frame(forge, "w", 0, named)
+    refused(forge.write(bad, minor=1), PayloadError, f"names dictionary {dictionary.dict_id()}", tensor="w")
+    single = at_rest.compress_frame(data)
+    assert single[4] & 0x20  # the single-segment flag: no window descriptor, the window is the content
+    wide = single[:4] + bytes([single[4] & ~0x20, 17 << 3]) + single[5:]  # a window descriptor of 2^27 bytes
+    _replace_frame(forge, "w", 0, wide)
+    refused(forge.write(bad, minor=1), PayloadError, "asks for a window of 134217728 bytes", tensor="w")
+
+
 def test_not_a_zstd_frame(forge, bad):
     _replace_frame(forge, "w", 3, b"\x00" * 64)
     refused(forge.write(bad, minor=1), PayloadError, "not a zstd frame", tensor="w")
