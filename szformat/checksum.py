@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
 from zlib_ng import zlib_ng
+from ._lazy import torch
 
 __all__ = ["crc32", "crc32_combine", "crc32_join", "tensor_crc32"]
 

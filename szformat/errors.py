@@ -204,8 +204,8 @@ class OutputExistsError(WriteError, FileExistsError):
     """Raised when an output exists and may not be replaced (``overwrite`` is off), found before writing or at the
     end, when another writer created it first."""
 
-    def __init__(self, path: str | os.PathLike):
-        super().__init__("exists; pass --overwrite (overwrite=True) to replace it", path=path)
+    def __init__(self, path: str | os.PathLike, *, option: str = "overwrite=True"):
+        super().__init__(f"exists; pass {option} to replace it", path=path)
         self.errno, self.strerror, self.filename = errno.EEXIST, os.strerror(errno.EEXIST), os.fspath(path)
 
     def __str__(self) -> str:  # OSError would format errno, strerror and filename instead of the message

@@ -14,6 +14,7 @@ examples:
   szconvert info model.szt
   szconvert info ./model-szt                        every .szt file of a converted folder, and the total
   szconvert info model.szt --json                   the same as JSON, for scripts
+  szconvert info a.szt b.szt                        several, one after another (--json: a list)
 
 Exit status: 1 when an index names a shard that is missing, or a tensor its shard does not hold.
 """
@@ -26,16 +27,16 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                     "a *.szt.index.json sharded checkpoint or a converted folder, and a table of its tensors. The "
                     "ratio compares the file on disk with the .safetensors file it decompresses to; the payload "
                     "ratio counts tensor bytes alone.")
-    parser.add_argument("path", help=SZT_PATH_HELP)
+    parser.add_argument("paths", nargs="+", metavar="path", help=SZT_PATH_HELP)
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of text")
 
 
 def run(args: argparse.Namespace) -> int:
     from ..convert.info import describe, describe_lines
 
-    description = describe(args.path)
+    descriptions = [describe(path) for path in args.paths]
     if args.json:
-        print(json.dumps(description, indent=2, ensure_ascii=False))
+        print(json.dumps(descriptions[0] if len(descriptions) == 1 else descriptions, indent=2, ensure_ascii=False))
     else:
-        print_lines(describe_lines(description))
+        print_lines([line for i, d in enumerate(descriptions) for line in ([""] if i else []) + describe_lines(d)])
     return 0

@@ -22,12 +22,14 @@ import sys
 from typing import Sequence
 
 from .. import __version__
-from ..errors import SzformatError
+from ..errors import OutputExistsError, SzformatError
 from . import convert, decompress, info, repack, verify
 from ._signals import exit_status, termination_as_interrupt
 
 COMMANDS = {module.NAME: module for module in (convert, decompress, info, repack, verify)}
 DEFAULT_COMMAND = convert.NAME
+WRITING_COMMANDS = frozenset({convert.NAME, decompress.NAME, repack.NAME})
+"""Commands that write an output: an interruption of one says that none was left half-written."""
 DEBUG_VARIABLE = "SZFORMAT_DEBUG"
 CLOSED_PIPE_STATUS = 128 + 13
 """What a shell reports for a command that a closed pipe stopped (SIGPIPE), as for ``cat``, ``ls`` and friends."""
@@ -110,7 +112,8 @@ def _run(argv: list[str]) -> int:
         if done:  # the work is done: say so and succeed, or a script would run it again into "exists"
             print(f"szconvert: {what} after the output was complete: {done[-1]} (kept)", file=sys.stderr)
             return 0
-        print(f"szconvert: {what}; no partial output was left", file=sys.stderr)
+        left = "; no partial output was left" if command in WRITING_COMMANDS else ""
+        print(f"szconvert: {what}{left}", file=sys.stderr)
         return status
 
 
@@ -180,6 +183,8 @@ def _discard_stdout() -> None:
 
 def describe_error(error: Exception) -> str:
     """One line for a known error: szformat's own messages name file and tensor; OS errors their path."""
+    if isinstance(error, OutputExistsError):  # the API's own words name its argument; here, the option
+        return str(OutputExistsError(error.filename, option="--overwrite"))
     if isinstance(error, SzformatError):
         return str(error)
     if isinstance(error, OSError) and error.filename:

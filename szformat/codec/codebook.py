@@ -5,8 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-import torch
 
+from .._lazy import torch
 from .layout import ESCAPE_CODE, N_CODES
 
 COVERAGE_GATE = 0.99

@@ -49,6 +49,7 @@ from typing import Iterator, Sequence
 import numpy as np
 import torch
 
+from .gate import RoundTripMismatch
 from ..checksum import crc32, crc32_combine, crc32_join
 from .codebook import Codebook, codebook_from_histogram
 from .layout import ESCAPE_CODE, PayloadLayout
@@ -197,10 +198,6 @@ def _exponent_codes(dec_lut: tuple[int, ...], n_used: int) -> np.ndarray:
     code = np.full(256, ESCAPE_CODE, dtype=np.uint8)
     code[list(dec_lut[:n_used])] = np.arange(n_used, dtype=np.uint8)
     return code
-
-
-class RoundTripMismatch(ValueError):
-    """A payload did not decode bit for bit to its source tensor."""
 
 
 @functools.lru_cache(maxsize=16)

@@ -16,6 +16,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+ENCODING_SPLITZIP = "splitzip"
+ENCODING_RAW = "raw"
+"""The names a tensor's encoding goes by: SplitZip's payload, or the tensor's own bytes."""
+
 CHUNK_SIZE = 1024
 """Escape positions are stored as (chunk index, position inside the chunk) with this chunk size."""
 

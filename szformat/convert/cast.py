@@ -12,8 +12,7 @@ from __future__ import annotations
 
 from typing import Iterable
 
-import torch
-
+from .._lazy import torch
 from ..format import constants as C
 from .sources import SourceTensor
 

@@ -94,12 +94,34 @@ def find_files(path: str | os.PathLike, suffix: str, *, magic: bytes | None = No
     if magic is not None:
         raise ConversionError(f"not a {suffix} file (it does not start with the {suffix} magic bytes), nor a "
                               f"*{suffix}{INDEX_TAIL} index or a folder", path=path)
-    raise ConversionError(f"expected a {suffix} file, a *{suffix}{INDEX_TAIL} index or a model folder", path=path)
+    raise ConversionError(f"expected a {suffix} file, a *{suffix}{INDEX_TAIL} index or a model folder"
+                          f"{_what_it_is(path)}", path=path)
 
 
 def _starts_with(path: Path, magic: bytes) -> bool:
     with open(path, "rb") as f:
         return f.read(len(magic)) == magic
+
+
+SZT_MAGIC = b"\x89SZT\r\n\x1a\n"
+"""The first bytes of a .szt file (:data:`szformat.format.constants.MAGIC`; repeated here so that telling a user what
+a file is imports no torch)."""
+
+
+def _what_it_is(path: Path) -> str:
+    """A hint for a file given under a name that does not say what it holds: a .szt file, or safetensors data (an
+    8-byte little-endian header length, then a JSON object) under another suffix."""
+    try:
+        with open(path, "rb") as f:
+            head = f.read(9)
+    except OSError:
+        return ""
+    if head[: len(SZT_MAGIC)] == SZT_MAGIC:
+        return (f"; it is a .szt file already: 'szconvert decompress {path} OUT.safetensors' turns it back, "
+                f"'szconvert info {path}' shows what it holds")
+    if len(head) == 9 and head[8:] == b"{" and 0 < int.from_bytes(head[:8], "little") < path.stat().st_size:
+        return f"; it holds safetensors data: rename it to {path.stem}.safetensors"
+    return ""
 
 
 def _find_in_folder(folder: Path, suffix: str) -> CheckpointFiles:

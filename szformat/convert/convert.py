@@ -13,14 +13,11 @@ import os
 from collections import Counter
 from pathlib import Path
 
-import torch
-
-from ..format.writer import write_tensor
-from ..codec.cpu import one_intra_op_thread
+from .._lazy import cpu_codec, torch
 from ..codec.gate import CodecBackend
 from ..errors import ConversionError
 from ..format import constants as C
-from ..format.writer import SztWriter, writer_form
+from ..format.writer import SztWriter, write_tensor, writer_form
 from .cast import CAST_TARGETS, cast_dtypes, cast_metadata, cast_to_bf16
 from .device import codec_for
 from .driver import TensorDone, run_pass
@@ -101,7 +98,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     # The codec's ops on one intra-op thread, and the CRC-32s on a thread of their own beside it (codec/gate.py):
     # sharing the cores with PyTorch's intra-op threads too made every elementwise op wait for a descheduled thread
     # (bench/convert.py: 2 cores, 11-13 s against 9 s).
-    with one_intra_op_thread():
+    with cpu_codec.one_intra_op_thread():
         report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,
                           write_file=write_file, overwrite=overwrite, progress=progress, description="converting")
     report.cast_from = dict(sorted(cast_counts.items()))

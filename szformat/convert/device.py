@@ -10,10 +10,9 @@ import importlib
 import importlib.util
 from types import ModuleType
 
-import torch
-
 from .._install import install_hint
-from ..codec import cpu
+from .._lazy import cpu_codec as cpu
+from .._lazy import torch
 from ..codec.gate import CodecBackend
 from ..errors import DecodeRouteError
 

@@ -9,8 +9,7 @@ from __future__ import annotations
 
 from typing import Iterator
 
-import torch
-
+from .._lazy import torch
 from ..checksum import crc32
 from ..errors import ChecksumMismatchError
 from ..format import constants as C

@@ -15,8 +15,8 @@ import os
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
+from .._lazy import torch
 from ..errors import ConversionError
 from ..format import constants as C
 from .outputs import OutputFile

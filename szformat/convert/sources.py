@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Iterator
 
-import torch
 
+from .._lazy import torch
 from ..errors import ConversionError, SzformatError, TruncatedFileError
 from ..format import constants as C
 from ..format.header import validate_metadata, validate_name, validate_shape
@@ -143,8 +143,8 @@ def _parse_tensor(name: str, info: Any, *, path) -> SourceTensor:
         raise ConversionError("header entry must be an object with dtype, shape and data_offsets", path=path,
                               tensor=name)
     dtype, shape, offsets = info.get("dtype"), info.get("shape"), info.get("data_offsets")
-    if dtype not in C.DTYPES:
-        raise ConversionError(f"dtype {dtype!r} is not supported (supported: {', '.join(C.DTYPES)})", path=path,
+    if dtype not in C.ITEMSIZE:
+        raise ConversionError(f"dtype {dtype!r} is not supported (supported: {', '.join(C.ITEMSIZE)})", path=path,
                               tensor=name)
     try:
         numel = validate_shape(shape)

@@ -42,6 +42,9 @@ class VerifyReport:
     """What was checked and what is wrong; ``ok`` when nothing is."""
 
     files: int = 0
+    """.szt files looked at, those that would not open included."""
+    unreadable: int = 0
+    """Of them, the ones that would not open (their tensors are not counted)."""
     tensors: int = 0
     raw_bytes: int = 0
     seconds: float = 0.0
@@ -52,8 +55,9 @@ class VerifyReport:
         return not self.problems
 
     def summary(self) -> list[str]:
-        checked = (f"{self.tensors} tensors ({format_bytes(self.raw_bytes)} raw) in {self.files} file(s), "
-                   f"{self.seconds:.1f} s")
+        unreadable = f" ({self.unreadable} would not open)" if self.unreadable else ""
+        checked = (f"{self.tensors} tensors ({format_bytes(self.raw_bytes)} raw) in {self.files} file(s)"
+                   f"{unreadable}, {self.seconds:.1f} s")
         if self.ok:
             return [f"OK: {checked}"]
         return [f"FAILED: {len(self.problems)} problem(s) in {checked}"] + [f"  {p}" for p in self.problems]
@@ -85,7 +89,9 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
                 sizes[rel] = {e.name: e.raw_length for e in szt.entries.values()}
         except (SzformatError, OSError) as e:
             sizes[rel] = None
+            report.unreadable += 1
             report.problems.append(Problem(rel, None, _reason(e)))
+    report.files = len(files.weights)
     by_folder = defaultdict(list)
     for rel in files.indexes:
         by_folder[posixpath.dirname(rel)].append(posixpath.basename(rel))
@@ -103,7 +109,6 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     total = sum(sum(sizes[rel].values()) for rel in readable)
     with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
-            report.files += 1
             with SztFile(files.root / rel) as szt:
                 for entry in szt.entries.values():
                     report.tensors += 1

@@ -23,15 +23,15 @@ import threading
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Sequence
 
-import torch
 import zstandard
 
+from .._lazy import torch
 from ..codec.layout import PayloadLayout
 
 __all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
-           "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size", "parse_at_rest",
-           "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress", "inflate",
+           "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size",
+           "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress", "inflate",
            "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
            "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
 

@@ -6,10 +6,9 @@ The reader, the writer and ``spec/szt-v1.md`` say the same thing; this module is
 from __future__ import annotations
 
 import struct
+from typing import Any
 
-import torch
-
-from ..codec.gate import ENCODING_RAW, ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_RAW, ENCODING_SPLITZIP
 
 MAGIC = b"\x89SZT\r\n\x1a\n"
 """Eight bytes at offset 0. The high byte and the CR LF / ^Z / LF tail catch text-mode and 7-bit transfers."""
@@ -88,35 +87,40 @@ ENCODINGS = (ENCODING_SPLITZIP, ENCODING_RAW)
 INDEX_SUFFIX = ".szt.index.json"
 FILE_SUFFIX = ".szt"
 
-DTYPES: dict[str, tuple[torch.dtype | None, int]] = {
-    "BOOL": (torch.bool, 1),
-    "U8": (torch.uint8, 1),
-    "I8": (torch.int8, 1),
-    "I16": (torch.int16, 2),
-    "U16": (getattr(torch, "uint16", None), 2),
-    "F16": (torch.float16, 2),
-    "BF16": (torch.bfloat16, 2),
-    "I32": (torch.int32, 4),
-    "U32": (getattr(torch, "uint32", None), 4),
-    "F32": (torch.float32, 4),
-    "F64": (torch.float64, 8),
-    "I64": (torch.int64, 8),
-    "U64": (getattr(torch, "uint64", None), 8),
-    "F8_E4M3": (getattr(torch, "float8_e4m3fn", None), 1),
-    "F8_E5M2": (getattr(torch, "float8_e5m2", None), 1),
-    "F8_E8M0": (getattr(torch, "float8_e8m0fnu", None), 1),
-    "F8_E4M3FNUZ": (getattr(torch, "float8_e4m3fnuz", None), 1),
-    "F8_E5M2FNUZ": (getattr(torch, "float8_e5m2fnuz", None), 1),
-    "C64": (torch.complex64, 8),
+ITEMSIZE: dict[str, int] = {
+    "BOOL": 1, "U8": 1, "I8": 1, "I16": 2, "U16": 2, "F16": 2, "BF16": 2, "I32": 4, "U32": 4, "F32": 4, "F64": 8,
+    "I64": 8, "U64": 8, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1, "F8_E4M3FNUZ": 1, "F8_E5M2FNUZ": 1, "C64": 8,
 }
-"""safetensors dtype name -> (torch dtype or None where this torch lacks it, bytes per element)."""
+"""safetensors dtype name -> bytes per element: every dtype a .szt file may hold, in safetensors' order."""
 
-TORCH_TO_DTYPE: dict[torch.dtype, str] = {dt: name for name, (dt, _) in DTYPES.items() if dt is not None}
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
+    "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "F64": "float64", "I64": "int64",
+    "U64": "uint64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2", "F8_E8M0": "float8_e8m0fnu",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "C64": "complex64",
+}
+"""safetensors dtype name -> the torch attribute of the same dtype (wide unsigned and float8 ones are recent)."""
+
+
+def __getattr__(name: str) -> Any:
+    """``DTYPES`` and ``TORCH_TO_DTYPE``, built at first use: they hold torch dtypes, and reading a header must not
+    import torch.
+
+    ``DTYPES``: safetensors dtype name -> (torch dtype, or None where this torch lacks it; bytes per element).
+    ``TORCH_TO_DTYPE``: torch dtype -> safetensors dtype name.
+    """
+    if name not in ("DTYPES", "TORCH_TO_DTYPE"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import torch
+
+    dtypes = {key: (getattr(torch, _TORCH_NAMES[key], None), size) for key, size in ITEMSIZE.items()}
+    globals().update(DTYPES=dtypes, TORCH_TO_DTYPE={dt: key for key, (dt, _) in dtypes.items() if dt is not None})
+    return globals()[name]
 
 
 def itemsize(dtype: str) -> int:
     """Bytes per element of a safetensors dtype name (KeyError for unknown names)."""
-    return DTYPES[dtype][1]
+    return ITEMSIZE[dtype]
 
 
 def header_inflate_limit(stored_length: int) -> int:

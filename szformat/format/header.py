@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import msgpack
-import torch
 
+from .._lazy import torch
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
@@ -368,7 +368,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         raise HeaderError(f"tensor entry #{index}: {e}", path=path) from None
 
     dtype = item.get("dtype")
-    if not isinstance(dtype, str) or dtype not in C.DTYPES:
+    if not isinstance(dtype, str) or dtype not in C.ITEMSIZE:
         raise HeaderError(f"unknown dtype {short_repr(dtype)}", path=path, tensor=name)
     shape = item.get("shape")
     try:

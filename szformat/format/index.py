@@ -16,7 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
 
-from ..errors import FormatError, ShardIndexError, short_repr
+from ..errors import FormatError, ShardIndexError, listing, short_repr
 from . import constants as C
 from .atomic import AtomicFile
 from .reader import SztFile
@@ -118,19 +118,25 @@ def shard_path(index_name: str, shard: str) -> str:
 
 
 def index_problems(index: ShardIndex, shards: Mapping[str, Collection[str] | None],
-                   index_name: str) -> Iterator[tuple[str, str]]:
-    """``(tensor, problem)`` for each tensor of the weight map that is not in the shard it names, then for each
-    tensor a shard of the index holds that the weight map does not map to that shard (a loader following the index
-    would leave it out).
+                   index_name: str) -> Iterator[tuple[str | None, str]]:
+    """``(tensor, problem)``: one for each missing shard (``tensor`` None: the problem names the shard and its
+    tensors), then one for each tensor of the weight map that is not in the shard it names, then for each tensor a
+    shard of the index holds that the weight map does not map to that shard (a loader following the index would
+    leave it out).
 
     ``shards`` maps the relative path of each shard present to the names of its tensors, or to ``None`` for a shard
     that could not be read (a problem reported on its own, so its tensors are not reported again).
     """
+    missing: dict[str, list[str]] = {}
+    for tensor, shard in index.weight_map.items():
+        if shard_path(index_name, shard) not in shards:
+            missing.setdefault(shard, []).append(tensor)
+    for shard, tensors in missing.items():
+        yield None, (f"the index names shard {shard!r}, which is missing ({len(tensors)} tensor(s): "
+                     f"{listing([repr(t) for t in tensors])})")
     for tensor, shard in index.weight_map.items():
         path = shard_path(index_name, shard)
-        if path not in shards:
-            yield tensor, f"the index names shard {shard!r}, which is missing"
-        elif shards[path] is not None and tensor not in shards[path]:
+        if path in shards and shards[path] is not None and tensor not in shards[path]:
             yield tensor, f"the index maps this tensor to shard {shard!r}, which does not hold it"
     for shard in index.shard_names():
         for tensor in shards.get(shard_path(index_name, shard)) or ():

@@ -13,9 +13,7 @@ import os
 from collections.abc import Iterator
 from typing import Sequence
 
-import torch
-
-from ..codec import cpu as cpu_codec
+from .._lazy import cpu_codec, torch
 from ..errors import PayloadError, SzformatError, TensorAllocationError
 from . import at_rest
 from .header import TensorEntry

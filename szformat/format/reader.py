@@ -26,11 +26,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Sequence
 
-import torch
 
+from .._lazy import cpu_codec, torch
 from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
-from ..codec.cpu import escape_positions
 from ..codec.layout import PayloadLayout
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, ClosedFileError, DecodeRouteError, FormatError,
                       HeaderError, HeaderTooLargeError, InvalidOffsetError, PayloadError, TensorNotFoundError,
@@ -125,9 +124,12 @@ class SztFile:
         if magic != C.MAGIC:
             raise FormatError("not a .szt file (bad magic)", path=path)
         if major not in C.READER_SUPPORTED_MAJORS:
+            known = ', '.join(map(str, C.READER_SUPPORTED_MAJORS))
+            advice = ("no version of the format has that major: the file is damaged or not a .szt file"
+                      if major < min(C.READER_SUPPORTED_MAJORS) else "upgrade szformat")
             raise UnsupportedVersionError(
-                f"format version {major}.{minor} is not supported (this reader knows major "
-                f"{', '.join(map(str, C.READER_SUPPORTED_MAJORS))}); upgrade szformat", path=path)
+                f"format version {major}.{minor} is not supported (this reader knows major {known}); {advice}",
+                path=path)
         if flags & ~C.KNOWN_FLAGS:
             raise UnsupportedVersionError(f"file sets preamble flags {flags & ~C.KNOWN_FLAGS:#x} that this reader "
                                           "does not know; upgrade szformat", path=path)
@@ -359,6 +361,6 @@ def check_escapes(payload: torch.Tensor, layout: PayloadLayout, *, path: str | o
     """Raise PayloadError unless the escape stream of a SplitZip payload (flat uint8 CPU tensor) is in range and
     strictly ascending: the checks the spec asks of every reader before it decodes, checksums on or off."""
     try:
-        escape_positions(payload, layout)
+        cpu_codec.escape_positions(payload, layout)
     except ValueError as e:
         raise PayloadError(str(e), path=path, tensor=tensor) from None

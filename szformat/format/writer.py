@@ -15,8 +15,7 @@ import os
 from pathlib import Path
 from typing import Any, Iterable, Sequence
 
-import torch
-
+from .._lazy import torch
 from ..checksum import crc32
 from ..codec.codebook import COVERAGE_GATE
 from ..codec.gate import EncodedTensor, RoundTripMismatch, encode_tensor
@@ -158,7 +157,7 @@ class SztWriter:
             raise refuse("tensor name was already written to this file")
         if len(self._entries) >= C.MAX_TENSORS:
             raise refuse(f"a file holds at most {C.MAX_TENSORS} tensors")
-        if dtype not in C.DTYPES:
+        if dtype not in C.ITEMSIZE:
             raise refuse(f"unknown dtype {dtype!r}")
         try:
             shape = tuple(operator.index(d) for d in shape)

@@ -21,7 +21,7 @@ from ..format.constants import FILE_SUFFIX, INDEX_SUFFIX
 from ..format.index import read_index, shard_path
 from ..paths import outside_the_folder
 from .card import carried_metadata, checkpoint_stats, render_model_card
-from .client import library_info
+from .client import library_info, one_line_errors
 from .refs import HubRef
 from .resolve import DEFAULT_INDEX
 
@@ -61,7 +61,8 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
         PushError: the path holds no .szt file, or an index names a shard that is not in the folder.
         ShardIndexError: an index is malformed.
         FormatError (or a subclass): a .szt file is not valid.
-        huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request (token, permissions).
+        HubRequestError: the Hub refused a request (token, permissions) or cannot be reached; an ``OSError``,
+            whose message fits on one line (huggingface_hub's error is its ``__cause__``).
 
     Example:
         >>> push_to_hub("./model-szt", "alice/tiny-szt", base_model="alice/tiny")  # doctest: +SKIP
@@ -80,14 +81,15 @@ def push_to_hub(path: str | os.PathLike, repo_id: str, *, private: bool | None =
         operations.append(CommitOperationAdd(path_in_repo=MODEL_CARD, path_or_fileobj=card.encode()))
 
     api = HfApi(endpoint=endpoint, token=token, **library_info())
-    api.create_repo(repo_id, private=private, exist_ok=True)
-    if revision is not None and not api.revision_exists(repo_id, revision):
-        api.create_branch(repo_id, branch=revision)
-    if path.is_dir():
-        operations += [CommitOperationDelete(path_in_repo=name)
-                       for name in _stale_checkpoint_files(api.list_repo_files(repo_id, revision=revision), files)]
-    return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
-                             revision=revision)
+    with one_line_errors():
+        api.create_repo(repo_id, private=private, exist_ok=True)
+        if revision is not None and not api.revision_exists(repo_id, revision):
+            api.create_branch(repo_id, branch=revision)
+        if path.is_dir():
+            operations += [CommitOperationDelete(path_in_repo=name)
+                           for name in _stale_checkpoint_files(api.list_repo_files(repo_id, revision=revision), files)]
+        return api.create_commit(repo_id, operations, commit_message=commit_message or DEFAULT_COMMIT_MESSAGE,
+                                 revision=revision)
 
 
 def check_push_access(repo_id: str, *, private: bool | None = None, token: str | bool | None = None,
@@ -98,20 +100,21 @@ def check_push_access(repo_id: str, *, private: bool | None = None, token: str |
 
     Raises:
         PushError: no token is configured, or the token's owner cannot write to the repo's namespace.
-        huggingface_hub.utils.HfHubHTTPError (or a subclass): the Hub refused a request.
-        The HTTP client's connection errors: the Hub cannot be reached.
+        HubRequestError: the Hub refused a request or cannot be reached (an ``OSError``).
     """
     if token is False or (not isinstance(token, str) and get_token() is None):
         raise PushError(f"pushing to {repo_id!r} needs a Hub token: pass one (--token), set HF_TOKEN or run "
                         "'hf auth login'")
     api = HfApi(endpoint=endpoint, token=token, **library_info())
-    user = api.whoami()
+    with one_line_errors():
+        user = api.whoami()
     namespace = repo_id.split("/")[0] if "/" in repo_id else user["name"]
     writable = {user["name"]} | {org["name"] for org in user.get("orgs") or []}
     if namespace not in writable:
         raise PushError(f"the token belongs to {user['name']!r}, who cannot write to {repo_id!r} (namespaces: "
                         f"{', '.join(sorted(writable))})")
-    api.create_repo(repo_id, private=private, exist_ok=True)
+    with one_line_errors():
+        api.create_repo(repo_id, private=private, exist_ok=True)
 
 
 def _stale_checkpoint_files(on_branch: list[str], pushed: dict[str, Path]) -> list[str]:

@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..format import at_rest
 from ..format.header import TensorEntry
 from . import timeline

@@ -9,7 +9,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..format.header import TensorEntry
 from ..format.payloads import decode_entry
 from ..format.reader import SztFile

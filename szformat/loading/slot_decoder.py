@@ -23,7 +23,7 @@ from typing import Any, Protocol, Sequence
 import torch
 
 from ..codec.codebook import Codebook
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
 from .device_codec import DeviceCodec, triton_codec

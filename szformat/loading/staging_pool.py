@@ -20,7 +20,7 @@ from typing import Any, Sequence
 import torch
 
 from ..codec.codebook import Codebook
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
 from ..format.payloads import decode_entry

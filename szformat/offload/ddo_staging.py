@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from diffusers_dynamic_offloader.vmm_weight_store import PinnedStagingPool
 
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..errors import DecodeRouteError
 from ..format.reader import SztFile
 from ..loading import SlotDecoder, StagedEntry, stage_entry

@@ -13,7 +13,7 @@ from collections.abc import Iterable
 
 import torch
 
-from ..codec.gate import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..format.header import TensorEntry
 from ..format.payloads import decode_entry
 from ..format.reader import SztFile

@@ -117,7 +117,7 @@ def test_sharded_checkpoint_and_folder_from_the_command_line(tmp_path, capsys):
     ("missing", "szconvert: error: no such file or folder: '{tmp}/missing.safetensors'"),
     ("bad header", "szconvert: error: file '{tmp}/bad.safetensors': header is not valid JSON"),
     ("bad dtype", "szconvert: error: file '{tmp}/q.safetensors', tensor 'w': dtype 'Q4_K' is not supported"),
-    ("exists", "szconvert: error: file '{tmp}/taken.szt': exists; pass --overwrite (overwrite=True) to replace it"),
+    ("exists", "szconvert: error: file '{tmp}/taken.szt': exists; pass --overwrite to replace it"),
     ("folder without output", "szconvert: error: file '{tmp}/folder': a sharded checkpoint or a folder gives a "
                               "folder: name the output folder"),
     ("push flags without push", "szconvert: error: --private, --revision only apply to an upload: add "
@@ -402,18 +402,20 @@ def test_info_refuses_an_index_mapping_a_tensor_to_the_wrong_shard(converted_sha
         f"'model-00002-of-00002.szt', which does not hold it")
 
 
-def test_verify_fails_naming_a_missing_shard(converted_shards, capsys):
+def test_verify_fails_naming_a_missing_shard_in_one_line(converted_shards, tmp_path, capsys):
     (converted_shards / "model-00002-of-00002.szt").unlink()
     index = json.loads((converted_shards / "model.szt.index.json").read_text())
-    lost = sorted(t for t, s in index["weight_map"].items() if s == "model-00002-of-00002.szt")
+    lost = [t for t, s in index["weight_map"].items() if s == "model-00002-of-00002.szt"]
+    problem = (f"model.szt.index.json: the index names shard 'model-00002-of-00002.szt', which is missing "
+               f"({len(lost)} tensor(s): {', '.join(map(repr, lost))})")
     for path in (converted_shards / "model.szt.index.json", converted_shards):
         assert main(["verify", str(path)]) == 1
         captured = capsys.readouterr()
         assert captured.out == ""
-        lines = captured.err.splitlines()
-        assert lines[0].startswith(f"FAILED: {len(lost)} problem(s) in ")
-        assert sorted(lines[1:]) == sorted(f"  model.szt.index.json: tensor {t!r}: the index names shard "
-                                           f"'model-00002-of-00002.szt', which is missing" for t in lost)
+        assert captured.err.splitlines()[0].startswith("FAILED: 1 problem(s) in ")
+        assert captured.err.splitlines()[1:] == [f"  {problem}"]
+    assert main(["decompress", str(converted_shards), str(tmp_path / "back")]) == 1
+    assert error_line(capsys.readouterr().err).endswith(problem.split(": ", 1)[1])
 
 
 def test_verify_exit_codes_and_bad_tensor_names(model_file, tmp_path, capsys):
@@ -494,6 +496,21 @@ def test_help_and_version_do_not_import_torch(args):
     assert done.stdout.splitlines()[-1] == "[]"
 
 
+@pytest.mark.parametrize("form", ["in-memory", "at-rest"])
+def test_info_reads_headers_without_torch(tmp_path, form):
+    """``szconvert info`` answers from the headers: neither torch nor NumPy is imported (2-3 s and 200 MB)."""
+    path = tmp_path / "m.szt"
+    szformat.save_file(model_tensors(), path, metadata=METADATA, **({"at_rest": "zstd"} if form == "at-rest" else {}))
+    script = ("import sys\n"
+              "from szformat.cli.main import main\n"
+              "assert main(sys.argv[1:]) == 0\n"
+              "print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))")
+    for args in (["info", str(path)], ["info", str(path), "--json"]):
+        done = run_python(script, *args)
+        assert done.returncode == 0, done.stderr
+        assert "embed.weight" in done.stdout and done.stdout.splitlines()[-1] == "[]"
+
+
 def test_import_szformat_is_light_and_its_functions_still_load():
     done = run_python("import sys, szformat\n"
                       "print('torch' in sys.modules, sorted(szformat.__all__) == sorted(set(dir(szformat)) & "
@@ -511,7 +528,11 @@ def test_python_m_szformat_runs_szconvert():
     assert done.stdout.startswith("usage: szconvert [-h] [--version] COMMAND ...")
 
 
-def test_ctrl_c_while_torch_loads_prints_one_line(model_file, tmp_path):
+@pytest.mark.parametrize("command, message", [
+    ("decompress", "szconvert: interrupted; no partial output was left\n"),
+    ("verify", "szconvert: interrupted\n"),  # a command that writes nothing does not speak of outputs
+])
+def test_ctrl_c_while_torch_loads_prints_one_line(model_file, tmp_path, command, message):
     """The interrupt arrives while the command imports torch (a second or two at every start)."""
     main([str(model_file), str(tmp_path / "m.szt"), "-q"])
     script = ("import sys\n"
@@ -521,9 +542,9 @@ def test_ctrl_c_while_torch_loads_prints_one_line(model_file, tmp_path):
               "sys.meta_path.insert(0, CtrlC())\n"
               "from szformat.cli.main import main\n"
               "sys.exit(main(sys.argv[1:]))")
-    done = run_python(script, "info", str(tmp_path / "m.szt"))
-    assert (done.returncode, done.stdout, done.stderr) == (130, "", "szconvert: interrupted; no partial output was "
-                                                                    "left\n")
+    args = [str(tmp_path / "m.szt")] + ([str(tmp_path / "back.safetensors")] if command == "decompress" else [])
+    done = run_python(script, command, *args)
+    assert (done.returncode, done.stdout, done.stderr) == (130, "", message)
 
 
 # -- the Hub -----------------------------------------------------------------------------------------------------
@@ -643,6 +664,47 @@ def test_a_refused_push_or_download_is_one_line(hub, model_file, tmp_path, capsy
     assert error_line(capsys.readouterr().err) == (f"szconvert: error: cannot reach the Hub at {hub.endpoint} "
                                                    "(Connection refused), and hf://alice/model-szt is not in the "
                                                    "local cache")
+
+
+def test_files_named_for_something_else_get_a_hint(model_file, tmp_path, capsys):
+    """A .szt file given to convert, and safetensors data named .bin: say what each is and what to do."""
+    szt, data = tmp_path / "m.szt", tmp_path / "model.bin"
+    assert main([str(model_file), str(szt), "-q"]) == 0
+    data.write_bytes(model_file.read_bytes())
+    assert main([str(szt), str(tmp_path / "again.szt")]) == 1
+    assert error_line(capsys.readouterr().err).endswith(
+        f"it is a .szt file already: 'szconvert decompress {szt} OUT.safetensors' turns it back, "
+        f"'szconvert info {szt}' shows what it holds")
+    assert main([str(data)]) == 1
+    assert error_line(capsys.readouterr().err).endswith("it holds safetensors data: rename it to model.safetensors")
+
+
+def test_info_and_verify_take_several_paths(model_file, tmp_path, capsys):
+    first, second, truncated = tmp_path / "a.szt", tmp_path / "b.szt", tmp_path / "t.szt"
+    assert main([str(model_file), str(first), "-q"]) == 0
+    assert main([str(model_file), str(second), "-q"]) == 0
+    assert main(["info", str(first), str(second), "--json"]) == 0
+    described = json.loads(capsys.readouterr().out)
+    assert [d["files"][0]["file"] for d in described] == ["a.szt", "b.szt"]
+    truncated.write_bytes(first.read_bytes()[:1000])
+    assert main(["verify", str(first), str(truncated), "-q"]) == 1
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"{truncated}: FAILED: 1 problem(s) in 0 tensors (0 B raw) in 1 file(s) "
+                                        "(1 would not open), ")
+    assert main(["verify", str(first), str(second)]) == 0
+    assert [line.split(": OK: ")[0] for line in capsys.readouterr().out.splitlines()] == [str(first), str(second)]
+
+
+def test_a_major_version_below_1_is_damage_not_a_newer_file(model_file, tmp_path, capsys):
+    path = tmp_path / "m.szt"
+    assert main([str(model_file), str(path), "-q"]) == 0
+    data = bytearray(path.read_bytes())
+    data[8:10] = (0).to_bytes(2, "little")
+    path.write_bytes(data)
+    assert main(["info", str(path)]) == 1
+    assert error_line(capsys.readouterr().err).endswith("format version 0.0 is not supported (this reader knows "
+                                                        "major 1); no version of the format has that major: the "
+                                                        "file is damaged or not a .szt file")
 
 
 def test_a_mistyped_command_is_suggested_not_reported_as_a_missing_file(tmp_path, capsys, monkeypatch):

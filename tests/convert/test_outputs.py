@@ -70,7 +70,7 @@ def test_two_conversions_racing_to_one_output_leave_one_winner_and_one_complete_
     errors = [o for o in outcomes if isinstance(o, BaseException)]
     assert len(outcomes) == 2 and len(errors) == 1, outcomes
     assert isinstance(errors[0], OutputExistsError) and isinstance(errors[0], FileExistsError)
-    assert str(errors[0]) == f"file {str(target)!r}: exists; pass --overwrite (overwrite=True) to replace it"
+    assert str(errors[0]) == f"file {str(target)!r}: exists; pass overwrite=True to replace it"
     assert verify(target).ok
     if layout == "file":
         assert_same_tensors(szformat.load_file(target), model_tensors())
@@ -140,10 +140,16 @@ SLOW_SZCONVERT = textwrap.dedent("""
 """)
 
 
+def _interruptible() -> None:
+    """In the child: Ctrl-C as a terminal delivers it, even when the tests run in the background (where a shell
+    starts jobs with SIGINT ignored, and szconvert, like any program, keeps ignoring it)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def start_szconvert(*argv: Path | str) -> subprocess.Popen:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     return subprocess.Popen([sys.executable, "-c", SLOW_SZCONVERT, *map(str, argv), "-q"], env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, preexec_fn=_interruptible)
 
 
 def stop_mid_conversion(process: subprocess.Popen, signum: int) -> tuple[int, str]:
@@ -197,7 +203,8 @@ def test_a_signal_during_an_import_is_held_until_the_import_is_over(tmp_path, si
             "except Terminated as e:\n"
             "    print(e.signum, sys.modules['slow_module'].COMPLETE)\n")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(tmp_path), os.environ.get("PYTHONPATH", "")])}
-    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60,
+                          preexec_fn=_interruptible)
     assert (done.returncode, done.stdout, done.stderr) == (0, f"{int(signum)} True\n", "")
 
 

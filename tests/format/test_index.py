@@ -112,8 +112,8 @@ def test_index_problems_and_check_shard_name_what_is_missing_or_left_out(tmp_pat
     index = ShardIndex({}, {"a": "s1.szt", "b": "s1.szt", "c": "s2.szt", "d": "s3.szt", "e": "s2.szt"})
     shards = {"sub/s1.szt": ["a", "e", "f"], "sub/s2.szt": None}  # s2 unreadable: reported on its own
     assert list(index_problems(index, shards, "sub/model.szt.index.json")) == [
+        (None, "the index names shard 's3.szt', which is missing (1 tensor(s): 'd')"),
         ("b", "the index maps this tensor to shard 's1.szt', which does not hold it"),
-        ("d", "the index names shard 's3.szt', which is missing"),
         ("e", "shard 's1.szt' holds this tensor, and the index's weight_map maps it to shard 's2.szt'"),
         ("f", "shard 's1.szt' holds this tensor, and the index's weight_map omits it")]
     index_path = tmp_path / "sub" / "model.szt.index.json"
@@ -207,13 +207,13 @@ def _two_indexes(folder, index):
 
 @pytest.mark.parametrize("damage, error, message, tensor, problem", [
     (_missing, ShardIndexError, f"the index names shard '{S2}', which cannot be opened (No such file", "c",
-     ("model.szt.index.json", "c", f"the index names shard '{S2}', which is missing")),
+     ("model.szt.index.json", None, f"the index names shard '{S2}', which is missing (1 tensor(s): 'c')")),
     (_nul, ShardIndexError, "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL character", "c",
      ("model.szt.index.json", "c", "weight_map names 'model-0000\\x002-of-00002.szt', which holds a NUL")),
     (_surrogate, ShardIndexError, "weight_map names '\\ud800.szt', which is not a file name this system can encode",
      "c", ("model.szt.index.json", "c", "weight_map names '\\ud800.szt', which is not a file name")),
     (_too_long, ShardIndexError, f"the index names shard '{'x' * 300}.szt', which cannot be opened (File name too "
-     "long)", "c", ("model.szt.index.json", "c", f"the index names shard '{'x' * 300}.szt', which is missing")),
+     "long)", "c", ("model.szt.index.json", None, f"the index names shard '{'x' * 300}.szt', which is missing")),
     (_loop, ShardIndexError, f"the index names shard '{S2}', which cannot be opened (Too many levels of symbolic "
      "links)", "c", (S2, None, "Too many levels of symbolic links")),
     (_omitted, ShardIndexError, f"shard '{S1}' holds this tensor, and the index's weight_map does not map it", "b",
@@ -244,7 +244,7 @@ def test_a_broken_sharded_checkpoint_is_refused_by_load_and_reported_by_verify(t
 
         report = verify(target)
         expected = problem if target == folder or problem[0] != S2 else \
-            ("model.szt.index.json", "c", f"the index names shard '{S2}', which is missing")
+            ("model.szt.index.json", None, f"the index names shard '{S2}', which is missing")
         assert [(p.file, p.tensor, p.message[: len(expected[2])]) for p in report.problems] == [expected]
         assert main(["verify", str(target)]) == 1
         err = capsys.readouterr().err

@@ -21,8 +21,8 @@ from huggingface_hub.utils import (EntryNotFoundError, RepositoryNotFoundError,
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
-from szformat.errors import (FormatError, HubCheckpointNotFoundError, HubOfflineError, HubReferenceError, PushError,
-                             ShardIndexError)
+from szformat.errors import (FormatError, HubCheckpointNotFoundError, HubOfflineError, HubReferenceError,
+                             HubRequestError, PushError, ShardIndexError)
 from szformat.format.reader import SztFile
 from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_hub, resolve
 from szformat.hub.card import checkpoint_stats
@@ -293,9 +293,20 @@ def test_push_refuses_bad_input_before_any_request(hub, tmp_path, layout, error,
 
 def test_push_without_write_access_is_refused(hub, tmp_path):
     write_szt(tmp_path / "model.szt", seed=6)
-    with pytest.raises(huggingface_hub.utils.HfHubHTTPError):
+    with pytest.raises(HubRequestError, match=r"^the Hub refused the request \(403") as info:
         push_to_hub(tmp_path / "model.szt", "alice/tiny", token=BOB)
+    assert isinstance(info.value, OSError) and "\n" not in str(info.value)
+    assert isinstance(info.value.__cause__, huggingface_hub.utils.HfHubHTTPError)
     assert "alice/tiny" not in hub.state.repos
+
+
+def test_push_to_a_hub_that_does_not_answer_is_one_package_error(hub, tmp_path):
+    """Not the HTTP client's ConnectError: a HubRequestError (an OSError) saying the Hub cannot be reached."""
+    write_szt(tmp_path / "model.szt", seed=6)
+    hub.stop()
+    with pytest.raises(HubRequestError, match="^cannot reach the Hub at ") as info:
+        push_to_hub(tmp_path / "model.szt", "alice/tiny", token=ALICE)
+    assert isinstance(info.value, OSError) and "\n" not in str(info.value)
 
 
 # -- pull --------------------------------------------------------------------------------------------------------
