@@ -4,8 +4,10 @@ Data: every BF16 tensor of all-MiniLM-L6-v2 (``tools/fetch_minilm.py`` fetches i
 copied until the set reaches ``--tile-mb`` (separate copies, so caches cannot serve a repeat: the same mix of small
 and large tensors); and each tensor tiled end to end as many times (fewer, larger tensors, as in bigger models).
 
-Rows, all on the same bytes, in the same run:
+Rows, all on the same bytes, in the same run; the SplitZip rows once per CPU kernel (``[native]``: the C
+extension, where the package was built with it; ``[reference]``: the PyTorch loops):
 
+- ``memory copy``: the raw BF16 bytes copied into preallocated tensors, the speed a decode would match.
 - ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
   4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
 - ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload, and the check that
@@ -130,6 +132,24 @@ def touch(t: torch.Tensor) -> None:
     data[whole:].sum()
 
 
+KERNELS = ("native", "reference") if cpu._native is not None else ("reference",)
+"""The CPU kernels timed side by side: the C extension where the package was built with it, and the PyTorch
+reference."""
+
+
+def with_kernel(kernel: str, fn: Callable[[], object]) -> Callable[[], object]:
+    """``fn`` run with the C kernels (``"native"``) or the PyTorch reference."""
+    native = cpu._native if kernel == "native" else None
+
+    def run() -> object:
+        saved, cpu._native = cpu._native, native
+        try:
+            return fn()
+        finally:
+            cpu._native = saved
+    return run
+
+
 def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[Row]:
     """Check every method's output against the source, then time all of them round-robin, so that a change in
     the machine's load hits every method alike."""
@@ -169,12 +189,20 @@ def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, r
         for t in load_file(st_path).values():
             touch(t)
 
-    methods = [
-        ("splitzip decode (mmap -> new tensors)", splitzip_ratio, splitzip_decode),
-        ("splitzip decode (mmap -> preallocated)", splitzip_ratio, lambda: splitzip_decode(preallocated)),
-        ("splitzip convert (calibrate + encode)", splitzip_ratio, lambda: [cpu.encode(t) for t in bf16.values()]),
-        ("safetensors load_file + touch", 1.0, safetensors_load),
-    ]
+    def memory_copy() -> None:
+        for name, t in bf16.items():
+            preallocated[name].copy_(t.reshape(-1))
+
+    methods = [("memory copy (raw bytes -> preallocated)", 1.0, memory_copy)]
+    for kernel in KERNELS:
+        methods += [
+            (f"splitzip decode [{kernel}] (mmap -> new)", splitzip_ratio, with_kernel(kernel, splitzip_decode)),
+            (f"splitzip decode [{kernel}] (mmap -> prealloc.)", splitzip_ratio,
+             with_kernel(kernel, lambda: splitzip_decode(preallocated))),
+            (f"splitzip convert [{kernel}]", splitzip_ratio,
+             with_kernel(kernel, lambda: [cpu.encode(t) for t in bf16.values()])),
+        ]
+    methods.append(("safetensors load_file + touch", 1.0, safetensors_load))
     zipnn = zipnn_methods(bf16, raw_bytes)
 
     rows = []
@@ -284,11 +312,14 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int) -> li
     del anchor, loaded
     assert verify(szt_path).ok
     methods: list[tuple[str, Callable[[], object]]] = [
-        ("safetensors load_file + clone (anchor)", lambda: {k: v.clone() for k, v in load_file(st_path).items()}),
-        ("szformat load_file (verify on)", lambda: szformat.load_file(szt_path)),
-        ("szformat load_file (verify off)", lambda: szformat.load_file(szt_path, verify=False)),
-        ("szformat verify (szconvert verify)", lambda: verify(szt_path)),
-    ]
+        ("safetensors load_file + clone (anchor)", lambda: {k: v.clone() for k, v in load_file(st_path).items()})]
+    for kernel in KERNELS:
+        methods += [
+            (f"szformat load_file [{kernel}] (verify on)", with_kernel(kernel, lambda: szformat.load_file(szt_path))),
+            (f"szformat load_file [{kernel}] (verify off)",
+             with_kernel(kernel, lambda: szformat.load_file(szt_path, verify=False))),
+            (f"szformat verify [{kernel}]", with_kernel(kernel, lambda: verify(szt_path))),
+        ]
     all_threads = os.cpu_count() or 1
     conditions = [("1 thread", 1, False), (f"{all_threads} threads", all_threads, False),
                   (f"{all_threads} threads, 1 busy process", all_threads, True)]

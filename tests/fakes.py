@@ -78,8 +78,8 @@ def flip_in_last_slice(monkeypatch, n_pairs: int, stream: str, mask: int) -> lis
     real = cpu_codec._encode_pairs
     pairs_left = [n_pairs]
 
-    def wrong(bits, pk_table, pk, sm, scratch):
-        real(bits, pk_table, pk, sm, scratch)
+    def wrong(bits, codebook, pk, sm, scratch):
+        real(bits, codebook, pk, sm, scratch)
         pairs_left[0] -= pk.numel()
         if not pairs_left[0]:
             (pk if stream == "pk" else sm)[-1] ^= mask

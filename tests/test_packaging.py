@@ -48,7 +48,8 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(wheel, tmp_path):
     assert done.returncode == 0, done.stderr[-2000:]
     version = subprocess.run([str(env / "bin" / "szconvert"), "--version"], capture_output=True, text=True,
                              timeout=60)
-    assert version.returncode == 0 and version.stdout.strip().endswith(szformat.__version__), version
+    assert version.returncode == 0 and version.stdout.splitlines()[0].endswith(szformat.__version__), version
+    assert version.stdout.splitlines()[1].startswith("CPU codec: "), version
 
 
 def test_install_hints_name_the_packages_of_the_extra():

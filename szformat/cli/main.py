@@ -22,6 +22,7 @@ import sys
 from typing import Sequence
 
 from .. import __version__
+from ..codec import cpu_kernel
 from ..errors import OutputExistsError, SzformatError
 from . import convert, decompress, info, repack, verify
 from ._signals import exit_status, termination_as_interrupt
@@ -56,7 +57,8 @@ def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.Argument
         prog="szconvert", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Convert safetensors checkpoints to szformat (.szt: lossless, smaller BF16) and back, "
                     "inspect and verify them.")
-    parser.add_argument("--version", action="version", version=f"szconvert (szformat) {__version__}")
+    parser.add_argument("--version", action="version",
+                        version=f"szconvert (szformat) {__version__}\nCPU codec: {cpu_kernel.KERNEL}")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS.values():
         module.register(subparsers)

@@ -34,6 +34,11 @@ choices, each measured with ``bench/cpu.py`` and PyTorch's profiler:
 - **Small tensors in NumPy.** A tensor under half a slice (LayerNorm weights, biases) is counted and encoded with
   a few NumPy calls over single elements: there the fixed cost of each call, not the work, sets the speed.
 
+Where the package was built with a C compiler, the pair loops run in its C extension instead
+(:data:`cpu_kernel.KERNEL` says which one a process uses; ``_native.c``: one pass per range, AVX2 where the CPU has it, the GIL released):
+the same arithmetic, tested bit for bit against the PyTorch loops, which stay the reference and the fallback
+(``SZFORMAT_CPU_CODEC=reference`` selects them).
+
 Odd elements at the ends of a range are done one at a time, so every range of every input decodes exactly. Byte
 views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.
 """
@@ -51,8 +56,12 @@ import torch
 
 from .gate import RoundTripMismatch
 from ..checksum import crc32, crc32_combine, crc32_join
+from . import cpu_kernel
 from .codebook import Codebook, codebook_from_histogram
 from .layout import ESCAPE_CODE, PayloadLayout
+
+_native = cpu_kernel.native
+"""The C kernels, or None: the PyTorch loops below run (:data:`cpu_kernel.KERNEL` says which)."""
 
 SLICE_PAIRS = 1 << 16
 """Pairs processed per step (a multiple of 8): each temporary of a step (64 to 256 KiB) stays in a core's L2 cache,
@@ -160,6 +169,10 @@ def exponent_counts(x: torch.Tensor) -> torch.Tensor:
     weight. (Counting exponent pairs into 65,536 bins is no faster once the larger histogram is zeroed and summed.)
     """
     bits = _bf16_bits(x)
+    if _native is not None:
+        counts = np.zeros(256, dtype=np.int64)
+        _native.exponent_histogram(bits.numpy(), counts)
+        return torch.from_numpy(counts)
     if _is_small(bits.numel()):
         return torch.from_numpy(np.bincount(_small_exponents(bits.numpy()), minlength=256))
     step = 2 * _slice_length((bits.numel() + 1) // 2)
@@ -248,7 +261,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
     sm = data[layout.off_sm: layout.off_sm + n]
     source = bits.numpy()
     # Elements [0, checked) are checked as they are encoded; their escapes decoded to `unpatched` before the patch.
-    checked = 0 if _is_small(n) or not codebook.n_used else n - n % 2
+    checked = 0 if (_is_small(n) and _native is None) or not codebook.n_used else n - n % 2
     position, unpatched = _encode_slices(bits[:checked], codebook, torch.from_numpy(pk[: checked // 2]),
                                          torch.from_numpy(sm[:checked]))
     if checked < n:
@@ -309,19 +322,17 @@ def _encode_slices(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm:
     n_pairs = pk.numel()
     if not n_pairs:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int16)
-    pk_table = _pair_code_table(codebook.dec_lut, codebook.n_used)
-    exponent_table = _pair_exponent_table(codebook.dec_lut)
+    exponent_table, lut = _pair_exponent_table(codebook.dec_lut), bytes(codebook.dec_lut)
     length = _slice_length(n_pairs)
     scratch = _SliceScratch(min(length, n_pairs))
     source = bits.numpy()
     positions, decoded_as = [], []
     slices = zip(bits.split(2 * length), pk.split(length), sm.view(torch.int8).split(2 * length))
     for first, (bits_slice, pk_slice, sm_slice) in zip(range(0, 2 * n_pairs, 2 * length), slices):
-        _encode_pairs(bits_slice, pk_table, pk_slice, sm_slice, scratch)
         m = pk_slice.numel()
         decoded = _scratch(scratch.decoded, 2 * m)
-        _decode_slice(pk_slice, sm_slice, exponent_table, decoded.view(torch.int32), _scratch(scratch.index, m),
-                      _scratch(scratch.fields, 2 * m))
+        _encode_pairs(bits_slice, codebook, pk_slice, sm_slice, scratch)
+        _decode_pairs(pk_slice, sm_slice, lut, exponent_table, decoded)
         decoded = decoded.numpy()
         differs = np.not_equal(decoded, source[first: first + 2 * m], out=scratch.differs[: 2 * m])
         wrong = np.flatnonzero(differs)
@@ -335,11 +346,15 @@ def _encode_slices(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm:
     return position, np.concatenate(decoded_as)
 
 
-def _encode_pairs(bits: torch.Tensor, pk_table: torch.Tensor, pk: torch.Tensor, sm: torch.Tensor,
+def _encode_pairs(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm: torch.Tensor,
                   scratch: _SliceScratch) -> None:
-    """Encode one slice of whole pairs ``bits`` (int16) into its ``pk`` bytes (uint8) and ``sm`` bytes (int8)."""
+    """Encode one slice of whole pairs ``bits`` (int16) into its ``pk`` bytes (uint8) and ``sm`` bytes (int8): in
+    C where it was built, else with a gather from the 65,536-entry pair table."""
+    if _native is not None:
+        _native.encode_pairs(bits.numpy(), _exponent_codes(codebook.dec_lut, codebook.n_used), pk.numpy(), sm.numpy())
+        return
     pair_index = _exponent_pair_index(bits, scratch.exponents, scratch.index)
-    torch.index_select(pk_table, 0, pair_index, out=pk)
+    torch.index_select(_pair_code_table(codebook.dec_lut, codebook.n_used), 0, pair_index, out=pk)
     # sm byte = sign << 7 | mantissa: keep sign and mantissa (in the index's memory, no longer needed); the
     # arithmetic shift copies the sign into bit 7; narrowing to a byte keeps the low one. (Ops whose output dtype
     # differs from their inputs' run slower than a separate narrowing copy.)
@@ -488,13 +503,17 @@ def _decode_scratch(size: int) -> tuple[torch.Tensor, torch.Tensor]:
     return index, _thread_scratch.fields
 
 
-def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, bits: torch.Tensor) -> None:
+def _decode_pairs(pk: torch.Tensor, sm: torch.Tensor, dec_lut: bytes, table: torch.Tensor, bits: torch.Tensor
+                  ) -> None:
     """Decode whole pairs into ``bits`` (int16, ``2 * len(pk)``) from their ``pk`` bytes and ``sm`` bytes (int8).
 
-    Per slice: one gather of both exponent fields of each pair into its int32 word, then the sign and mantissa
-    fields OR-ed in from the ``sm`` bytes widened to int16, which copies each sign into bit 15 (and into the
-    exponent bits, which the mask clears).
+    In C where it was built: one call over the range. In PyTorch, per slice: one gather of both exponent fields of
+    each pair into its int32 word (``table``), then the sign and mantissa fields OR-ed in from the ``sm`` bytes
+    widened to int16, which copies each sign into bit 15 (and into the exponent bits, which the mask clears).
     """
+    if _native is not None:
+        _native.decode_pairs(pk.numpy(), sm.numpy(), dec_lut, bits.detach().numpy())
+        return
     n_pairs = pk.numel()
     length = _slice_length(n_pairs, DECODE_SLICES * SLICE_PAIRS)
     index, fields = _decode_scratch(min(length, n_pairs))
@@ -578,6 +597,7 @@ class PayloadDecoder:
         self.payload, self.layout, self.codebook = payload, layout, codebook
         self.position, self.esc_val = _validated_escapes(payload, layout)
         self.table = _pair_exponent_table(codebook.dec_lut)
+        self.lut = bytes(codebook.dec_lut)
 
     def decode(self, start: int, stop: int, out: torch.Tensor) -> None:
         """Decode elements ``[start, stop)`` into ``out``, a contiguous bfloat16 tensor of ``stop - start``."""
@@ -595,7 +615,8 @@ class PayloadDecoder:
                 bits[stop - 1 - start] = _decode_one(payload, layout, lut, stop - 1)
             if first < last:
                 _decode_pairs(payload[layout.off_pk + first // 2: layout.off_pk + last // 2],
-                              payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8), self.table,
+                              payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8), self.lut,
+                              self.table,
                               bits if (first, last) == (start, stop) else bits[first - start: last - start])
         _patch_escapes(self.position, self.esc_val, start, stop, bits)
 

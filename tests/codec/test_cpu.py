@@ -8,6 +8,8 @@ from __future__ import annotations
 import os
 import random
 import struct
+import subprocess
+import sys
 import zlib
 from pathlib import Path
 
@@ -21,6 +23,7 @@ from fakes import flip_in_last_slice
 
 pytestmark = pytest.mark.filterwarnings("error")  # e.g. PyTorch resizing an `out=` view: a slicing bug
 
+ROOT = Path(__file__).resolve().parents[2]
 MINILM_BF16 = (Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser()
                / "minilm-bf16" / "model.safetensors")
 
@@ -28,6 +31,23 @@ MINILM_BF16 = (Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/min
 # ---------------------------------------------------------------------------------------------------------------
 # Helpers
 # ---------------------------------------------------------------------------------------------------------------
+
+
+BUILT = cpu._native
+
+
+@pytest.fixture(autouse=True, params=["native", "reference"])
+def kernel(request, monkeypatch) -> str:
+    """Every test of this module runs with the C kernels (where the package was built with them) and with the
+    PyTorch reference; both must give the same bytes as the expectations, so each other's."""
+    if request.param == "native" and BUILT is None:
+        pytest.skip("the C extension was not built here")
+    monkeypatch.setattr(cpu, "_native", BUILT if request.param == "native" else None)
+    return request.param
+
+
+reference_only = pytest.mark.parametrize("kernel", ["reference"], indirect=True)
+"""For a test of a path only the PyTorch reference has (its NumPy small-tensor encoder, its torch ops)."""
 
 
 @pytest.fixture
@@ -333,19 +353,27 @@ def test_a_wrong_byte_written_by_the_sliced_encoder_is_caught(stream, mask, rng,
     assert pairs_left == [0]  # the wrong byte was in the last of 40 slices
 
 
-def test_a_wrong_code_is_not_taken_for_an_escape(rng, monkeypatch):
+def test_a_wrong_code_is_not_taken_for_an_escape(rng, monkeypatch, kernel):
     """An element of the codebook given a wrong code decodes wrong; the encoder finds escapes as the elements that
     do not decode, and must not count that one among them (the layout would then look miscounted)."""
     x = weight_like(rng, 100_000)
     codebook = cpu.calibrate(x)
-    real = cpu._pair_code_table
+    real_table, real_codes = cpu._pair_code_table, cpu._exponent_codes
 
-    def wrong_table(dec_lut, n_used):
-        table = real(dec_lut, n_used).clone()
+    def wrong_table(dec_lut, n_used):  # the reference's pair table
+        table = real_table(dec_lut, n_used).clone()
         table[codebook.dec_lut[0] | codebook.dec_lut[0] << 8] ^= 0x11  # the most frequent pair gets codes 1, 1
         return table
 
-    monkeypatch.setattr(cpu, "_pair_code_table", wrong_table)
+    def wrong_codes(dec_lut, n_used):  # the C kernel's exponent table
+        codes = real_codes(dec_lut, n_used).copy()
+        codes[codebook.dec_lut[0]] = 1  # the most frequent exponent gets code 1
+        return codes
+
+    if kernel == "native":
+        monkeypatch.setattr(cpu, "_exponent_codes", wrong_codes)
+    else:
+        monkeypatch.setattr(cpu, "_pair_code_table", wrong_table)
     with pytest.raises(cpu.RoundTripMismatch, match="element"):
         cpu.encode(x, codebook)
 
@@ -371,6 +399,7 @@ def test_a_wrong_byte_in_what_the_slices_leave_is_caught(where, rng, monkeypatch
         cpu.encode(x, codebook)
 
 
+@reference_only
 def test_a_wrong_byte_written_by_the_small_encoder_is_caught(rng, monkeypatch):
     real = cpu._encode_small
 
@@ -432,6 +461,7 @@ def test_decode_from_a_payload_at_an_odd_offset(rng):
     assert torch.equal(decoded.view(torch.int16), x.view(torch.int16))
 
 
+@reference_only
 def test_decode_runs_its_torch_ops_on_one_intra_op_thread_and_restores_the_setting(rng, monkeypatch):
     seen = []
     real = torch.index_select
@@ -597,3 +627,25 @@ def test_a_tensor_too_large_for_splitzip_is_stored_raw(monkeypatch):
     monkeypatch.setattr(PayloadLayout, "max_elements", staticmethod(lambda chunk_size=CHUNK_SIZE: 11))
     encoded = gate.encode_tensor(raw, "BF16")
     assert (encoded.encoding, encoded.raw_reason) == ("raw", "more than 2^41 elements")
+
+
+def test_the_version_names_the_kernel_and_the_reference_can_be_chosen(tmp_path, kernel):
+    """``szconvert --version`` says which kernels a user got; ``SZFORMAT_CPU_CODEC=reference`` selects the PyTorch
+    loops in a fresh process, which then convert and load exactly as the C kernels do."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    if kernel == "reference":
+        env["SZFORMAT_CPU_CODEC"] = "reference"
+    script = ("import sys, torch, szformat\n"
+              "from szformat.cli.main import main\n"
+              "from szformat.codec import cpu\n"
+              "x = (torch.randn(10007, generator=torch.Generator().manual_seed(3)) * 0.02).to(torch.bfloat16)\n"
+              "szformat.save_file({'w': x}, sys.argv[1])\n"
+              "assert torch.equal(szformat.load_file(sys.argv[1])['w'].view(torch.int16), x.view(torch.int16))\n"
+              "print(cpu._native is None)\n"
+              "main(['--version'])\n")
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "m.szt")], env=env, capture_output=True,
+                          text=True, timeout=300)
+    lines = done.stdout.splitlines()
+    assert lines[0] == str(kernel == "reference"), done.stderr
+    expected = "reference (PyTorch)" if kernel == "reference" else f"native ({BUILT.isa()})"
+    assert lines[2] == f"CPU codec: {expected}"

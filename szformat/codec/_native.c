@@ -1,0 +1,262 @@
+/* SplitZip's CPU kernels in C: one pass over a payload's streams per range, the GIL released.
+ *
+ * The PyTorch reference (szformat/codec/cpu.py) needs five eager calls per slice and reaches about a quarter of a
+ * memory copy; a single pass that reads ``pk`` and ``sm`` and writes BF16 cannot be written in eager PyTorch. Here:
+ *
+ *   decode_pairs(pk, sm, dec_lut, out)   elements 2i, 2i+1 of every pk byte i: exponent through the 16-entry
+ *                                        codebook (high nibble first), sign and mantissa from sm; escapes are
+ *                                        patched afterwards by the caller, as in the reference.
+ *   encode_pairs(bits, enc_lut, pk, sm)  the inverse for whole pairs: an exponent without a code (enc_lut[e] ==
+ *                                        16) gets nibble 0; the caller finds the escapes by decoding again.
+ *   exponent_histogram(bits, counts)     counts[e] += elements of exponent byte e (int64 x 256).
+ *
+ * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
+ * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
+ * (``__builtin_cpu_supports``); elsewhere (other CPUs, compilers without the builtin) a portable loop over a
+ * 256-entry pair table runs. Every path is tested bit for bit against the PyTorch reference.
+ *
+ * Buffers are anything with the buffer protocol (NumPy arrays, memoryviews of tensors); lengths are checked here.
+ */
+
+#define PY_SSIZE_T_CLEAN
+#include <Python.h>
+#include <stdint.h>
+#include <string.h>
+
+#if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
+#define SZ_X86 1
+#include <immintrin.h>
+#endif
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Decode
+ * ------------------------------------------------------------------------------------------------------------- */
+
+/* The sign and mantissa fields of an sm byte, in place in a BF16 element: sign to bit 15, mantissa bits 0-6. */
+static inline uint32_t sm_field(uint8_t s) { return ((uint32_t)(s & 0x80) << 8) | (s & 0x7F); }
+
+static void decode_scalar(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_pairs)
+{
+    uint32_t pair[256], field[256];
+    for (int b = 0; b < 256; b++) {
+        pair[b] = ((uint32_t)lut[b >> 4] << 7) | ((uint32_t)lut[b & 0xF] << 23);
+        field[b] = sm_field((uint8_t)b);
+    }
+    for (Py_ssize_t i = 0; i < n_pairs; i++) {
+        uint32_t word = pair[pk[i]] | field[sm[2 * i]] | (field[sm[2 * i + 1]] << 16);
+        memcpy(out + 2 * i, &word, 4); /* little-endian host: element 2i in the low half */
+    }
+}
+
+#ifdef SZ_X86
+__attribute__((target("avx2")))
+static void decode_avx2(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_pairs)
+{
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i low7 = _mm256_set1_epi8(0x7F), high1 = _mm256_set1_epi8((char)0x80);
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n_pairs; i += 16) { /* 16 pk bytes: 32 elements */
+        __m128i packed = _mm_loadu_si128((const __m128i *)(pk + i));
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble), lo = _mm_and_si128(packed, nibble);
+        __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)); /* element order */
+        __m256i exps = _mm256_shuffle_epi8(table, codes);
+        __m256i s = _mm256_loadu_si256((const __m256i *)(sm + 2 * i));
+        /* low byte: exponent bit 0 -> bit 7, mantissa; high byte: sign, exponent bits 1-7 -> bits 0-6 */
+        __m256i low = _mm256_or_si256(_mm256_and_si256(s, low7), _mm256_and_si256(_mm256_slli_epi16(exps, 7), high1));
+        __m256i high = _mm256_or_si256(_mm256_and_si256(s, high1), _mm256_and_si256(_mm256_srli_epi16(exps, 1), low7));
+        __m256i a = _mm256_unpacklo_epi8(low, high), b = _mm256_unpackhi_epi8(low, high);
+        _mm256_storeu_si256((__m256i *)(out + 2 * i), _mm256_permute2x128_si256(a, b, 0x20));
+        _mm256_storeu_si256((__m256i *)(out + 2 * i + 16), _mm256_permute2x128_si256(a, b, 0x31));
+    }
+    if (i < n_pairs)
+        decode_scalar(pk + i, sm + 2 * i, lut, out + 2 * i, n_pairs - i);
+}
+#endif
+
+static int have_avx2(void)
+{
+#ifdef SZ_X86
+    static int cached = -1;
+    if (cached < 0) {
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx2") ? 1 : 0;
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Encode and histogram
+ * ------------------------------------------------------------------------------------------------------------- */
+
+static void encode_scalar(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, Py_ssize_t n_pairs)
+{
+    for (Py_ssize_t i = 0; i < n_pairs; i++) {
+        uint16_t x0 = bits[2 * i], x1 = bits[2 * i + 1];
+        pk[i] = (uint8_t)(((enc[(x0 >> 7) & 0xFF] & 0xF) << 4) | (enc[(x1 >> 7) & 0xFF] & 0xF)); /* escape: 16 -> 0 */
+        sm[2 * i] = (uint8_t)(((x0 >> 8) & 0x80) | (x0 & 0x7F));
+        sm[2 * i + 1] = (uint8_t)(((x1 >> 8) & 0x80) | (x1 & 0x7F));
+    }
+}
+
+static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts)
+{
+    /* four partial histograms: consecutive equal exponents (the common case) would otherwise serialize on one
+       counter's store-to-load forwarding */
+    uint32_t part[4][256];
+    memset(part, 0, sizeof part);
+    Py_ssize_t i = 0;
+    while (i < n) {
+        Py_ssize_t stop = n - i > ((Py_ssize_t)1 << 30) ? i + ((Py_ssize_t)1 << 30) : n; /* no 32-bit overflow */
+        for (; i + 4 <= stop; i += 4) {
+            part[0][(bits[i] >> 7) & 0xFF]++;
+            part[1][(bits[i + 1] >> 7) & 0xFF]++;
+            part[2][(bits[i + 2] >> 7) & 0xFF]++;
+            part[3][(bits[i + 3] >> 7) & 0xFF]++;
+        }
+        for (; i < stop; i++)
+            part[0][(bits[i] >> 7) & 0xFF]++;
+        for (int e = 0; e < 256; e++) {
+            counts[e] += (int64_t)part[0][e] + part[1][e] + part[2][e] + part[3][e];
+            part[0][e] = part[1][e] = part[2][e] = part[3][e] = 0;
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Python bindings
+ * ------------------------------------------------------------------------------------------------------------- */
+
+typedef struct {
+    Py_buffer view;
+    int held;
+} Buffer;
+
+static int get_buffer(PyObject *obj, Buffer *buffer, int writable, const char *what)
+{
+    if (PyObject_GetBuffer(obj, &buffer->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
+        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+        return -1;
+    }
+    buffer->held = 1;
+    return 0;
+}
+
+static void release(Buffer *buffers, int count)
+{
+    for (int i = 0; i < count; i++)
+        if (buffers[i].held)
+            PyBuffer_Release(&buffers[i].view);
+}
+
+static PyObject *py_decode_pairs(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Buffer b[4] = {{0}};
+    if (!PyArg_ParseTuple(args, "OOOO:decode_pairs", &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    if (get_buffer(objs[0], &b[0], 0, "pk") || get_buffer(objs[1], &b[1], 0, "sm") ||
+        get_buffer(objs[2], &b[2], 0, "dec_lut") || get_buffer(objs[3], &b[3], 1, "out"))
+        goto fail;
+    Py_ssize_t n_pairs = b[0].view.len;
+    if (b[1].view.len != 2 * n_pairs || b[2].view.len != 16 || b[3].view.len != 4 * n_pairs) {
+        PyErr_Format(PyExc_ValueError, "decode_pairs: %zd pk bytes need %zd sm bytes, a 16-byte codebook and %zd "
+                     "output bytes (got %zd, %zd, %zd)", n_pairs, 2 * n_pairs, 4 * n_pairs, b[1].view.len,
+                     b[2].view.len, b[3].view.len);
+        goto fail;
+    }
+    {
+        const uint8_t *pk = b[0].view.buf, *sm = b[1].view.buf, *lut = b[2].view.buf;
+        uint16_t *out = b[3].view.buf;
+        int avx2 = have_avx2();
+        Py_BEGIN_ALLOW_THREADS
+#ifdef SZ_X86
+        if (avx2)
+            decode_avx2(pk, sm, lut, out, n_pairs);
+        else
+#endif
+            decode_scalar(pk, sm, lut, out, n_pairs);
+        (void)avx2;
+        Py_END_ALLOW_THREADS
+    }
+    release(b, 4);
+    Py_RETURN_NONE;
+fail:
+    release(b, 4);
+    return NULL;
+}
+
+static PyObject *py_encode_pairs(PyObject *self, PyObject *args)
+{
+    PyObject *objs[4];
+    Buffer b[4] = {{0}};
+    if (!PyArg_ParseTuple(args, "OOOO:encode_pairs", &objs[0], &objs[1], &objs[2], &objs[3]))
+        return NULL;
+    if (get_buffer(objs[0], &b[0], 0, "bits") || get_buffer(objs[1], &b[1], 0, "enc_lut") ||
+        get_buffer(objs[2], &b[2], 1, "pk") || get_buffer(objs[3], &b[3], 1, "sm"))
+        goto fail;
+    Py_ssize_t n_pairs = b[2].view.len;
+    if (b[0].view.len != 4 * n_pairs || b[1].view.len != 256 || b[3].view.len != 2 * n_pairs) {
+        PyErr_Format(PyExc_ValueError, "encode_pairs: %zd pk bytes need %zd source bytes, a 256-byte table and %zd sm "
+                     "bytes (got %zd, %zd, %zd)", n_pairs, 4 * n_pairs, 2 * n_pairs, b[0].view.len, b[1].view.len,
+                     b[3].view.len);
+        goto fail;
+    }
+    {
+        const uint16_t *bits = b[0].view.buf;
+        const uint8_t *enc = b[1].view.buf;
+        uint8_t *pk = b[2].view.buf, *sm = b[3].view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        encode_scalar(bits, enc, pk, sm, n_pairs);
+        Py_END_ALLOW_THREADS
+    }
+    release(b, 4);
+    Py_RETURN_NONE;
+fail:
+    release(b, 4);
+    return NULL;
+}
+
+static PyObject *py_exponent_histogram(PyObject *self, PyObject *args)
+{
+    PyObject *objs[2];
+    Buffer b[2] = {{0}};
+    if (!PyArg_ParseTuple(args, "OO:exponent_histogram", &objs[0], &objs[1]))
+        return NULL;
+    if (get_buffer(objs[0], &b[0], 0, "bits") || get_buffer(objs[1], &b[1], 1, "counts"))
+        goto fail;
+    if (b[0].view.len % 2 || b[1].view.len != 256 * 8) {
+        PyErr_SetString(PyExc_ValueError, "exponent_histogram: 16-bit elements and 256 int64 counts");
+        goto fail;
+    }
+    {
+        const uint16_t *bits = b[0].view.buf;
+        int64_t *counts = b[1].view.buf;
+        Py_ssize_t n = b[0].view.len / 2;
+        Py_BEGIN_ALLOW_THREADS
+        histogram_scalar(bits, n, counts);
+        Py_END_ALLOW_THREADS
+    }
+    release(b, 2);
+    Py_RETURN_NONE;
+fail:
+    release(b, 2);
+    return NULL;
+}
+
+static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar"); }
+
+static PyMethodDef methods[] = {
+    {"decode_pairs", py_decode_pairs, METH_VARARGS, "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
+    {"encode_pairs", py_encode_pairs, METH_VARARGS, "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
+    {"exponent_histogram", py_exponent_histogram, METH_VARARGS, "exponent_histogram(bits, counts): counts += ..."},
+    {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
+    {NULL, NULL, 0, NULL},
+};
+
+static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "SplitZip's CPU kernels in C.", -1, methods};
+
+PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
