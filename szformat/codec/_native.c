@@ -102,6 +102,52 @@ static void encode_scalar(const uint16_t *bits, const uint8_t *enc, uint8_t *pk,
     }
 }
 
+#ifdef SZ_X86
+/* 32 elements at a time. The exponent byte e of each element is looked up in the 256-entry code table as 16 rows of
+ * 16 (row e >> 4, column e & 15): one vpshufb per row the codebook uses (most codebooks span two or three rows), the
+ * other rows giving the escape code; pairs of codes are then packed into pk bytes with one multiply-add. */
+__attribute__((target("avx2")))
+static void encode_avx2(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, Py_ssize_t n_pairs)
+{
+    __m256i rows[16];
+    int used[16], n_rows = 0;
+    for (int h = 0; h < 16; h++) {
+        int any = 0;
+        for (int l = 0; l < 16; l++)
+            any |= enc[16 * h + l] != 16;
+        if (any) {
+            rows[n_rows] = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)(enc + 16 * h)));
+            used[n_rows++] = h;
+        }
+    }
+    const __m256i low_nibble = _mm256_set1_epi8(0x0F), escape = _mm256_set1_epi8(16);
+    const __m256i byte_mask = _mm256_set1_epi16(0x00FF), sign = _mm256_set1_epi16(0x0080);
+    const __m256i mantissa = _mm256_set1_epi16(0x007F), weights = _mm256_set1_epi16(0x0110); /* c0 * 16 + c1 */
+    Py_ssize_t i = 0;
+    for (; i + 16 <= n_pairs; i += 16) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(bits + 2 * i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(bits + 2 * i + 16));
+        /* exponent bytes and sm bytes, 16-bit lanes packed to bytes in element order */
+        __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(_mm256_and_si256(_mm256_srli_epi16(x0, 7), byte_mask),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(x1, 7), byte_mask)),
+                                             0xD8);
+        __m256i s0 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x0, 8), sign), _mm256_and_si256(x0, mantissa));
+        __m256i s1 = _mm256_or_si256(_mm256_and_si256(_mm256_srli_epi16(x1, 8), sign), _mm256_and_si256(x1, mantissa));
+        _mm256_storeu_si256((__m256i *)(sm + 2 * i), _mm256_permute4x64_epi64(_mm256_packus_epi16(s0, s1), 0xD8));
+        __m256i row = _mm256_and_si256(_mm256_srli_epi16(e, 4), low_nibble), column = _mm256_and_si256(e, low_nibble);
+        __m256i code = escape;
+        for (int r = 0; r < n_rows; r++)
+            code = _mm256_blendv_epi8(code, _mm256_shuffle_epi8(rows[r], column),
+                                      _mm256_cmpeq_epi8(row, _mm256_set1_epi8((char)used[r])));
+        __m256i pairs = _mm256_maddubs_epi16(_mm256_and_si256(code, low_nibble), weights); /* escape: 16 -> 0 */
+        __m128i packed = _mm_packus_epi16(_mm256_castsi256_si128(pairs), _mm256_extracti128_si256(pairs, 1));
+        _mm_storeu_si128((__m128i *)(pk + i), packed);
+    }
+    if (i < n_pairs)
+        encode_scalar(bits + 2 * i, enc, pk + i, sm + 2 * i, n_pairs - i);
+}
+#endif
+
 static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts)
 {
     /* four partial histograms: consecutive equal exponents (the common case) would otherwise serialize on one
@@ -209,8 +255,15 @@ static PyObject *py_encode_pairs(PyObject *self, PyObject *args)
         const uint16_t *bits = b[0].view.buf;
         const uint8_t *enc = b[1].view.buf;
         uint8_t *pk = b[2].view.buf, *sm = b[3].view.buf;
+        int avx2 = have_avx2();
         Py_BEGIN_ALLOW_THREADS
-        encode_scalar(bits, enc, pk, sm, n_pairs);
+#ifdef SZ_X86
+        if (avx2)
+            encode_avx2(bits, enc, pk, sm, n_pairs);
+        else
+#endif
+            encode_scalar(bits, enc, pk, sm, n_pairs);
+        (void)avx2;
         Py_END_ALLOW_THREADS
     }
     release(b, 4);

@@ -35,9 +35,9 @@ choices, each measured with ``bench/cpu.py`` and PyTorch's profiler:
   a few NumPy calls over single elements: there the fixed cost of each call, not the work, sets the speed.
 
 Where the package was built with a C compiler, the pair loops run in its C extension instead
-(:data:`cpu_kernel.KERNEL` says which one a process uses; ``_native.c``: one pass per range, AVX2 where the CPU has it, the GIL released):
-the same arithmetic, tested bit for bit against the PyTorch loops, which stay the reference and the fallback
-(``SZFORMAT_CPU_CODEC=reference`` selects them).
+(:data:`cpu_kernel.KERNEL` says which one a process uses; ``_native.c``: one pass per range, AVX2 where the CPU
+has it, the GIL released): the same arithmetic, tested bit for bit against the PyTorch loops, which stay the
+reference and the fallback (``SZFORMAT_CPU_CODEC=reference`` selects them).
 
 Odd elements at the ends of a range are done one at a time, so every range of every input decodes exactly. Byte
 views assume a little-endian host, as PyTorch's ``Tensor.view(dtype)`` does.

@@ -15,7 +15,9 @@ one-line error naming the file and the tensor.
 
 from __future__ import annotations
 
+import logging
 import os
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -27,6 +29,8 @@ from ..format import constants as C
 __all__ = ["LOAD_FORMAT", "BATCH_BYTES", "register", "szt_weights"]
 
 LOAD_FORMAT = "szt"
+logger = logging.getLogger("vllm.model_executor.model_loader.szt")
+"""Under vLLM's logger, so its configuration prints what this loader logs beside vLLM's own lines."""
 BATCH_BYTES = 512 << 20
 """Raw bytes of tensors decoded together on a CUDA rank before they are handed to ``load_weights`` (one batched
 load through the staging ring); the device holds at most this much beside the model while it loads."""
@@ -110,9 +114,11 @@ def _loader_class():
             local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
 
         def load_weights(self, model: torch.nn.Module, model_config) -> None:
+            started = time.perf_counter()
             folder = local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             loaded = model.load_weights(szt_weights(folder, device))
+            logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)  # as vLLM's loaders
             if loaded is not None:
                 missing = {name for name, _ in model.named_parameters()} - set(loaded)
                 if missing:

@@ -25,6 +25,7 @@ from safetensors.torch import load_file as load_safetensors
 from safetensors.torch import save_file as save_safetensors
 
 import szformat
+from szformat._install import install_hint
 from szformat.codec import cpu
 from szformat.convert import convert, decompress, verify
 from szformat.convert import expand
@@ -665,9 +666,7 @@ def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkey
     real_find_spec = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec", lambda name, *a: None if name == "triton" else
                         real_find_spec(name, *a))
-    with pytest.raises(DecodeRouteError,
-                       match=r"needs Triton: pip install 'triton>=3.2' \(szformat's gpu extra: pip install "
-                             r"-e \".\[gpu\]\""):
+    with pytest.raises(DecodeRouteError, match=re.escape(f"needs Triton: {install_hint('gpu')}")):
         codec_for("cuda")
 
 

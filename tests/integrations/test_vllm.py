@@ -1,15 +1,18 @@
 """vLLM serving .szt checkpoints (``load_format="szt"``), with the real engine on the CPU: greedy tokens and their
 logprobs identical to ``load_format="safetensors"`` of the originals, for a GQA Llama in shards (both file forms,
 tensor parallel 1 and 2), a Qwen2 with tied embeddings and a Qwen2-MoE; bad input fails the start-up with szformat's
-one-line message in the engine's log. Each engine runs in a child process (vLLM spawns its own), about a minute
-each on two cores."""
+one-line message in the engine's log; one request through the OpenAI-compatible server (``vllm serve --load-format
+szt``) answered as the safetensors server answers it. Each engine runs in a child process (vLLM spawns its own),
+about a minute each on two cores."""
 
 from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -122,3 +125,45 @@ def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tm
     done = engine(tmp_path, broken, "szt")
     assert done.returncode != 0 and "RESULT" not in done.stdout
     assert f"file '{shard}', tensor '{name}': CRC-32 of the stored bytes" in done.stdout + done.stderr
+
+
+def serve(tmp_path: Path, model: Path, load_format: str) -> dict:
+    """Start ``vllm serve MODEL --load-format FORMAT`` on loopback, send one completion request through the
+    ``openai`` client (token ids in, token ids and logprobs out: the model has no tokenizer), stop the server."""
+    openai = pytest.importorskip("openai")
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    log = open(tmp_path / f"serve-{load_format}.log", "w")
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+                               "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "bfloat16",
+                               "--max-model-len", "64", "--enforce-eager", "--served-model-name", "tiny",
+                               "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
+                              env=env, cwd=tmp_path)
+    try:
+        client = openai.OpenAI(base_url=f"http://127.0.0.1:{port}/v1", api_key="none", max_retries=0)
+        deadline = time.monotonic() + 300
+        while True:
+            assert server.poll() is None, (tmp_path / f"serve-{load_format}.log").read_text()[-4000:]
+            try:
+                client.models.list()
+                break
+            except openai.APIConnectionError:
+                assert time.monotonic() < deadline, "the server did not come up in 300 s"
+                time.sleep(1)
+        answer = client.completions.create(model="tiny", prompt=[1, 5, 9, 77, 3], max_tokens=8, temperature=0,
+                                           logprobs=3, extra_body={"return_token_ids": True,
+                                                                   "return_tokens_as_token_ids": True})
+        choice = answer.choices[0].model_dump()
+        return {"token_ids": choice["token_ids"], "top_logprobs": choice["logprobs"]["top_logprobs"]}
+    finally:
+        server.terminate()
+        server.wait(timeout=60)
+        log.close()
+
+
+def test_the_openai_server_answers_as_with_safetensors(llama, tmp_path):
+    expected = serve(tmp_path, llama[0], "safetensors")
+    assert len(expected["token_ids"]) == 8
+    assert serve(tmp_path, llama[1], "szt") == expected

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from szformat._install import install_hint
 from szformat.errors import DecodeRouteError
 from szformat.offload import routes
 from szformat.offload.routes import (
@@ -56,10 +57,7 @@ def test_without_triton_the_staging_pool_decodes_on_the_cpu_and_native_is_skippe
 
 
 @pytest.mark.parametrize("changes, why", [
-    ({"versions": {DDO_DISTRIBUTION: None}}, "diffusers-dynamic-offloader is not installed (pip install "
-                                             "'diffusers-dynamic-offloader[vmm]==0.1.0rc2' "
-                                             "'ddo-vmm-allocator==0.1.0rc2' (szformat's ddo extra: pip install -e "
-                                             "\".[ddo]\" from its source tree))"),
+    ({"versions": {DDO_DISTRIBUTION: None}}, f"diffusers-dynamic-offloader is not installed ({install_hint('ddo')})"),
     ({"versions": {DDO_DISTRIBUTION: "0.1.0"}}, "diffusers-dynamic-offloader 0.1.0 is not supported (szformat "
                                                 "supports 0.1.0rc2"),
     ({"versions": {DDO_ALLOCATOR_DISTRIBUTION: "0.1.0rc3"}}, "ddo-vmm-allocator 0.1.0rc3 is not supported"),
