@@ -109,8 +109,15 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         PayloadError: an escape stream is inconsistent (and the stored bytes match their checksum, if checked).
     """
     tensors: list[torch.Tensor] = []
+    buffer = torch.empty(0, dtype=torch.uint8)
     for group in _groups(entries):
-        jobs = [_job(file, entries[i], check_stored[i], check_decoded) for i in group]
+        needed = sum(_read_length(entries[i]) for i in group)
+        if buffer.numel() < needed:
+            with allocation_errors(file.path, entries[group[0]].name):
+                buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one is made
+                buffer = torch.empty(needed, dtype=torch.uint8)
+        payloads = iter(buffer.split([_read_length(entries[i]) for i in group] + [buffer.numel() - needed]))
+        jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads)) for i in group]
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
         _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))
         for job, i in zip(jobs, group):
@@ -132,22 +139,29 @@ def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
     return groups if groups[0] else []
 
 
-def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool) -> _Job:
+def _read_length(entry: TensorEntry) -> int:
+    """Bytes of the group's payload buffer a tensor takes: its stored bytes when they are read range by range (a
+    SplitZip payload in the in-memory form), else none."""
+    return entry.length if entry.encoding != ENCODING_RAW and entry.at_rest is None else 0
+
+
+def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor) -> _Job:
     """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
-    bytes around the streams (padding, escape streams) read now and the streams left to the ranges; at rest, the
-    stored bytes read whole, checked, and inflated."""
+    bytes around the streams (padding, escape streams) read now into ``payload`` (its part of the buffer the
+    groups of one call share: fresh pages for every tensor cost as much as reading into them) and the streams left
+    to the ranges; at rest, the stored bytes read whole, checked, and inflated."""
     with allocation_errors(file.path, entry.name):
-        return _new_job(file, entry, check_stored, check_decoded)
+        return _new_job(file, entry, check_stored, check_decoded, payload)
 
 
-def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool) -> _Job:
+def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
+             payload: torch.Tensor) -> _Job:
     dtype = entry.torch_dtype(file.path)
     if entry.encoding == ENCODING_RAW:
         out = torch.empty(entry.length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
     layout, reads = entry.layout, entry.at_rest is None
     if reads:
-        payload = torch.empty(entry.length, dtype=torch.uint8)
         for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
             file.read(entry.name, lo, hi, out=payload[lo:hi])
     else:
