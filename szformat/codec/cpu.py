@@ -536,11 +536,10 @@ def _decode_slice(pk: torch.Tensor, sm: torch.Tensor, table: torch.Tensor, words
     words.bitwise_or_(fields.copy_(sm).bitwise_and_(_SIGN_AND_MANTISSA).view(torch.int32))
 
 
-def _decode_one(payload: torch.Tensor, layout: PayloadLayout, dec_lut: tuple[int, ...], i: int) -> int:
-    """Element ``i`` (escapes aside) as an int16 value: for the odd element at either end of a range."""
-    byte = int(payload[layout.off_pk + i // 2])
-    exponent = dec_lut[byte & 0xF if i % 2 else byte >> 4]
-    s = int(payload[layout.off_sm + i])
+def _decode_one(pk_byte: int, s: int, dec_lut: tuple[int, ...], i: int) -> int:
+    """Element ``i`` (escapes aside) from its ``pk`` byte and ``sm`` byte, as an int16 value: for the odd element at
+    either end of a range."""
+    exponent = dec_lut[pk_byte & 0xF if i % 2 else pk_byte >> 4]
     bits = ((s & 0x80) << 8) | (exponent << 7) | (s & 0x7F)
     return bits - 0x10000 if bits & 0x8000 else bits
 
@@ -599,28 +598,43 @@ class PayloadDecoder:
         self.table = _pair_exponent_table(codebook.dec_lut)
         self.lut = bytes(codebook.dec_lut)
 
-    def decode(self, start: int, stop: int, out: torch.Tensor) -> None:
-        """Decode elements ``[start, stop)`` into ``out``, a contiguous bfloat16 tensor of ``stop - start``."""
+    def streams(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """The ``pk`` bytes (of pairs ``start // 2`` to ``(stop + 1) // 2``) and ``sm`` bytes that decoding elements
+        ``[start, stop)`` reads, as views of the payload."""
+        layout = self.layout
+        return (self.payload[layout.off_pk + start // 2: layout.off_pk + (stop + 1) // 2],
+                self.payload[layout.off_sm + start: layout.off_sm + stop])
+
+    def decode(self, start: int, stop: int, out: torch.Tensor, *,
+               streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+        """Decode elements ``[start, stop)`` into ``out``, a contiguous bfloat16 tensor of ``stop - start``.
+
+        ``streams``: the range's ``pk`` and ``sm`` bytes (uint8, as :meth:`streams` cuts them) where the caller has
+        them elsewhere than in the payload, say read into a cache-sized buffer just before (escapes still come from
+        the payload's escape streams)."""
         if not 0 <= start <= stop <= self.layout.n:
             raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
         if out.dtype != torch.bfloat16 or out.numel() != stop - start or not out.is_contiguous():
             raise ValueError(f"out must be a contiguous bfloat16 tensor of {stop - start} elements")
-        payload, layout, lut = self.payload, self.layout, self.codebook.dec_lut
+        pk, sm = self.streams(start, stop) if streams is None else streams
+        if pk.numel() != (stop + 1) // 2 - start // 2 or sm.numel() != stop - start:
+            raise ValueError(f"streams of {pk.numel()} pk and {sm.numel()} sm bytes do not cover [{start}, {stop})")
+        lut, base = self.codebook.dec_lut, start // 2
         bits = out.view(-1).view(torch.int16)
         first, last = start + start % 2, stop - stop % 2  # the whole pairs inside the range
         with one_intra_op_thread():
             if start % 2 and start < stop:
-                bits[0] = _decode_one(payload, layout, lut, start)
+                bits[0] = _decode_one(int(pk[0]), int(sm[0]), lut, start)
             if stop % 2 and stop - 1 >= start:
-                bits[stop - 1 - start] = _decode_one(payload, layout, lut, stop - 1)
+                bits[stop - 1 - start] = _decode_one(int(pk[-1]), int(sm[-1]), lut, stop - 1)
             if first < last:
-                _decode_pairs(payload[layout.off_pk + first // 2: layout.off_pk + last // 2],
-                              payload[layout.off_sm + first: layout.off_sm + last].view(torch.int8), self.lut,
-                              self.table,
+                _decode_pairs(pk[first // 2 - base: last // 2 - base], sm[first - start: last - start].view(torch.int8),
+                              self.lut, self.table,
                               bits if (first, last) == (start, stop) else bits[first - start: last - start])
         _patch_escapes(self.position, self.esc_val, start, stop, bits)
 
-    def decode_checked(self, start: int, stop: int, out: torch.Tensor) -> RangeChecksums:
+    def decode_checked(self, start: int, stop: int, out: torch.Tensor, *,
+                       streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> RangeChecksums:
         """:meth:`decode`, and the CRC-32s of the stored bytes it reads and of the bytes it writes.
 
         The stored bytes are checksummed just before they are decoded and the decoded ones just after, while each
@@ -628,11 +642,10 @@ class PayloadDecoder:
         """
         if start % 2:
             raise ValueError(f"a checked range starts at an even element, not {start}")
-        data, layout = self.payload.numpy(), self.layout
-        pk = crc32(data[layout.off_pk + start // 2: layout.off_pk + (stop + 1) // 2])
-        sm = crc32(data[layout.off_sm + start: layout.off_sm + stop])
-        self.decode(start, stop, out)
-        return RangeChecksums(pk, sm, crc32(out.view(torch.uint8).numpy()))
+        pk, sm = self.streams(start, stop) if streams is None else streams
+        pk_crc, sm_crc = crc32(pk.numpy()), crc32(sm.numpy())
+        self.decode(start, stop, out, streams=(pk, sm))
+        return RangeChecksums(pk_crc, sm_crc, crc32(out.view(torch.uint8).numpy()))
 
     def stored_crc(self, ranges: Sequence[tuple[int, int, RangeChecksums]]) -> int:
         """The CRC-32 of the whole payload from the checksums of ranges ``(start, stop, checksums)`` that cover

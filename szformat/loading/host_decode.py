@@ -74,6 +74,10 @@ class _Job:
         self.sums = [None] * len(self.ranges)
 
     def run(self, k: int) -> None:
+        with allocation_errors(self.file.path, self.entry.name):  # this thread's scratch, a raw tensor's ranges
+            self._run(k)
+
+    def _run(self, k: int) -> None:
         start, stop = self.ranges[k]
         out = self.out[start:stop]
         name = self.entry.name
@@ -81,15 +85,30 @@ class _Job:
             self.file.read(name, start, stop, out=out)
             self.sums[k] = crc32(out.numpy()) if self.checked else None
             return
-        if self.reads:  # this range's pk and sm bytes, into the payload buffer where the decoder reads them
-            layout, payload = self.entry.layout, self.decoder.payload
-            for lo, hi in ((layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
-                           (layout.off_sm + start, layout.off_sm + stop)):
-                self.file.read(name, lo, hi, out=payload[lo:hi])
+        streams = None
+        if self.reads:  # this range's pk and sm bytes, read into this thread's scratch: decoded from the cache
+            layout = self.entry.layout
+            pk_bytes, sm_bytes = (stop + 1) // 2 - start // 2, stop - start
+            scratch = _range_scratch(pk_bytes + sm_bytes)
+            streams = (scratch[:pk_bytes], scratch[pk_bytes: pk_bytes + sm_bytes])
+            self.file.read(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2, out=streams[0])
+            self.file.read(name, layout.off_sm + start, layout.off_sm + stop, out=streams[1])
         if self.checked:
-            self.sums[k] = self.decoder.decode_checked(start, stop, out)
+            self.sums[k] = self.decoder.decode_checked(start, stop, out, streams=streams)
         else:
-            self.decoder.decode(start, stop, out)
+            self.decoder.decode(start, stop, out, streams=streams)
+
+
+_thread_scratch = threading.local()
+
+
+def _range_scratch(nbytes: int) -> torch.Tensor:
+    """This thread's buffer for one range's stored bytes (3 MiB for :data:`RANGE_ELEMENTS`): they are read into it
+    and decoded from it while in the cache, instead of travelling through memory in a buffer of the whole payload."""
+    buffer = getattr(_thread_scratch, "buffer", None)
+    if buffer is None or buffer.numel() < nbytes:
+        buffer = _thread_scratch.buffer = torch.empty(max(nbytes, RANGE_ELEMENTS * 3 // 2 + 1), dtype=torch.uint8)
+    return buffer[:nbytes]
 
 
 def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_stored: Sequence[bool],
@@ -109,14 +128,14 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         PayloadError: an escape stream is inconsistent (and the stored bytes match their checksum, if checked).
     """
     tensors: list[torch.Tensor] = []
-    buffer = torch.empty(0, dtype=torch.uint8)
+    buffer: torch.Tensor | None = None
     for group in _groups(entries):
-        needed = sum(_read_length(entries[i]) for i in group)
-        if buffer.numel() < needed:
+        sizes = [_read_length(entries[i]) for i in group]
+        if buffer is None or buffer.numel() < sum(sizes):
             with allocation_errors(file.path, entries[group[0]].name):
-                buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one is made
-                buffer = torch.empty(needed, dtype=torch.uint8)
-        payloads = iter(buffer.split([_read_length(entries[i]) for i in group] + [buffer.numel() - needed]))
+                buffer = None  # the old one goes before the new one is made
+                buffer = torch.empty(sum(sizes), dtype=torch.uint8)
+        payloads = iter(buffer[: sum(sizes)].split(sizes))
         jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads)) for i in group]
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
         _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))

@@ -65,10 +65,10 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
     method = "decode_checked" if verify else "decode"
     real = getattr(cpu.PayloadDecoder, method)
 
-    def spy(self, start, stop, out):
+    def spy(self, start, stop, out, **kwargs):
         calls.append((threading.get_ident(), torch.get_num_threads()))
         time.sleep(0.001)  # lets the other thread take ranges too
-        return real(self, start, stop, out)
+        return real(self, start, stop, out, **kwargs)
 
     monkeypatch.setattr(cpu.PayloadDecoder, method, spy)
     loaded = load_file(path, verify=verify)
@@ -97,7 +97,8 @@ def test_get_tensor_decodes_a_large_tensor_in_ranges(tmp_path, small_ranges, two
     ranges = []
     real = cpu.PayloadDecoder.decode_checked
     monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked",
-                        lambda self, start, stop, out: ranges.append((start, stop)) or real(self, start, stop, out))
+                        lambda self, start, stop, out, **kw: ranges.append((start, stop))
+                        or real(self, start, stop, out, **kw))
     with safe_open(path, framework="pt") as f:
         assert torch.equal(_bits(f.get_tensor("big")), _bits(source["big"]))
     assert sorted(ranges) == [(a, min(a + 1024, 20_001)) for a in range(0, 20_001, 1024)]
@@ -109,11 +110,11 @@ def test_an_error_on_any_thread_ends_the_load(tmp_path, small_ranges, two_thread
     real = cpu.PayloadDecoder.decode_checked
     count = iter(range(1_000_000))
 
-    def failing(self, start, stop, out):
+    def failing(self, start, stop, out, **kwargs):
         if next(count) == 9:
             raise MemoryError("range 9")
         time.sleep(0.001)
-        return real(self, start, stop, out)
+        return real(self, start, stop, out, **kwargs)
 
     monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", failing)
     with pytest.raises(MemoryError, match="range 9"):
