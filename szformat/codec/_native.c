@@ -9,6 +9,8 @@
  *   encode_pairs(bits, enc_lut, pk, sm)  the inverse for whole pairs: an exponent without a code (enc_lut[e] ==
  *                                        16) gets nibble 0; the caller finds the escapes by decoding again.
  *   exponent_histogram(bits, counts)     counts[e] += elements of exponent byte e (int64 x 256).
+ *   mismatches(a, b, positions) -> count where two int16 arrays differ (the encoder's check finds the escapes so):
+ *                                        blocks of 32 elements compared at once, the rare differing ones by element.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -172,6 +174,22 @@ static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts
     }
 }
 
+static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n, int64_t *positions)
+{
+    Py_ssize_t count = 0, i = 0;
+    for (; i + 32 <= n; i += 32) {
+        if (memcmp(a + i, b + i, 64) == 0)
+            continue;
+        for (Py_ssize_t j = i; j < i + 32; j++)
+            if (a[j] != b[j])
+                positions[count++] = j;
+    }
+    for (; i < n; i++)
+        if (a[i] != b[i])
+            positions[count++] = i;
+    return count;
+}
+
 /* ---------------------------------------------------------------------------------------------------------------
  * Python bindings
  * ------------------------------------------------------------------------------------------------------------- */
@@ -300,12 +318,42 @@ fail:
     return NULL;
 }
 
+static PyObject *py_mismatches(PyObject *self, PyObject *args)
+{
+    PyObject *objs[3];
+    Buffer b[3] = {{0}};
+    if (!PyArg_ParseTuple(args, "OOO:mismatches", &objs[0], &objs[1], &objs[2]))
+        return NULL;
+    if (get_buffer(objs[0], &b[0], 0, "a") || get_buffer(objs[1], &b[1], 0, "b") ||
+        get_buffer(objs[2], &b[2], 1, "positions"))
+        goto fail;
+    Py_ssize_t n = b[0].view.len / 2;
+    if (b[0].view.len % 2 || b[1].view.len != b[0].view.len || b[2].view.len < 8 * n) {
+        PyErr_SetString(PyExc_ValueError, "mismatches: two int16 arrays of one length and room for as many int64");
+        goto fail;
+    }
+    Py_ssize_t count;
+    {
+        const uint16_t *x = b[0].view.buf, *y = b[1].view.buf;
+        int64_t *positions = b[2].view.buf;
+        Py_BEGIN_ALLOW_THREADS
+        count = mismatches(x, y, n, positions);
+        Py_END_ALLOW_THREADS
+    }
+    release(b, 3);
+    return PyLong_FromSsize_t(count);
+fail:
+    release(b, 3);
+    return NULL;
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar"); }
 
 static PyMethodDef methods[] = {
     {"decode_pairs", py_decode_pairs, METH_VARARGS, "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
     {"encode_pairs", py_encode_pairs, METH_VARARGS, "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
     {"exponent_histogram", py_exponent_histogram, METH_VARARGS, "exponent_histogram(bits, counts): counts += ..."},
+    {"mismatches", py_mismatches, METH_VARARGS, "mismatches(a, b, positions) -> count: where int16 arrays differ"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };

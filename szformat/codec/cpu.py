@@ -307,6 +307,7 @@ class _SliceScratch:
         self.fields = torch.empty(2 * size, dtype=torch.int16)
         self.decoded = torch.empty(2 * size, dtype=torch.int16)
         self.differs = np.empty(2 * size, dtype=bool)
+        self.positions = np.empty(2 * size if _native is not None else 0, dtype=np.int64)
 
 
 def _encode_slices(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm: torch.Tensor
@@ -334,8 +335,7 @@ def _encode_slices(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm:
         _encode_pairs(bits_slice, codebook, pk_slice, sm_slice, scratch)
         _decode_pairs(pk_slice, sm_slice, lut, exponent_table, decoded)
         decoded = decoded.numpy()
-        differs = np.not_equal(decoded, source[first: first + 2 * m], out=scratch.differs[: 2 * m])
-        wrong = np.flatnonzero(differs)
+        wrong = _mismatches(decoded, source[first: first + 2 * m], scratch)
         if wrong.size:
             positions.append(wrong + first)
             decoded_as.append(decoded[wrong])
@@ -344,6 +344,14 @@ def _encode_slices(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm:
     position = np.concatenate(positions)
     _check_escapes(source, position, codebook)
     return position, np.concatenate(decoded_as)
+
+
+def _mismatches(decoded: np.ndarray, source: np.ndarray, scratch: _SliceScratch) -> np.ndarray:
+    """Where ``decoded`` and ``source`` (int16, one slice) differ, ascending: in C, 32 elements compared at once (the
+    escapes are a per mille at most); else two NumPy passes."""
+    if _native is not None:
+        return scratch.positions[: _native.mismatches(decoded, source, scratch.positions)].copy()
+    return np.flatnonzero(np.not_equal(decoded, source, out=scratch.differs[: decoded.size]))
 
 
 def _encode_pairs(bits: torch.Tensor, codebook: Codebook, pk: torch.Tensor, sm: torch.Tensor,
