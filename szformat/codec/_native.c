@@ -194,166 +194,157 @@ static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n,
  * Python bindings
  * ------------------------------------------------------------------------------------------------------------- */
 
-typedef struct {
-    Py_buffer view;
-    int held;
-} Buffer;
+#define MAX_BUFFERS 5
 
-static int get_buffer(PyObject *obj, Buffer *buffer, int writable, const char *what)
+/* A call's arguments as buffers: ``names[i]`` for messages; bit i of ``writable`` asks for a writable one. Every
+ * buffer taken is released by ``release`` whatever happened. */
+typedef struct {
+    Py_buffer views[MAX_BUFFERS];
+    int count;
+} Buffers;
+
+static int take(const char *function, PyObject *const *args, Py_ssize_t nargs, int count, const char *const *names,
+                unsigned writable, Buffers *b)
 {
-    if (PyObject_GetBuffer(obj, &buffer->view, PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0)) < 0) {
-        PyErr_Format(PyExc_TypeError, "%s must be a C-contiguous%s buffer", what, writable ? " writable" : "");
+    b->count = 0;
+    if (nargs != count) {
+        PyErr_Format(PyExc_TypeError, "%s() takes %d arguments (%zd given)", function, count, nargs);
         return -1;
     }
-    buffer->held = 1;
+    for (int i = 0; i < count; i++) {
+        int w = (writable >> i) & 1;
+        if (PyObject_GetBuffer(args[i], &b->views[i], PyBUF_C_CONTIGUOUS | (w ? PyBUF_WRITABLE : 0)) < 0) {
+            PyErr_Format(PyExc_TypeError, "%s(): %s must be a C-contiguous%s buffer", function, names[i],
+                         w ? " writable" : "");
+            return -1;
+        }
+        b->count = i + 1;
+    }
     return 0;
 }
 
-static void release(Buffer *buffers, int count)
+static void release(Buffers *b)
 {
-    for (int i = 0; i < count; i++)
-        if (buffers[i].held)
-            PyBuffer_Release(&buffers[i].view);
+    for (int i = 0; i < b->count; i++)
+        PyBuffer_Release(&b->views[i]);
 }
 
-static PyObject *py_decode_pairs(PyObject *self, PyObject *args)
+static PyObject *py_decode_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *objs[4];
-    Buffer b[4] = {{0}};
-    if (!PyArg_ParseTuple(args, "OOOO:decode_pairs", &objs[0], &objs[1], &objs[2], &objs[3]))
-        return NULL;
-    if (get_buffer(objs[0], &b[0], 0, "pk") || get_buffer(objs[1], &b[1], 0, "sm") ||
-        get_buffer(objs[2], &b[2], 0, "dec_lut") || get_buffer(objs[3], &b[3], 1, "out"))
-        goto fail;
-    Py_ssize_t n_pairs = b[0].view.len;
-    if (b[1].view.len != 2 * n_pairs || b[2].view.len != 16 || b[3].view.len != 4 * n_pairs) {
-        PyErr_Format(PyExc_ValueError, "decode_pairs: %zd pk bytes need %zd sm bytes, a 16-byte codebook and %zd "
-                     "output bytes (got %zd, %zd, %zd)", n_pairs, 2 * n_pairs, 4 * n_pairs, b[1].view.len,
-                     b[2].view.len, b[3].view.len);
-        goto fail;
-    }
-    {
-        const uint8_t *pk = b[0].view.buf, *sm = b[1].view.buf, *lut = b[2].view.buf;
-        uint16_t *out = b[3].view.buf;
-        int avx2 = have_avx2();
-        Py_BEGIN_ALLOW_THREADS
+    static const char *const names[] = {"pk", "sm", "dec_lut", "out"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (take("decode_pairs", args, nargs, 4, names, 0x8, &b) == 0) {
+        Py_ssize_t n_pairs = b.views[0].len;
+        if (b.views[1].len != 2 * n_pairs || b.views[2].len != 16 || b.views[3].len != 4 * n_pairs) {
+            PyErr_Format(PyExc_ValueError, "decode_pairs(): %zd pk bytes need %zd sm bytes, a 16-byte codebook and "
+                         "%zd output bytes (got %zd, %zd, %zd)", n_pairs, 2 * n_pairs, 4 * n_pairs, b.views[1].len,
+                         b.views[2].len, b.views[3].len);
+        } else {
+            const uint8_t *pk = b.views[0].buf, *sm = b.views[1].buf, *lut = b.views[2].buf;
+            uint16_t *out = b.views[3].buf;
+            int avx2 = have_avx2();
+            Py_BEGIN_ALLOW_THREADS
 #ifdef SZ_X86
-        if (avx2)
-            decode_avx2(pk, sm, lut, out, n_pairs);
-        else
+            if (avx2)
+                decode_avx2(pk, sm, lut, out, n_pairs);
+            else
 #endif
-            decode_scalar(pk, sm, lut, out, n_pairs);
-        (void)avx2;
-        Py_END_ALLOW_THREADS
+                decode_scalar(pk, sm, lut, out, n_pairs);
+            (void)avx2;
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
     }
-    release(b, 4);
-    Py_RETURN_NONE;
-fail:
-    release(b, 4);
-    return NULL;
+    release(&b);
+    return result;
 }
 
-static PyObject *py_encode_pairs(PyObject *self, PyObject *args)
+static PyObject *py_encode_pairs(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *objs[4];
-    Buffer b[4] = {{0}};
-    if (!PyArg_ParseTuple(args, "OOOO:encode_pairs", &objs[0], &objs[1], &objs[2], &objs[3]))
-        return NULL;
-    if (get_buffer(objs[0], &b[0], 0, "bits") || get_buffer(objs[1], &b[1], 0, "enc_lut") ||
-        get_buffer(objs[2], &b[2], 1, "pk") || get_buffer(objs[3], &b[3], 1, "sm"))
-        goto fail;
-    Py_ssize_t n_pairs = b[2].view.len;
-    if (b[0].view.len != 4 * n_pairs || b[1].view.len != 256 || b[3].view.len != 2 * n_pairs) {
-        PyErr_Format(PyExc_ValueError, "encode_pairs: %zd pk bytes need %zd source bytes, a 256-byte table and %zd sm "
-                     "bytes (got %zd, %zd, %zd)", n_pairs, 4 * n_pairs, 2 * n_pairs, b[0].view.len, b[1].view.len,
-                     b[3].view.len);
-        goto fail;
-    }
-    {
-        const uint16_t *bits = b[0].view.buf;
-        const uint8_t *enc = b[1].view.buf;
-        uint8_t *pk = b[2].view.buf, *sm = b[3].view.buf;
-        int avx2 = have_avx2();
-        Py_BEGIN_ALLOW_THREADS
+    static const char *const names[] = {"bits", "enc_lut", "pk", "sm"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (take("encode_pairs", args, nargs, 4, names, 0xC, &b) == 0) {
+        Py_ssize_t n_pairs = b.views[2].len;
+        if (b.views[0].len != 4 * n_pairs || b.views[1].len != 256 || b.views[3].len != 2 * n_pairs) {
+            PyErr_Format(PyExc_ValueError, "encode_pairs(): %zd pk bytes need %zd source bytes, a 256-byte table and "
+                         "%zd sm bytes (got %zd, %zd, %zd)", n_pairs, 4 * n_pairs, 2 * n_pairs, b.views[0].len,
+                         b.views[1].len, b.views[3].len);
+        } else {
+            const uint16_t *bits = b.views[0].buf;
+            const uint8_t *enc = b.views[1].buf;
+            uint8_t *pk = b.views[2].buf, *sm = b.views[3].buf;
+            int avx2 = have_avx2();
+            Py_BEGIN_ALLOW_THREADS
 #ifdef SZ_X86
-        if (avx2)
-            encode_avx2(bits, enc, pk, sm, n_pairs);
-        else
+            if (avx2)
+                encode_avx2(bits, enc, pk, sm, n_pairs);
+            else
 #endif
-            encode_scalar(bits, enc, pk, sm, n_pairs);
-        (void)avx2;
-        Py_END_ALLOW_THREADS
+                encode_scalar(bits, enc, pk, sm, n_pairs);
+            (void)avx2;
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
     }
-    release(b, 4);
-    Py_RETURN_NONE;
-fail:
-    release(b, 4);
-    return NULL;
+    release(&b);
+    return result;
 }
 
-static PyObject *py_exponent_histogram(PyObject *self, PyObject *args)
+static PyObject *py_exponent_histogram(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *objs[2];
-    Buffer b[2] = {{0}};
-    if (!PyArg_ParseTuple(args, "OO:exponent_histogram", &objs[0], &objs[1]))
-        return NULL;
-    if (get_buffer(objs[0], &b[0], 0, "bits") || get_buffer(objs[1], &b[1], 1, "counts"))
-        goto fail;
-    if (b[0].view.len % 2 || b[1].view.len != 256 * 8) {
-        PyErr_SetString(PyExc_ValueError, "exponent_histogram: 16-bit elements and 256 int64 counts");
-        goto fail;
+    static const char *const names[] = {"bits", "counts"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (take("exponent_histogram", args, nargs, 2, names, 0x2, &b) == 0) {
+        if (b.views[0].len % 2 || b.views[1].len != 256 * 8) {
+            PyErr_SetString(PyExc_ValueError, "exponent_histogram(): 16-bit elements and 256 int64 counts");
+        } else {
+            const uint16_t *bits = b.views[0].buf;
+            int64_t *counts = b.views[1].buf;
+            Py_ssize_t n = b.views[0].len / 2;
+            Py_BEGIN_ALLOW_THREADS
+            histogram_scalar(bits, n, counts);
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
     }
-    {
-        const uint16_t *bits = b[0].view.buf;
-        int64_t *counts = b[1].view.buf;
-        Py_ssize_t n = b[0].view.len / 2;
-        Py_BEGIN_ALLOW_THREADS
-        histogram_scalar(bits, n, counts);
-        Py_END_ALLOW_THREADS
-    }
-    release(b, 2);
-    Py_RETURN_NONE;
-fail:
-    release(b, 2);
-    return NULL;
+    release(&b);
+    return result;
 }
 
-static PyObject *py_mismatches(PyObject *self, PyObject *args)
+static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    PyObject *objs[3];
-    Buffer b[3] = {{0}};
-    if (!PyArg_ParseTuple(args, "OOO:mismatches", &objs[0], &objs[1], &objs[2]))
-        return NULL;
-    if (get_buffer(objs[0], &b[0], 0, "a") || get_buffer(objs[1], &b[1], 0, "b") ||
-        get_buffer(objs[2], &b[2], 1, "positions"))
-        goto fail;
-    Py_ssize_t n = b[0].view.len / 2;
-    if (b[0].view.len % 2 || b[1].view.len != b[0].view.len || b[2].view.len < 8 * n) {
-        PyErr_SetString(PyExc_ValueError, "mismatches: two int16 arrays of one length and room for as many int64");
-        goto fail;
+    static const char *const names[] = {"a", "b", "positions"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (take("mismatches", args, nargs, 3, names, 0x4, &b) == 0) {
+        Py_ssize_t n = b.views[0].len / 2;
+        if (b.views[0].len % 2 || b.views[1].len != b.views[0].len || b.views[2].len < 8 * n) {
+            PyErr_SetString(PyExc_ValueError, "mismatches(): two int16 arrays of one length and room for as many "
+                            "int64 positions");
+        } else {
+            const uint16_t *x = b.views[0].buf, *y = b.views[1].buf;
+            int64_t *positions = b.views[2].buf;
+            Py_ssize_t count;
+            Py_BEGIN_ALLOW_THREADS
+            count = mismatches(x, y, n, positions);
+            Py_END_ALLOW_THREADS
+            result = PyLong_FromSsize_t(count);
+        }
     }
-    Py_ssize_t count;
-    {
-        const uint16_t *x = b[0].view.buf, *y = b[1].view.buf;
-        int64_t *positions = b[2].view.buf;
-        Py_BEGIN_ALLOW_THREADS
-        count = mismatches(x, y, n, positions);
-        Py_END_ALLOW_THREADS
-    }
-    release(b, 3);
-    return PyLong_FromSsize_t(count);
-fail:
-    release(b, 3);
-    return NULL;
+    release(&b);
+    return result;
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar"); }
 
 static PyMethodDef methods[] = {
-    {"decode_pairs", py_decode_pairs, METH_VARARGS, "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
-    {"encode_pairs", py_encode_pairs, METH_VARARGS, "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
-    {"exponent_histogram", py_exponent_histogram, METH_VARARGS, "exponent_histogram(bits, counts): counts += ..."},
-    {"mismatches", py_mismatches, METH_VARARGS, "mismatches(a, b, positions) -> count: where int16 arrays differ"},
+    {"decode_pairs", (PyCFunction)(void (*)(void))py_decode_pairs, METH_FASTCALL, "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
+    {"encode_pairs", (PyCFunction)(void (*)(void))py_encode_pairs, METH_FASTCALL, "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
+    {"exponent_histogram", (PyCFunction)(void (*)(void))py_exponent_histogram, METH_FASTCALL, "exponent_histogram(bits, counts): counts += ..."},
+    {"mismatches", (PyCFunction)(void (*)(void))py_mismatches, METH_FASTCALL, "mismatches(a, b, positions) -> count: where int16 arrays differ"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };

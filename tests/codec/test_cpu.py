@@ -649,3 +649,26 @@ def test_the_version_names_the_kernel_and_the_reference_can_be_chosen(tmp_path, 
     assert lines[0] == str(kernel == "reference"), done.stderr
     expected = "reference (PyTorch)" if kernel == "reference" else f"native ({BUILT.isa()})"
     assert lines[2] == f"CPU codec: {expected}"
+
+
+def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
+    """Lengths are checked in C before anything is read or written: a wrong call is an exception, never a write
+    past a buffer."""
+    if kernel == "reference":
+        pytest.skip("the C kernels' own argument checks")
+    native = BUILT
+    pk, sm, lut, out = bytes(8), bytes(16), bytes(16), bytearray(32)
+    native.decode_pairs(pk, sm, lut, out)
+    for args in ((pk, bytes(15), lut, out), (pk, sm, bytes(15), out), (pk, sm, lut, bytearray(31))):
+        with pytest.raises(ValueError, match="decode_pairs"):
+            native.decode_pairs(*args)
+    with pytest.raises(TypeError, match="out must be a C-contiguous writable buffer"):
+        native.decode_pairs(pk, sm, lut, bytes(32))
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        native.decode_pairs(pk, sm, lut)
+    with pytest.raises(ValueError, match="encode_pairs"):
+        native.encode_pairs(bytes(32), bytes(256), bytearray(8), bytearray(15))
+    with pytest.raises(ValueError, match="exponent_histogram"):
+        native.exponent_histogram(bytes(32), bytearray(255 * 8))
+    with pytest.raises(ValueError, match="mismatches"):
+        native.mismatches(bytes(32), bytes(30), bytearray(16 * 8))
