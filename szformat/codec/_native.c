@@ -338,13 +338,18 @@ static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
-static PyObject *py_isa(PyObject *self, PyObject *noargs) { return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar"); }
+static PyObject *py_isa(PyObject *self, PyObject *noargs)
+{
+    return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar");
+}
+
+#define FASTCALL(function) (PyCFunction)(void (*)(void))(function), METH_FASTCALL
 
 static PyMethodDef methods[] = {
-    {"decode_pairs", (PyCFunction)(void (*)(void))py_decode_pairs, METH_FASTCALL, "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
-    {"encode_pairs", (PyCFunction)(void (*)(void))py_encode_pairs, METH_FASTCALL, "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
-    {"exponent_histogram", (PyCFunction)(void (*)(void))py_exponent_histogram, METH_FASTCALL, "exponent_histogram(bits, counts): counts += ..."},
-    {"mismatches", (PyCFunction)(void (*)(void))py_mismatches, METH_FASTCALL, "mismatches(a, b, positions) -> count: where int16 arrays differ"},
+    {"decode_pairs", FASTCALL(py_decode_pairs), "decode_pairs(pk, sm, dec_lut, out): whole pairs, escapes aside"},
+    {"encode_pairs", FASTCALL(py_encode_pairs), "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
+    {"exponent_histogram", FASTCALL(py_exponent_histogram), "exponent_histogram(bits, counts): counts += ..."},
+    {"mismatches", FASTCALL(py_mismatches), "mismatches(a, b, positions) -> count: where int16 arrays differ"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };
