@@ -672,3 +672,33 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
         native.exponent_histogram(bytes(32), bytearray(255 * 8))
     with pytest.raises(ValueError, match="mismatches"):
         native.mismatches(bytes(32), bytes(30), bytearray(16 * 8))
+
+
+def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
+    """The C kernels' portable loops (what a CPU without AVX2 runs; ``SZFORMAT_CPU_ISA=scalar`` selects them here)
+    encode and decode bit for bit as the reference does, odd sizes, escapes and partial ranges included."""
+    if kernel == "reference":
+        pytest.skip("compares the C extension's portable loops with the reference")
+    env = {**os.environ, "SZFORMAT_CPU_ISA": "scalar",
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = ("import sys, torch\n"
+              "from szformat.codec import cpu\n"
+              "print(cpu._native.isa())\n"
+              "g = torch.Generator().manual_seed(int(sys.argv[1]))\n"
+              "for n in (1, 2, 31, 33, 1023, 4097, 100_003):\n"
+              "    x = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)\n"
+              "    x[torch.randint(0, n, (max(1, n // 50),), generator=g)] = float('inf')\n"
+              "    payload, layout, codebook = cpu.encode(x)\n"
+              "    native = cpu.decode(payload, layout, codebook, start=n // 3, stop=n)\n"
+              "    cpu._native = None\n"
+              "    again, layout2, codebook2 = cpu.encode(x)\n"
+              "    reference = cpu.decode(payload, layout, codebook, start=n // 3, stop=n)\n"
+              "    cpu._native = cpu.cpu_kernel.native\n"
+              "    assert torch.equal(payload, again) and layout == layout2 and codebook == codebook2, n\n"
+              "    assert torch.equal(native.view(torch.int16), reference.view(torch.int16)), n\n"
+              "    assert torch.equal(native.view(torch.int16), x[n // 3:].view(torch.int16)), n\n"
+              "print('ok')\n")
+    seed = random.SystemRandom().randrange(2**32)
+    done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.stdout.split() == ["scalar", "ok"], f"seed={seed}: {done.stderr[-3000:]}"
