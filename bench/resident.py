@@ -80,23 +80,26 @@ def load_plain(kind: str, folder: Path, device: torch.device) -> torch.nn.Module
     return SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device).eval()
 
 
-def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool):
-    """The model with ``route="resident"``: returns the model and the route's handle."""
+def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, graphs: bool = True):
+    """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time): returns
+    the model and the route's handle."""
     if kind == "llm":
         from szformat import transformers as szt
 
-        model = szt.from_pretrained(converted, device=device, offload="resident", offload_options=options(tiny))
+        model = szt.from_pretrained(converted, device=device, offload="resident",
+                                    offload_options=options(tiny, graphs))
         return model, model.szformat_offload
     from diffusers import SD3Transformer2DModel
 
     with torch.device("meta"):
         model = SD3Transformer2DModel(**(DIT_TINY if tiny else DIT)).to(torch.bfloat16).eval()
-    return model, szformat.load_into_offloader(converted, model, route="resident", device=device, **options(tiny))
+    return model, szformat.load_into_offloader(converted, model, route="resident", device=device,
+                                               **options(tiny, graphs))
 
 
-def options(tiny: bool) -> dict[str, int]:
+def options(tiny: bool, graphs: bool = True) -> dict[str, int]:
     """The route's defaults, but for the tiny models, whose every tensor is under the sizes that make a group."""
-    return {"min_tensor_bytes": 0, "min_leaf_bytes": 0} if tiny else {}
+    return {"graphs": graphs, **({"min_tensor_bytes": 0, "min_leaf_bytes": 0} if tiny else {})}
 
 
 def inputs_for(kind: str, tiny: bool, device: torch.device, args) -> dict:
@@ -142,12 +145,13 @@ def inputs_device(inputs: dict) -> torch.device:
 def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
-    samples: dict[str, list[dict[str, float]]] = {"plain": [], "resident": []}
+    labels = ("plain", "resident", "resident, no CUDA graphs") if device.type == "cuda" else ("plain", "resident")
+    samples: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
     reference = None
     for rep in range(args.reps):
-        for label in ("plain", "resident") if rep % 2 == 0 else ("resident", "plain"):
+        for label in labels if rep % 2 == 0 else labels[::-1]:
             gc.collect()
             if device.type == "cuda":
                 torch.cuda.empty_cache()
@@ -156,7 +160,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
             if label == "plain":
                 model = load_plain(kind, folder, device)
             else:
-                model, handle = load_resident(kind, converted, device, args.tiny)
+                model, handle = load_resident(kind, converted, device, args.tiny, graphs=label == "resident")
                 held = handle.counters()
             result = run(kind, model, inputs, args, args.tiny)
             if reference is None:
@@ -172,8 +176,10 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     rows = []
     for phase in samples["plain"][0]:
         plain = statistics.median(s[phase] for s in samples["plain"])
-        resident = statistics.median(s[phase] for s in samples["resident"])
-        rows.append([kind, f"{phase} (ms)", f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
+        for label in labels[1:]:
+            resident = statistics.median(s[phase] for s in samples[label])
+            what = f"{phase} (ms)" + label.removeprefix("resident")
+            rows.append([kind, what, f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
     if peaks:
         rows.append([kind, "device memory peak", format_bytes(peaks["plain"]), format_bytes(peaks["resident"]),
                      f"{peaks['resident'] / peaks['plain']:.2f}"])

@@ -53,9 +53,10 @@ DEFAULT_MIN_LEAF_BYTES = 32 << 20
 """A leaf module outside the blocks becomes a group of its own only with at least this many raw bytes of
 compressed weights (an embedding, an output head); smaller ones (a DiT's input projections) stay plain: each group
 costs its expansion's host work on every forward, about 0.1 ms, which only a large tensor repays in memory."""
-RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "min_leaf_bytes", "ops")
-"""Engine options: the blocks (default: found), arena slots, the size under which a tensor stays plain, and the
-:class:`~szformat.loading.ops.DeviceOps` work is ordered through (default: CUDA streams; on the CPU, none)."""
+RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "min_leaf_bytes", "ops", "graphs")
+"""Engine options: the blocks (default: found), arena slots, the size under which a tensor stays plain, the
+:class:`~szformat.loading.ops.DeviceOps` work is ordered through (default: CUDA streams; on the CPU, none), and
+whether each expansion is replayed as a CUDA graph (default: on CUDA)."""
 
 
 @dataclasses.dataclass
@@ -182,6 +183,28 @@ class _Arena:
         self.hollow = {t.entry: _hollow(t.tensor, device) for g in plan.groups for t in g.tensors}
         self._parameters: dict[int, list[torch.Tensor]] = {}
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], Any] = {}
+
+    def capture(self) -> bool:
+        """Record each group's expansion into each slot as a CUDA graph, replayed from then on: a group's batched
+        decode is a few kernel launches whose host cost (Triton's launcher, about 0.1 ms) was most of what a group
+        added to a forward. Every address is fixed (stored bytes, table, slot), so one graph per (group, slot)
+        does. The kernels run once first (compiled, warmed up). Returns False, with nothing recorded, where the
+        capture fails: the expansions then launch as before."""
+        try:
+            for group in self.plan.groups:
+                self.codec.decode_batch(group.payloads, group.table, self.slots[0].buffer)
+            torch.cuda.synchronize()
+            for group in self.plan.groups:
+                for slot in self.slots:
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph):
+                        self.codec.decode_batch(group.payloads, group.table, slot.buffer)
+                    self._graphs[(id(group), id(slot))] = graph
+        except RuntimeError:
+            self._graphs.clear()
+            return False
+        return True
 
     def bind_hollow(self) -> None:
         """Point every grouped weight at its hollow stand-in, and note the parameter objects the hooks rebind
@@ -248,8 +271,9 @@ class _Arena:
         for event in (slot.free, slot.ready):
             if event is not None:
                 self.ops.wait(stream, event)
-        self.ops.enqueue(stream, lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer),
-                         "expand")
+        graph = self._graphs.get((id(group), id(slot)))
+        self.ops.enqueue(stream, graph.replay if graph is not None else
+                         lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer), "expand")
         slot.ready = self.ops.record(stream)
 
 
@@ -287,6 +311,7 @@ def install_resident(installation: Any) -> OffloadedModel:
     codec = _codec_for(device, checkpoint.path)
     options = dict(installation.options)
     ops = options.pop("ops", None) or (CudaOps(device) if device.type == "cuda" else _Immediate())
+    graphs = options.pop("graphs", device.type == "cuda") and isinstance(ops, CudaOps)
     plan = plan_resident(module, list(binding), checkpoint.entries, **options)
     if not plan.groups:
         raise DecodeRouteError("route='resident' found no compressed weights to keep resident (no BF16 tensor "
@@ -307,6 +332,8 @@ def install_resident(installation: Any) -> OffloadedModel:
         for group in plan.groups:
             _upload(group, checkpoint, codec, device)
         arena = _Arena(module, plan, codec, device, ops)
+        if graphs:
+            arena.capture()
         arena.bind_hollow()
         for group in plan.groups:
             for t in group.tensors:
@@ -334,7 +361,8 @@ def install_resident(installation: Any) -> OffloadedModel:
         arena.slots.clear()
 
     return OffloadedModel(module, installation.route, checkpoint, setup_bytes=held["resident_stored_bytes"],
-                          counters=lambda: {**held, "h2d_bytes": 0, "decodes": arena.decodes}, release=release)
+                          counters=lambda: {**held, "h2d_bytes": 0, "decodes": arena.decodes,
+                                            "cuda_graphs": len(arena._graphs)}, release=release)
 
 
 def _codec_for(device: torch.device, path: Any) -> DeviceCodec:

@@ -170,3 +170,22 @@ def test_a_model_that_does_not_fit_even_compressed_is_refused_saying_how_much_it
                                                r"route='staging' streams"):
         resident._refuse_what_does_not_fit(held, "m.szt", torch.device("cuda", 0))
     resident._refuse_what_does_not_fit({**held, "plain_bytes": 0}, "m.szt", torch.device("cuda", 0))  # 1.9 GB fits
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA graphs need a CUDA device")
+def test_expansions_replayed_as_cuda_graphs_give_the_same_outputs(llama):
+    """On CUDA each group's expansion into each slot is captured once and replayed: the same logits and tokens as
+    the plain model and as the expansions launched each time."""
+    expected_model = plain(llama[0]).cuda()
+    ids = IDS.cuda()
+    with torch.no_grad():
+        want = expected_model(ids).logits, expected_model.generate(ids, max_new_tokens=16, do_sample=False)
+    for graphs in (True, False):
+        model = plain(llama[0])
+        offloaded = szformat.load_into_offloader(llama[1], model, route="resident", device="cuda", graphs=graphs,
+                                                 min_tensor_bytes=0, min_leaf_bytes=0)
+        with offloaded, torch.no_grad():
+            captured = offloaded.counters()["cuda_graphs"]
+            assert (captured >= 2 * 3 and captured % 2 == 0) if graphs else captured == 0  # groups x 2 slots
+            assert torch.equal(model(ids).logits, want[0])
+            assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), want[1])
