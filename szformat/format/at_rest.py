@@ -31,8 +31,8 @@ from ..codec.layout import PayloadLayout
 __all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size",
-           "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress", "inflate",
-           "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
+           "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress",
+           "inflate", "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
            "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
 
 AT_REST_ZSTD = "zstd"
