@@ -154,6 +154,29 @@ static void encode_avx2(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, u
 }
 #endif
 
+/* The kernels as the bindings call them: AVX2 where have_avx2() says so, the portable loops elsewhere. */
+static void decode(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_pairs)
+{
+#ifdef SZ_X86
+    if (have_avx2()) {
+        decode_avx2(pk, sm, lut, out, n_pairs);
+        return;
+    }
+#endif
+    decode_scalar(pk, sm, lut, out, n_pairs);
+}
+
+static void encode(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, Py_ssize_t n_pairs)
+{
+#ifdef SZ_X86
+    if (have_avx2()) {
+        encode_avx2(bits, enc, pk, sm, n_pairs);
+        return;
+    }
+#endif
+    encode_scalar(bits, enc, pk, sm, n_pairs);
+}
+
 static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts)
 {
     /* four partial histograms: consecutive equal exponents (the common case) would otherwise serialize on one
@@ -247,15 +270,8 @@ static PyObject *py_decode_pairs(PyObject *self, PyObject *const *args, Py_ssize
         } else {
             const uint8_t *pk = b.views[0].buf, *sm = b.views[1].buf, *lut = b.views[2].buf;
             uint16_t *out = b.views[3].buf;
-            int avx2 = have_avx2();
             Py_BEGIN_ALLOW_THREADS
-#ifdef SZ_X86
-            if (avx2)
-                decode_avx2(pk, sm, lut, out, n_pairs);
-            else
-#endif
-                decode_scalar(pk, sm, lut, out, n_pairs);
-            (void)avx2;
+            decode(pk, sm, lut, out, n_pairs);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }
@@ -279,15 +295,8 @@ static PyObject *py_encode_pairs(PyObject *self, PyObject *const *args, Py_ssize
             const uint16_t *bits = b.views[0].buf;
             const uint8_t *enc = b.views[1].buf;
             uint8_t *pk = b.views[2].buf, *sm = b.views[3].buf;
-            int avx2 = have_avx2();
             Py_BEGIN_ALLOW_THREADS
-#ifdef SZ_X86
-            if (avx2)
-                encode_avx2(bits, enc, pk, sm, n_pairs);
-            else
-#endif
-                encode_scalar(bits, enc, pk, sm, n_pairs);
-            (void)avx2;
+            encode(bits, enc, pk, sm, n_pairs);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }

@@ -19,6 +19,7 @@ from pathlib import Path, PurePosixPath
 from typing import Callable
 
 from ..errors import ConversionError, WriteError
+from ..format.constants import MAGIC
 from ..format.index import INDEX_TAIL, ShardIndex, check_index, read_index, shard_path, write_index
 from ..paths import UNREADABLE, outside_the_folder
 from .outputs import atomic_directory, check_output
@@ -103,11 +104,6 @@ def _starts_with(path: Path, magic: bytes) -> bool:
         return f.read(len(magic)) == magic
 
 
-SZT_MAGIC = b"\x89SZT\r\n\x1a\n"
-"""The first bytes of a .szt file (:data:`szformat.format.constants.MAGIC`; repeated here so that telling a user what
-a file is imports no torch)."""
-
-
 def _what_it_is(path: Path) -> str:
     """A hint for a file given under a name that does not say what it holds: a .szt file, or safetensors data (an
     8-byte little-endian header length, then a JSON object) under another suffix."""
@@ -116,7 +112,7 @@ def _what_it_is(path: Path) -> str:
             head = f.read(9)
     except OSError:
         return ""
-    if head[: len(SZT_MAGIC)] == SZT_MAGIC:
+    if head[: len(MAGIC)] == MAGIC:
         return (f"; it is a .szt file already: 'szconvert decompress {path} OUT.safetensors' turns it back, "
                 f"'szconvert info {path}' shows what it holds")
     if len(head) == 9 and head[8:] == b"{" and 0 < int.from_bytes(head[:8], "little") < path.stat().st_size:

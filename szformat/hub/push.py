@@ -106,14 +106,13 @@ def check_push_access(repo_id: str, *, private: bool | None = None, token: str |
         raise PushError(f"pushing to {repo_id!r} needs a Hub token: pass one (--token), set HF_TOKEN or run "
                         "'hf auth login'")
     api = HfApi(endpoint=endpoint, token=token, **library_info())
-    with one_line_errors():
+    with one_line_errors():  # a PushError raised inside passes through as it is
         user = api.whoami()
-    namespace = repo_id.split("/")[0] if "/" in repo_id else user["name"]
-    writable = {user["name"]} | {org["name"] for org in user.get("orgs") or []}
-    if namespace not in writable:
-        raise PushError(f"the token belongs to {user['name']!r}, who cannot write to {repo_id!r} (namespaces: "
-                        f"{', '.join(sorted(writable))})")
-    with one_line_errors():
+        namespace = repo_id.split("/")[0] if "/" in repo_id else user["name"]
+        writable = {user["name"]} | {org["name"] for org in user.get("orgs") or []}
+        if namespace not in writable:
+            raise PushError(f"the token belongs to {user['name']!r}, who cannot write to {repo_id!r} (namespaces: "
+                            f"{', '.join(sorted(writable))})")
         api.create_repo(repo_id, private=private, exist_ok=True)
 
 

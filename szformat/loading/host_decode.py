@@ -131,11 +131,12 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     buffer: torch.Tensor | None = None
     for group in _groups(entries):
         sizes = [_read_length(entries[i]) for i in group]
-        if buffer is None or buffer.numel() < sum(sizes):
+        needed = sum(sizes)
+        if buffer is None or buffer.numel() < needed:
             with allocation_errors(file.path, entries[group[0]].name):
                 buffer = None  # the old one goes before the new one is made
-                buffer = torch.empty(sum(sizes), dtype=torch.uint8)
-        payloads = iter(buffer[: sum(sizes)].split(sizes))
+                buffer = torch.empty(needed, dtype=torch.uint8)
+        payloads = iter(buffer[:needed].split(sizes))
         jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads)) for i in group]
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
         _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))

@@ -185,16 +185,17 @@ class _Arena:
         self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
         self._graphs: dict[tuple[int, int], Any] = {}
 
-    def capture(self) -> bool:
+    def capture(self) -> None:
         """Record each group's expansion into each slot as a CUDA graph, replayed from then on: a group's batched
         decode is a few kernel launches whose host cost (Triton's launcher, about 0.1 ms) was most of what a group
         added to a forward. Every address is fixed (stored bytes, table, slot), so one graph per (group, slot)
-        does. The kernels run once first (compiled, warmed up). Returns False, with nothing recorded, where the
-        capture fails: the expansions then launch as before."""
+        does. The kernels run once first (compiled, warmed up; an error there is the decode's own and is raised).
+        Where the capture fails nothing is recorded and the expansions launch as before (``counters()`` reports how
+        many graphs there are)."""
+        for group in self.plan.groups:
+            self.codec.decode_batch(group.payloads, group.table, self.slots[0].buffer)
+        torch.cuda.synchronize()
         try:
-            for group in self.plan.groups:
-                self.codec.decode_batch(group.payloads, group.table, self.slots[0].buffer)
-            torch.cuda.synchronize()
             for group in self.plan.groups:
                 for slot in self.slots:
                     graph = torch.cuda.CUDAGraph()
@@ -203,8 +204,6 @@ class _Arena:
                     self._graphs[(id(group), id(slot))] = graph
         except RuntimeError:
             self._graphs.clear()
-            return False
-        return True
 
     def bind_hollow(self) -> None:
         """Point every grouped weight at its hollow stand-in, and note the parameter objects the hooks rebind

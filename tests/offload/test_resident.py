@@ -189,3 +189,33 @@ def test_expansions_replayed_as_cuda_graphs_give_the_same_outputs(llama):
             assert (captured >= 2 * 3 and captured % 2 == 0) if graphs else captured == 0  # groups x 2 slots
             assert torch.equal(model(ids).logits, want[0])
             assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), want[1])
+
+
+def test_a_capture_that_fails_leaves_no_graph_and_the_expansions_launch_as_before(llama, monkeypatch):
+    """Graph capture refused (an old driver, a kernel that cannot be captured): nothing recorded, and the route
+    expands each group by launching its decode, with the same outputs."""
+    from szformat.offload import resident as resident_module
+
+    model, offloaded = resident(llama[1], llama[0])
+    arena = next(c.cell_contents for hook in model.model.layers[0]._forward_pre_hooks.values()
+                 for c in hook.__closure__ or () if isinstance(c.cell_contents, resident_module._Arena))
+
+    captures = []
+
+    class SecondRefused:  # the first capture succeeds, so the failure must also drop what was recorded
+        def __enter__(self):
+            captures.append(1)
+            if len(captures) == 2:
+                raise RuntimeError("operation not permitted when stream is capturing")
+
+        def __exit__(self, *exc):
+            return False
+
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a: None)
+    monkeypatch.setattr(torch.cuda, "CUDAGraph", lambda: object())
+    monkeypatch.setattr(torch.cuda, "graph", lambda graph: SecondRefused())
+    arena.capture()
+    expected = plain(llama[0])
+    with offloaded, torch.no_grad():
+        assert offloaded.counters()["cuda_graphs"] == 0
+        assert torch.equal(model(IDS).logits, expected(IDS).logits)
