@@ -93,21 +93,21 @@ def overhead(path: Path) -> int:
 
 
 @functools.lru_cache(maxsize=1)
-def _zipnn():
-    """ZipNN's codec in its byte-grouped BF16 mode on one thread, or ``None`` when zipnn is not installed (said
-    once)."""
+def zipnn_codec(dtype: str = "bfloat16"):
+    """ZipNN's codec in its byte-grouped mode for ``dtype`` (its names: bfloat16, float16, float32,
+    float8_e4m3fn) on one thread, or ``None`` when zipnn is not installed (said each time)."""
     try:
         from zipnn import ZipNN
     except ImportError as e:
         print(f"  zipnn is not installed ({e}); `pip install --no-deps zipnn` adds it", flush=True)
         return None
-    return ZipNN(input_format="byte", bytearray_dtype="bfloat16", threads=1)
+    return ZipNN(input_format="byte", bytearray_dtype=dtype, threads=1)
 
 
 def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], None] | None]:
     """ZipNN's bytes for the tensors (BF16 ones compressed, others as they are), and a timed decompression of all
     BF16 ones (checked bit for bit first); ``(0, None)`` when zipnn is not installed."""
-    codec = _zipnn()
+    codec = zipnn_codec()
     if codec is None:
         return 0, None
     total, compressed = 0, []
@@ -123,11 +123,11 @@ def zipnn_bytes(tensors: dict[str, torch.Tensor]) -> tuple[int, Callable[[], Non
     return total, lambda: [codec.decompress(data) for data in compressed]
 
 
-def zipnn_file_bytes(path: Path) -> int:
-    """Bytes of ZipNN's file of a safetensors checkpoint: the whole file through its byte-grouped BF16 mode in one
-    call (its Hugging Face files, ``.safetensors.znn``, hold the whole file compressed), checked bit for bit; 0 when
-    zipnn is not installed."""
-    codec = _zipnn()
+def zipnn_file_bytes(path: Path, dtype: str = "bfloat16") -> int:
+    """Bytes of ZipNN's file of a safetensors checkpoint: the whole file through its byte-grouped mode for ``dtype``
+    in one call (its Hugging Face files, ``.safetensors.znn``, hold the whole file compressed), checked bit for bit;
+    0 when zipnn is not installed."""
+    codec = zipnn_codec(dtype)
     if codec is None:
         return 0
     original = path.read_bytes()

@@ -3,6 +3,7 @@ the rate at which the host reads each file.
 
     python -m bench.forms --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
         [--synthetic-gb 4.2] [--cache warm,cold] [--rounds 5] [--only REGEX] [--json forms.json]
+    python -m bench.forms --dtype F32 --synthetic-gb 1 --work /tmp/szload   # byte planes at rest (1.2)
 
 The at-rest form (.szt 1.1) has two goals: a warm load (page-cached file) within 1.1x of the in-memory form's, and a
 cold load faster than the in-memory form's by the bytes it saves. Single calls say little where a VM's speeds wander
@@ -152,7 +153,7 @@ def markdown(times: dict[str, list[float]], forms: dict[str, str], sizes: dict[s
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--minilm", type=Path, required=True, help="MiniLM-L6 BF16 model.safetensors")
+    parser.add_argument("--minilm", type=Path, help="MiniLM-L6 BF16 model.safetensors (needed for --dtype BF16)")
     parser.add_argument("--work", type=Path, default=Path("/tmp/szload"))
     parser.add_argument("--synthetic-gb", type=float, default=4.2)
     parser.add_argument("--cache", default="warm,cold", help="warm, cold, or both (comma-separated)")
@@ -160,9 +161,12 @@ def main() -> int:
     parser.add_argument("--only", help="time only the paths whose label matches this regular expression (the "
                                            "in-memory form's load with verify on always runs: it is the anchor)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--dtype", default="BF16", choices=["BF16", "F32", "F16", "F8_E4M3"],
+                        help="the synthetic checkpoint's dtype (not BF16: byte planes at rest, format 1.2)")
     args = parser.parse_args()
 
-    ckpt = next(c for c in prepare(args.minilm, args.work, args.synthetic_gb) if c.name.startswith("synthetic"))
+    ckpt = next(c for c in prepare(args.minilm, args.work, args.synthetic_gb, dtype=args.dtype)
+                if c.name.startswith("synthetic"))
     at_rest = at_rest_copy(ckpt)
     files = {"in-memory": ckpt.szt, "at rest": at_rest.szt, "safetensors": ckpt.safetensors}
     sizes = {form: path.stat().st_size for form, path in files.items()}

@@ -1,6 +1,6 @@
 """The resident route (``load_into_offloader(route="resident")``) against the plain BF16 model on the same device.
 
-    python -m bench.resident --work /tmp/szresident [--device cuda] [--models llm,dit] [--reps 5] [--tiny]
+    python -m bench.resident --work /tmp/szresident [--device cuda] [--models llm,dit] [--reps 5] [--forwards 3] [--tiny]
 
 Models, random weights (``randn * 0.02``, BF16) saved as safetensors and converted with ``szformat.convert``:
 
@@ -10,8 +10,11 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
   one forward.
 
 Each row runs the plain model (loaded from safetensors onto the device) and the resident route, interleaved, and
-checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is reported. Reported:
-median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
+checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is reported. Each load
+runs one untimed warm-up (the first forward of any model pays for lazy set-up: cuBLAS handles, allocator growth),
+then ``--forwards`` timed ones. On CUDA two more resident rows split the cost: without CUDA graphs (every
+expansion launched), and with a slot per group (after the warm-up nothing is expanded again: what remains is the
+hooks' own cost). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
 the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """
@@ -80,26 +83,31 @@ def load_plain(kind: str, folder: Path, device: torch.device) -> torch.nn.Module
     return SD3Transformer2DModel.from_pretrained(folder, torch_dtype=torch.bfloat16).to(device).eval()
 
 
-def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, graphs: bool = True):
-    """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time): returns
-    the model and the route's handle."""
+def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, graphs: bool = True,
+                  slot_per_group: bool = False):
+    """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time; with
+    ``slot_per_group``, more slots than groups): returns the model and the route's handle."""
+    chosen = options(kind, tiny, graphs, slot_per_group)
     if kind == "llm":
         from szformat import transformers as szt
 
-        model = szt.from_pretrained(converted, device=device, offload="resident",
-                                    offload_options=options(tiny, graphs))
+        model = szt.from_pretrained(converted, device=device, offload="resident", offload_options=chosen)
         return model, model.szformat_offload
     from diffusers import SD3Transformer2DModel
 
     with torch.device("meta"):
         model = SD3Transformer2DModel(**(DIT_TINY if tiny else DIT)).to(torch.bfloat16).eval()
-    return model, szformat.load_into_offloader(converted, model, route="resident", device=device,
-                                               **options(tiny, graphs))
+    return model, szformat.load_into_offloader(converted, model, route="resident", device=device, **chosen)
 
 
-def options(tiny: bool, graphs: bool = True) -> dict[str, int]:
-    """The route's defaults, but for the tiny models, whose every tensor is under the sizes that make a group."""
-    return {"graphs": graphs, **({"min_tensor_bytes": 0, "min_leaf_bytes": 0} if tiny else {})}
+def options(kind: str, tiny: bool, graphs: bool = True, slot_per_group: bool = False) -> dict[str, int]:
+    """The route's defaults, but for the tiny models, whose every tensor is under the sizes that make a group; with
+    ``slot_per_group``, a slot for every block and leaf group (the layers, plus a few)."""
+    chosen: dict[str, int] = {"graphs": graphs, **({"min_tensor_bytes": 0, "min_leaf_bytes": 0} if tiny else {})}
+    if slot_per_group:
+        chosen["slots"] = ((LLM_TINY if tiny else LLM) if kind == "llm" else (DIT_TINY if tiny else DIT))[
+            "num_hidden_layers" if kind == "llm" else "num_layers"] + 4
+    return chosen
 
 
 def inputs_for(kind: str, tiny: bool, device: torch.device, args) -> dict:
@@ -115,27 +123,29 @@ def inputs_for(kind: str, tiny: bool, device: torch.device, args) -> dict:
 
 
 def run(kind: str, model: torch.nn.Module, inputs: dict, args, tiny: bool) -> dict[str, object]:
-    """Outputs and times of one model: the DiT's forward, or the LM's prefill and its greedy decode steps."""
+    """Outputs and times (medians of ``args.forwards`` after a warm-up) of one model: the DiT's forward, or the LM's
+    prefill and its greedy decode steps."""
     sync = (lambda: torch.cuda.synchronize()) if inputs_device(inputs).type == "cuda" else (lambda: None)
+    steps = 4 if tiny else args.decode
+    phases = {"forward": lambda: [model(**inputs).sample]} if kind == "dit" else {
+        "prefill": lambda: [model(**inputs).logits],
+        f"prefill + {steps} decode steps": lambda: [
+            model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)]}
     times: dict[str, float] = {}
+    outputs: list[torch.Tensor] = []
     with torch.no_grad():
-        if kind == "dit":
+        for phase, call in phases.items():
+            call()  # warm-up
             sync()
-            start = time.perf_counter()
-            out = model(**inputs).sample
-            sync()
-            times["forward"] = time.perf_counter() - start
-            return {"outputs": [out], "times": times}
-        start = time.perf_counter()
-        prefill = model(**inputs).logits
-        sync()
-        times["prefill"] = time.perf_counter() - start
-        steps = 4 if tiny else args.decode
-        start = time.perf_counter()
-        tokens = model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)
-        sync()
-        times[f"prefill + {steps} decode steps"] = time.perf_counter() - start
-        return {"outputs": [prefill, tokens], "times": times}
+            seconds = []
+            for _ in range(args.forwards):
+                start = time.perf_counter()
+                out = call()
+                sync()
+                seconds.append(time.perf_counter() - start)
+            times[phase] = statistics.median(seconds)
+            outputs += out
+    return {"outputs": outputs, "times": times}
 
 
 def inputs_device(inputs: dict) -> torch.device:
@@ -145,7 +155,8 @@ def inputs_device(inputs: dict) -> torch.device:
 def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
-    labels = ("plain", "resident", "resident, no CUDA graphs") if device.type == "cuda" else ("plain", "resident")
+    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group") \
+        if device.type == "cuda" else ("plain", "resident")
     samples: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
@@ -160,8 +171,9 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
             if label == "plain":
                 model = load_plain(kind, folder, device)
             else:
-                model, handle = load_resident(kind, converted, device, args.tiny, graphs=label == "resident")
-                held = handle.counters()
+                model, handle = load_resident(kind, converted, device, args.tiny, graphs="no CUDA" not in label,
+                                              slot_per_group="per group" in label)
+                held = handle.counters() if label == "resident" else held
             result = run(kind, model, inputs, args, args.tiny)
             if reference is None:
                 reference = result["outputs"]
@@ -244,7 +256,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/szresident")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="llm,dit")
-    parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--reps", type=int, default=5, help="loads of each model, interleaved")
+    parser.add_argument("--forwards", type=int, default=3, help="timed forwards per load, after one warm-up")
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU")

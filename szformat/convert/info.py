@@ -15,7 +15,7 @@ import dataclasses
 import json
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterable
 
 from ..errors import ShardIndexError
 from ..format import constants as C
@@ -51,6 +51,7 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     for rel, index in indexes.items():
         check_index(index, files.root / rel, held, rel)
     total = {key: sum(f[key] for f in described) for key in SIZE_KEYS}
+    total["dtypes"] = _by_dtype((t["dtype"], t["raw_bytes"], t["stored_bytes"]) for f in described for t in f["tensors"])
     return {"files": described, "total": total | _ratios(total)}
 
 
@@ -60,8 +61,8 @@ def describe_lines(description: dict[str, Any]) -> list[str]:
     for file in description["files"]:
         lines += _file_lines(file) + [""]
     if len(description["files"]) > 1:
-        first, second = _summary_lines(description["total"])
-        lines += [f"total: {len(description['files'])} files, {first}", f"  {second}"]
+        first, *others = _summary_lines(description["total"])
+        lines += [f"total: {len(description['files'])} files, {first}", *[f"  {line}" for line in others]]
     return lines
 
 
@@ -104,7 +105,22 @@ def _counts(records: list[TensorRecord]) -> dict[str, Any]:
             "at_rest_count": sum(r.memory_bytes is not None for r in records),
             "raw_bytes": sum(r.raw_bytes for r in records),
             "memory_bytes": sum(r.stored_bytes if r.memory_bytes is None else r.memory_bytes for r in records),
-            "stored_bytes": sum(r.stored_bytes for r in records)}
+            "stored_bytes": sum(r.stored_bytes for r in records),
+            "dtypes": _by_dtype((r.dtype, r.raw_bytes, r.stored_bytes) for r in records)}
+
+
+def _by_dtype(tensors: Iterable[tuple[str, int, int]]) -> dict[str, dict[str, Any]]:
+    """Raw and stored bytes of each dtype's tensors (``(dtype, raw, stored)`` each), and their ratio: what each
+    dtype gained (at rest, every dtype may shrink; in memory, BF16 alone)."""
+    dtypes: dict[str, dict[str, Any]] = {}
+    for dtype, raw, stored in tensors:
+        sizes = dtypes.setdefault(dtype, {"tensors": 0, "raw_bytes": 0, "stored_bytes": 0})
+        sizes["tensors"] += 1
+        sizes["raw_bytes"] += raw
+        sizes["stored_bytes"] += stored
+    for sizes in dtypes.values():
+        sizes["ratio"] = sizes["stored_bytes"] / sizes["raw_bytes"] if sizes["raw_bytes"] else 1.0
+    return dict(sorted(dtypes.items(), key=lambda item: -item[1]["raw_bytes"]))
 
 
 def _ratios(sizes: dict[str, Any]) -> dict[str, float]:
@@ -126,9 +142,12 @@ def _summary_lines(counts: dict[str, Any]) -> list[str]:
     else:
         payloads += (f"{format_bytes(counts['stored_bytes'])} stored, ratio {counts['payload_ratio']:.4f} (tensor "
                      "bytes alone)")
+    dtypes = ", ".join(f"{dtype} {sizes['ratio']:.4f} of {format_bytes(sizes['raw_bytes'])}"
+                       for dtype, sizes in counts["dtypes"].items())
     return [f"{counts['tensor_count']} tensors ({counts['encoded_count']} encoded, {counts['raw_count']} raw), ratio "
             f"{counts['ratio']:.4f} on disk ({size_change(counts['ratio'])}): {format_bytes(counts['file_bytes'])} "
-            f"against {format_bytes(counts['safetensors_bytes'])} as .safetensors", payloads]
+            f"against {format_bytes(counts['safetensors_bytes'])} as .safetensors", payloads,
+            f"by dtype (stored / raw): {dtypes or 'none'}"]
 
 
 def _shorten(text: str) -> str:

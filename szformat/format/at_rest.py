@@ -1,4 +1,5 @@
-"""The at-rest stage of .szt 1.1: streams of a SplitZip payload stored as independent zstd frames.
+"""The at-rest stages: streams of a SplitZip payload (1.1), or byte planes of a raw tensor (1.2), stored as
+independent zstd frames.
 
 The in-memory SplitZip payload is what GPU kernels, in-place decoding and the offload routes consume; it stays
 exactly as it is. At rest (on disk, on the Hub) some of its streams (``pk``, the packed 4-bit exponent codes, is the
@@ -15,6 +16,13 @@ block by block, so a frame that ends early or runs on is refused), its declared 
 bytes it stands for: a frame that claims more is refused before any memory is allocated for it), and zstd's own
 content checksum, which every frame carries. Inflating writes into the caller's buffer; nothing larger than a
 frame's in-memory size is allocated.
+
+A raw tensor (FP32, FP16, FP8, any dtype the SplitZip codec does not take) is stored at rest by :class:`PlanesStage`:
+its bytes cut into frames of ``frame_size`` bytes, each frame's bytes regrouped into byte planes (plane ``j`` holds
+byte ``j`` of each of its elements; for floats, of each element rotated left by one bit, so the exponent fills the
+high byte: ``codec/planes.py``), each plane a zstd frame, or verbatim where zstd does not make it smaller. A float's
+exponent plane shrinks to a third or less; the low mantissa bytes are close to random and stay verbatim. Both stages cut their payload into :class:`Segment` pieces, so every reader slices,
+threads and checks them the same way.
 """
 
 from __future__ import annotations
@@ -25,18 +33,26 @@ from typing import Any, NamedTuple, Protocol, Sequence
 
 import zstandard
 
-from .._lazy import torch
+from .._lazy import byte_planes, torch
 from ..codec.layout import PayloadLayout
 
-__all__ = ["AT_REST_ZSTD", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
+__all__ = ["AT_REST_ZSTD", "AT_REST_PLANES", "PlanesStage", "parse_planes", "compress_planes", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size",
            "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress",
            "inflate", "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
-           "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame"]
+           "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame", "PLANES_MIN_MATCH", "LOW_ENTROPY",
+           "TRANSFORMS", "SIGN_LAST_DTYPES", "planes_transform"]
 
 AT_REST_ZSTD = "zstd"
-"""The one at-rest codec of 1.1."""
+"""The at-rest codec of SplitZip payloads (1.1)."""
+AT_REST_PLANES = "zstd_planes"
+"""The at-rest codec of raw tensors (1.2): byte planes as zstd frames."""
+AT_REST_CODECS = (AT_REST_ZSTD, AT_REST_PLANES)
+TRANSFORMS = ("bytes", "sign_last")
+"""How a raw tensor's elements become byte planes: as they are, or each rotated left by one bit first."""
+SIGN_LAST_DTYPES = frozenset({"F64", "F32", "F16", "BF16"})
+"""Dtypes the writer stores ``sign_last``: floats whose sign bit would otherwise share a byte with the exponent."""
 
 STREAMS = ("pk", "sm", "chunk_id", "local_pos", "esc_val")
 """The streams of a SplitZip payload, in payload order."""
@@ -111,9 +127,47 @@ class ZstdStage:
         return {"name": AT_REST_ZSTD, "configuration": configuration}
 
 
+@dataclass(frozen=True)
+class PlanesStage:
+    """How a raw tensor's bytes are stored at rest (1.2): frames of ``frame_size`` bytes (the last one shorter), each
+    as its ``itemsize`` byte planes in order (after rotating each element left by one bit with ``transform``
+    ``"sign_last"``), each plane one zstd frame or verbatim.
+
+    ``planes`` lists the stored length of every plane, frame after frame: the plane's own length for a verbatim
+    plane, less for a zstd frame. ``itemsize`` comes from the tensor's dtype, not from the header map.
+    ``level`` is informational (what the writer used); a reader does not need it.
+    """
+
+    itemsize: int
+    transform: str
+    frame_size: int
+    planes: tuple[int, ...]
+    level: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        configuration: dict[str, Any] = {"transform": self.transform, "frame_size": self.frame_size,
+                                         "planes": list(self.planes)}
+        if self.level is not None:
+            configuration["level"] = self.level
+        return {"name": AT_REST_PLANES, "configuration": configuration}
+
+    def segments(self, size: int) -> list[Segment]:
+        """The frames of a tensor of ``size`` raw bytes, in order (the stage has as many as ``size`` makes)."""
+        result: list[Segment] = []
+        stored, k, sign_last = 0, self.itemsize, self.transform == "sign_last"
+        for i, memory in enumerate(range(0, size, self.frame_size)):
+            lengths = self.planes[i * k: (i + 1) * k]
+            result.append(Segment(memory, min(self.frame_size, size - memory), stored, sum(lengths), True, lengths,
+                                  sign_last))
+            stored += result[-1].stored_length
+        return result
+
+
 class Segment(NamedTuple):
     """One piece of a payload: in-memory bytes ``[memory, memory + memory_length)`` stored at ``[stored,
-    stored + stored_length)`` of the stored bytes, as one zstd frame or (``compressed`` false) verbatim.
+    stored + stored_length)`` of the stored bytes, as one zstd frame or (``compressed`` false) verbatim; or, with
+    ``planes`` (the stored length of each byte plane, :class:`PlanesStage`), as those planes one after another,
+    of elements rotated left by one bit when ``sign_last``.
 
     A named tuple, not a frozen dataclass: a load of a large file lists thousands of them before its first read,
     and a tuple is built several times faster."""
@@ -123,6 +177,8 @@ class Segment(NamedTuple):
     stored: int
     stored_length: int
     compressed: bool
+    planes: tuple[int, ...] | None = None
+    sign_last: bool = False
 
 
 def stream_extents(layout: PayloadLayout) -> list[tuple[str, int, int]]:
@@ -199,9 +255,7 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
     """
     if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
         raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
-    if obj["name"] != AT_REST_ZSTD:
-        raise AtRestError(f"at-rest codec {obj['name']!r} is not known to this reader (known: {AT_REST_ZSTD!r}); "
-                          "the file needs a newer szformat", unknown_codec=True)
+    _check_codec(obj["name"], AT_REST_ZSTD, "a splitzip payload")
     config = obj.get("configuration")
     if not isinstance(config, dict):
         raise AtRestError("zstd 'configuration' must be a map")
@@ -230,6 +284,67 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
         raise AtRestError(f"{length} stored bytes would inflate to {layout.comp_bytes}, more than {MAX_EXPANSION} "
                           "times as many; refusing a decompression bomb")
     return stage
+
+
+def _check_codec(name: str, expected: str, what: str) -> None:
+    """Refuse an at-rest codec other than ``expected``: one this reader does not know (the file needs a newer
+    one), or the other stage's."""
+    if name not in AT_REST_CODECS:
+        raise AtRestError(f"at-rest codec {name!r} is not known to this reader (known: "
+                          f"{', '.join(map(repr, AT_REST_CODECS))}); the file needs a newer szformat",
+                          unknown_codec=True)
+    if name != expected:
+        raise AtRestError(f"at-rest codec {name!r} does not apply to {what} (only {expected!r} does)")
+
+
+def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) -> PlanesStage:
+    """Validate a raw tensor's ``at_rest`` map against its ``raw_length`` bytes of ``itemsize``-byte elements and
+    its stored ``length``.
+
+    Raises:
+        AtRestError: a malformed map, an unknown codec (its message says so), planes that do not add up, or a
+            tensor that would inflate to more than :data:`MAX_EXPANSION` times its stored bytes.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
+    _check_codec(obj["name"], AT_REST_PLANES, "a raw tensor")
+    config = obj.get("configuration")
+    if not isinstance(config, dict):
+        raise AtRestError("zstd_planes 'configuration' must be a map")
+    transform = config.get("transform")
+    if transform not in TRANSFORMS:
+        raise AtRestError(f"zstd_planes 'transform' must be one of {list(TRANSFORMS)}, got {transform!r}")
+    if transform == "sign_last" and itemsize == 1:
+        raise AtRestError("zstd_planes 'transform' 'sign_last' needs elements of at least two bytes")
+    frame_size = config.get("frame_size")
+    try:
+        check_frame_size(frame_size, "zstd_planes 'frame_size'")
+    except ValueError as e:
+        raise AtRestError(str(e)) from None
+    if frame_size % itemsize:
+        raise AtRestError(f"zstd_planes 'frame_size' {frame_size} is not a multiple of the {itemsize}-byte element")
+    if raw_length == 0:
+        raise AtRestError("an empty tensor has no at-rest stage")
+    planes = config.get("planes")
+    count = _frame_count(raw_length, frame_size) * itemsize
+    if not isinstance(planes, list) or len(planes) != count or any(type(p) is not int for p in planes):
+        raise AtRestError(f"zstd_planes 'planes' must list {count} integers ({itemsize} planes of each of "
+                          f"{count // itemsize} frames of {frame_size} bytes), got "
+                          f"{len(planes) if isinstance(planes, list) else type(planes).__name__}")
+    for i, stored in enumerate(planes):
+        frame = min(frame_size, raw_length - (i // itemsize) * frame_size)
+        if not 0 < stored <= frame // itemsize:
+            raise AtRestError(f"zstd_planes plane {i} is stored in {stored} bytes; a plane of {frame // itemsize} "
+                              "bytes takes between 1 and as many")
+    level = config.get("level")
+    if level is not None and type(level) is not int:
+        raise AtRestError(f"zstd_planes 'level' must be an integer, got {level!r}")
+    if sum(planes) != length:
+        raise AtRestError(f"planes add up to {sum(planes)} stored bytes, the entry records {length}")
+    if raw_length > MAX_EXPANSION * length:
+        raise AtRestError(f"{length} stored bytes would inflate to {raw_length}, more than {MAX_EXPANSION} "
+                          "times as many; refusing a decompression bomb")
+    return PlanesStage(itemsize, transform, frame_size, tuple(planes), level)
 
 
 def parse_at_rest_option(option: str | None) -> int | None:
@@ -303,6 +418,74 @@ def _compress(data: memoryview, layout: PayloadLayout, level: int, frame_size: i
     return parts, ZstdStage(streams, frame_size, tuple(frames), level)
 
 
+PLANES_MIN_MATCH = 7
+"""The shortest match the writer's zstd looks for in a byte plane at levels under 10 (a parameter of the
+compressor only; readers need nothing). A float's exponent plane holds few values, and the short matches the fast
+levels find in it cost more than the literals they replace: on MiniLM's FP32 exponent plane level 1 stores 0.392 of
+it with zstd's own minimum match and 0.362 with 7, and runs faster."""
+
+LOW_ENTROPY = 0.5
+"""A plane that level 1 shrinks below this share (an exponent plane) is compressed again with zstd's optimal parser
+over a short search, which weighs every match against the literals it replaces: MiniLM's FP32 exponent plane 0.362
+-> 0.330 (its order-0 entropy: 0.333), at 27 MB/s of that plane where level 19 runs at 2-3 MB/s for 0.332. Planes
+above it (FP16's high byte, FP8) gain nothing from it (``bench/at_rest.py --dtypes``)."""
+
+
+def _planes_compressors(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor | None]:
+    """The writer's zstd for every plane, and for the planes under :data:`LOW_ENTROPY` (levels under 10 only)."""
+    frame = {"write_checksum": 1, "write_content_size": 1}
+    if level >= 10:
+        return zstandard.ZstdCompressor(compression_params=zstandard.ZstdCompressionParameters.from_level(
+            level, **frame)), None
+    fast = zstandard.ZstdCompressionParameters.from_level(level, min_match=PLANES_MIN_MATCH, **frame)
+    parsed = zstandard.ZstdCompressionParameters.from_level(16, window_log=17, chain_log=8, hash_log=8, search_log=1,
+                                                            min_match=PLANES_MIN_MATCH, **frame)
+    return zstandard.ZstdCompressor(compression_params=fast), zstandard.ZstdCompressor(compression_params=parsed)
+
+
+def planes_transform(dtype: str) -> str:
+    """The transform the writer uses for a dtype's byte planes (:data:`SIGN_LAST_DTYPES`)."""
+    return "sign_last" if dtype in SIGN_LAST_DTYPES else "bytes"
+
+
+def compress_planes(raw: torch.Tensor, dtype: str, itemsize: int, *, level: int = DEFAULT_LEVEL,
+                    frame_size: int = DEFAULT_FRAME_SIZE) -> tuple[list[memoryview | bytes], PlanesStage] | None:
+    """The stored bytes of a raw tensor's bytes (flat uint8 CPU tensor of ``itemsize``-byte ``dtype`` elements) as
+    byte planes, and their stage; ``None`` when they would not be smaller, or would inflate more than
+    :data:`MAX_EXPANSION` times (an all-zero tensor: the writer keeps it raw).
+
+    Each plane is compressed on its own and kept verbatim where its frame would not be smaller."""
+    check_frame_size(frame_size)
+    if frame_size % itemsize:
+        raise ValueError(f"frame_size {frame_size} is not a multiple of the {itemsize}-byte element")
+    size = raw.numel()
+    if not size:
+        return None
+    transform = planes_transform(dtype) if itemsize > 1 else "bytes"
+    data = memoryview(raw.numpy())
+    compressor, low_entropy = _planes_compressors(level)
+    scratch = memoryview(bytearray(min(frame_size, size)))
+    parts: list[memoryview | bytes] = []
+    lengths: list[int] = []
+    for memory in range(0, size, frame_size):
+        frame = data[memory: memory + frame_size]
+        plane = len(frame) // itemsize
+        planes = frame if itemsize == 1 else scratch[: len(frame)]
+        if itemsize > 1:
+            byte_planes.split_planes(frame, planes, itemsize, transform == "sign_last")
+        for j in range(itemsize):
+            piece = planes[j * plane: (j + 1) * plane]
+            compressed = compressor.compress(piece)
+            if low_entropy is not None and len(compressed) < LOW_ENTROPY * plane:
+                compressed = min(compressed, low_entropy.compress(piece), key=len)
+            kept = compressed if len(compressed) < plane else (piece if itemsize == 1 else bytes(piece))
+            parts.append(kept)
+            lengths.append(len(kept))
+    stored = sum(lengths)
+    if stored >= size or size > MAX_EXPANSION * stored:
+        return None
+    return parts, PlanesStage(itemsize, transform, frame_size, tuple(lengths), level)
+
 def frame_compressed_size(frame: memoryview, *, has_checksum: bool | None = None) -> int:
     """The length of the zstd frame at the start of ``frame``, walked block by block (zstd's
     ``ZSTD_findFrameCompressedSize``). ``has_checksum``: the frame header's flag, when the caller has parsed it.
@@ -365,6 +548,9 @@ def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
     One reader inflates them all: python-zstandard goes from frame to frame in C (releasing the GIL for each), so
     a run of frames costs the Python of one call, and its thread takes the GIL back once per frame with no Python
     in between (on a many-core host each take waits behind whichever thread holds the GIL)."""
+    if run and run[0].planes is not None:
+        _inflate_plane_frames(stored, run, out, dctx)
+        return
     cursor = 0
     for seg in run:
         _check_frame(stored[cursor: cursor + seg.stored_length], seg.memory_length)
@@ -377,6 +563,34 @@ def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
         raise AtRestError(f"zstd frame is corrupt ({e})") from None
     if filled != len(out) or trailing:
         raise AtRestError(f"zstd frames inflate to {filled + len(trailing)}+ bytes, not {len(out)}")
+
+
+def _inflate_plane_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
+                          dctx: zstandard.ZstdDecompressor) -> None:
+    """Inflate the frames of byte planes ``run``, stored back to back in ``stored``, into ``out``: each plane into
+    this thread's scratch (or, for one-byte elements, in place), then joined into the frame's elements."""
+    cursor, base = 0, run[0].memory
+    for seg in run:
+        itemsize, plane = len(seg.planes), seg.memory_length // len(seg.planes)
+        target = out[seg.memory - base: seg.memory - base + seg.memory_length]
+        planes = target if itemsize == 1 else _planes_scratch(seg.memory_length)
+        for j, length in enumerate(seg.planes):
+            piece, into = stored[cursor: cursor + length], planes[j * plane: (j + 1) * plane]
+            if length == plane:
+                into[:] = piece
+            else:
+                _inflate_frame(piece, into, dctx)
+            cursor += length
+        if itemsize > 1:
+            byte_planes.join_planes(planes, target, itemsize, seg.sign_last)
+
+
+def _planes_scratch(nbytes: int) -> memoryview:
+    """This thread's buffer for one frame's planes, kept between frames (at most :data:`MAX_FRAME_SIZE`)."""
+    buffer = getattr(_contexts, "planes", None)
+    if buffer is None or len(buffer) < nbytes:
+        buffer = _contexts.planes = memoryview(bytearray(nbytes))
+    return buffer[:nbytes]
 
 
 def _inflate_frame(frame: memoryview, out: memoryview, dctx: zstandard.ZstdDecompressor) -> None:
@@ -451,9 +665,11 @@ class StoredView:
         return self._view[run[0].stored: run[-1].stored + run[-1].stored_length]
 
 
-def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: torch.Tensor | None = None, *,
+def inflate(stored: torch.Tensor, pieces: Sequence[Segment], size: int, out: torch.Tensor | None = None, *,
             start: int = 0, stop: int | None = None) -> torch.Tensor:
-    """In-memory payload bytes ``[start, stop)`` (default: all of them) from the stored bytes.
+    """In-memory bytes ``[start, stop)`` (default: all ``size`` of them) of a payload stored as ``pieces`` (its
+    segments: :func:`segments` of a SplitZip payload, :meth:`PlanesStage.segments` of a raw tensor) from the stored
+    bytes.
 
     Only the segments overlapping the range are read; a frame partly inside it is inflated whole into a scratch
     buffer of one frame. ``out`` (flat uint8, ``stop - start`` bytes) receives the bytes when given.
@@ -461,14 +677,14 @@ def inflate(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage, out: 
     Raises:
         AtRestError: a frame is corrupt, truncated, or does not inflate to exactly its in-memory size.
     """
-    stop = layout.comp_bytes if stop is None else stop
-    if not 0 <= start <= stop <= layout.comp_bytes:
-        raise ValueError(f"range [{start}, {stop}) is outside the payload of {layout.comp_bytes} bytes")
+    stop = size if stop is None else stop
+    if not 0 <= start <= stop <= size:
+        raise ValueError(f"range [{start}, {stop}) is outside the payload of {size} bytes")
     if out is None:
         out = torch.empty(stop - start, dtype=torch.uint8)
     elif out.numel() != stop - start:
         raise ValueError(f"output holds {out.numel()} bytes, the range {stop - start}")
-    inflate_segments(StoredView(stored), segments(layout, stage), memoryview(out.numpy()), start=start)
+    inflate_segments(StoredView(stored), pieces, memoryview(out.numpy()), start=start)
     return out
 
 
@@ -523,12 +739,11 @@ def _copy(source: torch.Tensor, out: memoryview) -> None:
     torch.frombuffer(out, dtype=torch.uint8).copy_(source)
 
 
-def stored_ranges(layout: PayloadLayout, stage: ZstdStage, ranges: Sequence[tuple[int, int]]
-                  ) -> list[tuple[int, int]]:
-    """The stored byte ranges (frames whole, verbatim pieces in part) that inflating in-memory ``ranges`` reads:
-    what a reader must fetch from the file to inflate only them."""
+def stored_ranges(pieces: Sequence[Segment], ranges: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The stored byte ranges (frames whole, verbatim pieces in part) that inflating in-memory ``ranges`` of a
+    payload stored as ``pieces`` reads: what a reader must fetch from the file to inflate only them."""
     spans = []
-    for seg in segments(layout, stage):
+    for seg in pieces:
         for lo, hi in ranges:
             lo, hi = max(lo, seg.memory), min(hi, seg.memory + seg.memory_length)
             if lo < hi:
@@ -537,12 +752,12 @@ def stored_ranges(layout: PayloadLayout, stage: ZstdStage, ranges: Sequence[tupl
     return spans
 
 
-def inflate_ranges(stored: torch.Tensor, layout: PayloadLayout, stage: ZstdStage,
-                   ranges: Sequence[tuple[int, int]], out: torch.Tensor | None = None) -> torch.Tensor:
-    """A buffer of the payload's in-memory size (``out`` when given) where only ``ranges`` are inflated (the rest
-    is left unwritten: a new buffer's pages are never touched, so a slice of a large tensor costs memory for what
-    it reads)."""
-    payload = torch.empty(layout.comp_bytes, dtype=torch.uint8) if out is None else out
+def inflate_ranges(stored: torch.Tensor, pieces: Sequence[Segment], size: int, ranges: Sequence[tuple[int, int]],
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+    """A buffer of the payload's in-memory ``size`` (``out`` when given) where only ``ranges`` are inflated (the
+    rest is left unwritten: a new buffer's pages are never touched, so a slice of a large tensor costs memory for
+    what it reads)."""
+    payload = torch.empty(size, dtype=torch.uint8) if out is None else out
     for lo, hi in ranges:
-        inflate(stored, layout, stage, payload[lo:hi], start=lo, stop=hi)
+        inflate(stored, pieces, size, payload[lo:hi], start=lo, stop=hi)
     return payload

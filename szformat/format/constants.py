@@ -14,8 +14,9 @@ MAGIC = b"\x89SZT\r\n\x1a\n"
 """Eight bytes at offset 0. The high byte and the CR LF / ^Z / LF tail catch text-mode and 7-bit transfers."""
 
 VERSION_MAJOR = 1
-VERSION_MINOR = 1
-"""The minor version a file using a 1.1 feature gets; a file using none is written as 1.0, byte for byte as before."""
+VERSION_MINOR = 2
+"""The minor version of a file using a 1.2 feature (byte planes at rest); a file using only 1.1 features is written as
+1.1, one using none as 1.0, byte for byte as before."""
 READER_SUPPORTED_MAJORS = (1,)
 """A reader refuses any other major version. Minor versions of a known major only add optional header fields, and
 features a reader must implement, announced in ``required_features``."""
@@ -25,7 +26,12 @@ FEATURE_AT_REST_ZSTD = "at_rest_zstd"
 a 1.0 reader refuses such a file by name."""
 FEATURE_SMALL_ALIGNMENT = "small_alignment"
 """1.1: payloads shorter than SMALL_PAYLOAD_LIMIT start at multiples of the header's ``small_alignment``."""
-FEATURES: frozenset[str] = frozenset({FEATURE_AT_REST_ZSTD, FEATURE_SMALL_ALIGNMENT})
+FEATURE_AT_REST_PLANES = "at_rest_planes"
+"""1.2: some raw tensors are stored as byte planes through zstd (``encoding.at_rest`` of a ``raw`` entry), so a 1.0
+or 1.1 reader refuses such a file by name."""
+FEATURES: frozenset[str] = frozenset({FEATURE_AT_REST_ZSTD, FEATURE_SMALL_ALIGNMENT, FEATURE_AT_REST_PLANES})
+FEATURE_MINOR = {FEATURE_AT_REST_ZSTD: 1, FEATURE_SMALL_ALIGNMENT: 1, FEATURE_AT_REST_PLANES: 2}
+"""The minor version that introduced each feature: a file is written with the highest its features need."""
 """Names of optional features this reader implements; a file listing any other in ``required_features`` is refused."""
 
 FLAG_HEADER_ZSTD = 1

@@ -23,7 +23,7 @@ from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
                       UnsupportedVersionError, short_repr)
 from . import constants as C
-from .at_rest import AtRestError, ZstdStage, parse_at_rest
+from .at_rest import AtRestError, PlanesStage, Segment, ZstdStage, parse_at_rest, parse_planes, segments
 
 _U32 = (1 << 32) - 1
 
@@ -36,7 +36,8 @@ class TensorEntry:
     bytes. ``crc32`` checks the stored bytes, ``raw_crc32`` the decoded bytes. For ``splitzip`` entries ``layout``
     and ``codebook`` are set, and ``at_rest`` when the payload is stored through the 1.1 at-rest stage (then
     ``length`` counts the stored bytes and :attr:`memory_length` the in-memory payload's); for ``raw`` entries
-    ``raw_reason`` may say why the codec did not take it.
+    ``raw_reason`` may say why the codec did not take it, and ``at_rest`` is set when the tensor's bytes are stored as
+    byte planes (1.2; ``length`` the stored bytes, :attr:`memory_length` the raw ones).
     """
 
     name: str
@@ -51,7 +52,7 @@ class TensorEntry:
     layout: PayloadLayout | None = None
     codebook: Codebook | None = None
     raw_reason: str | None = None
-    at_rest: ZstdStage | None = None
+    at_rest: ZstdStage | PlanesStage | None = None
 
     @property
     def numel(self) -> int:
@@ -60,7 +61,15 @@ class TensorEntry:
     @property
     def memory_length(self) -> int:
         """Bytes of the payload once inflated: what GPU routes move and decode (``length`` without a stage)."""
-        return self.layout.comp_bytes if self.at_rest is not None else self.length
+        if self.at_rest is None:
+            return self.length
+        return self.raw_length if self.encoding == C.ENCODING_RAW else self.layout.comp_bytes
+
+    def segments(self) -> list[Segment]:
+        """The pieces of the stored bytes of a tensor with an at-rest stage, in in-memory order."""
+        if isinstance(self.at_rest, PlanesStage):
+            return self.at_rest.segments(self.raw_length)
+        return segments(self.layout, self.at_rest)
 
     def torch_dtype(self, path: str | os.PathLike) -> torch.dtype:
         """The torch dtype to decode into.
@@ -93,6 +102,8 @@ class TensorEntry:
             encoding = {"name": C.ENCODING_RAW}
             if self.raw_reason:
                 encoding["configuration"] = {"reason": self.raw_reason}
+            if self.at_rest is not None:
+                encoding["at_rest"] = self.at_rest.to_dict()
         return {
             "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": encoding,
             "offset": self.offset, "length": self.length, "raw_length": self.raw_length,
@@ -246,12 +257,13 @@ def parse_header(
     entries: list[TensorEntry] = []
     seen: set[str] = set()
     cursor = C.PREAMBLE_SIZE
-    at_rest_allowed = C.FEATURE_AT_REST_ZSTD in features
     for index, item in enumerate(tensors):
         entry = _parse_entry(item, index=index, path=path)
-        if entry.at_rest is not None and not at_rest_allowed:
-            raise HeaderError(f"tensor has an at-rest stage but {C.FEATURE_AT_REST_ZSTD!r} is not among the "
-                              "required features", path=path, tensor=entry.name)
+        if entry.at_rest is not None:
+            feature = C.FEATURE_AT_REST_PLANES if entry.encoding == C.ENCODING_RAW else C.FEATURE_AT_REST_ZSTD
+            if feature not in features:
+                raise HeaderError(f"tensor has an at-rest stage but {feature!r} is not among the required features",
+                                  path=path, tensor=entry.name)
         if entry.name in seen:
             raise HeaderError("tensor name appears twice in the header", path=path, tensor=entry.name)
         seen.add(entry.name)
@@ -395,18 +407,24 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
                   crc32=crc32, raw_crc32=raw_crc32)
 
     if encoding["name"] == C.ENCODING_RAW:
-        if length != raw_length:
+        stage = None
+        if "at_rest" in encoding:  # 1.2: byte planes; the stored bytes and their checksum differ from the raw ones
+            try:
+                stage = parse_planes(encoding["at_rest"], itemsize=C.itemsize(dtype), raw_length=raw_length,
+                                     length=length)
+            except AtRestError as e:
+                error = UnknownEncodingError if e.unknown_codec else HeaderError
+                raise error(str(e), path=path, tensor=name) from None
+        elif length != raw_length:
             raise HeaderError(f"raw payload length {length} differs from raw_length {raw_length}", path=path,
                               tensor=name)
-        if crc32 != raw_crc32:
+        elif crc32 != raw_crc32:
             raise HeaderError(f"raw payload has two different checksums (crc32 {crc32:#010x}, raw_crc32 "
                               f"{raw_crc32:#010x}) for the same bytes", path=path, tensor=name)
-        if "at_rest" in encoding:
-            raise HeaderError("a raw tensor has no at-rest stage", path=path, tensor=name)
         reason = config.get("reason")
         if "reason" in config and not isinstance(reason, str):
             raise HeaderError(f"raw 'reason' must be a string, got {short_repr(reason)}", path=path, tensor=name)
-        return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, **common)
+        return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, at_rest=stage, **common)
     if encoding["name"] == C.ENCODING_SPLITZIP:
         staged = "at_rest" in encoding
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=None if staged else length,

@@ -60,9 +60,9 @@ def decode_entry(path: str | os.PathLike, entry: TensorEntry, payload: torch.Ten
 
 def inflate_entry(path: str | os.PathLike, entry: TensorEntry, stored: torch.Tensor, out: torch.Tensor | None = None,
                   *, ranges: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
-    """The in-memory payload of ``entry`` (stored at rest) from its ``stored`` bytes: whole, or only the payload
-    byte ``ranges`` given (the rest of ``out`` left unwritten)."""
+    """The in-memory payload of ``entry`` (stored at rest; a raw tensor's own bytes) from its ``stored`` bytes:
+    whole, or only the payload byte ``ranges`` given (the rest of ``out`` left unwritten)."""
     with payload_errors(path, entry.name):
         if ranges is None:
-            return at_rest.inflate(stored, entry.layout, entry.at_rest, out)
-        return at_rest.inflate_ranges(stored, entry.layout, entry.at_rest, ranges, out)
+            return at_rest.inflate(stored, entry.segments(), entry.memory_length, out)
+        return at_rest.inflate_ranges(stored, entry.segments(), entry.memory_length, ranges, out)

@@ -293,8 +293,14 @@ class SztFile:
 
     @property
     def at_rest(self) -> bool:
-        """Whether any tensor of this file is stored through the at-rest stage."""
+        """Whether any tensor of this file is stored through an at-rest stage."""
         return any(e.at_rest is not None for e in self.header.tensors)
+
+    @property
+    def byte_planes(self) -> bool:
+        """Whether any raw tensor of this file is stored as byte planes (1.2): the host inflates those, a device's
+        zstd inflater does not join planes."""
+        return any(e.at_rest is not None and e.encoding == C.ENCODING_RAW for e in self.header.tensors)
 
     @property
     def buffer(self) -> mmap.mmap:

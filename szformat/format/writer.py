@@ -106,7 +106,7 @@ class SztWriter:
         self._expect_open()
         payload = encoded.payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         shape = self._check_entry(name, dtype, shape, encoded, payload.numel())
-        parts, length, crc, stage = self._stored(encoded, payload)
+        parts, length, crc, stage = self._stored(encoded, payload, dtype)
         start = C.pad_to(self._cursor, payload_alignment(length, self.alignment, self.small_alignment))
         self._write(bytes(start - self._cursor))
         entry = TensorEntry(
@@ -125,16 +125,23 @@ class SztWriter:
         """The coverage under which a BF16 tensor is stored raw in this file's form (see ``at_rest.py``)."""
         return COVERAGE_GATE if self.at_rest is None else at_rest_stage.AT_REST_COVERAGE_GATE
 
-    def _stored(self, encoded: EncodedTensor, payload: torch.Tensor
-                ) -> tuple[list, int, int, at_rest_stage.ZstdStage | None]:
-        """The bytes to store (as pieces, in order), their length, their CRC-32 and their at-rest stage: a SplitZip
-        payload through the zstd stage when this writer has one and it makes the payload smaller; the payload as it
-        is otherwise."""
+    def _stored(self, encoded: EncodedTensor, payload: torch.Tensor, dtype: str
+                ) -> tuple[list, int, int, at_rest_stage.ZstdStage | at_rest_stage.PlanesStage | None]:
+        """The bytes to store (as pieces, in order), their length, their CRC-32 and their at-rest stage: when this
+        writer has one, a SplitZip payload through the zstd stage or a raw tensor (of ``dtype``) as byte planes,
+        where that makes it smaller; the payload as it is otherwise."""
         whole = [memoryview(payload.numpy())]
-        if self.at_rest is None or encoded.encoding != C.ENCODING_SPLITZIP or not payload.numel():
+        if self.at_rest is None or not payload.numel():
             return whole, payload.numel(), encoded.crc32, None
-        parts, stage = at_rest_stage.compress(payload, encoded.layout, level=self.at_rest,
-                                              frame_size=self.frame_size)
+        if encoded.encoding == C.ENCODING_RAW:
+            staged = at_rest_stage.compress_planes(payload, dtype, C.itemsize(dtype), level=self.at_rest,
+                                                   frame_size=self.frame_size)
+            if staged is None:
+                return whole, payload.numel(), encoded.crc32, None
+            parts, stage = staged
+        else:
+            parts, stage = at_rest_stage.compress(payload, encoded.layout, level=self.at_rest,
+                                                  frame_size=self.frame_size)
         length = sum(len(part) for part in parts)
         if length >= payload.numel():
             return whole, payload.numel(), encoded.crc32, None
@@ -198,7 +205,7 @@ class SztWriter:
                     header, flags = stored, C.FLAG_HEADER_ZSTD
             header_offset = self._cursor
             self._write(header)
-            minor = C.VERSION_MINOR if features or flags else 0
+            minor = max([C.FEATURE_MINOR[f] for f in features] + [1 if flags else 0])
             preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, minor, flags, header_offset, len(header),
                                        crc32(header), self.alignment, self._cursor)
             self._file.write(preamble, at=0)
@@ -210,10 +217,13 @@ class SztWriter:
         return self.path
 
     def _features(self) -> list[str]:
-        """The 1.1 features this file uses (none: it is a 1.0 file, which every 1.x reader reads)."""
+        """The 1.1 and 1.2 features this file uses (none: it is a 1.0 file, which every 1.x reader reads)."""
         features = []
-        if any(entry.at_rest is not None for entry in self._entries):
+        staged = {entry.encoding for entry in self._entries if entry.at_rest is not None}
+        if C.ENCODING_SPLITZIP in staged:
             features.append(C.FEATURE_AT_REST_ZSTD)
+        if C.ENCODING_RAW in staged:
+            features.append(C.FEATURE_AT_REST_PLANES)
         if self.small_alignment is not None:
             features.append(C.FEATURE_SMALL_ALIGNMENT)
         return features

@@ -230,7 +230,8 @@ class DeviceLoader:
         return self.route == "gpu" and self.verify and self.staging.transport == "staged"
 
     def _open_source(self, file: SztFile) -> HostSource:
-        if file.at_rest and not (self.inflater is not None and self._may_inflate_on_device()):
+        device_inflates = self.inflater is not None and self._may_inflate_on_device() and not file.byte_planes
+        if file.at_rest and not device_inflates:
             return InflatingSource(file, self._pool)  # the readers inflate: the device decodes the in-memory form
         if self.staging.transport == "registered":
             mapping = RegisteredMapping.open(file.path, self.ops.device)

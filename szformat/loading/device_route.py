@@ -12,7 +12,6 @@ from typing import Any, Sequence
 import torch
 
 from ..codec.layout import ENCODING_SPLITZIP
-from ..format import at_rest
 from ..format.header import TensorEntry
 from . import timeline
 from .device_codec import DeviceCodec
@@ -250,7 +249,7 @@ class DeviceDecodeRoute:
             if entry.at_rest is None:
                 copies.append((stored, memory, entry.length))
                 continue
-            more_frames, more_copies = frames_of(at_rest.segments(entry.layout, entry.at_rest), stored, memory)
+            more_frames, more_copies = frames_of(entry.segments(), stored, memory)
             frames += more_frames
             copies += more_copies
             owners += [item] * len(more_frames)

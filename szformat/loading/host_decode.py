@@ -16,7 +16,9 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Four c
 - **Reads by the threads, range by range.** Each range's stored bytes are read (``pread``, through
   :meth:`SztFile.read`) by the thread that decodes them, just before, into the tensor's payload buffer: the reads run
   in parallel, land in cache, and a file truncated meanwhile is a TruncatedFileError, never SIGBUS. A tensor stored
-  raw is read straight into its output. A payload stored at rest (format 1.1) is read whole and inflated first.
+  raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is read whole and inflated
+  first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by the threads, straight
+  into its output.
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
   Tensors are taken in groups of about :data:`GROUP_BYTES` of payload, so payload buffers never hold a whole
   checkpoint.
@@ -37,9 +39,10 @@ import torch
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
 from ..errors import PayloadError
+from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
-from ..format.payloads import allocation_errors, inflate_entry
+from ..format.payloads import allocation_errors, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
@@ -68,6 +71,7 @@ class _Job:
     reads: bool  # each range reads its own stored bytes (raw, or SplitZip in the in-memory form)
     checked: bool  # take checksums while decoding
     ranges: list[tuple[int, int]]
+    planes: tuple[at_rest.StoredView, list[at_rest.Segment]] | None = None  # a raw tensor stored as byte planes
     sums: list[RangeChecksums | int | None] = field(init=False)  # per range, once it is done
 
     def __post_init__(self) -> None:
@@ -82,7 +86,13 @@ class _Job:
         out = self.out[start:stop]
         name = self.entry.name
         if self.decoder is None:
-            self.file.read(name, start, stop, out=out)
+            if self.planes is None:
+                self.file.read(name, start, stop, out=out)
+            else:
+                stored, pieces = self.planes
+                with payload_errors(self.file.path, name):
+                    at_rest.inflate_segments(stored, pieces, memoryview(out.numpy()), start=start,
+                                             first=start // pieces[0].memory_length)
             self.sums[k] = crc32(out.numpy()) if self.checked else None
             return
         streams = None
@@ -177,9 +187,18 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
              payload: torch.Tensor) -> _Job:
     dtype = entry.torch_dtype(file.path)
-    if entry.encoding == ENCODING_RAW:
+    if entry.encoding == ENCODING_RAW and entry.at_rest is None:
         out = torch.empty(entry.length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
+    if entry.encoding == ENCODING_RAW:  # byte planes: stored bytes checked whole, frames inflated range by range
+        stored = file.read(entry.name)
+        if check_stored:
+            check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
+        frame = entry.at_rest.frame_size
+        out = torch.empty(entry.raw_length, dtype=torch.uint8)
+        return _Job(file, entry, dtype, out, None, False, check_decoded,
+                    _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
+                    (at_rest.StoredView(stored), entry.segments()))
     layout, reads = entry.layout, entry.at_rest is None
     if reads:
         for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
@@ -244,9 +263,11 @@ def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> No
     """Compare a decoded tensor's joined CRC-32s with its header's (stored bytes read at rest: checked already)."""
     entry = job.entry
     if job.decoder is None:
-        if check_stored:
-            compare_crc(crc32_join(zip(job.sums, (stop - start for start, stop in job.ranges))), entry.crc32,
-                        what="stored bytes", path=path, tensor=entry.name)
+        joined = (job.reads and check_stored) or (not job.reads and check_decoded)
+        if joined:  # the stored bytes of a raw tensor read range by range, or the bytes its planes inflated to
+            compare_crc(crc32_join(zip(job.sums, (stop - start for start, stop in job.ranges))),
+                        entry.crc32 if job.reads else entry.raw_crc32,
+                        what="stored bytes" if job.reads else "decoded bytes", path=path, tensor=entry.name)
         return
     sums = [(start, stop, s) for (start, stop), s in zip(job.ranges, job.sums)]
     if check_stored and job.reads:

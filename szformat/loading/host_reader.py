@@ -2,7 +2,7 @@
 
 Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
 (:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are read,
-for the at-rest form only the frames holding them are read and inflated. Stored bytes are copied out of the file
+for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored bytes are copied out of the file
 (``pread``), never touched through the mapping, so a file truncated meanwhile is an error, not SIGBUS; each stored
 payload's CRC-32 is checked once per open file.
 """
@@ -86,17 +86,16 @@ class HostReader:
             buffer = buffers[role] = torch.empty(nbytes, dtype=torch.uint8)
         return buffer[:nbytes]
 
-    def _payload(self, entry: TensorEntry, start: int, stop: int) -> torch.Tensor:
-        """The in-memory payload of a SplitZip tensor, with at least what decoding elements ``[start, stop)`` reads
-        in place: read whole (and CRC-checked, the first time when ``verify`` is on) or only those bytes; for a
-        payload stored at rest, the stored bytes of the frames holding them, inflated."""
-        whole = (start, stop) == (0, entry.numel)
-        ranges = entry.layout.byte_ranges(start, stop)
+    def _payload(self, entry: TensorEntry, ranges: list[tuple[int, int]], whole: bool) -> torch.Tensor:
+        """The in-memory payload of a tensor (a SplitZip payload, or the bytes of a raw tensor stored as byte
+        planes), with at least its bytes ``ranges`` in place: read whole (and CRC-checked, the first time when
+        ``verify`` is on) or only those bytes; for a payload stored at rest, the stored bytes of the frames holding
+        them, inflated."""
         stored = self._buffer(entry.length)
         if whole or self._unchecked(entry):
             self._read_stored(entry, stored)
         else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
-            spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.layout, entry.at_rest, ranges)
+            spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.segments(), ranges)
             for begin, end in spans:
                 self.file.read(entry.name, begin, end, out=stored[begin:end])
         if entry.at_rest is None:
@@ -115,7 +114,7 @@ class HostReader:
         row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
-        if entry.encoding == C.ENCODING_RAW:  # the stored bytes are the tensor's bytes
+        if entry.encoding == C.ENCODING_RAW and entry.at_rest is None:  # the stored bytes are the tensor's bytes
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
             if (begin, end) == (0, entry.length):
@@ -125,7 +124,15 @@ class HostReader:
             else:
                 raw = self.file.read(entry.name, begin, end)
             return raw.view(dtype).reshape(shape)
-        payload = self._payload(entry, start, stop)
+        whole = (start, stop) == (0, entry.numel)
+        if entry.encoding == C.ENCODING_RAW:  # byte planes: the frames holding these rows, inflated
+            itemsize = C.itemsize(entry.dtype)
+            begin, end = start * itemsize, stop * itemsize
+            raw = self._payload(entry, [(begin, end)], whole)[begin:end].clone()
+            if self.verify and whole:
+                check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
+            return raw.view(dtype).reshape(shape)
+        payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         out = torch.empty(stop - start, dtype=torch.bfloat16)
         decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
         if self.verify and start == 0 and stop == entry.numel:

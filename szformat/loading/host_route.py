@@ -61,8 +61,10 @@ class HostDecodeRoute:
         for piece in transfer.pieces:
             entry = entries[piece.item]
             out = host[piece.slot_offset: piece.slot_offset + piece.length]
-            if entry.encoding != ENCODING_SPLITZIP:
-                out.copy_(file.payload(entry.name)[piece.offset: piece.offset + piece.length])
+            if entry.encoding != ENCODING_SPLITZIP:  # as stored, or inflated from byte planes (what it needs)
+                lo, hi = piece.offset, piece.offset + piece.length
+                ranges = [(lo, hi)] if entry.at_rest is not None else None
+                out.copy_(file.memory_payload(entry.name, ranges=ranges)[lo:hi])
                 continue
             start, stop = piece.offset // 2, (piece.offset + piece.length) // 2
             ranges = entry.layout.byte_ranges(start, stop) if entry.at_rest is not None else None

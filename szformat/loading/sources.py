@@ -133,7 +133,7 @@ class InflatingSource:
             cursor += entry.memory_length
         self._line = list(self._memory.values())
         self._starts = [e.offset for e in self._line]
-        self._segments = {e.name: at_rest.segments(e.layout, e.at_rest) for e in file.header.tensors
+        self._segments = {e.name: e.segments() for e in file.header.tensors
                           if e.at_rest is not None}  # the header parse checked them; computed once per file
         self._segment_starts = {name: [seg.memory for seg in pieces] for name, pieces in self._segments.items()}
         self._buffers = threading.local()

@@ -195,7 +195,7 @@ def test_unknown_at_rest_codec(forge, bad):
 
 def test_at_rest_on_a_raw_tensor(forge, bad):
     forge.entry("b")["encoding"]["at_rest"] = forge.entry("w")["encoding"]["at_rest"]
-    refused(forge.write(bad, minor=1), HeaderError, "raw tensor has no at-rest stage", tensor="b")
+    refused(forge.write(bad, minor=1), HeaderError, "'zstd' does not apply to a raw tensor", tensor="b")
 
 
 @pytest.mark.parametrize("change, reason", [

@@ -61,7 +61,7 @@ def test_vectors_json_hashes_agree_with_the_files():
 
 
 def test_the_folder_stays_small():
-    assert sum(p.stat().st_size for p in VECTORS.iterdir()) < 1 << 20
+    assert sum(p.stat().st_size for p in VECTORS.iterdir()) < 3 << 19  # 1.5 MiB
 
 
 def test_the_cases_cover_what_the_spec_promises():
@@ -80,8 +80,25 @@ def test_the_cases_cover_what_the_spec_promises():
     assert any(not case["tensors"] for case in LISTING["cases"])
 
 
+def test_the_1_2_case_covers_byte_planes():
+    (case,) = [case for case in LISTING["cases"] if case["name"] == "at_rest_planes"]
+    assert case["version"] == "1.2"
+    staged = [t for t in case["tensors"] if "at_rest_transform" in t]
+    assert {t["at_rest_transform"] for t in staged} == {"bytes", "sign_last"}
+    assert {t["dtype"] for t in staged} >= {"F32", "F16", "F8_E4M3", "I32"}
+    assert any(t["encoding"] == "raw" and "at_rest_transform" not in t for t in case["tensors"])  # no stage
+    for t in staged:
+        itemsize = {"F32": 4, "F16": 2, "F8_E4M3": 1, "I32": 4}[t["dtype"]]
+        assert len(t["at_rest_planes"]) % itemsize == 0 and sum(t["at_rest_planes"]) == t["length"]
+    assert any(t["at_rest_transform"] == "sign_last" and max(t["at_rest_planes"]) == 1024
+               and min(t["at_rest_planes"]) < 1024 for t in staged)  # verbatim and compressed planes
+    assert {"planes_feature", "planes_count", "planes_transform", "planes_too_long", "planes_corrupt",
+            "planes_verbatim_swap", "planes_codec_on_splitzip"} <= set(REFUSALS)
+    assert "planes_unknown_keys" in READS
+
+
 def test_the_1_1_cases_cover_the_at_rest_form():
-    rest = [case for case in LISTING["cases"] if "at_rest" in case]
+    rest = [case for case in LISTING["cases"] if "at_rest" in case and case["name"] != "at_rest_planes"]
     assert rest and all(case["version"] == "1.1" for case in rest)
     assert all(case["version"] == "1.0" for case in LISTING["cases"] if "at_rest" not in case)
     tensors = [t for case in rest for t in case["tensors"]]
@@ -244,8 +261,8 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     _require(isinstance(header, dict), "top level")
     _require(_depth(header) <= 16, "nested deeper than 16 levels")
     features = header.get("required_features", [])
-    _require(isinstance(features, list) and set(features) <= {"at_rest_zstd", "small_alignment"}
-             and len(set(features)) == len(features), "required features")  # those 1.1 defines, each once
+    _require(isinstance(features, list) and set(features) <= {"at_rest_zstd", "small_alignment", "at_rest_planes"}
+             and len(set(features)) == len(features), "required features")  # those 1.1 and 1.2 define, each once
     small = header.get("small_alignment")
     _require(("small_alignment" in features) == ("small_alignment" in header)
              and (small is None or (_is_int(small, 16, align - 1) and small & (small - 1) == 0)), "small_alignment")
@@ -271,9 +288,12 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
         config = encoding.get("configuration", {})
         _require(isinstance(config, dict), "configuration")
         if encoding["name"] == "raw":
-            _require(e["length"] == e["raw_length"] and e["crc32"] == e["raw_crc32"], "raw lengths or checksums")
             _require(isinstance(config.get("reason", ""), str), "reason")
-            _require("at_rest" not in encoding, "at-rest stage of a raw tensor")
+            if "at_rest" in encoding:  # 1.2: byte planes
+                _require("at_rest_planes" in features, "byte planes not required")
+                _spec_planes_config(encoding["at_rest"], ITEMSIZE[dtype], e["raw_length"], e["length"])
+            else:
+                _require(e["length"] == e["raw_length"] and e["crc32"] == e["raw_crc32"], "raw lengths or checksums")
         else:
             _require(encoding["name"] == "splitzip" and dtype == "BF16", "encoding name or splitzip dtype")
             if "at_rest" in encoding:
@@ -293,7 +313,9 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
     for e in entries:
         stored = data[e["offset"]: e["offset"] + e["length"]]
         _require(not verify or zlib.crc32(stored) == e["crc32"], "stored bytes checksum", "verify")
-        if "at_rest" in e["encoding"]:
+        if "at_rest" in e["encoding"] and e["encoding"]["name"] == "raw":
+            stored = _spec_planes(stored, ITEMSIZE[e["dtype"]], e["raw_length"], e["encoding"]["at_rest"])
+        elif "at_rest" in e["encoding"]:
             stored = _spec_inflate(stored, e["encoding"]["configuration"], e["encoding"]["at_rest"])
         raw = stored if e["encoding"]["name"] == "raw" else _spec_splitzip(stored, e["encoding"]["configuration"])
         _require(not verify or zlib.crc32(raw) == e["raw_crc32"], "decoded bytes checksum", "verify")
@@ -390,6 +412,45 @@ def _spec_inflate(stored: bytes, config: dict, stage: dict) -> bytes:
                                         exact=True)
             cursor += length
     return bytes(payload)
+
+
+def _spec_planes_config(stage: object, itemsize: int, raw_length: int, length: int) -> None:
+    """The byte-plane table of the spec (1.2): codec, transform, frame size, one length per plane in its bounds,
+    the sum, the 8x bound."""
+    _require(isinstance(stage, dict) and stage.get("name") == "zstd_planes"
+             and isinstance(stage.get("configuration"), dict), "byte-plane codec")
+    c = stage["configuration"]
+    transform, frame_size, planes = c.get("transform"), c.get("frame_size"), c.get("planes")
+    _require(transform == "bytes" or (transform == "sign_last" and itemsize >= 2), "transform")
+    _require(_is_int(frame_size, 4096, 1 << 26) and frame_size % itemsize == 0 and raw_length > 0, "frame size")
+    frames = -(-raw_length // frame_size)
+    _require(isinstance(planes, list) and len(planes) == frames * itemsize, "plane count")
+    for i, stored in enumerate(planes):
+        m = min(frame_size, raw_length - i // itemsize * frame_size) // itemsize
+        _require(_is_int(stored, 1, m), "plane length")
+    _require(sum(planes) == length and raw_length <= 8 * length, "stored length or the 8x bound")
+
+
+def _spec_planes(stored: bytes, itemsize: int, raw_length: int, stage: dict) -> bytes:
+    """A raw tensor's bytes from its byte planes (spec: "Byte planes (1.2)")."""
+    c = stage["configuration"]
+    lengths, cursor, out = iter(c["planes"]), 0, bytearray()
+    for start in range(0, raw_length, c["frame_size"]):
+        m = min(c["frame_size"], raw_length - start) // itemsize
+        planes = []
+        for _ in range(itemsize):
+            length = next(lengths)
+            piece = stored[cursor: cursor + length]
+            planes.append(piece if length == m else _spec_zstd_frame(piece, limit=m, exact=True))
+            cursor += length
+        elements = np.frombuffer(b"".join(planes), np.uint8).reshape(itemsize, m).T.copy()
+        if c["transform"] == "sign_last":  # undo the rotation left by one bit: rotate right by one
+            width = 8 * itemsize
+            words = [int.from_bytes(bytes(row), "little") for row in elements]
+            words = [(w >> 1) | ((w & 1) << (width - 1)) for w in words]
+            elements = np.frombuffer(b"".join(w.to_bytes(itemsize, "little") for w in words), np.uint8)
+        out += elements.tobytes()
+    return bytes(out)
 
 
 def _spec_splitzip(stored: bytes, config: dict) -> bytes:

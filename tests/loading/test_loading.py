@@ -1075,18 +1075,35 @@ def test_gpu_route_refuses_an_escape_stream_the_device_flags(verify):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def at_rest_checkpoint(tmp_path_factory):
-    """The tensors of ``checkpoint`` plus one spanning many frames, at rest, in frames of the smallest size."""
-    path = tmp_path_factory.mktemp("at-rest") / "model.szt"
-    tensors = _tensors(random.randrange(1 << 30))
-    tensors["long.weight"] = _bf16_with_escapes(40000, torch.Generator().manual_seed(3), 50).reshape(400, 100)
+def _write_at_rest(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
     with SztWriter(path, at_rest=1, frame_size=4096, small_alignment=16) as writer:
         for name, t in tensors.items():
             write_tensor(writer, name, TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
+    return path
+
+
+@pytest.fixture(scope="module")
+def at_rest_checkpoint(tmp_path_factory):
+    """The tensors of ``checkpoint`` plus one spanning many frames, at rest, in frames of the smallest size (the
+    int64 ``ids`` as byte planes, format 1.2)."""
+    tensors = _tensors(random.randrange(1 << 30))
+    tensors["long.weight"] = _bf16_with_escapes(40000, torch.Generator().manual_seed(3), 50).reshape(400, 100)
+    path = _write_at_rest(tmp_path_factory.mktemp("at-rest") / "model.szt", tensors)
     with SztFile(path) as f:
-        assert f.at_rest and max(len(e.at_rest.frames) for e in f.entries.values() if e.at_rest) > 4
+        assert f.at_rest and max(len(e.segments()) for e in f.entries.values() if e.at_rest) > 4
+        assert f.byte_planes
     return path, tensors
+
+
+@pytest.fixture(scope="module")
+def splitzip_at_rest_checkpoint(tmp_path_factory, at_rest_checkpoint):
+    """``at_rest_checkpoint`` without its byte planes (format 1.1): what a device inflater takes whole."""
+    _, tensors = at_rest_checkpoint
+    kept = {name: t for name, t in tensors.items() if name != "ids"}
+    path = _write_at_rest(tmp_path_factory.mktemp("at-rest-1.1") / "model.szt", kept)
+    with SztFile(path) as f:
+        assert f.at_rest and not f.byte_planes
+    return path, kept
 
 
 @pytest.mark.parametrize("route", ["gpu", "cpu"])
@@ -1170,10 +1187,11 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
 
 
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 20])
-def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(at_rest_checkpoint, tmp_path, slot_bytes):
+def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(splitzip_at_rest_checkpoint, tmp_path,
+                                                                         slot_bytes):
     """A tensor whose stored bytes fail their CRC-32 is refused before any of its frames reaches the inflater (it
     validates little); a frame the inflater fails is reported with the tensor's name, after the load."""
-    path, _ = at_rest_checkpoint
+    path, _ = splitzip_at_rest_checkpoint
     bad = _with_first_frame_corrupt(path, "long.weight", tmp_path / "bad.szt")
     staging = StagingConfig(slot_bytes=slot_bytes, slots=2, threads=2)
     inflater = ZstdInflater()
@@ -1187,6 +1205,19 @@ def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(at_res
             loader.load(f, ["long.weight", "a.weight"])
         assert inflater.released == 2
     assert info.value.tensor == "long.weight"  # the first that failed, in the order asked for
+
+
+def test_a_file_with_byte_planes_is_inflated_by_the_host_readers(at_rest_checkpoint, splitzip_at_rest_checkpoint):
+    """A device inflater takes zstd frames, not byte planes to join: a 1.2 file goes through the readers' inflation
+    (exact, the inflater unused); a 1.1 file is inflated on the device."""
+    staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
+    for (path, tensors), on_device in ((at_rest_checkpoint, False), (splitzip_at_rest_checkpoint, True)):
+        inflater = ZstdInflater()
+        with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as \
+                loader, SztFile(path) as f:
+            loaded = loader.load(f, list(tensors))
+        _assert_same(loaded, tensors)
+        assert (inflater.frames > 0) == on_device
 
 
 @pytest.mark.parametrize("inflater, crcs", [(None, True), (ZstdInflater(), False)], ids=["no inflater", "no crcs"])
