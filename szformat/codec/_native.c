@@ -260,26 +260,34 @@ typedef void (*planes_loop)(const uint8_t *, uint8_t *, Py_ssize_t);
 /* Elements at a time, so a block's plane runs and the elements they fill stay in the caches. */
 #define PLANES_BLOCK 4096
 
-static void planes_move(const uint8_t *src, uint8_t *dst, Py_ssize_t n, int itemsize, int sign_last, int join)
+static int loop_index(int itemsize) { return itemsize == 2 ? 0 : itemsize == 4 ? 1 : 2; }
+
+/* Elements ``data`` (n of them) into planes ``planes`` (plane j at planes + j * n). */
+static void planes_split(const uint8_t *data, uint8_t *planes, Py_ssize_t n, int itemsize, int sign_last)
 {
-    static const planes_loop joins[2][3] = {{join_2, join_4, join_8}, {join_2r, join_4r, join_8r}};
     static const planes_loop splits[2][3] = {{split_2, split_4, split_8}, {split_2r, split_4r, split_8r}};
-    int which = itemsize == 2 ? 0 : itemsize == 4 ? 1 : 2;
-    planes_loop loop = (join ? joins : splits)[sign_last != 0][which];
+    planes_loop loop = splits[sign_last != 0][loop_index(itemsize)];
     uint8_t scratch[8 * PLANES_BLOCK];
     for (Py_ssize_t start = 0; start < n; start += PLANES_BLOCK) {
         Py_ssize_t m = n - start < PLANES_BLOCK ? n - start : PLANES_BLOCK;
-        /* The block's planes are m-byte runs n bytes apart in the plane-major buffer: gathered into (or scattered
-         * from) a contiguous scratch, so each loop sees planes m bytes apart. */
-        if (join) {
-            for (int j = 0; j < itemsize; j++)
-                memcpy(scratch + (Py_ssize_t)j * m, src + (Py_ssize_t)j * n + start, (size_t)m);
-            loop(scratch, dst + start * itemsize, m);
-        } else {
-            loop(src + start * itemsize, scratch, m);
-            for (int j = 0; j < itemsize; j++)
-                memcpy(dst + (Py_ssize_t)j * n + start, scratch + (Py_ssize_t)j * m, (size_t)m);
-        }
+        loop(data + start * itemsize, scratch, m);  /* the block's planes, m bytes apart, then scattered */
+        for (int j = 0; j < itemsize; j++)
+            memcpy(planes + (Py_ssize_t)j * n + start, scratch + (Py_ssize_t)j * m, (size_t)m);
+    }
+}
+
+/* Planes ``planes[j]`` (n bytes each, anywhere: an inflated plane in a scratch, a verbatim one where it is stored)
+ * into elements ``out``. */
+static void planes_join(const uint8_t *const *planes, uint8_t *out, Py_ssize_t n, int itemsize, int sign_last)
+{
+    static const planes_loop joins[2][3] = {{join_2, join_4, join_8}, {join_2r, join_4r, join_8r}};
+    planes_loop loop = joins[sign_last != 0][loop_index(itemsize)];
+    uint8_t scratch[8 * PLANES_BLOCK];
+    for (Py_ssize_t start = 0; start < n; start += PLANES_BLOCK) {
+        Py_ssize_t m = n - start < PLANES_BLOCK ? n - start : PLANES_BLOCK;
+        for (int j = 0; j < itemsize; j++)  /* the block's planes gathered m bytes apart, then joined */
+            memcpy(scratch + (Py_ssize_t)j * m, planes[j] + start, (size_t)m);
+        loop(scratch, out + start * itemsize, m);
     }
 }
 
@@ -417,32 +425,43 @@ static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
-static PyObject *planes_call(const char *function, PyObject *const *args, Py_ssize_t nargs, int join)
+static int planes_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *itemsize,
+                       int *sign_last)
 {
-    static const char *const names[] = {"source", "out"};
-    Buffers b;
-    PyObject *result = NULL;
     if (nargs != 4) {
         PyErr_Format(PyExc_TypeError, "%s() takes 4 arguments (%zd given)", function, nargs);
-        return NULL;
+        return -1;
     }
-    Py_ssize_t itemsize = PyLong_AsSsize_t(args[2]);
-    if (itemsize == -1 && PyErr_Occurred())
+    *itemsize = PyLong_AsSsize_t(args[2]);
+    if (*itemsize == -1 && PyErr_Occurred())
+        return -1;
+    if (*itemsize != 2 && *itemsize != 4 && *itemsize != 8) {
+        PyErr_Format(PyExc_ValueError, "%s(): element size 2, 4 or 8, got %zd", function, *itemsize);
+        return -1;
+    }
+    *sign_last = PyObject_IsTrue(args[3]);
+    return *sign_last < 0 ? -1 : 0;
+}
+
+static PyObject *py_split_planes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"data", "out"};
+    Py_ssize_t itemsize;
+    int sign_last;
+    Buffers b;
+    PyObject *result = NULL;
+    if (planes_args("split_planes", args, nargs, &itemsize, &sign_last) < 0)
         return NULL;
-    int sign_last = PyObject_IsTrue(args[3]);
-    if (sign_last < 0)
-        return NULL;
-    if (take(function, args, 2, 2, names, 0x2, &b) == 0) {
-        if ((itemsize != 2 && itemsize != 4 && itemsize != 8) || b.views[0].len != b.views[1].len
-                || b.views[0].len % itemsize) {
-            PyErr_Format(PyExc_ValueError, "%s(): element size 2, 4 or 8 and two buffers of one length, a multiple "
-                         "of it (got %zd; %zd and %zd bytes)", function, itemsize, b.views[0].len, b.views[1].len);
+    if (take("split_planes", args, 2, 2, names, 0x2, &b) == 0) {
+        if (b.views[0].len != b.views[1].len || b.views[0].len % itemsize) {
+            PyErr_Format(PyExc_ValueError, "split_planes(): two buffers of one length, a multiple of %zd (got %zd "
+                         "and %zd bytes)", itemsize, b.views[0].len, b.views[1].len);
         } else {
-            const uint8_t *src = b.views[0].buf;
-            uint8_t *dst = b.views[1].buf;
+            const uint8_t *data = b.views[0].buf;
+            uint8_t *out = b.views[1].buf;
             Py_ssize_t n = b.views[0].len / itemsize;
             Py_BEGIN_ALLOW_THREADS
-            planes_move(src, dst, n, (int)itemsize, sign_last, join);
+            planes_split(data, out, n, (int)itemsize, sign_last);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }
@@ -453,12 +472,52 @@ static PyObject *planes_call(const char *function, PyObject *const *args, Py_ssi
 
 static PyObject *py_join_planes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    return planes_call("join_planes", args, nargs, 1);
-}
-
-static PyObject *py_split_planes(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
-{
-    return planes_call("split_planes", args, nargs, 0);
+    Py_ssize_t itemsize;
+    int sign_last;
+    if (planes_args("join_planes", args, nargs, &itemsize, &sign_last) < 0)
+        return NULL;
+    PyObject *sequence = PySequence_Fast(args[0], "join_planes(): planes must be a sequence of buffers");
+    if (sequence == NULL)
+        return NULL;
+    Py_buffer planes[8], out;
+    const uint8_t *pointers[8];
+    Py_ssize_t taken = 0, count = PySequence_Fast_GET_SIZE(sequence);
+    PyObject *result = NULL;
+    int have_out = 0;
+    if (count != itemsize) {
+        PyErr_Format(PyExc_ValueError, "join_planes(): %zd planes for %zd-byte elements", count, itemsize);
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[1], &out, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    have_out = 1;
+    Py_ssize_t n = out.len / itemsize;
+    for (; taken < count; taken++) {
+        if (PyObject_GetBuffer(PySequence_Fast_GET_ITEM(sequence, taken), &planes[taken], PyBUF_C_CONTIGUOUS) < 0)
+            goto done;
+        pointers[taken] = planes[taken].buf;
+        if (planes[taken].len != n) {
+            taken++;
+            PyErr_Format(PyExc_ValueError, "join_planes(): each plane holds %zd bytes for an output of %zd", n,
+                         out.len);
+            goto done;
+        }
+    }
+    if (out.len % itemsize) {
+        PyErr_Format(PyExc_ValueError, "join_planes(): an output of %zd bytes is not whole elements", out.len);
+        goto done;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    planes_join(pointers, out.buf, n, (int)itemsize, sign_last);
+    Py_END_ALLOW_THREADS
+    result = Py_NewRef(Py_None);
+done:
+    for (Py_ssize_t i = 0; i < taken; i++)
+        PyBuffer_Release(&planes[i]);
+    if (have_out)
+        PyBuffer_Release(&out);
+    Py_DECREF(sequence);
+    return result;
 }
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs)
@@ -473,7 +532,7 @@ static PyMethodDef methods[] = {
     {"encode_pairs", FASTCALL(py_encode_pairs), "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
     {"exponent_histogram", FASTCALL(py_exponent_histogram), "exponent_histogram(bits, counts): counts += ..."},
     {"mismatches", FASTCALL(py_mismatches), "mismatches(a, b, positions) -> count: where int16 arrays differ"},
-    {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): plane-major bytes to elements"},
+    {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},

@@ -12,6 +12,8 @@ Moving bytes between the two orders runs in the C extension where it is built (4
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import numpy as np
 
 from .cpu_kernel import native
@@ -23,9 +25,10 @@ _UNSIGNED = {2: np.uint16, 4: np.uint32, 8: np.uint64}
 
 def split_planes(data: memoryview, out: memoryview, itemsize: int, sign_last: bool = False) -> None:
     """Elements ``data`` (bytes, a multiple of ``itemsize``) into plane-major ``out`` of the same length."""
-    _check(data, out, itemsize)
+    if itemsize not in (1, 2, 4, 8) or len(data) != len(out) or len(data) % itemsize:
+        raise ValueError(f"byte planes of {itemsize}-byte elements: {len(data)} and {len(out)} bytes")
     if itemsize == 1 or not len(data):
-        out[:] = data
+        _copy(data, out)
     elif native is not None:
         native.split_planes(data, out, itemsize, sign_last)
     else:
@@ -35,27 +38,35 @@ def split_planes(data: memoryview, out: memoryview, itemsize: int, sign_last: bo
         np.frombuffer(out, np.uint8).reshape(itemsize, -1)[...] = elements.view(np.uint8).reshape(-1, itemsize).T
 
 
-def join_planes(planes: memoryview, out: memoryview, itemsize: int, sign_last: bool = False) -> None:
-    """Plane-major ``planes`` back into elements ``out`` of the same length: :func:`split_planes` undone."""
-    _check(planes, out, itemsize)
-    if itemsize == 1 or not len(planes):
-        out[:] = planes
+def join_planes(planes: Sequence[memoryview], out: memoryview, itemsize: int, sign_last: bool = False) -> None:
+    """Planes ``planes`` (``itemsize`` buffers of ``len(out) / itemsize`` bytes each, wherever they are: an inflated
+    plane in a scratch, a verbatim one in the stored bytes) joined into elements ``out``: :func:`split_planes`
+    undone, with no copy of a verbatim plane first."""
+    n = len(out) // itemsize
+    if itemsize not in (1, 2, 4, 8) or len(planes) != itemsize or len(out) % itemsize \
+            or any(len(plane) != n for plane in planes):
+        raise ValueError(f"byte planes of {itemsize}-byte elements: {[len(p) for p in planes]} for {len(out)} "
+                         "bytes")
+    if itemsize == 1 or not n:
+        _copy(planes[0], out)
     elif native is not None:
         native.join_planes(planes, out, itemsize, sign_last)
     else:
         elements = np.frombuffer(out, np.uint8).reshape(-1, itemsize)
-        elements[...] = np.frombuffer(planes, np.uint8).reshape(itemsize, -1).T
+        for j, plane in enumerate(planes):
+            elements[:, j] = np.frombuffer(plane, np.uint8)
         if sign_last:
             words = elements.reshape(-1).view(_UNSIGNED[itemsize])
             words[...] = _rotate(words, 8 * itemsize - 1)
+
+
+def _copy(source: memoryview, out: memoryview) -> None:
+    """``source`` into ``out``, through NumPy, which releases the GIL for a copy this large (a memoryview
+    assignment holds it)."""
+    np.copyto(np.frombuffer(out, np.uint8), np.frombuffer(source, np.uint8))
 
 
 def _rotate(words: np.ndarray, bits: int) -> np.ndarray:
     """``words`` rotated left by ``bits`` (a new array)."""
     width = 8 * words.itemsize
     return (words << words.dtype.type(bits)) | (words >> words.dtype.type(width - bits))
-
-
-def _check(source: memoryview, out: memoryview, itemsize: int) -> None:
-    if itemsize not in (1, 2, 4, 8) or len(source) != len(out) or len(source) % itemsize:
-        raise ValueError(f"byte planes of {itemsize}-byte elements: {len(source)} and {len(out)} bytes")

@@ -567,22 +567,23 @@ def _inflate_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
 
 def _inflate_plane_frames(stored: memoryview, run: Sequence[Segment], out: memoryview,
                           dctx: zstandard.ZstdDecompressor) -> None:
-    """Inflate the frames of byte planes ``run``, stored back to back in ``stored``, into ``out``: each plane into
-    this thread's scratch (or, for one-byte elements, in place), then joined into the frame's elements."""
+    """Inflate the frames of byte planes ``run``, stored back to back in ``stored``, into ``out``: each compressed
+    plane into this thread's scratch, then all joined into the frame's elements (a verbatim plane is read where it
+    is stored: copied once, by the join, with the GIL released)."""
     cursor, base = 0, run[0].memory
     for seg in run:
         itemsize, plane = len(seg.planes), seg.memory_length // len(seg.planes)
         target = out[seg.memory - base: seg.memory - base + seg.memory_length]
-        planes = target if itemsize == 1 else _planes_scratch(seg.memory_length)
+        scratch = _planes_scratch(seg.memory_length)
+        planes = []
         for j, length in enumerate(seg.planes):
-            piece, into = stored[cursor: cursor + length], planes[j * plane: (j + 1) * plane]
-            if length == plane:
-                into[:] = piece
-            else:
-                _inflate_frame(piece, into, dctx)
+            piece = stored[cursor: cursor + length]
+            if length < plane:
+                piece = scratch[j * plane: (j + 1) * plane]
+                _inflate_frame(stored[cursor: cursor + length], piece, dctx)
+            planes.append(piece)
             cursor += length
-        if itemsize > 1:
-            byte_planes.join_planes(planes, target, itemsize, seg.sign_last)
+        byte_planes.join_planes(planes, target, itemsize, seg.sign_last)
 
 
 def _planes_scratch(nbytes: int) -> memoryview:

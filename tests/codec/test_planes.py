@@ -47,7 +47,9 @@ def test_split_matches_the_definition_and_join_undoes_it(kernel, itemsize, sign_
     planes.split_planes(memoryview(data), memoryview(split), itemsize, sign_last)
     assert bytes(split) == defined_planes(data, itemsize, sign_last), f"seed {seed}"
     joined = bytearray(len(data))
-    planes.join_planes(memoryview(bytes(split)), memoryview(joined), itemsize, sign_last)  # a read-only source
+    count = len(data) // itemsize
+    pieces = [memoryview(bytes(split[j * count: (j + 1) * count])) for j in range(itemsize)]  # read-only, apart
+    planes.join_planes(pieces, memoryview(joined), itemsize, sign_last)
     assert bytes(joined) == data, f"seed {seed}"
 
 
@@ -62,3 +64,27 @@ def test_the_sign_moves_to_bit_zero_and_the_exponent_fills_the_high_byte(kernel)
 def test_lengths_and_sizes_that_do_not_fit_are_refused(kernel, itemsize, a, b):
     with pytest.raises(ValueError, match="byte planes"):
         planes.split_planes(memoryview(bytes(a)), memoryview(bytearray(b)), itemsize)
+    with pytest.raises(ValueError, match="byte planes"):
+        planes.join_planes([memoryview(bytes(a // max(1, itemsize)))] * itemsize, memoryview(bytearray(b)), itemsize)
+
+
+def test_join_refuses_the_wrong_number_or_size_of_planes(kernel):
+    with pytest.raises(ValueError, match="byte planes"):
+        planes.join_planes([memoryview(bytes(4))] * 3, memoryview(bytearray(16)), 4)
+    with pytest.raises(ValueError, match="byte planes"):
+        planes.join_planes([memoryview(bytes(4))] * 3 + [memoryview(bytes(5))], memoryview(bytearray(16)), 4)
+
+
+@pytest.mark.skipif(cpu_kernel.native is None, reason="the C extension's own argument checks")
+def test_the_c_loops_check_their_arguments():
+    native = cpu_kernel.native
+    with pytest.raises(ValueError, match="4 planes|planes for"):
+        native.join_planes([bytes(4)] * 3, bytearray(16), 4, False)
+    with pytest.raises(ValueError, match="each plane holds"):
+        native.join_planes([bytes(4)] * 3 + [bytes(5)], bytearray(16), 4, False)
+    with pytest.raises(ValueError, match="element size"):
+        native.split_planes(bytes(6), bytearray(6), 3, False)
+    with pytest.raises(TypeError, match="sequence"):
+        native.join_planes(7, bytearray(16), 4, False)
+    with pytest.raises(TypeError, match="writable"):
+        native.split_planes(bytes(8), bytes(8), 4, False)
