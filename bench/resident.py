@@ -1,6 +1,6 @@
 """The resident route (``load_into_offloader(route="resident")``) against the plain BF16 model on the same device.
 
-    python -m bench.resident --work /tmp/szresident [--device cuda] [--models llm,dit] [--reps 5] [--forwards 3] [--tiny]
+    python -m bench.resident --work /tmp/szresident [--device cuda] [--models llm,dit] [--reps 5] [--tiny]
 
 Models, random weights (``randn * 0.02``, BF16) saved as safetensors and converted with ``szformat.convert``:
 
@@ -9,12 +9,12 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
 * ``dit``: the SD3-medium-shaped 4.1 GB DiT of ``bench/offload.py`` at 1024x1024 (128x128 latents), batch 1,
   one forward.
 
-Each row runs the plain model (loaded from safetensors onto the device) and the resident route, interleaved, and
-checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is reported. Each load
-runs one untimed warm-up (the first forward of any model pays for lazy set-up: cuBLAS handles, allocator growth),
-then ``--forwards`` timed ones. On CUDA two more resident rows split the cost: without CUDA graphs (every
-expansion launched), and with a slot per group (after the warm-up nothing is expanded again: what remains is the
-hooks' own cost). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
+Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded
+together, forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model
+pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
+time is reported. On CUDA three more resident rows split the cost: without CUDA graphs (every expansion launched),
+with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost), and with
+the expansions' side stream at normal priority (they queue behind the compute instead of going first). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
 the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """
@@ -26,6 +26,8 @@ import gc
 import statistics
 import time
 from pathlib import Path
+from typing import Any
+from unittest import mock
 
 import torch
 
@@ -122,74 +124,99 @@ def inputs_for(kind: str, tiny: bool, device: torch.device, args) -> dict:
                 pooled_projections=bf16(1, cfg["pooled_projection_dim"]), timestep=torch.tensor([500.0]).to(device))
 
 
-def run(kind: str, model: torch.nn.Module, inputs: dict, args, tiny: bool) -> dict[str, object]:
-    """Outputs and times (medians of ``args.forwards`` after a warm-up) of one model: the DiT's forward, or the LM's
-    prefill and its greedy decode steps."""
-    sync = (lambda: torch.cuda.synchronize()) if inputs_device(inputs).type == "cuda" else (lambda: None)
+def phases(kind: str, model: torch.nn.Module, inputs: dict, tiny: bool, args) -> dict[str, Any]:
+    """What is timed, by name: the DiT's forward, or the LM's prefill and its greedy decode steps; each returns its
+    outputs."""
     steps = 4 if tiny else args.decode
-    phases = {"forward": lambda: [model(**inputs).sample]} if kind == "dit" else {
-        "prefill": lambda: [model(**inputs).logits],
-        f"prefill + {steps} decode steps": lambda: [
-            model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)]}
-    times: dict[str, float] = {}
-    outputs: list[torch.Tensor] = []
-    with torch.no_grad():
-        for phase, call in phases.items():
-            call()  # warm-up
-            sync()
-            seconds = []
-            for _ in range(args.forwards):
-                start = time.perf_counter()
-                out = call()
-                sync()
-                seconds.append(time.perf_counter() - start)
-            times[phase] = statistics.median(seconds)
-            outputs += out
-    return {"outputs": outputs, "times": times}
+    if kind == "dit":
+        return {"forward": lambda: [model(**inputs).sample]}
+    return {"prefill": lambda: [model(**inputs).logits],
+            f"prefill + {steps} decode steps": lambda: [
+                model.generate(**inputs, max_new_tokens=steps, min_new_tokens=steps, do_sample=False)]}
 
 
 def inputs_device(inputs: dict) -> torch.device:
     return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
 
 
+def load(kind: str, label: str, folder: Path, converted: Path, device: torch.device, tiny: bool):
+    """Variant ``label`` of the model: ``(model, route handle or None)``."""
+    if label == "plain":
+        return load_plain(kind, folder, device), None
+    if "normal priority" in label:  # the side stream as any other: its expansions queue behind the compute
+        from szformat.loading.ops import CudaOps
+        with mock.patch.object(CudaOps, "new_stream", lambda self, urgent=False: torch.cuda.Stream(self.device)):
+            return load_resident(kind, converted, device, tiny)
+    return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label,
+                         slot_per_group="per group" in label)
+
+
+def alone(kind: str, label: str, folder: Path, converted: Path, device: torch.device, inputs: dict, args
+          ) -> tuple[int, dict[str, int] | None]:
+    """Variant ``label`` loaded with nothing else on the device: its memory peak over its phases (0 off CUDA), and
+    the route's counters."""
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats(device)
+    model, handle = load(kind, label, folder, converted, device, args.tiny)
+    with torch.no_grad():
+        for call in phases(kind, model, inputs, args.tiny, args).values():
+            call()
+    peak = 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    counters = None
+    if handle is not None:
+        counters = handle.counters()
+        handle.close()
+    return peak, counters
+
+
 def measure(kind: str, args, device: torch.device) -> list[list[str]]:
+    """Each variant loaded alone once (its device-memory peak over a forward), then all of them loaded together and
+    timed in ``args.reps`` rounds, each round running every variant's phases once in a rotated order: a load's
+    placement in memory and the device's clocks move a forward's time by up to 1.5x from one load to the next, so
+    the variants are compared forward by forward, on the same loads."""
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
-    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group") \
-        if device.type == "cuda" else ("plain", "resident")
-    samples: dict[str, list[dict[str, float]]] = {label: [] for label in labels}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group",
+              "resident, expansions at normal priority") if device.type == "cuda" else ("plain", "resident")
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
+    for label in labels[:2]:
+        peak, counters = alone(kind, label, folder, converted, device, inputs, args)
+        peaks.update({label: peak} if device.type == "cuda" else {})
+        held = counters or held
+    gc.collect()
+    loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
+    samples: dict[str, dict[str, list[float]]] = {label: {} for label in labels}
     reference = None
-    for rep in range(args.reps):
-        for label in labels if rep % 2 == 0 else labels[::-1]:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-                torch.cuda.reset_peak_memory_stats(device)
-            handle = None
-            if label == "plain":
-                model = load_plain(kind, folder, device)
-            else:
-                model, handle = load_resident(kind, converted, device, args.tiny, graphs="no CUDA" not in label,
-                                              slot_per_group="per group" in label)
-                held = handle.counters() if label == "resident" else held
-            result = run(kind, model, inputs, args, args.tiny)
-            if reference is None:
-                reference = result["outputs"]
-            elif not all(torch.equal(a, b) for a, b in zip(result["outputs"], reference)):
-                raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is reported")
-            samples[label].append(result["times"])
-            if device.type == "cuda":
-                peaks[label] = max(peaks.get(label, 0), torch.cuda.max_memory_allocated(device))
-            if handle is not None:
-                handle.close()
-            del model
+    with torch.no_grad():
+        for round_ in range(-1, args.reps):  # round -1: a warm-up of every variant, untimed
+            for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:
+                outputs = []
+                for phase, call in phases(kind, loaded[label][0], inputs, args.tiny, args).items():
+                    sync()
+                    start = time.perf_counter()
+                    outputs += call()
+                    sync()
+                    if round_ >= 0:
+                        samples[label].setdefault(phase, []).append(time.perf_counter() - start)
+                if reference is None:
+                    reference = outputs
+                elif not all(torch.equal(a, b) for a, b in zip(outputs, reference)):
+                    raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is reported")
+    for _, handle in loaded.values():
+        if handle is not None:
+            handle.close()
     rows = []
-    for phase in samples["plain"][0]:
-        plain = statistics.median(s[phase] for s in samples["plain"])
+    for phase, plain_times in samples["plain"].items():
+        plain = statistics.median(plain_times)
         for label in labels[1:]:
-            resident = statistics.median(s[phase] for s in samples[label])
+            resident = statistics.median(samples[label][phase])
             what = f"{phase} (ms)" + label.removeprefix("resident")
             rows.append([kind, what, f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
     if peaks:
@@ -256,13 +283,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--work", default="/tmp/szresident")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--models", default="llm,dit")
-    parser.add_argument("--reps", type=int, default=5, help="loads of each model, interleaved")
-    parser.add_argument("--forwards", type=int, default=3, help="timed forwards per load, after one warm-up")
+    parser.add_argument("--reps", type=int, default=5, help="timed rounds (each runs every variant once)")
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU")
+    parser.add_argument("--output-alignment", type=int, help="elements each expanded weight starts at a multiple of "
+                        "in its slot (the route's OUTPUT_ALIGNMENT): where GEMM kernels are chosen by alignment")
     parser.add_argument("--profile", action="store_true", help="profile one resident forward of each model instead")
     args = parser.parse_args(argv)
+    if args.output_alignment:
+        from szformat.offload import resident
+        resident.OUTPUT_ALIGNMENT = args.output_alignment
+        print(f"weights start at multiples of {args.output_alignment} elements in their slots")
     Path(args.work).mkdir(parents=True, exist_ok=True)
     device = torch.device(args.device)
     if args.profile:
