@@ -27,7 +27,9 @@ threads and checks them the same way.
 
 from __future__ import annotations
 
+import os
 import threading
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Sequence
 
@@ -449,12 +451,15 @@ def planes_transform(dtype: str) -> str:
 
 
 def compress_planes(raw: torch.Tensor, dtype: str, itemsize: int, *, level: int = DEFAULT_LEVEL,
-                    frame_size: int = DEFAULT_FRAME_SIZE) -> tuple[list[memoryview | bytes], PlanesStage] | None:
+                    frame_size: int = DEFAULT_FRAME_SIZE, threads: int | None = None
+                    ) -> tuple[list[memoryview | bytes], PlanesStage] | None:
     """The stored bytes of a raw tensor's bytes (flat uint8 CPU tensor of ``itemsize``-byte ``dtype`` elements) as
     byte planes, and their stage; ``None`` when they would not be smaller, or would inflate more than
     :data:`MAX_EXPANSION` times (an all-zero tensor: the writer keeps it raw).
 
-    Each plane is compressed on its own and kept verbatim where its frame would not be smaller."""
+    Each plane is compressed on its own and kept verbatim where its frame would not be smaller. Frames are
+    compressed on up to ``threads`` threads (default: one per core; zstd releases the GIL), each with its own
+    compressors."""
     check_frame_size(frame_size)
     if frame_size % itemsize:
         raise ValueError(f"frame_size {frame_size} is not a multiple of the {itemsize}-byte element")
@@ -463,24 +468,35 @@ def compress_planes(raw: torch.Tensor, dtype: str, itemsize: int, *, level: int 
         return None
     transform = planes_transform(dtype) if itemsize > 1 else "bytes"
     data = memoryview(raw.numpy())
-    compressor, low_entropy = _planes_compressors(level)
-    scratch = memoryview(bytearray(min(frame_size, size)))
-    parts: list[memoryview | bytes] = []
-    lengths: list[int] = []
-    for memory in range(0, size, frame_size):
+    local = threading.local()
+
+    def frame_parts(memory: int) -> list[memoryview | bytes]:
+        if not hasattr(local, "compressors"):
+            local.compressors = _planes_compressors(level)
+        compressor, low_entropy = local.compressors
         frame = data[memory: memory + frame_size]
         plane = len(frame) // itemsize
-        planes = frame if itemsize == 1 else scratch[: len(frame)]
+        planes = frame if itemsize == 1 else memoryview(bytearray(len(frame)))
         if itemsize > 1:
             byte_planes.split_planes(frame, planes, itemsize, transform == "sign_last")
+        kept: list[memoryview | bytes] = []
         for j in range(itemsize):
             piece = planes[j * plane: (j + 1) * plane]
             compressed = compressor.compress(piece)
             if low_entropy is not None and len(compressed) < LOW_ENTROPY * plane:
                 compressed = min(compressed, low_entropy.compress(piece), key=len)
-            kept = compressed if len(compressed) < plane else (piece if itemsize == 1 else bytes(piece))
-            parts.append(kept)
-            lengths.append(len(kept))
+            kept.append(compressed if len(compressed) < plane else piece)
+        return kept
+
+    starts = range(0, size, frame_size)
+    workers = min(len(starts), threads or os.cpu_count() or 1)
+    if workers > 1:
+        with ThreadPoolExecutor(workers, thread_name_prefix="szformat-planes") as pool:
+            frames = list(pool.map(frame_parts, starts))
+    else:
+        frames = [frame_parts(memory) for memory in starts]
+    parts = [part for kept in frames for part in kept]
+    lengths = [len(part) for part in parts]
     stored = sum(lengths)
     if stored >= size or size > MAX_EXPANSION * stored:
         return None

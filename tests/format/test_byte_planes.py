@@ -312,3 +312,11 @@ def test_a_truncated_plane_frame_is_an_error_not_a_crash(valid_file, tmp_path):
     config["planes"][second] += 3
     bad = forge.write(tmp_path / "bad.szt", minor=2)
     refused(bad, PayloadError, "zstd frame", tensor="f32", verify=False)
+
+
+def test_frames_compressed_on_several_threads_are_the_same_bytes():
+    raw = tensor_bytes(_floats(5 * FRAME // 4 * 3 + 7, random.randrange(1 << 30)))
+    one = at_rest.compress_planes(raw, "F32", 4, frame_size=FRAME, threads=1)
+    four = at_rest.compress_planes(raw, "F32", 4, frame_size=FRAME, threads=4)
+    assert one[1] == four[1] and [bytes(p) for p in one[0]] == [bytes(p) for p in four[0]]
+    assert len(one[1].planes) == 4 * 16 and one[1].planes[-4:] == (7, 7, 7, 7)  # a last frame of 7 elements

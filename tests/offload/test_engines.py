@@ -8,6 +8,7 @@ import torch
 from torch import nn
 
 import szformat
+from szformat.format.reader import SztFile
 from szformat.offload import OffloadEnvironment, Route, bind_module
 from szformat.offload.shards import Checkpoint
 from szformat.offload.install import Installation
@@ -89,14 +90,17 @@ def test_the_checkpoint_is_stored_compressed(stored):
 
 
 def test_an_at_rest_checkpoint_is_held_in_its_in_memory_form_until_closed(tmp_path):
-    tensors = {"w": (torch.randn(256, 64) * 0.02).to(torch.bfloat16), "b": torch.zeros(3)}
+    tensors = {"w": (torch.randn(256, 64) * 0.02).to(torch.bfloat16), "b": torch.zeros(3),
+               "f": torch.randn(64, 100) * 0.02}  # FP32: byte planes at rest (1.2)
     path, memory = tmp_path / "rest.szt", tmp_path / "memory.szt"
     szformat.save_file(tensors, path, at_rest="zstd")
     szformat.save_file(tensors, memory)
+    with SztFile(path) as f:
+        assert f.byte_planes
     checkpoint = Checkpoint(path)
     (held,) = checkpoint.files
     assert not held.at_rest and held.path != path and held.path.read_bytes() == memory.read_bytes()
-    assert checkpoint.entries["w"].at_rest is None
+    assert checkpoint.entries["w"].at_rest is None and checkpoint.entries["f"].at_rest is None
     checkpoint.close()
     assert not held.path.exists()
 
