@@ -14,7 +14,8 @@ together, forward by forward in ``--reps`` rounds after an untimed warm-up round
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
 time is reported. On CUDA three more resident rows split the cost: without CUDA graphs (every expansion launched),
 with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost), and with
-the expansions' side stream at normal priority (they queue behind the compute instead of going first). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
+the expansions' side stream at normal priority (they queue behind the compute instead of going first). Reported:
+median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
 the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """

@@ -51,7 +51,8 @@ def describe(path: str | os.PathLike) -> dict[str, Any]:
     for rel, index in indexes.items():
         check_index(index, files.root / rel, held, rel)
     total = {key: sum(f[key] for f in described) for key in SIZE_KEYS}
-    total["dtypes"] = _by_dtype((t["dtype"], t["raw_bytes"], t["stored_bytes"]) for f in described for t in f["tensors"])
+    total["dtypes"] = _by_dtype((t["dtype"], t["raw_bytes"], t["stored_bytes"])
+                                for f in described for t in f["tensors"])
     return {"files": described, "total": total | _ratios(total)}
 
 

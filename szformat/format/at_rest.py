@@ -21,8 +21,8 @@ A raw tensor (FP32, FP16, FP8, any dtype the SplitZip codec does not take) is st
 its bytes cut into frames of ``frame_size`` bytes, each frame's bytes regrouped into byte planes (plane ``j`` holds
 byte ``j`` of each of its elements; for floats, of each element rotated left by one bit, so the exponent fills the
 high byte: ``codec/planes.py``), each plane a zstd frame, or verbatim where zstd does not make it smaller. A float's
-exponent plane shrinks to a third or less; the low mantissa bytes are close to random and stay verbatim. Both stages cut their payload into :class:`Segment` pieces, so every reader slices,
-threads and checks them the same way.
+exponent plane shrinks to a third or less; the low mantissa bytes are close to random and stay verbatim. Both stages
+cut their payload into :class:`Segment` pieces, so every reader slices, threads and checks them the same way.
 """
 
 from __future__ import annotations
@@ -38,13 +38,14 @@ import zstandard
 from .._lazy import byte_planes, torch
 from ..codec.layout import PayloadLayout
 
-__all__ = ["AT_REST_ZSTD", "AT_REST_PLANES", "PlanesStage", "parse_planes", "compress_planes", "STREAMS", "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
+__all__ = ["AT_REST_ZSTD", "AT_REST_PLANES", "PlanesStage", "parse_planes", "compress_planes", "STREAMS",
+           "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size",
            "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress",
            "inflate", "inflate_segments", "StoredBytes", "StoredView", "inflate_ranges", "stored_ranges",
-           "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame", "PLANES_MIN_MATCH", "LOW_ENTROPY",
-           "TRANSFORMS", "SIGN_LAST_DTYPES", "planes_transform"]
+           "decompressor", "frame_compressed_size", "inflate_bounded", "compress_frame",
+           "PLANES_MIN_MATCH", "LOW_ENTROPY", "TRANSFORMS", "SIGN_LAST_DTYPES", "planes_transform"]
 
 AT_REST_ZSTD = "zstd"
 """The at-rest codec of SplitZip payloads (1.1)."""
@@ -423,14 +424,14 @@ def _compress(data: memoryview, layout: PayloadLayout, level: int, frame_size: i
 PLANES_MIN_MATCH = 7
 """The shortest match the writer's zstd looks for in a byte plane at levels under 10 (a parameter of the
 compressor only; readers need nothing). A float's exponent plane holds few values, and the short matches the fast
-levels find in it cost more than the literals they replace: on MiniLM's FP32 exponent plane level 1 stores 0.392 of
-it with zstd's own minimum match and 0.362 with 7, and runs faster."""
+levels find in it cost more than the literals they replace: on MiniLM's FP32 exponent plane (``sign_last``) level 1
+stores 0.384 of it with zstd's own minimum match and 0.362 with 7, and runs faster."""
 
 LOW_ENTROPY = 0.5
 """A plane that level 1 shrinks below this share (an exponent plane) is compressed again with zstd's optimal parser
 over a short search, which weighs every match against the literals it replaces: MiniLM's FP32 exponent plane 0.362
 -> 0.330 (its order-0 entropy: 0.333), at 27 MB/s of that plane where level 19 runs at 2-3 MB/s for 0.332. Planes
-above it (FP16's high byte, FP8) gain nothing from it (``bench/at_rest.py --dtypes``)."""
+above it (FP16's high byte, FP8) gained nothing from it on MiniLM (0.696 and 0.760 either way)."""
 
 
 def _planes_compressors(level: int) -> tuple[zstandard.ZstdCompressor, zstandard.ZstdCompressor | None]:

@@ -128,8 +128,8 @@ def _form_text(stats: CheckpointStats) -> str:
     """Which form the files are in, and for the at-rest form how to get the one that loads with no inflating."""
     if not stats.files_at_rest:
         return "in memory (format 1.0): loads with no inflating"
-    return ("at rest (format 1.1 or 1.2: zstd frames, inflated on load); `szconvert repack DIR OUT --at-rest none` writes "
-            "the in-memory form once, for the fastest loads")
+    return ("at rest (format 1.1 or 1.2: zstd frames, inflated on load); `szconvert repack DIR OUT --at-rest none` "
+            "writes the in-memory form once, for the fastest loads")
 
 
 _ONE_CALL = {

@@ -2,9 +2,9 @@
 
 Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
 (:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are read,
-for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored bytes are copied out of the file
-(``pread``), never touched through the mapping, so a file truncated meanwhile is an error, not SIGBUS; each stored
-payload's CRC-32 is checked once per open file.
+for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored
+bytes are copied out of the file (``pread``), never touched through the mapping, so a file truncated meanwhile is
+an error, not SIGBUS; each stored payload's CRC-32 is checked once per open file.
 """
 
 from __future__ import annotations
