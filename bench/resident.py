@@ -12,10 +12,9 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
 Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded
 together, forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
-time is reported. On CUDA three more resident rows split the cost: without CUDA graphs (every expansion launched),
-with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost), and with
-the expansions' side stream at normal priority (they queue behind the compute instead of going first). Reported:
-median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
+time is reported. On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched),
+and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost).
+Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
 the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """
@@ -28,7 +27,6 @@ import statistics
 import time
 from pathlib import Path
 from typing import Any
-from unittest import mock
 
 import torch
 
@@ -144,10 +142,6 @@ def load(kind: str, label: str, folder: Path, converted: Path, device: torch.dev
     """Variant ``label`` of the model: ``(model, route handle or None)``."""
     if label == "plain":
         return load_plain(kind, folder, device), None
-    if "normal priority" in label:  # the side stream as any other: its expansions queue behind the compute
-        from szformat.loading.ops import CudaOps
-        with mock.patch.object(CudaOps, "new_stream", lambda self, urgent=False: torch.cuda.Stream(self.device)):
-            return load_resident(kind, converted, device, tiny)
     return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label,
                          slot_per_group="per group" in label)
 
@@ -183,8 +177,8 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group",
-              "resident, expansions at normal priority") if device.type == "cuda" else ("plain", "resident")
+    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group") \
+        if device.type == "cuda" else ("plain", "resident")
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
     for label in labels[:2]:

@@ -122,7 +122,7 @@ class FakeOps:
         self.callers: list[str] = []
         """The thread that made each step of ``log``."""
 
-    def new_stream(self, *, urgent: bool = False) -> FakeStream:
+    def new_stream(self) -> FakeStream:
         stream = FakeStream(len(self.streams), len(self.streams) in self._eager)
         self.streams.append(stream)
         return stream

@@ -27,9 +27,7 @@ class DeviceOps(Protocol):
 
     device: torch.device
 
-    def new_stream(self, *, urgent: bool = False) -> Any:
-        """A new stream; ``urgent``: of the highest priority the device has (its work is scheduled first whenever
-        both have some ready)."""
+    def new_stream(self) -> Any: ...
 
     def current_stream(self) -> Any: ...
 
@@ -70,8 +68,8 @@ class CudaOps:
         self.device = torch.device("cuda", torch.cuda.current_device() if device.index is None else device.index)
         bind_thread(self.device)  # the loader allocates on the thread that creates it
 
-    def new_stream(self, *, urgent: bool = False) -> torch.cuda.Stream:
-        return torch.cuda.Stream(self.device, priority=torch.cuda.Stream.priority_range()[1] if urgent else 0)
+    def new_stream(self) -> torch.cuda.Stream:
+        return torch.cuda.Stream(self.device)
 
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)

@@ -9,8 +9,7 @@ runs, one batched decode expands all of its weights into a slot of a small devic
 to views of that slot for its forward, and after the forward they are hollow again and the slot may be reused.
 
 Ordering (CUDA): while a group computes, the next group of the order is expanded into another slot on a side
-stream of the highest priority (its blocks are scheduled as SMs free up, not after the GEMM that fills the device
-has finished); the compute stream waits for that decode's event before the group runs, and a slot is written again only
+stream; the compute stream waits for that decode's event before the group runs, and a slot is written again only
 after the event recorded when its last group's forward finished. Groups run in module order (the order a forward
 takes through most models); a group that runs out of that order is expanded on the compute stream when it is
 needed, into a slot no running group holds, so the outputs are the same either way, only slower.
@@ -174,7 +173,7 @@ class _Arena:
     def __init__(self, root: torch.nn.Module, plan: ResidentPlan, codec: DeviceCodec, device: torch.device,
                  ops: DeviceOps):
         self.root, self.plan, self.codec, self.ops = root, plan, codec, ops
-        self.side = ops.new_stream(urgent=True)
+        self.side = ops.new_stream()
         self.slots = [_Slot(torch.empty(plan.slot_elements, dtype=torch.bfloat16, device=device))
                       for _ in range(plan.slots)]
         self.running: set[int] = set()
@@ -281,7 +280,7 @@ class _Immediate:
     """:class:`~szformat.loading.ops.DeviceOps` for the CPU: one stream, work run when enqueued, no side stream
     (so nothing is expanded ahead)."""
 
-    def new_stream(self, *, urgent: bool = False) -> None:
+    def new_stream(self) -> None:
         return None
 
     def current_stream(self) -> None:
