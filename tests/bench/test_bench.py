@@ -248,8 +248,8 @@ def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(monkeypatc
 
 # -- every benchmark runs from the checkout as ``python -m bench.<name>`` -------------------------------------------
 
-BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "cpu", "gpu", "convert", "resident",
-              "checks.codec_gpu", "checks.load_gpu")
+BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "dtypes", "cpu", "gpu", "convert",
+              "resident", "checks.codec_gpu", "checks.load_gpu")
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -285,3 +285,15 @@ def test_the_resident_benchmark_runs_tiny_models_on_the_cpu_and_checks_their_out
     assert done.returncode == 0, done.stderr[-3000:]
     assert "outputs: bit-identical to the plain model on every row" in done.stdout
     assert "llm    prefill (ms)" in done.stdout and "dit    forward (ms)" in done.stdout
+
+
+def test_the_dtypes_benchmark_measures_minilm_in_fp16():
+    from tools import fetch_minilm
+    if not (fetch_minilm.default_dest() / "minilm-fp32" / "model.safetensors").exists():
+        pytest.skip("MiniLM's FP32 weights are not fetched (python tools/fetch_minilm.py)")
+    done = _run_module("bench.dtypes", "--models", "MiniLM", "--dtypes", "F16", "--repeats", "1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    row = next(line for line in done.stdout.splitlines() if line.startswith("| MiniLM | F16 |"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    szt, baseline = float(cells[3]), float(cells[5])
+    assert 0.8 < szt < 0.9 and abs(szt - baseline) < 0.01  # the FP16 planes: where the byte-plane baseline is
