@@ -27,16 +27,18 @@ examples:
   szconvert model.safetensors --device cuda         encode on the GPU (the same bytes, faster)
   szconvert hf://user/model ./model-szt --push-to-hub user/model-szt
   szconvert model-fp32.safetensors --cast bf16      cast F32/F16 tensors to BF16, then compress (lossy)
-  szconvert model.safetensors --at-rest zstd        the smaller at-rest form (format 1.1), inflated on load
+  szconvert model.safetensors --at-rest zstd        the smaller at-rest form (format 1.1/1.2), inflated on load
 
 The command 'convert' may be left out: 'szconvert IN OUT' is 'szconvert convert IN OUT'.
 Every tensor is decoded again and compared bit for bit before it is written; outputs appear whole or not at all.
 
-What compresses: BF16 tensors only, to about 75 % of their bytes. Every other tensor (F32, F16, FP8, integers) is
-stored as it is, so an F32 or F16 checkpoint gives a file no smaller than its source. For such a checkpoint,
---cast bf16 casts its F16/F32/F64 tensors to BF16 first (an F32 tensor halves, then compresses): lossy, the output
-holds the cast values (rounded to nearest even, as torch's .to(torch.bfloat16)), its metadata records the cast,
-and verify checks the cast values.
+What compresses: in the in-memory form, BF16 tensors only, to about 75 % of their bytes; every other tensor (F32,
+F16, FP8, integers) is stored as it is, so an F32 or F16 checkpoint gives a file no smaller than its source. The
+at-rest form (--at-rest zstd) stores every dtype losslessly as byte planes through zstd: about 0.82-0.83 of raw for
+real F32 weights, 0.84-0.85 for F16, 0.72-0.81 for FP8, inflated on load. Or, for such a checkpoint, --cast bf16
+casts its F16/F32/F64 tensors to BF16 first (an F32 tensor halves, then compresses): lossy, the output holds the
+cast values (rounded to nearest even, as torch's .to(torch.bfloat16)), its metadata records the cast, and verify
+checks the cast values.
 """
 
 
