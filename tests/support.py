@@ -22,8 +22,10 @@ from safetensors.torch import save_file as save_safetensors
 from szformat import SzformatError, load_file
 from szformat.cli.main import main as szconvert
 from szformat.codec import cpu
+from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
+from szformat.format.writer import SztWriter, tensor_bytes, write_tensor
 
 
 def bf16_weights(shape: tuple[int, ...], seed: int) -> torch.Tensor:
@@ -160,6 +162,17 @@ def write_pipeline(folder: Path) -> dict[str, dict[str, torch.Tensor]]:
     (folder / ".cache" / "huggingface").mkdir(parents=True)
     (folder / ".cache" / "huggingface" / "lock").write_text("local state")
     return {"transformer": transformer, "text_encoder": text_encoder}
+
+
+def write_at_rest(tensors: dict[str, torch.Tensor], path: Path, *, frame_size: int = at_rest.MIN_FRAME_SIZE,
+                  level: int = 1) -> Path:
+    """``tensors`` in the at-rest form, in frames of ``frame_size`` (default the smallest, so small tensors span
+    several), payloads under 1 MiB packed at 16 bytes, the header kept as msgpack so a :class:`Forge` edits it."""
+    with SztWriter(path, metadata={"format": "pt"}, at_rest=level, frame_size=frame_size,
+                   small_alignment=16) as writer:
+        for name, t in tensors.items():
+            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
+    return path
 
 
 def assert_same_tensors(actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:

@@ -256,30 +256,18 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
     Raises:
         AtRestError: a malformed map, an unknown codec (its message says so), or frames that do not add up.
     """
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
-    _check_codec(obj["name"], AT_REST_ZSTD, "a splitzip payload")
-    config = obj.get("configuration")
-    if not isinstance(config, dict):
-        raise AtRestError("zstd 'configuration' must be a map")
+    config = _configuration(obj, AT_REST_ZSTD, "a splitzip payload")
     streams = config.get("streams")
     if (not isinstance(streams, list) or not streams or not all(isinstance(s, str) for s in streams)
             or any(s not in STREAMS for s in streams) or len(set(streams)) != len(streams)
             or streams != sorted(streams, key=STREAMS.index)):
         raise AtRestError(f"zstd 'streams' must be distinct stream names in payload order {list(STREAMS)}, "
                           f"got {streams!r}")
-    frame_size = config.get("frame_size")
-    try:
-        check_frame_size(frame_size, "zstd 'frame_size'")
-    except ValueError as e:
-        raise AtRestError(str(e)) from None
+    frame_size = _frame_size(config, AT_REST_ZSTD)
     frames = config.get("frames")
     if not isinstance(frames, list) or any(type(f) is not int or f <= 0 for f in frames):
         raise AtRestError("zstd 'frames' must be a list of positive integers (stored frame lengths)")
-    level = config.get("level")
-    if level is not None and type(level) is not int:
-        raise AtRestError(f"zstd 'level' must be an integer, got {level!r}")
-    stage = ZstdStage(tuple(streams), frame_size, tuple(frames), level)
+    stage = ZstdStage(tuple(streams), frame_size, tuple(frames), _level(config, AT_REST_ZSTD))
     stored = _stored_length(layout, stage)
     if stored != length:
         raise AtRestError(f"frames and verbatim streams add up to {stored} stored bytes, the entry records {length}")
@@ -289,15 +277,44 @@ def parse_at_rest(obj: object, *, layout: PayloadLayout, length: int) -> ZstdSta
     return stage
 
 
-def _check_codec(name: str, expected: str, what: str) -> None:
-    """Refuse an at-rest codec other than ``expected``: one this reader does not know (the file needs a newer
-    one), or the other stage's."""
+def _configuration(obj: object, codec: str, what: str) -> dict:
+    """The ``configuration`` map of an ``at_rest`` map naming ``codec``, the stage of ``what``.
+
+    Raises:
+        AtRestError: not a map with a string name and a configuration map; a codec this reader does not know (the
+            file needs a newer one: ``unknown_codec``), or the other stage's.
+    """
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
+    name = obj["name"]
     if name not in AT_REST_CODECS:
         raise AtRestError(f"at-rest codec {name!r} is not known to this reader (known: "
                           f"{', '.join(map(repr, AT_REST_CODECS))}); the file needs a newer szformat",
                           unknown_codec=True)
-    if name != expected:
-        raise AtRestError(f"at-rest codec {name!r} does not apply to {what} (only {expected!r} does)")
+    if name != codec:
+        raise AtRestError(f"at-rest codec {name!r} does not apply to {what} (only {codec!r} does)")
+    config = obj.get("configuration")
+    if not isinstance(config, dict):
+        raise AtRestError(f"{codec} 'configuration' must be a map")
+    return config
+
+
+def _frame_size(config: dict, codec: str) -> int:
+    """The configuration's ``frame_size``, within the bounds every stage shares."""
+    frame_size = config.get("frame_size")
+    try:
+        check_frame_size(frame_size, f"{codec} 'frame_size'")
+    except ValueError as e:
+        raise AtRestError(str(e)) from None
+    return frame_size
+
+
+def _level(config: dict, codec: str) -> int | None:
+    """The configuration's informational ``level``: absent, or an integer."""
+    level = config.get("level")
+    if level is not None and type(level) is not int:
+        raise AtRestError(f"{codec} 'level' must be an integer, got {level!r}")
+    return level
 
 
 def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) -> PlanesStage:
@@ -308,22 +325,13 @@ def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) ->
         AtRestError: a malformed map, an unknown codec (its message says so), planes that do not add up, or a
             tensor that would inflate to more than :data:`MAX_EXPANSION` times its stored bytes.
     """
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
-        raise AtRestError(f"'at_rest' must be a map with a string 'name', got {obj!r}")
-    _check_codec(obj["name"], AT_REST_PLANES, "a raw tensor")
-    config = obj.get("configuration")
-    if not isinstance(config, dict):
-        raise AtRestError("zstd_planes 'configuration' must be a map")
+    config = _configuration(obj, AT_REST_PLANES, "a raw tensor")
     transform = config.get("transform")
     if transform not in TRANSFORMS:
         raise AtRestError(f"zstd_planes 'transform' must be one of {list(TRANSFORMS)}, got {transform!r}")
     if transform == "sign_last" and itemsize == 1:
         raise AtRestError("zstd_planes 'transform' 'sign_last' needs elements of at least two bytes")
-    frame_size = config.get("frame_size")
-    try:
-        check_frame_size(frame_size, "zstd_planes 'frame_size'")
-    except ValueError as e:
-        raise AtRestError(str(e)) from None
+    frame_size = _frame_size(config, AT_REST_PLANES)
     if frame_size % itemsize:
         raise AtRestError(f"zstd_planes 'frame_size' {frame_size} is not a multiple of the {itemsize}-byte element")
     if raw_length == 0:
@@ -339,9 +347,7 @@ def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) ->
         if not 0 < stored <= frame // itemsize:
             raise AtRestError(f"zstd_planes plane {i} is stored in {stored} bytes; a plane of {frame // itemsize} "
                               "bytes takes between 1 and as many")
-    level = config.get("level")
-    if level is not None and type(level) is not int:
-        raise AtRestError(f"zstd_planes 'level' must be an integer, got {level!r}")
+    level = _level(config, AT_REST_PLANES)
     if sum(planes) != length:
         raise AtRestError(f"planes add up to {sum(planes)} stored bytes, the entry records {length}")
     if raw_length > MAX_EXPANSION * length:
@@ -586,12 +592,13 @@ def _inflate_plane_frames(stored: memoryview, run: Sequence[Segment], out: memor
                           dctx: zstandard.ZstdDecompressor) -> None:
     """Inflate the frames of byte planes ``run``, stored back to back in ``stored``, into ``out``: each compressed
     plane into this thread's scratch, then all joined into the frame's elements (a verbatim plane is read where it
-    is stored: copied once, by the join, with the GIL released)."""
+    is stored: copied once, by the join, with the GIL released). A one-byte element's single plane is its frame:
+    inflated, or copied, straight into ``out``."""
     cursor, base = 0, run[0].memory
     for seg in run:
         itemsize, plane = len(seg.planes), seg.memory_length // len(seg.planes)
         target = out[seg.memory - base: seg.memory - base + seg.memory_length]
-        scratch = _planes_scratch(seg.memory_length)
+        scratch = target if itemsize == 1 else _planes_scratch(seg.memory_length)
         planes = []
         for j, length in enumerate(seg.planes):
             piece = stored[cursor: cursor + length]
@@ -600,7 +607,8 @@ def _inflate_plane_frames(stored: memoryview, run: Sequence[Segment], out: memor
                 _inflate_frame(stored[cursor: cursor + length], piece, dctx)
             planes.append(piece)
             cursor += length
-        byte_planes.join_planes(planes, target, itemsize, seg.sign_last)
+        if itemsize > 1 or seg.planes[0] == plane:  # (a single compressed plane was inflated in place)
+            byte_planes.join_planes(planes, target, itemsize, seg.sign_last)
 
 
 def _planes_scratch(nbytes: int) -> memoryview:

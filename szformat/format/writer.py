@@ -134,8 +134,9 @@ class SztWriter:
         if self.at_rest is None or not payload.numel():
             return whole, payload.numel(), encoded.crc32, None
         if encoded.encoding == C.ENCODING_RAW:
-            staged = at_rest_stage.compress_planes(payload, dtype, C.itemsize(dtype), level=self.at_rest,
-                                                   frame_size=self.frame_size)
+            itemsize = C.itemsize(dtype)  # frames of whole elements (4096, a multiple of every size, bounds it below)
+            staged = at_rest_stage.compress_planes(payload, dtype, itemsize, level=self.at_rest,
+                                                   frame_size=self.frame_size - self.frame_size % itemsize)
             if staged is None:
                 return whole, payload.numel(), encoded.crc32, None
             parts, stage = staged

@@ -92,7 +92,7 @@ class _Job:
                 stored, pieces = self.planes
                 with payload_errors(self.file.path, name):
                     at_rest.inflate_segments(stored, pieces, memoryview(out.numpy()), start=start,
-                                             first=start // pieces[0].memory_length)
+                                             first=start // self.entry.at_rest.frame_size)
             self.sums[k] = crc32(out.numpy()) if self.checked else None
             return
         streams = None
@@ -263,8 +263,7 @@ def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> No
     """Compare a decoded tensor's joined CRC-32s with its header's (stored bytes read at rest: checked already)."""
     entry = job.entry
     if job.decoder is None:
-        joined = (job.reads and check_stored) or (not job.reads and check_decoded)
-        if joined:  # the stored bytes of a raw tensor read range by range, or the bytes its planes inflated to
+        if job.checked:  # the stored bytes of a raw tensor read range by range, or the bytes its planes inflated to
             compare_crc(crc32_join(zip(job.sums, (stop - start for start, stop in job.ranges))),
                         entry.crc32 if job.reads else entry.raw_crc32,
                         what="stored bytes" if job.reads else "decoded bytes", path=path, tensor=entry.name)

@@ -18,7 +18,6 @@ import torch
 import zstandard
 
 import szformat
-from szformat.format.writer import tensor_bytes, write_tensor
 from szformat.cli.main import main as szconvert
 from szformat.convert import decompress, repack, verify
 from szformat.codec.layout import PayloadLayout
@@ -28,7 +27,7 @@ from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
 from szformat.format.writer import SztWriter
-from support import Forge, peak_memory, refused
+from support import Forge, assert_same_tensors, peak_memory, refused, write_at_rest
 from tools.make_vectors import Parts, restage_zeros
 
 
@@ -51,21 +50,6 @@ SOURCE = {
     "b": torch.arange(5, dtype=torch.float32),  # raw: no stage
     "empty": torch.zeros(0, 3, dtype=torch.bfloat16),
 }
-
-
-def write_at_rest(tensors: dict[str, torch.Tensor], path: Path, *, frame_size: int = FRAME) -> Path:
-    with SztWriter(path, metadata={"format": "pt"}, alignment=4096, at_rest=1, frame_size=frame_size,
-                   small_alignment=16) as writer:
-        for name, t in tensors.items():
-            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
-    return path
-
-
-def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert loaded.keys() == expected.keys()
-    for name, t in expected.items():
-        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape, name
-        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
 @pytest.fixture(scope="module")
@@ -91,12 +75,12 @@ def test_the_valid_file_is_a_1_1_file_with_frames(valid_file):
 
 
 def test_every_cpu_path_is_exact(valid_file, tmp_path):
-    assert_same(szformat.load_file(valid_file), SOURCE)
-    assert_same(szformat.load_file(valid_file, verify=False), SOURCE)
+    assert_same_tensors(szformat.load_file(valid_file), SOURCE)
+    assert_same_tensors(szformat.load_file(valid_file, verify=False), SOURCE)
     assert not verify(valid_file).problems
     restored = decompress(valid_file, tmp_path / "out.safetensors").output
     from safetensors.torch import load_file
-    assert_same(load_file(restored), SOURCE)
+    assert_same_tensors(load_file(restored), SOURCE)
 
 
 def test_a_slice_inflates_only_the_frames_it_reads(valid_file, monkeypatch):
@@ -396,12 +380,12 @@ def test_the_at_rest_form_stores_its_header_through_zstd(tmp_path):
         assert f.flags == C.FLAG_HEADER_ZSTD and f.metadata == {"format": "pt"}
         stored_header = f.file_length - f.header.tensors[-1].offset - f.header.tensors[-1].length
         assert stored_header < len(f.header.to_bytes())
-    assert_same(szformat.load_file(path), SOURCE)
+    assert_same_tensors(szformat.load_file(path), SOURCE)
 
 
 def test_a_1_0_reader_refuses_a_zstd_header_by_its_flag(forge, bad, monkeypatch):
     path = forge.write(bad, minor=1, flags=1, header_bytes=at_rest.compress_frame(msgpack.packb(forge.header)))
-    assert_same(szformat.load_file(path), SOURCE)
+    assert_same_tensors(szformat.load_file(path), SOURCE)
     monkeypatch.setattr(C, "KNOWN_FLAGS", 0)  # what a 1.0 reader knows
     refused(path, UnsupportedVersionError, "preamble flags 0x1", "upgrade szformat")
 
@@ -468,7 +452,7 @@ def test_payloads_of_1_mib_or_more_keep_the_page_alignment(tmp_path):
         large, after = f.entry("large"), f.entry("after")
         assert large.length >= C.SMALL_PAYLOAD_LIMIT and large.offset == 4096  # "tiny" ends at 76
         assert after.offset == -(-(large.offset + large.length) // 16) * 16
-    assert_same(szformat.load_file(path), tensors)
+    assert_same_tensors(szformat.load_file(path), tensors)
 
 
 def test_a_refused_frame_leaves_the_threads_context_usable():

@@ -19,8 +19,8 @@ from szformat.errors import (ChecksumMismatchError, HeaderError, PayloadError, U
 from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
-from szformat.format.writer import SztWriter, tensor_bytes, write_tensor
-from support import Forge, peak_memory, refused
+from szformat.format.writer import tensor_bytes
+from support import Forge, assert_same_tensors, peak_memory, refused, write_at_rest
 
 FRAME = at_rest.MIN_FRAME_SIZE
 
@@ -63,21 +63,6 @@ def source(seed: int) -> dict[str, torch.Tensor]:
 
 
 STAGED = ["f32", "f16", "bf16_wide", "f64", "e4m3", "e5m2", "i32", "mask"]
-
-
-def write_at_rest(tensors: dict[str, torch.Tensor], path, *, frame_size: int = FRAME, level: int = 1):
-    with SztWriter(path, metadata={"format": "pt"}, at_rest=level, frame_size=frame_size,
-                   small_alignment=16) as writer:
-        for name, t in tensors.items():
-            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
-    return path
-
-
-def assert_same(loaded: dict[str, torch.Tensor], expected: dict[str, torch.Tensor]) -> None:
-    assert loaded.keys() == expected.keys()
-    for name, t in expected.items():
-        assert loaded[name].dtype == t.dtype and loaded[name].shape == t.shape, name
-        assert torch.equal(loaded[name].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), name
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +108,7 @@ def test_a_file_without_raw_tensors_at_rest_stays_1_1(tmp_path):
 @pytest.mark.parametrize("threads", [1, 2])
 def test_load_file_is_exact(valid_file, tensors, verify_bytes, threads, monkeypatch):
     monkeypatch.setattr(torch, "get_num_threads", lambda: threads)
-    assert_same(szformat.load_file(valid_file, verify=verify_bytes), tensors)
+    assert_same_tensors(szformat.load_file(valid_file, verify=verify_bytes), tensors)
 
 
 def test_slices_inflate_only_the_frames_they_cover(valid_file, tensors, monkeypatch):
@@ -147,11 +132,11 @@ def test_slices_inflate_only_the_frames_they_cover(valid_file, tensors, monkeypa
 def test_decompress_verify_and_repack_are_exact(valid_file, tensors, tmp_path):
     from safetensors.torch import load_file
     assert not verify(valid_file).problems
-    assert_same(load_file(decompress(valid_file, tmp_path / "out.safetensors").output), tensors)
+    assert_same_tensors(load_file(decompress(valid_file, tmp_path / "out.safetensors").output), tensors)
     memory = repack(valid_file, tmp_path / "memory.szt", at_rest=None).output
     with SztFile(memory) as f:
         assert f.version == (1, 0) and not f.at_rest
-    assert_same(szformat.load_file(memory), tensors)
+    assert_same_tensors(szformat.load_file(memory), tensors)
     again = repack(memory, tmp_path / "again.szt", at_rest=1).output
     assert again.read_bytes() == szformat_at_rest_bytes(tensors, tmp_path)
 
@@ -183,13 +168,12 @@ def test_info_shows_each_dtype_ratio(valid_file, capsys):
 def test_every_dtype_and_frame_size_round_trips_through_the_stage(dtype, frame_size):
     seed = random.randrange(1 << 30)
     g = torch.Generator().manual_seed(seed)
-    n = random.Random(seed).randrange(1, 3 * frame_size)
-    x = _floats(n, seed).to(dtype) if dtype.is_floating_point else torch.randint(0, 200, (n,), generator=g).to(dtype)
+    n = random.Random(seed).randrange(frame_size // 2, 3 * frame_size)  # elements: one frame or several
+    high = 16 if dtype == torch.uint8 else 1 << 20  # integers whose planes shrink, within the 8x bound
+    x = _floats(n, seed).to(dtype) if dtype.is_floating_point else torch.randint(0, high, (n,), generator=g).to(dtype)
     raw = tensor_bytes(x)
-    dtype_name = C.TORCH_TO_DTYPE[dtype]
-    staged = at_rest.compress_planes(raw, dtype_name, x.element_size(), frame_size=frame_size)
-    if staged is None:  # too small or too compressible for the stage: nothing to check but that it says so
-        return
+    staged = at_rest.compress_planes(raw, C.TORCH_TO_DTYPE[dtype], x.element_size(), frame_size=frame_size)
+    assert staged is not None, f"seed {seed}: the stage did not pay"
     parts, stage = staged
     stored = torch.frombuffer(bytearray(b"".join(bytes(p) for p in parts)), dtype=torch.uint8)
     assert stage.planes and sum(stage.planes) == stored.numel()
@@ -211,7 +195,7 @@ def test_real_trained_weights_round_trip_smaller(tmp_path):
     for dtype in (torch.float32, torch.float16, torch.float8_e4m3fn):
         tensors = {k: v.to(dtype) for k, v in subset.items()}
         out = write_at_rest(tensors, tmp_path / f"{dtype}.szt".replace("torch.", ""), frame_size=1 << 20)
-        assert_same(szformat.load_file(out), tensors)
+        assert_same_tensors(szformat.load_file(out), tensors)
         raw = sum(t.numel() * t.element_size() for t in tensors.values())
         assert out.stat().st_size < 0.9 * raw, dtype
 
@@ -242,6 +226,9 @@ def test_a_1_1_reader_refuses_a_1_2_file_by_feature(valid_file, monkeypatch):
     (lambda f: _stage(f, "f32")["planes"].__setitem__(0, "1024"), HeaderError, "'planes' must list"),
     (lambda f: _stage(f, "f32")["planes"].__setitem__(1, _stage(f, "f32")["planes"][1] - 1), HeaderError,
      "add up to"),
+    (lambda f: _stage(f, "f32").__setitem__("level", "1"), HeaderError, "zstd_planes 'level' must be an integer"),
+    (lambda f: f.entry("f32")["encoding"]["at_rest"].__setitem__("configuration", []), HeaderError,
+     "zstd_planes 'configuration' must be a map"),
     (lambda f: f.entry("f32")["encoding"]["at_rest"].__setitem__("name", "zstd"), HeaderError,
      "'zstd' does not apply to a raw tensor"),
     (lambda f: f.entry("f32")["encoding"]["at_rest"].__setitem__("name", "brotli_planes"), UnknownEncodingError,
@@ -320,3 +307,35 @@ def test_frames_compressed_on_several_threads_are_the_same_bytes():
     four = at_rest.compress_planes(raw, "F32", 4, frame_size=FRAME, threads=4)
     assert one[1] == four[1] and [bytes(p) for p in one[0]] == [bytes(p) for p in four[0]]
     assert len(one[1].planes) == 4 * 16 and one[1].planes[-4:] == (7, 7, 7, 7)  # a last frame of 7 elements
+
+
+def test_an_empty_tensor_with_a_stage_is_refused(valid_file, tmp_path):
+    forge = Forge.load(valid_file)
+    forge.entry("empty")["encoding"]["at_rest"] = forge.entry("f32")["encoding"]["at_rest"]
+    forge.header["required_features"] = sorted(set(forge.header["required_features"]))
+    refused(forge.write(tmp_path / "bad.szt", minor=2), HeaderError, "an empty tensor has no at-rest stage",
+            tensor="empty")
+
+
+def test_a_writer_frame_size_that_is_not_whole_elements_still_stores_whole_elements(tmp_path, tensors):
+    """A frame size any splitzip stream takes (4097) holds no whole number of FP32 elements: the planes' frames
+    are cut at the multiple of the element size below it."""
+    subset = {name: tensors[name] for name in ("f32", "f64", "e4m3", "w")}
+    path = write_at_rest(subset, tmp_path / "odd.szt", frame_size=FRAME + 1)
+    with SztFile(path) as f:
+        assert f.entry("f32").at_rest.frame_size == FRAME and f.entry("f64").at_rest.frame_size == FRAME
+        assert f.entry("e4m3").at_rest.frame_size == FRAME + 1 and f.entry("w").at_rest.frame_size == FRAME + 1
+    assert_same_tensors(szformat.load_file(path), subset)
+
+
+def test_one_byte_elements_inflate_in_place_whether_a_frame_is_compressed_or_verbatim():
+    g = torch.Generator().manual_seed(random.randrange(1 << 30))
+    noise = torch.randint(0, 256, (FRAME,), generator=g, dtype=torch.uint8)  # a frame zstd cannot shrink
+    small = torch.randint(0, 16, (FRAME + 100,), generator=g, dtype=torch.uint8)  # frames it can
+    raw = torch.cat([noise, small])
+    parts, stage = at_rest.compress_planes(raw, "U8", 1, frame_size=FRAME)
+    assert stage.planes[0] == FRAME and stage.planes[1] < FRAME  # verbatim, then compressed
+    stored = torch.frombuffer(bytearray(b"".join(bytes(p) for p in parts)), dtype=torch.uint8)
+    assert torch.equal(at_rest.inflate(stored, stage.segments(raw.numel()), raw.numel()), raw)
+    part = at_rest.inflate(stored, stage.segments(raw.numel()), raw.numel(), start=FRAME - 5, stop=FRAME + 7)
+    assert torch.equal(part, raw[FRAME - 5: FRAME + 7])

@@ -55,6 +55,7 @@ from szformat.loading.slot_decoder import Placement
 from szformat.loading.stored_crc import StoredCrcCheck
 
 from fakes import FakeEvent, FakeOps, ReferenceCodec, ZstdInflater
+from support import write_at_rest
 
 
 class NoWaitOps(FakeOps):
@@ -1075,20 +1076,13 @@ def test_gpu_route_refuses_an_escape_stream_the_device_flags(verify):
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _write_at_rest(path: Path, tensors: dict[str, torch.Tensor]) -> Path:
-    with SztWriter(path, at_rest=1, frame_size=4096, small_alignment=16) as writer:
-        for name, t in tensors.items():
-            write_tensor(writer, name, TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
-    return path
-
-
 @pytest.fixture(scope="module")
 def at_rest_checkpoint(tmp_path_factory):
     """The tensors of ``checkpoint`` plus one spanning many frames, at rest, in frames of the smallest size (the
     int64 ``ids`` as byte planes, format 1.2)."""
     tensors = _tensors(random.randrange(1 << 30))
     tensors["long.weight"] = _bf16_with_escapes(40000, torch.Generator().manual_seed(3), 50).reshape(400, 100)
-    path = _write_at_rest(tmp_path_factory.mktemp("at-rest") / "model.szt", tensors)
+    path = write_at_rest(tensors, tmp_path_factory.mktemp("at-rest") / "model.szt")
     with SztFile(path) as f:
         assert f.at_rest and max(len(e.segments()) for e in f.entries.values() if e.at_rest) > 4
         assert f.byte_planes
@@ -1100,7 +1094,7 @@ def splitzip_at_rest_checkpoint(tmp_path_factory, at_rest_checkpoint):
     """``at_rest_checkpoint`` without its byte planes (format 1.1): what a device inflater takes whole."""
     _, tensors = at_rest_checkpoint
     kept = {name: t for name, t in tensors.items() if name != "ids"}
-    path = _write_at_rest(tmp_path_factory.mktemp("at-rest-1.1") / "model.szt", kept)
+    path = write_at_rest(kept, tmp_path_factory.mktemp("at-rest-1.1") / "model.szt")
     with SztFile(path) as f:
         assert f.at_rest and not f.byte_planes
     return path, kept
