@@ -14,6 +14,7 @@ import torch
 
 from .._install import install_hint
 from ..codec import cpu as cpu_codec
+from ..codec import planes as byte_planes
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import DecodeRouteError
@@ -60,6 +61,11 @@ class DeviceCodec(Protocol):
         """Expand the payload in the leading ``layout.comp_bytes`` of ``buffer`` over ``buffer[:layout.raw_bytes]``;
         ``errors`` (one int32 on the device) as for :meth:`decode_batch`."""
 
+    def join_planes(self, planes: torch.Tensor, out: torch.Tensor, itemsize: int, frame_size: int,
+                    sign_last: bool) -> None:
+        """Join the frames of ``frame_size`` bytes of byte planes in ``planes`` (uint8, as the inflater lays a raw
+        tensor stored at rest out) into its elements ``out`` (uint8, as long)."""
+
 
 class HostCodec:
     """The batched decode of :class:`DeviceCodec` on CPU tensors, by the reference decoder (the resident route on
@@ -77,6 +83,15 @@ class HostCodec:
     def decode(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor,
                errors: torch.Tensor | None = None) -> None:
         cpu_codec.decode(payload, layout, codebook, out=out)
+
+    def join_planes(self, planes: torch.Tensor, out: torch.Tensor, itemsize: int, frame_size: int,
+                    sign_last: bool) -> None:
+        source, target = memoryview(planes.numpy()), memoryview(out.numpy())
+        for start in range(0, len(target), frame_size):
+            frame = source[start: start + frame_size]
+            plane = len(frame) // itemsize
+            byte_planes.join_planes([frame[j * plane: (j + 1) * plane] for j in range(itemsize)],
+                                    target[start: start + frame_size], itemsize, sign_last)
 
 
 class TritonCodec:
@@ -114,6 +129,10 @@ class TritonCodec:
     def decode_in_place(self, buffer: torch.Tensor, layout: PayloadLayout, codebook: Codebook, scratch: Any,
                         errors: torch.Tensor | None = None) -> None:
         self._kernels.decode_in_place(buffer, layout, codebook, scratch=scratch, errors=errors)
+
+    def join_planes(self, planes: torch.Tensor, out: torch.Tensor, itemsize: int, frame_size: int,
+                    sign_last: bool) -> None:
+        self._kernels.join_planes(planes, out, itemsize, frame_size, sign_last)
 
 
 def pack_arrays(arrays: Sequence[torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list[int]]:

@@ -59,9 +59,10 @@ class StagingConfig:
             Pinning and unpinning pages cost more than the reads they save for a one-time load (measured on the
             H200 host: about 18 GB/s to pin, 35 GB/s to unpin, against 40 GB/s to read), so registration pays only
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
-            A file in the at-rest form (format 1.1) is always staged: its stored bytes cross as they are and nvCOMP
-            inflates them on the device when it is installed and ``verify`` is on (the CRC-32s are then checked
-            before anything is inflated); otherwise the reader threads inflate them into the slots.
+            A file in the at-rest form (format 1.1 and 1.2) is always staged: its stored bytes cross as they are and
+            nvCOMP inflates them on the device when it is installed and ``verify`` is on (the CRC-32s are then
+            checked before anything is inflated; byte planes are then joined by a kernel); otherwise the reader
+            threads inflate them into the slots.
     """
 
     slot_bytes: int = 128 << 20
@@ -230,7 +231,7 @@ class DeviceLoader:
         return self.route == "gpu" and self.verify and self.staging.transport == "staged"
 
     def _open_source(self, file: SztFile) -> HostSource:
-        device_inflates = self.inflater is not None and self._may_inflate_on_device() and not file.byte_planes
+        device_inflates = self.inflater is not None and self._may_inflate_on_device()
         if file.at_rest and not device_inflates:
             return InflatingSource(file, self._pool)  # the readers inflate: the device decodes the in-memory form
         if self.staging.transport == "registered":

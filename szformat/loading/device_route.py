@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec.layout import ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_RAW, ENCODING_SPLITZIP
 from ..format.header import TensorEntry
 from . import timeline
 from .device_codec import DeviceCodec
@@ -31,6 +31,11 @@ ARENA_ALIGNMENT = 256
 INFLATED_ALIGNMENT = 16
 """In-memory payloads inflated on the device start at multiples of this many bytes: the batched decode loads
 16-byte vectors."""
+
+
+def stored_as_planes(entry: TensorEntry) -> bool:
+    """Whether ``entry`` is a raw tensor stored at rest as byte planes (1.2): inflated, then joined into elements."""
+    return entry.encoding == ENCODING_RAW and entry.at_rest is not None
 
 
 def destination_bytes(entry: TensorEntry) -> int:
@@ -106,7 +111,9 @@ class DeviceDecodeRoute:
     Payloads stored at rest (.szt 1.1) are inflated on the device when an ``inflater`` is given: their stored
     bytes cross as they are, and once the CRC-32 of a transfer's tensors has been checked (the inflater validates
     little), a packed transfer's frames are inflated on its slot's own stream into its slot's own payload buffer
-    and batch-decoded from there; a streamed tensor's, on the decode stream, into scratch it is decoded from.
+    and batch-decoded from there; a streamed tensor's, on the decode stream, into scratch it is decoded from. A raw
+    tensor stored as byte planes (1.2) is inflated the same way, its planes laid out frame by frame, and the codec
+    joins them into its destination.
 
     Args:
         loop (`TransferLoop`): its ring needs device buffers.
@@ -171,7 +178,7 @@ class DeviceDecodeRoute:
                 verify.check_items(inflation.items)  # nothing unchecked reaches the inflater
             if transfer.packed:
                 self._expand_packed(k, transfer, arenas[k][0], tables, checks, rows.get(k, ()), inflation, slot,
-                                    copied, entries, dests)
+                                    copied, entries, dests, payload_offsets.get(k, {}))
             else:
                 self._expand_streamed(k, transfer, copied, entries, dests, checks, inflation)
 
@@ -188,9 +195,10 @@ class DeviceDecodeRoute:
 
     def _plan_inflation(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
                         rows: dict[int, list[int]]) -> tuple[dict[int, dict[int, int]], dict[int, _Inflation]]:
-        """For each transfer with payloads stored at rest: where each SplitZip payload of a packed transfer lies in
-        the in-memory payload buffer (its tensors stored in memory are copied there too), and how the transfer is
-        inflated; a streamed tensor is inflated, whole, into a scratch buffer once its last piece is across.
+        """For each transfer with payloads stored at rest: where each SplitZip payload and each tensor's byte planes
+        of a packed transfer lie in the in-memory payload buffer (its SplitZip tensors stored in memory are copied
+        there too), and how the transfer is inflated; a streamed tensor is inflated, whole, into a scratch buffer
+        once its last piece is across.
         Returns the payload offsets per packed transfer and the inflations per transfer."""
         payload_offsets: dict[int, dict[int, int]] = {}
         laid_out = {}  # transfer -> (its entries, their frames, copies and frame owners)
@@ -201,7 +209,8 @@ class DeviceDecodeRoute:
             if transfer.packed:
                 placed, cursor = payload_offsets.setdefault(k, {}), 0
                 slot_offset = {p.item: p.slot_offset for p in transfer.pieces}
-                for item in rows.get(k, ()):
+                planes = [p.item for p in transfer.pieces if stored_as_planes(entries[p.item])]
+                for item in list(rows.get(k, ())) + planes:
                     placed[item] = cursor
                     cursor += -(-entries[item].memory_length // INFLATED_ALIGNMENT) * INFLATED_ALIGNMENT
                 packed = max(packed, cursor)
@@ -313,10 +322,11 @@ class DeviceDecodeRoute:
 
     def _expand_packed(self, k: int, transfer: Transfer, arena: torch.Tensor, tables: dict[int, Any],
                        checks: DeviceChecks, rows: Sequence[int], inflation: _Inflation | None, slot: Slot,
-                       copied: Any, entries, dests) -> None:
+                       copied: Any, entries, dests, placed: dict[int, int]) -> None:
         """Decode a packed transfer out of its slot once copied, then release the slot's device buffer. Stored at
-        rest, it is first inflated on a stream of the slot's own into a buffer of the slot's own: one call of
-        nvCOMP takes 8-10 ms on the H200 whatever its frames, so the transfers' calls must overlap."""
+        rest, it is first inflated on a stream of the slot's own into a buffer of the slot's own (``placed``: where
+        each tensor's payload or planes lie there): one call of nvCOMP takes 8-10 ms on the H200 whatever its
+        frames, so the transfers' calls must overlap."""
         ops, loop = self.loop.ops, self.loop
         staged = slot.device[: transfer.nbytes]
         payloads = staged
@@ -327,8 +337,12 @@ class DeviceDecodeRoute:
             copied = ops.record(stream)
 
         def expand() -> None:
-            for piece in transfer.pieces:  # raw pieces are copied as they are
-                if entries[piece.item].encoding != ENCODING_SPLITZIP:
+            for piece in transfer.pieces:  # raw pieces are copied as they are, or joined from their planes
+                entry = entries[piece.item]
+                if stored_as_planes(entry):
+                    start = placed[piece.item]
+                    self._join(entry, payloads[start: start + entry.raw_length], dests[piece.item])
+                elif entry.encoding != ENCODING_SPLITZIP:
                     dests[piece.item].copy_(staged[piece.slot_offset: piece.slot_offset + piece.length])
             if k in tables:
                 self.codec.decode_batch(payloads, tables[k], arena.view(torch.bfloat16), checks.escapes(rows))
@@ -342,10 +356,19 @@ class DeviceDecodeRoute:
     def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests, checks: DeviceChecks,
                          inflation: _Inflation | None) -> None:
         """Once the last piece of a streamed tensor is copied, expand the tensor over its destination (stored at
-        rest: inflate its payload into scratch and decode from there)."""
+        rest: inflate its payload, or its planes, into scratch and decode, or join, from there)."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
-        if piece.last and entry.encoding == ENCODING_SPLITZIP:
+        if piece.last and stored_as_planes(entry):
+            self.loop.ops.wait(self.loop.decode_stream, copied)
+            dest = dests[piece.item]
+
+            def join() -> None:
+                planes = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.raw_length]
+                self._join(entry, planes, dest[: entry.raw_length])
+
+            self.loop.enqueue(self.loop.decode_stream, join, "decode", k)
+        elif piece.last and entry.encoding == ENCODING_SPLITZIP:
             ops, loop = self.loop.ops, self.loop
             ops.wait(loop.decode_stream, copied)
             dest, errors = dests[piece.item], checks.escapes([piece.item])
@@ -358,6 +381,11 @@ class DeviceDecodeRoute:
                     self.codec.decode(payload, entry.layout, entry.codebook,
                                       dest[: entry.raw_length].view(torch.bfloat16), errors)
             loop.enqueue(loop.decode_stream, work, "decode", k)
+
+    def _join(self, entry: TensorEntry, planes: torch.Tensor, out: torch.Tensor) -> None:
+        """Join the byte planes of raw tensor ``entry``, inflated into ``planes``, into its elements ``out``."""
+        stage = entry.at_rest
+        self.codec.join_planes(planes, out, stage.itemsize, stage.frame_size, stage.transform == "sign_last")
 
     def _inflate(self, stored: torch.Tensor, inflation: _Inflation, out: torch.Tensor,
                  checks: DeviceChecks) -> torch.Tensor:

@@ -72,17 +72,29 @@ def plan_frames(calls: Sequence[Sequence[tuple[int, int, int, int]]], device: to
 
 def frames_of(segments: Sequence[Segment], stored_base: int, memory_base: int
               ) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]]]:
-    """The compressed segments of one payload as frames, and its verbatim segments as ``(stored, memory, length)``
-    copies (adjacent ones merged: the streams after ``pk`` usually make one), offset by the two bases."""
+    """The compressed pieces of one payload as frames, and its verbatim pieces as ``(stored, memory, length)``
+    copies (adjacent ones merged: the streams after ``pk`` usually make one), offset by the two bases. A frame of
+    byte planes (1.2) is laid out as its planes back to back, each a frame or a copy of its own: the device joins
+    them into elements afterwards."""
     frames, copies = [], []
-    for s in segments:
-        if s.compressed:
-            frames.append((stored_base + s.stored, s.stored_length, memory_base + s.memory, s.memory_length))
-        elif copies and copies[-1][0] + copies[-1][2] == stored_base + s.stored \
-                and copies[-1][1] + copies[-1][2] == memory_base + s.memory:
-            copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + s.memory_length)
+
+    def add(stored: int, stored_length: int, memory: int, memory_length: int, compressed: bool) -> None:
+        if compressed:
+            frames.append((stored_base + stored, stored_length, memory_base + memory, memory_length))
+        elif copies and copies[-1][0] + copies[-1][2] == stored_base + stored \
+                and copies[-1][1] + copies[-1][2] == memory_base + memory:
+            copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + memory_length)
         else:
-            copies.append((stored_base + s.stored, memory_base + s.memory, s.memory_length))
+            copies.append((stored_base + stored, memory_base + memory, memory_length))
+
+    for s in segments:
+        if s.planes is None:
+            add(s.stored, s.stored_length, s.memory, s.memory_length, s.compressed)
+            continue
+        plane, stored = s.memory_length // len(s.planes), s.stored
+        for j, length in enumerate(s.planes):
+            add(stored, length, s.memory + j * plane, plane, length < plane)  # a plane's own length: verbatim
+            stored += length
     return frames, copies
 
 

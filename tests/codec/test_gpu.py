@@ -7,6 +7,7 @@ an output poisoned twice with different patterns, so an element the kernels neve
 
 import os
 
+import numpy as np
 import torch
 import pytest
 
@@ -14,7 +15,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 pytest.importorskip("triton")
 
-from szformat.codec import cpu, gpu  # noqa: E402
+from szformat.codec import cpu, gpu, planes  # noqa: E402
 from szformat.codec.codebook import Codebook  # noqa: E402
 from szformat.codec.layout import PayloadLayout  # noqa: E402
 
@@ -296,3 +297,32 @@ def test_escape_checks_on_the_device_flag_what_the_cpu_refuses():
         assert bool((backing[slot:] == 0xA5).all()), "wrote past the slot"
     with pytest.raises(ValueError, match="errors must be"):
         gpu.decode(payload.to(DEVICE), layout, codebook, errors=torch.zeros(2, dtype=torch.int32, device=DEVICE))
+
+
+@pytest.mark.parametrize("itemsize, sign_last", [(1, False), (2, False), (2, True), (4, True), (4, False), (8, True)])
+def test_join_planes_undoes_the_writers_split_frame_by_frame(itemsize, sign_last):
+    """Frames of byte planes, split by the CPU loops (tested against the spec's definition), joined by the kernel
+    into exactly the elements, with a short last frame and odd frame counts; nothing written past the output."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    rng = np.random.default_rng(seed)
+    frame = itemsize * int(rng.integers(600, 1400))  # not a multiple of the kernel's block
+    for count in (0, 1, 7, frame // itemsize, 3 * frame // itemsize + 5):
+        data = rng.integers(0, 256, count * itemsize, dtype=np.uint8)
+        split = np.empty_like(data)
+        for start in range(0, data.size, frame):
+            planes.split_planes(memoryview(data[start: start + frame]), memoryview(split[start: start + frame]),
+                                itemsize, sign_last)
+        out = torch.full((data.size + 64,), 0xA5, dtype=torch.uint8, device=DEVICE)
+        gpu.join_planes(torch.from_numpy(split).to(DEVICE), out[: data.size], itemsize, frame, sign_last)
+        assert np.array_equal(out[: data.size].cpu().numpy(), data), f"seed {seed}, {count} elements"
+        assert bool((out[data.size:] == 0xA5).all()), "wrote past the output"
+
+
+def test_join_planes_refuses_lengths_that_are_not_whole_elements():
+    planes_in = torch.zeros(12, dtype=torch.uint8, device=DEVICE)
+    with pytest.raises(ValueError, match="4-byte elements"):
+        gpu.join_planes(planes_in, torch.zeros(12, dtype=torch.uint8, device=DEVICE), 4, 6, True)
+    with pytest.raises(ValueError, match="4-byte elements"):
+        gpu.join_planes(planes_in, torch.zeros(8, dtype=torch.uint8, device=DEVICE), 4, 4096, True)
+    with pytest.raises(ValueError, match="flat uint8"):
+        gpu.join_planes(planes_in.view(torch.int32), torch.zeros(3, dtype=torch.int32, device=DEVICE), 4, 4096, True)

@@ -26,6 +26,18 @@ def test_frames_of_offsets_frames_and_merges_adjacent_verbatim_copies():
     assert copies == [(1040, 5100, 90), (1140, 5200, 8)]  # the third segment is not adjacent in memory
 
 
+def test_frames_of_lays_byte_planes_out_plane_after_plane():
+    """A frame of byte planes becomes one zstd frame per compressed plane (stored shorter than the plane) and a copy
+    per verbatim one, each plane at its place in the frame's memory; a 1.1 frame stays one frame whatever its size."""
+    segments = [Segment(0, 4096, 0, 3000, True, (1024, 900, 1024, 52), True),
+                Segment(4096, 400, 3000, 340, True, (100, 100, 40, 100), True),
+                Segment(4496, 50, 3340, 60, True)]
+    frames, copies = frames_of(segments, stored_base=10, memory_base=20)
+    assert frames == [(1034, 900, 1044, 1024), (2958, 52, 3092, 1024), (3210, 40, 4316, 100),
+                      (3350, 60, 4516, 50)]
+    assert copies == [(10, 20, 1024), (1934, 2068, 1024), (3010, 4116, 200), (3250, 4416, 100)]
+
+
 def test_plan_frames_gives_each_call_its_own_part_of_one_table():
     calls = [[(0, 10, 0, 100), (10, 20, 100, 300)], [], [(5, 7, 9, 11)]]
     plans = plan_frames(calls, torch.device("cpu"))

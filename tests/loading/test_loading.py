@@ -1201,17 +1201,56 @@ def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(splitz
     assert info.value.tensor == "long.weight"  # the first that failed, in the order asked for
 
 
-def test_a_file_with_byte_planes_is_inflated_by_the_host_readers(at_rest_checkpoint, splitzip_at_rest_checkpoint):
-    """A device inflater takes zstd frames, not byte planes to join: a 1.2 file goes through the readers' inflation
-    (exact, the inflater unused); a 1.1 file is inflated on the device."""
+@pytest.fixture(scope="module")
+def planes_checkpoint(tmp_path_factory):
+    """Raw tensors of every element size stored as byte planes in frames of 4096 bytes (the last one short, planes
+    compressed and verbatim, both transforms), beside SplitZip tensors at rest."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    tensors = {
+        "f32.weight": (torch.randn(3001, generator=gen) * 0.02).reshape(3001, 1),  # 3 frames: streams in small slots
+        "f16.weight": (torch.randn(40, 53, generator=gen) * 0.1).half(),
+        "f64": torch.randn(301, generator=gen, dtype=torch.float64),
+        "i32": torch.randint(-5, 5, (999,), generator=gen, dtype=torch.int32),
+        "u8": torch.randint(0, 3, (5000,), generator=gen, dtype=torch.uint8),
+        "bf16.weight": _bf16_with_escapes(4000, gen, 20).reshape(40, 100),
+        "small": torch.randn(3, generator=gen),
+    }
+    path = write_at_rest(tensors, tmp_path_factory.mktemp("planes") / "model.szt")
+    with SztFile(path) as f:
+        stages = [e.at_rest for e in f.entries.values() if e.encoding == "raw" and e.at_rest is not None]
+        assert {s.itemsize for s in stages} == {1, 2, 4, 8} and {s.transform for s in stages} == {"bytes", "sign_last"}
+        lengths = [(length, s.frame_size // s.itemsize) for s in stages for length in s.planes]
+        assert any(a < b for a, b in lengths) and any(a == b for a, b in lengths)  # compressed and verbatim planes
+    return path, tensors
+
+
+@pytest.mark.parametrize("slot_bytes", [4096, 1 << 16, 1 << 20])
+def test_the_device_inflates_byte_planes_and_joins_them(planes_checkpoint, slot_bytes):
+    """A 1.2 file crosses as stored: every compressed plane reaches the inflater and the codec joins the planes
+    into elements, streamed or packed, bit-identical to what was written."""
+    path, tensors = planes_checkpoint
+    with SztFile(path) as f:
+        compressed = sum(1 for e in f.entries.values() if e.encoding == "raw" and e.at_rest is not None
+                         for seg in e.segments() for length in seg.planes
+                         if length < seg.memory_length // len(seg.planes))
+        splitzip = sum(len(e.at_rest.frames) for e in f.entries.values() if e.encoding == "splitzip")
+    staging = StagingConfig(slot_bytes=slot_bytes, slots=2, threads=2)
+    inflater = ZstdInflater()
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as loader, \
+            SztFile(path) as f:
+        _assert_same(loader.load(f), tensors)
+        assert inflater.frames == compressed + splitzip
+        _assert_same(loader.load(f, ["f32.weight", "small"]), {k: tensors[k] for k in ("f32.weight", "small")})
+
+
+def test_a_plane_that_fails_to_inflate_on_the_device_is_refused_by_name(planes_checkpoint):
+    path, _ = planes_checkpoint
     staging = StagingConfig(slot_bytes=1 << 16, slots=2, threads=2)
-    for (path, tensors), on_device in ((at_rest_checkpoint, False), (splitzip_at_rest_checkpoint, True)):
-        inflater = ZstdInflater()
-        with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as \
-                loader, SztFile(path) as f:
-            loaded = loader.load(f, list(tensors))
-        _assert_same(loaded, tensors)
-        assert (inflater.frames > 0) == on_device
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(),
+                      inflater=ZstdInflater(fail=True)) as loader, SztFile(path) as f:
+        with pytest.raises(PayloadError, match="did not inflate") as info:
+            loader.load(f, ["i32", "f32.weight"])
+    assert info.value.tensor == "i32"
 
 
 @pytest.mark.parametrize("inflater, crcs", [(None, True), (ZstdInflater(), False)], ids=["no inflater", "no crcs"])

@@ -18,6 +18,11 @@ Decode (nothing waits on the host; everything is enqueued on ``stream``, the cur
   the same for outputs that are separate tensors of one address range (an offloading arena's weights): output
   offsets count elements from ``base``, the tensor at the lowest output.
 
+Byte planes (the at-rest form of raw tensors, .szt 1.2):
+
+* ``join_planes(planes, out, itemsize, frame_size, sign_last, *, stream=None)``: frames of byte planes (flat
+  uint8, as the device inflater lays them out) joined into the elements ``out`` (flat uint8), in one launch.
+
 Encode (one host synchronisation per tensor, to learn the codebook and ``n_esc`` that size the payload):
 
 * ``encode(x, codebook=None, *, stream=None) -> (payload, layout, codebook)``: the same triple as
@@ -39,13 +44,13 @@ from typing import Any
 
 __all__ = [
     "BatchTable", "DecodeScratch", "build_batch_table", "decode", "decode_batch", "decode_batch_at", "decode_in_place",
-    "encode", "encode_to_host", "is_available",
+    "encode", "encode_to_host", "is_available", "join_planes",
 ]
 
 _HOMES = {
     "decode": "_decode", "decode_in_place": "_decode", "DecodeScratch": "_decode",
     "BatchTable": "_batch", "build_batch_table": "_batch", "decode_batch": "_batch", "decode_batch_at": "_batch",
-    "encode": "_encode", "encode_to_host": "_encode",
+    "encode": "_encode", "encode_to_host": "_encode", "join_planes": "_planes",
 }
 
 
