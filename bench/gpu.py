@@ -1,6 +1,6 @@
 """Time the GPU codec on one GPU, next to the device-to-device copy ceiling measured in the same run.
 
-    python -m bench.gpu [--safetensors model.safetensors] [--markdown results.md]
+    python -m bench.gpu [--safetensors model.safetensors] [--markdown results.md] [--planes-only]
 
 Rates are raw BF16 bytes over time (CUDA events around each call, warm-up first, median of the repetitions, inputs
 rotated among several buffer sets so that no repetition reads what the last one left in L2). The copy ceiling counts
@@ -169,6 +169,29 @@ def bench_scattered(label: str, encoded: list[tuple], copy_rate: float, tensors_
            f"{ms * 1e3:.0f} us, x {raw * 2 / ms / 1e6 / copy_rate:.2f} of a copy of the raw size")
 
 
+def bench_join_planes(copy_rate: float, nbytes: int = 1 << 30) -> None:
+    """The byte-plane join of a GPU load of a raw tensor at rest (.szt 1.2), FP32 and FP16 in 1 MiB frames (the
+    writer's), against the copy ceiling: it reads and writes each byte once, as a copy does."""
+    from szformat.codec import planes
+
+    frame = 1 << 20
+    for itemsize, dtype in ((4, torch.float32), (2, torch.float16)):
+        x = (torch.randn(nbytes // itemsize, device=DEVICE) * 0.02).to(dtype)
+        raw = x.view(torch.uint8).cpu().numpy()
+        split = raw.copy()
+        for start in range(0, raw.size, frame):
+            planes.split_planes(memoryview(raw[start: start + frame]), memoryview(split[start: start + frame]),
+                                itemsize, True)
+        sources = [torch.from_numpy(split).to(DEVICE) for _ in range(2)]
+        outs = [torch.empty(nbytes, dtype=torch.uint8, device=DEVICE) for _ in range(2)]
+        gpu.join_planes(sources[0], outs[0], itemsize, frame, True)
+        assert torch.equal(outs[0], x.view(torch.uint8)), "join_planes is not exact"
+        ms = median_ms(lambda i: gpu.join_planes(sources[i % 2], outs[i % 2], itemsize, frame, True))
+        rate = 2 * nbytes / ms / 1e6
+        report(f"join byte planes, {str(dtype)[6:]}, {nbytes >> 20} MiB (read+write)", f"{rate:,.0f} GB/s",
+               f"{rate / copy_rate:.2f} of the copy, {ms * 1e3:.0f} us")
+
+
 def histogram_only(x: torch.Tensor) -> None:
     """The encoder's first pass alone, to split its time."""
     from szformat.codec.gpu import _encode
@@ -235,14 +258,29 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--safetensors", help="a real checkpoint to decode whole, batched (FP32 rounded to BF16)")
     parser.add_argument("--markdown", help="also write the table here, as Markdown")
+    parser.add_argument("--planes-only", action="store_true", help="time only the copy and the byte-plane join")
     args = parser.parse_args()
     props = torch.cuda.get_device_properties(DEVICE)
     import triton
 
     print(f"device: {props.name}, {props.multi_processor_count} SMs, torch {torch.__version__}, "
           f"triton {triton.__version__}", flush=True)
-    bench_compile()
     copy_rate = bench_copy(1 << 30)
+    bench_join_planes(copy_rate)
+    if not args.planes_only:
+        bench_rest(args, copy_rate)
+
+    lines = ["| what | figure | note |", "| --- | ---: | --- |"] + [f"| {w} | {f} | {n} |" for w, f, n in ROWS]
+    print("\n" + "\n".join(lines))
+    if args.markdown:
+        with open(args.markdown, "w") as f:
+            f.write("\n".join(lines) + "\n")
+    return 0
+
+
+def bench_rest(args: argparse.Namespace, copy_rate: float) -> None:
+    """Compilation, the decoders and the encoder."""
+    bench_compile()
     bench_single(1 << 28, copy_rate)
     if args.safetensors:
         checkpoint = load_checkpoint(args.safetensors)
@@ -251,13 +289,6 @@ def main() -> int:
     bench_batch("LLM-shaped, 4 layers", llm_shaped(4, 4096, 11008), copies=2)
     block = [gpu.encode(x) for x in llm_shaped(2, 4096, 11008) if x.numel() > 4096]  # two blocks of 7 weights
     bench_scattered("7B-shaped blocks of 7 weights", block, copy_rate, tensors_per_group=7)
-
-    lines = ["| what | figure | note |", "| --- | ---: | --- |"] + [f"| {w} | {f} | {n} |" for w, f, n in ROWS]
-    print("\n" + "\n".join(lines))
-    if args.markdown:
-        with open(args.markdown, "w") as f:
-            f.write("\n".join(lines) + "\n")
-    return 0
 
 
 if __name__ == "__main__":
