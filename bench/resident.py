@@ -13,7 +13,9 @@ Each row runs the plain model (loaded from safetensors onto the device) and the 
 together, forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
 time is reported. On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched),
-and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost).
+and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
+weights' placement in slots); and the plain model with hooks on the same blocks that make the route's own CUDA calls
+and ``.data`` rebinds and expand nothing (what the hooks cost with the weights where the plain model has them).
 Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
 the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
@@ -138,10 +140,50 @@ def inputs_device(inputs: dict) -> torch.device:
     return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
 
 
+HOOKS_ONLY = "plain, the route's hook calls"
+
+
+def mimic_hooks(model: torch.nn.Module, device: torch.device) -> None:
+    """Hooks on the route's blocks that make the calls its hooks make per group (the compute stream looked up, an
+    event waited on, each weight's ``.data`` set to itself and back, two waits, a stream switch and an event
+    recorded on a side stream, an event recorded after the forward) and expand nothing."""
+    from szformat.offload.resident import find_blocks
+
+    side = torch.cuda.Stream(device)
+    ready = [torch.cuda.Event(blocking=True)]
+    ready[0].record(side)
+
+    def before(module, args):
+        compute = torch.cuda.current_stream(device)
+        compute.wait_event(ready[0])
+        for p in module._mimic_params:
+            p.data = p.data
+        side.wait_event(ready[0])
+        side.wait_event(ready[0])
+        with torch.cuda.device(device), torch.cuda.stream(side):
+            pass
+        ready[0] = torch.cuda.Event(blocking=True)
+        ready[0].record(side)
+
+    def after(module, args, out):
+        for p in module._mimic_params:
+            p.data = p.data
+        torch.cuda.Event(blocking=True).record(torch.cuda.current_stream(device))
+
+    for block in find_blocks(model):
+        block._mimic_params = [p for p in block.parameters() if p.numel() * 2 >= 1 << 16]
+        block.register_forward_pre_hook(before)
+        block.register_forward_hook(after)
+
+
 def load(kind: str, label: str, folder: Path, converted: Path, device: torch.device, tiny: bool):
     """Variant ``label`` of the model: ``(model, route handle or None)``."""
     if label == "plain":
         return load_plain(kind, folder, device), None
+    if label == HOOKS_ONLY:
+        model = load_plain(kind, folder, device)
+        mimic_hooks(model, device)
+        return model, None
     return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label,
                          slot_per_group="per group" in label)
 
@@ -177,7 +219,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group") \
+    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group", HOOKS_ONLY) \
         if device.type == "cuda" else ("plain", "resident")
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
@@ -212,7 +254,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
         plain = statistics.median(plain_times)
         for label in labels[1:]:
             resident = statistics.median(samples[label][phase])
-            what = f"{phase} (ms)" + label.removeprefix("resident")
+            what = f"{phase} (ms)" + (label.removeprefix("resident") if label.startswith("resident") else f", {label}")
             rows.append([kind, what, f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
     if peaks:
         rows.append([kind, "device memory peak", format_bytes(peaks["plain"]), format_bytes(peaks["resident"]),

@@ -140,13 +140,13 @@ class FakeOps:
         self.log.append(step)
         self.callers.append(threading.current_thread().name)
 
-    def enqueue(self, stream, work, label) -> None:
+    def enqueue(self, stream, work, label, current=None) -> None:
         with self.lock:
             self._note((label, stream.index))
             self._push(stream, ("work", work))
 
-    def record(self, stream) -> FakeEvent:
-        with self.lock:
+    def record(self, stream, into=None) -> FakeEvent:
+        with self.lock:  # a new event each time: a wait keeps the point of the event it was given
             event = FakeEvent(stream, stream.enqueued)
             self._note(("record", stream.index, event))
             return event

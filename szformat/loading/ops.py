@@ -21,8 +21,11 @@ __all__ = ["DeviceOps", "CudaOps", "cuda_ops"]
 class DeviceOps(Protocol):
     """The device operations a loading route is built from.
 
-    ``enqueue(stream, work, label)`` runs ``work`` so that the device work it launches lands on ``stream`` in order
-    (with CUDA: inside ``torch.cuda.stream(stream)``); ``label`` names the step for logs and tests.
+    ``enqueue(stream, work, label, current=None)`` runs ``work`` so that the device work it launches lands on
+    ``stream`` in order (with CUDA: inside ``torch.cuda.stream(stream)``); ``label`` names the step for logs and
+    tests; ``current``, the stream current on the calling thread where the caller knows it, lets CUDA switch to
+    ``stream`` and back with two ``set_stream`` calls: 2-3 us on the H200 host against 20 for the context managers
+    (``bench/hook_calls.py``), which a resident group's hooks would pay on every forward.
     """
 
     device: torch.device
@@ -31,10 +34,12 @@ class DeviceOps(Protocol):
 
     def current_stream(self) -> Any: ...
 
-    def enqueue(self, stream: Any, work: Callable[[], None], label: str) -> None: ...
+    def enqueue(self, stream: Any, work: Callable[[], None], label: str, current: Any = None) -> None: ...
 
-    def record(self, stream: Any) -> Any:
-        """An event marking everything enqueued on ``stream`` so far."""
+    def record(self, stream: Any, into: Any = None) -> Any:
+        """An event marking everything enqueued on ``stream`` so far; ``into``, an event this returned before whose
+        earlier point nothing will wait on again, may be recorded again and returned instead of a new one (waits
+        already enqueued keep the point it marked when they were)."""
 
     def wait(self, stream: Any, event: Any) -> None:
         """Work enqueued on ``stream`` from now on starts after ``event`` (no host wait)."""
@@ -74,13 +79,21 @@ class CudaOps:
     def current_stream(self) -> torch.cuda.Stream:
         return torch.cuda.current_stream(self.device)
 
-    def enqueue(self, stream: torch.cuda.Stream, work: Callable[[], None], label: str) -> None:
-        with torch.cuda.device(self.device), torch.cuda.stream(stream):
+    def enqueue(self, stream: torch.cuda.Stream, work: Callable[[], None], label: str,
+                current: torch.cuda.Stream | None = None) -> None:
+        if current is None:
+            with torch.cuda.device(self.device), torch.cuda.stream(stream):
+                work()
+            return
+        torch.cuda.set_stream(stream)  # (also makes the stream's device current, and the restore undoes it)
+        try:
             work()
+        finally:
+            torch.cuda.set_stream(current)
 
-    def record(self, stream: torch.cuda.Stream) -> torch.cuda.Event:
-        event = torch.cuda.Event(blocking=self.blocking_sync)
-        event.record(stream)
+    def record(self, stream: torch.cuda.Stream, into: torch.cuda.Event | None = None) -> torch.cuda.Event:
+        event = into if into is not None else torch.cuda.Event(blocking=self.blocking_sync)
+        event.record(stream)  # a CUDA wait takes the event's point when it is enqueued, so one event serves again
         return event
 
     def timing_event(self, stream: torch.cuda.Stream) -> torch.cuda.Event:

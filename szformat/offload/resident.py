@@ -177,6 +177,8 @@ class _Arena:
         self.slots = [_Slot(torch.empty(plan.slot_elements, dtype=torch.bfloat16, device=device))
                       for _ in range(plan.slots)]
         self.running: set[int] = set()
+        self.compute: Any = None  # the stream the running group was called on
+        self.forward_stream: Any = None  # the stream of the model's forward under way, looked up once per forward
         self.clock = 0
         self.decodes = 0
         self.order = {id(g): i for i, g in enumerate(plan.groups)}
@@ -225,7 +227,8 @@ class _Arena:
         if torch.is_grad_enabled() and group.module.training:
             raise DecodeRouteError("route='resident' runs inference only: its weights are expanded into shared "
                                    "slots; call model.eval() and run under torch.no_grad() or torch.inference_mode()")
-        compute = self.ops.current_stream()
+        compute = self.forward_stream if self.forward_stream is not None else self.ops.current_stream()
+        self.compute = compute
         slot = self._holding(group)
         if slot is None:
             slot = self._free_slot()
@@ -241,12 +244,20 @@ class _Arena:
         if self.side is not None and following is not group and self._holding(following) is None:
             self._expand(following, self._free_slot(), self.side)
 
+    def enter_forward(self) -> None:
+        """The model's forward begins: its stream, looked up here once, is the one every group of it runs on (a
+        lookup costs 5 us on the H200 host, each group's hooks would pay it; a block called on its own looks it up)."""
+        self.forward_stream = self.ops.current_stream()
+
+    def leave_forward(self) -> None:
+        self.forward_stream = None
+
     def after(self, group: ResidentGroup) -> None:
         for parameter, binding in zip(self._parameters[id(group)], group.tensors):
             parameter.data = self.hollow[binding.entry]
         slot = self._holding(group)
         if slot is not None:
-            slot.free = self.ops.record(self.ops.current_stream())
+            slot.free = self.ops.record(self.compute, into=slot.free)
             self.running.discard(id(slot))
 
     def finish(self) -> None:
@@ -272,8 +283,9 @@ class _Arena:
                 self.ops.wait(stream, event)
         graph = self._graphs.get((id(group), id(slot)))
         self.ops.enqueue(stream, graph.replay if graph is not None else
-                         lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer), "expand")
-        slot.ready = self.ops.record(stream)
+                         lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer), "expand",
+                         current=self.compute)
+        slot.ready = self.ops.record(stream, into=slot.ready)
 
 
 class _Immediate:
@@ -286,10 +298,10 @@ class _Immediate:
     def current_stream(self) -> None:
         return None
 
-    def enqueue(self, stream: Any, work: Any, label: str) -> None:
+    def enqueue(self, stream: Any, work: Any, label: str, current: Any = None) -> None:
         work()
 
-    def record(self, stream: Any) -> None:
+    def record(self, stream: Any, into: Any = None) -> None:
         return None
 
     def wait(self, stream: Any, event: Any) -> None:
@@ -339,6 +351,8 @@ def install_resident(installation: Any) -> OffloadedModel:
                 module_tensor(module, t.names[0]).requires_grad_(False)
             handles.append(group.module.register_forward_pre_hook(lambda m, args, g=group: arena.before(g)))
             handles.append(group.module.register_forward_hook(lambda m, args, out, g=group: arena.after(g)))
+        handles.append(module.register_forward_pre_hook(lambda m, args: arena.enter_forward()))
+        handles.append(module.register_forward_hook(lambda m, args, out: arena.leave_forward(), always_call=True))
         if device.type == "cuda":
             torch.cuda.synchronize(device)
     except BaseException:

@@ -33,9 +33,9 @@ def plain(folder):
     return reference(transformers.AutoModelForCausalLM, folder).eval()
 
 
-def resident(converted, original, **options):
+def resident(converted, original, device="cpu", **options):
     model = plain(original)  # its weights are replaced: the route holds its own
-    offloaded = szformat.load_into_offloader(converted, model, route="resident", device="cpu", min_tensor_bytes=0,
+    offloaded = szformat.load_into_offloader(converted, model, route="resident", device=device, min_tensor_bytes=0,
                                              min_leaf_bytes=0,
                                              **options)
     return model, offloaded
@@ -99,6 +99,33 @@ def test_expansions_wait_for_their_slot_and_the_compute_stream_waits_for_them(ll
             assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
     labels = [step[0] for step in ops.log]
     assert "expand" in labels and any(step[0] == "expand" and step[1] == 1 for step in ops.log)  # ahead, on the side
+
+
+def test_the_compute_stream_is_looked_up_once_per_forward_and_expansions_are_told_it(llama):
+    """The model's forward looks its stream up once for all of its groups (a block called on its own looks it up
+    itself), and every expansion is enqueued with the stream to switch back to."""
+    class Counting(FakeOps):
+        lookups = 0
+        currents = []
+
+        def current_stream(self):
+            self.lookups += 1
+            return super().current_stream()
+
+        def enqueue(self, stream, work, label, current=None):
+            self.currents.append(current)
+            super().enqueue(stream, work, label, current)
+
+    expected_model = plain(llama[0])
+    ops = Counting(eager=(0,))
+    model, offloaded = resident(llama[1], llama[0], ops=ops)
+    with offloaded, torch.no_grad():
+        ops.lookups = 0
+        assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        assert ops.lookups == 1 and ops.currents and all(c is ops.streams[0] for c in ops.currents)
+        hidden = torch.randn(1, 8, 64).to(torch.bfloat16)
+        assert torch.equal(model.lm_head(hidden), expected_model.lm_head(hidden))  # a group called on its own
+        assert ops.lookups == 2
 
 
 def test_a_tied_head_stays_plain_and_the_model_still_matches(tmp_path):
@@ -189,6 +216,27 @@ def test_expansions_replayed_as_cuda_graphs_give_the_same_outputs(llama):
             assert (captured >= 2 * 3 and captured % 2 == 0) if graphs else captured == 0  # groups x 2 slots
             assert torch.equal(model(ids).logits, want[0])
             assert torch.equal(model.generate(ids, max_new_tokens=16, do_sample=False), want[1])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="CUDA events need a CUDA device")
+def test_each_slot_records_its_two_events_again_instead_of_creating_events_per_group(llama):
+    """A group's hooks record the slot's ``ready`` and ``free`` events again (no event created per group and
+    forward), and the outputs stay those of the plain model across forwards that reuse them."""
+    from szformat.offload import resident as resident_module
+
+    expected_model = plain(llama[0]).cuda()
+    ids = IDS.cuda()
+    model, offloaded = resident(llama[1], llama[0], device="cuda")
+    arena = next(c.cell_contents for hook in model.model.layers[0]._forward_pre_hooks.values()
+                 for c in hook.__closure__ or () if isinstance(c.cell_contents, resident_module._Arena))
+    with offloaded, torch.no_grad():
+        want = expected_model(ids).logits
+        assert torch.equal(model(ids).logits, want)
+        events = [(slot.ready, slot.free) for slot in arena.slots]
+        assert all(ready is not None and free is not None for ready, free in events)
+        for _ in range(3):
+            assert torch.equal(model(ids).logits, want)
+        assert [(slot.ready, slot.free) for slot in arena.slots] == events
 
 
 def test_a_capture_that_fails_leaves_no_graph_and_the_expansions_launch_as_before(llama, monkeypatch):
