@@ -56,6 +56,10 @@ def main(argv: list[str] | None = None) -> int:
         with torch.cuda.stream(side):
             pass
 
+    def set_stream_there_and_back() -> None:
+        torch.cuda.set_stream(side)
+        torch.cuda.set_stream(compute)
+
     def replay_on_side() -> None:
         with torch.cuda.stream(side):
             graph.replay()
@@ -68,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
         ("stream.wait_event(event)", lambda: compute.wait_event(reused)),
         ("with torch.cuda.device(d), torch.cuda.stream(s)", with_device_and_stream),
         ("with torch.cuda.stream(s)", with_stream),
+        ("torch.cuda.set_stream(s), then back", set_stream_there_and_back),
         ("a one-kernel CUDA graph replayed on a side stream", replay_on_side),
         ("parameter.data = view", lambda: setattr(parameter, "data", view)),
     ]
