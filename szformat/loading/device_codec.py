@@ -66,6 +66,10 @@ class DeviceCodec(Protocol):
         """Join the frames of ``frame_size`` bytes of byte planes in ``planes`` (uint8, as the inflater lays a raw
         tensor stored at rest out) into its elements ``out`` (uint8, as long)."""
 
+    def copy_ranges(self, source: torch.Tensor, out: torch.Tensor, ranges: Any) -> None:
+        """Copy every range of ``ranges`` (a :class:`~.gpu_inflate.FramePlan` whose frames are verbatim: stored
+        offset, memory offset and length) from ``source`` into ``out`` (both uint8), in one launch."""
+
 
 class HostCodec:
     """The batched decode of :class:`DeviceCodec` on CPU tensors, by the reference decoder (the resident route on
@@ -92,6 +96,11 @@ class HostCodec:
             plane = len(frame) // itemsize
             byte_planes.join_planes([frame[j * plane: (j + 1) * plane] for j in range(itemsize)],
                                     target[start: start + frame_size], itemsize, sign_last)
+
+    def copy_ranges(self, source: torch.Tensor, out: torch.Tensor, ranges: Any) -> None:
+        for start, target, length in zip(ranges.stored.tolist(), ranges.memory.tolist(),
+                                         ranges.memory_lengths.tolist()):
+            out[target: target + length].copy_(source[start: start + length])
 
 
 class TritonCodec:
@@ -133,6 +142,10 @@ class TritonCodec:
     def join_planes(self, planes: torch.Tensor, out: torch.Tensor, itemsize: int, frame_size: int,
                     sign_last: bool) -> None:
         self._kernels.join_planes(planes, out, itemsize, frame_size, sign_last)
+
+    def copy_ranges(self, source: torch.Tensor, out: torch.Tensor, ranges: Any) -> None:
+        self._kernels.copy_ranges(source, out, ranges.stored, ranges.memory, ranges.memory_lengths,
+                                  ranges.max_memory_length)
 
 
 def pack_arrays(arrays: Sequence[torch.Tensor], *, pin: bool = False) -> tuple[torch.Tensor, list[int]]:

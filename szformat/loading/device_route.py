@@ -88,12 +88,12 @@ class DeviceChecks:
 
 @dataclass
 class _Inflation:
-    """How one transfer's at-rest payloads are inflated on the device: its frames, its verbatim copies
-    ``(stored, memory, length)``, where its frames' statuses start, and the entries whose CRC-32 must be checked
+    """How one transfer's at-rest payloads are inflated on the device: its frames, its verbatim copies (a plan of
+    ranges, copied in one launch), where its frames' statuses start, and the entries whose CRC-32 must be checked
     first (every entry of the transfer)."""
 
     plan: FramePlan
-    copies: list[tuple[int, int, int]]
+    copies: FramePlan
     first_status: int
     items: list[int]
     owners: list[int]
@@ -224,9 +224,12 @@ class DeviceDecodeRoute:
         self._provide_payload_buffers(packed, streamed)
         inflations: dict[int, _Inflation] = {}
         if laid_out:
-            plans = plan_frames([frames for _, (frames, _, _) in laid_out.values()], self.loop.ops.device)
+            calls = [frames for _, (frames, _, _) in laid_out.values()]
+            calls += [[(stored, length, memory, length) for stored, memory, length in copies]
+                      for _, (_, copies, _) in laid_out.values()]  # verbatim ranges as "frames" stored as they are
+            plans = plan_frames(calls, self.loop.ops.device)
             first_status = 0
-            for (k, (items, (_, copies, owners))), plan in zip(laid_out.items(), plans):
+            for (k, (items, (_, _, owners))), plan, copies in zip(laid_out.items(), plans, plans[len(laid_out):]):
                 inflations[k] = _Inflation(plan, copies, first_status, items, owners)
                 first_status += plan.count
         return payload_offsets, inflations
@@ -392,8 +395,8 @@ class DeviceDecodeRoute:
         """Lay out ``inflation``'s payloads in memory form in ``out`` from their stored bytes (on the current
         stream); returns ``out``."""
         self.inflater.inflate(stored, inflation.plan, out, checks.frames(inflation.first_status, inflation.plan.count))
-        for source, target, length in inflation.copies:
-            out[target: target + length].copy_(stored[source: source + length])
+        if inflation.copies.count:
+            self.codec.copy_ranges(stored, out, inflation.copies)
         return out
 
 

@@ -326,3 +326,20 @@ def test_join_planes_refuses_lengths_that_are_not_whole_elements():
         gpu.join_planes(planes_in, torch.zeros(8, dtype=torch.uint8, device=DEVICE), 4, 4096, True)
     with pytest.raises(ValueError, match="flat uint8"):
         gpu.join_planes(planes_in.view(torch.int32), torch.zeros(3, dtype=torch.int32, device=DEVICE), 4, 4096, True)
+
+
+def test_copy_ranges_copies_every_range_in_one_launch_and_nothing_else():
+    """Ranges of odd lengths and offsets, one longer than a program's stride over it, the empty one too: each lands
+    where it is sent, and every other byte of the output keeps its poison."""
+    seed = int.from_bytes(os.urandom(4), "little")
+    g = torch.Generator().manual_seed(seed)
+    source = torch.randint(0, 256, (3 << 20,), generator=g, dtype=torch.uint8)
+    ranges = [(5, 7, 1), (100, 3000, 4097), (9000, 50, 0), (1 << 20, 2 << 20, (1 << 20) + 3)]
+    out = torch.full((4 << 20,), 0xA5, dtype=torch.uint8)
+    expected = out.clone()
+    for start, target, length in ranges:
+        expected[target: target + length] = source[start: start + length]
+    sources, targets, lengths = (torch.tensor(column, dtype=torch.int64, device=DEVICE) for column in zip(*ranges))
+    out = out.to(DEVICE)
+    gpu.copy_ranges(source.to(DEVICE), out, sources, targets, lengths, max(r[2] for r in ranges))
+    assert torch.equal(out.cpu(), expected), f"seed {seed}"

@@ -22,6 +22,8 @@ Byte planes (the at-rest form of raw tensors, .szt 1.2):
 
 * ``join_planes(planes, out, itemsize, frame_size, sign_last, *, stream=None)``: frames of byte planes (flat
   uint8, as the device inflater lays them out) joined into the elements ``out`` (flat uint8), in one launch.
+* ``copy_ranges(source, out, sources, targets, lengths, max_length, *, stream=None)``: many byte ranges copied in
+  one launch (the verbatim pieces of a transfer stored at rest).
 
 Encode (one host synchronisation per tensor, to learn the codebook and ``n_esc`` that size the payload):
 
@@ -44,13 +46,13 @@ from typing import Any
 
 __all__ = [
     "BatchTable", "DecodeScratch", "build_batch_table", "decode", "decode_batch", "decode_batch_at", "decode_in_place",
-    "encode", "encode_to_host", "is_available", "join_planes",
+    "encode", "encode_to_host", "is_available", "join_planes", "copy_ranges",
 ]
 
 _HOMES = {
     "decode": "_decode", "decode_in_place": "_decode", "DecodeScratch": "_decode",
     "BatchTable": "_batch", "build_batch_table": "_batch", "decode_batch": "_batch", "decode_batch_at": "_batch",
-    "encode": "_encode", "encode_to_host": "_encode", "join_planes": "_planes",
+    "encode": "_encode", "encode_to_host": "_encode", "join_planes": "_planes", "copy_ranges": "_planes",
 }
 
 
