@@ -298,8 +298,8 @@ class SztFile:
 
     @property
     def byte_planes(self) -> bool:
-        """Whether any raw tensor of this file is stored as byte planes (1.2): the host inflates those, a device's
-        zstd inflater does not join planes."""
+        """Whether any raw tensor of this file is stored as byte planes (1.2), inflated and then joined into its
+        elements."""
         return any(e.at_rest is not None and e.encoding == C.ENCODING_RAW for e in self.header.tensors)
 
     @property
