@@ -6,7 +6,9 @@ A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``rand
 ``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
 the order rotated each round, and reads from vLLM's own log the weight-loading phase ("Loading weights took") and the
 time from the engine's start to ready (one greedy request answered), plus the peak RSS of every process of the engine
-(``/proc``, sampled). Runs unchanged on a CUDA machine (vLLM picks its device). Medians are printed as a table.
+(``/proc``, sampled), and for szt on the CPU the share of the checkpoint's raw bytes each rank decoded (its log line:
+a rank decodes only the rows vLLM's weight loaders keep). Runs unchanged on a CUDA machine (vLLM picks its device).
+Medians are printed as a table.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ if __name__ == "__main__":
     main()
 """
 LOADING = re.compile(r"Loading weights took ([0-9.]+) seconds")
+DECODED = re.compile(r"this rank decoded ([0-9.]+) MB of the checkpoint's ([0-9.]+) MB")
 
 
 def prepare(work: Path, size_mb: int) -> tuple[Path, Path]:
@@ -111,7 +114,9 @@ def start_engine(work: Path, model: Path, load_format: str, tp: int) -> dict[str
     if child.returncode != 0 or "READY" not in output:
         raise SystemExit(f"{load_format} tp={tp}: the engine failed:\n{output[-3000:]}")
     loads = [float(x) for x in LOADING.findall(output)]
-    return {"ready_s": ready, "load_s": max(loads) if loads else float("nan"), "peak_rss": peaks[0]}
+    shares = [float(done) / float(total) for done, total in DECODED.findall(output) if float(total)]
+    return {"ready_s": ready, "load_s": max(loads) if loads else float("nan"), "peak_rss": peaks[0],
+            "decoded_share": max(shares) if shares else float("nan")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -132,12 +137,14 @@ def main(argv: list[str] | None = None) -> int:
             print(f"round {r + 1}: {fmt} tp={tp}: {samples[(fmt, tp)][-1]}", flush=True)
     print(f"\ncheckpoint: {original.name}, median of {args.rounds} rounds")
     print(f"{'format':<12} {'tp':>3} {'load weights (s)':>17} {'start to ready (s)':>19} {'peak RSS (GB)':>14} "
-          f"{'load / safetensors':>19}")
+          f"{'load / safetensors':>19} {'decoded / rank':>15}")
     for fmt, tp in runs:
-        med = {k: statistics.median(s[k] for s in samples[(fmt, tp)]) for k in ("load_s", "ready_s", "peak_rss")}
+        med = {k: statistics.median(s[k] for s in samples[(fmt, tp)])
+               for k in ("load_s", "ready_s", "peak_rss", "decoded_share")}
         base = statistics.median(s["load_s"] for s in samples[("safetensors", tp)])
+        share = "" if med["decoded_share"] != med["decoded_share"] else f"{med['decoded_share']:.2f}"
         print(f"{fmt:<12} {tp:>3} {med['load_s']:>17.2f} {med['ready_s']:>19.1f} {med['peak_rss'] / 1e9:>14.2f} "
-              f"{med['load_s'] / base:>19.2f}")
+              f"{med['load_s'] / base:>19.2f} {share:>15}")
     return 0
 
 

@@ -7,10 +7,11 @@ configs and tokenizer beside them) or a Hub repo of one (``user/model-szt``; vLL
 its .szt files, index and configs, and no other weights).
 
 Each rank opens the files itself and streams their tensors, decoded where they go (CUDA: through the GPU load
-pipeline, stored bytes over PCIe and expanded on the device, ``BATCH_BYTES`` of raw tensors at a time; CPU: the CPU
-decoder, one tensor at a time), into the model's own ``load_weights``: vLLM's name mapping, stacked ``qkv``/``gate_up``
-projections, tensor-parallel narrowing and expert loaders stay vLLM's. Bad input fails the start-up with szformat's
-one-line error naming the file and the tensor.
+pipeline, stored bytes over PCIe and expanded on the device, ``BATCH_BYTES`` of raw tensors at a time; CPU: as
+:class:`~.deferred.DeferredTensor`, decoded by the CPU decoder when vLLM's weight loader copies them, straight into
+the parameter and only the rows its rank keeps), into the model's own ``load_weights``: vLLM's name mapping, stacked
+``qkv``/``gate_up`` projections, tensor-parallel narrowing and expert loaders stay vLLM's. Bad input fails the
+start-up with szformat's one-line error naming the file and the tensor.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import torch
 
 from ..errors import ModelFolderError
 from ..format import constants as C
+from .deferred import DecodeCounter, DeferredTensor
 
 __all__ = ["LOAD_FORMAT", "BATCH_BYTES", "register", "szt_weights"]
 
@@ -44,36 +46,40 @@ def register() -> None:
 
 
 def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool = True,
-                batch_bytes: int = BATCH_BYTES) -> Iterator[tuple[str, torch.Tensor]]:
-    """Every tensor of the checkpoint at ``path`` as ``(name, tensor)``, decoded on ``device``, shard by shard: on
-    the CPU one tensor at a time, on CUDA in batches of ``batch_bytes`` raw bytes (checksums checked as
-    ``load_file`` checks them)."""
+                batch_bytes: int = BATCH_BYTES, counter: DecodeCounter | None = None
+                ) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint at ``path`` as ``(name, tensor)``, shard by shard, checksums checked as
+    ``load_file`` checks them: on CUDA decoded on the device in batches of ``batch_bytes`` raw bytes; on the CPU as
+    :class:`~.deferred.DeferredTensor` (each holds its file open), decoded when used, the bytes decoded counted in
+    ``counter``."""
     from ..format.index import checkpoint_shards, open_shard
-    from ..loading.device_loader import DeviceLoader
-    from ..loading.host_decode import decode_entries
 
-    loader = DeviceLoader(device, verify=verify) if device.type == "cuda" else None
+    if device.type != "cuda":
+        from ..loading.host_reader import HostReader
+
+        counter = counter if counter is not None else DecodeCounter()
+        for shard in checkpoint_shards(path):
+            file = open_shard(shard)  # closed once its last tensor is gone
+            reader = HostReader(file, verify=verify)
+            for name in (list(file.entries) if shard.names is None else shard.names):
+                yield name, DeferredTensor(reader, file.entry(name), counter)
+        return
+    from ..loading.device_loader import DeviceLoader
+
+    loader = DeviceLoader(device, verify=verify)
     try:
         for shard in checkpoint_shards(path):
             with open_shard(shard) as file:
                 names = list(file.entries) if shard.names is None else shard.names
-                for batch in _batches(file, names, batch_bytes if loader is not None else 0):
-                    if loader is not None:
-                        yield from loader.load(file, batch).items()
-                        continue
-                    entries = [file.entry(name) for name in batch]
-                    tensors = decode_entries(file, entries, check_stored=[verify] * len(entries),
-                                             check_decoded=verify)
-                    yield from zip(batch, tensors)
-                if loader is not None:
-                    loader.release(file)
+                for batch in _batches(file, names, batch_bytes):
+                    yield from loader.load(file, batch).items()
+                loader.release(file)
     finally:
-        if loader is not None:
-            loader.close()
+        loader.close()
 
 
 def _batches(file, names: list[str], budget: int) -> Iterator[list[str]]:
-    """``names`` in runs of at most ``budget`` raw bytes (one name per run for a budget of 0)."""
+    """``names`` in runs of at most ``budget`` raw bytes (at least one name per run)."""
     batch, size = [], 0
     for name in names:
         raw = file.entry(name).raw_length
@@ -117,8 +123,12 @@ def _loader_class():
             started = time.perf_counter()
             folder = local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
-            loaded = model.load_weights(szt_weights(folder, device))
+            counter = DecodeCounter()
+            loaded = model.load_weights(szt_weights(folder, device, counter=counter))
             logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)  # as vLLM's loaders
+            if device.type != "cuda":
+                logger.info("szt: this rank decoded %.1f MB of the checkpoint's %.1f MB", counter.decoded / 1e6,
+                            counter.handed_out / 1e6)
             if loaded is not None:
                 missing = {name for name, _ in model.named_parameters()} - set(loaded)
                 if missing:

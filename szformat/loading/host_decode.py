@@ -122,8 +122,9 @@ def _range_scratch(nbytes: int) -> torch.Tensor:
 
 
 def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_stored: Sequence[bool],
-                   check_decoded: bool, threads: int | None = None) -> list[torch.Tensor]:
-    """The tensors ``entries`` of ``file``, decoded into new CPU tensors of their dtype and shape.
+                   check_decoded: bool, threads: int | None = None,
+                   outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+    """The tensors ``entries`` of ``file``, decoded into new CPU tensors of their dtype and shape (or into ``outs``).
 
     Args:
         file (`SztFile`): the open file.
@@ -132,6 +133,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         check_decoded (`bool`): whether to check the CRC-32 of every SplitZip tensor's decoded bytes.
         threads (`int`, *optional*): threads to decode on, the caller's included; by default PyTorch's intra-op
             thread count (``torch.get_num_threads()``), at most the host's cores.
+        outs (sequence of `torch.Tensor` or `None`, *optional*): per entry, a contiguous CPU tensor of its raw
+            size to decode into (the parameter it is loaded into), or ``None`` for a new one.
 
     Raises:
         ChecksumMismatchError: stored or decoded bytes differ from their checksums.
@@ -147,7 +150,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
                 buffer = None  # the old one goes before the new one is made
                 buffer = torch.empty(needed, dtype=torch.uint8)
         payloads = iter(buffer[:needed].split(sizes))
-        jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads)) for i in group]
+        jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
+                     None if outs is None else outs[i]) for i in group]
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
         _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))
         for job, i in zip(jobs, group):
@@ -175,27 +179,34 @@ def _read_length(entry: TensorEntry) -> int:
     return entry.length if entry.encoding != ENCODING_RAW and entry.at_rest is None else 0
 
 
-def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor) -> _Job:
+def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
+         out: torch.Tensor | None = None) -> _Job:
     """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
     bytes around the streams (padding, escape streams) read now into ``payload`` (its part of the buffer the
     groups of one call share: fresh pages for every tensor cost as much as reading into them) and the streams left
     to the ranges; at rest, the stored bytes read whole, checked, and inflated."""
+    if out is not None:
+        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != entry.raw_length:
+            raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
+                             f"{entry.raw_length} bytes, got {tuple(out.shape)} {out.dtype} on {out.device}")
+        out = out.reshape(-1).view(torch.uint8)
     with allocation_errors(file.path, entry.name):
-        return _new_job(file, entry, check_stored, check_decoded, payload)
+        return _new_job(file, entry, check_stored, check_decoded, payload, out)
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
-             payload: torch.Tensor) -> _Job:
+             payload: torch.Tensor, into: torch.Tensor | None) -> _Job:
+    """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given."""
     dtype = entry.torch_dtype(file.path)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
-        out = torch.empty(entry.length, dtype=torch.uint8)
+        out = into if into is not None else torch.empty(entry.length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
     if entry.encoding == ENCODING_RAW:  # byte planes: stored bytes checked whole, frames inflated range by range
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         frame = entry.at_rest.frame_size
-        out = torch.empty(entry.raw_length, dtype=torch.uint8)
+        out = into if into is not None else torch.empty(entry.raw_length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, False, check_decoded,
                     _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
                     (at_rest.StoredView(stored), entry.segments()))
@@ -215,7 +226,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
         if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke
             check_crc(file.read(entry.name), entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
-    out = torch.empty(layout.n, dtype=torch.bfloat16)
+    out = into.view(torch.bfloat16) if into is not None else torch.empty(layout.n, dtype=torch.bfloat16)
     return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
                 _ranges(layout.n, RANGE_ELEMENTS))
 

@@ -49,11 +49,13 @@ class HostReader:
         """Drop the read buffers this reader's threads keep."""
         self._scratch = threading.local()
 
-    def tensors(self, names: Sequence[str]) -> list[torch.Tensor]:
-        """Tensors ``names``, decoded on the CPU (several threads; see :mod:`.host_decode`)."""
+    def tensors(self, names: Sequence[str], outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+        """Tensors ``names``, decoded on the CPU (several threads; see :mod:`.host_decode`), into ``outs`` (per
+        name a contiguous tensor of its raw size, or ``None``) where given."""
         entries = [self.file.entry(name) for name in names]
         check_stored = [self.verify and name not in self.verified for name in names]
-        tensors = decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify)
+        tensors = decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify,
+                                 outs=outs)
         if self.verify:
             self.verified.update(names)
         return tensors
@@ -103,12 +105,17 @@ class HostReader:
         payload = self._buffer(entry.memory_length, "memory")
         return inflate_entry(self.file.path, entry, stored, payload, ranges=None if whole else ranges)
 
-    def rows(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
-        """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU."""
+    def rows(self, entry: TensorEntry, row_start: int, row_stop: int, out: torch.Tensor | None = None
+             ) -> torch.Tensor:
+        """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU, into
+        ``out`` (a contiguous tensor of their dtype and shape) when given."""
         with allocation_errors(self.file.path, entry.name):
-            return self._rows(entry, row_start, row_stop)
+            rows = self._rows(entry, row_start, row_stop, out)
+        if out is not None and rows.data_ptr() != out.data_ptr():
+            out.copy_(rows)
+        return rows if out is None else out
 
-    def _rows(self, entry: TensorEntry, row_start: int, row_stop: int) -> torch.Tensor:
+    def _rows(self, entry: TensorEntry, row_start: int, row_stop: int, out: torch.Tensor | None) -> torch.Tensor:
         dtype = entry.torch_dtype(self.file.path)
         row_shape = entry.shape[1:]
         row_numel = math.prod(row_shape)
@@ -133,7 +140,7 @@ class HostReader:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
         payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
-        out = torch.empty(stop - start, dtype=torch.bfloat16)
+        out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out.reshape(-1)
         decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
         if self.verify and start == 0 and stop == entry.numel:
             check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.file.path,

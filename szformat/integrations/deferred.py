@@ -1,0 +1,131 @@
+"""Checkpoint tensors handed out before they are decoded, so that decoding writes where the weight goes.
+
+vLLM's weight loaders take each checkpoint tensor, narrow it to the rows their rank keeps (column-parallel
+projections, embeddings, output heads) and copy it into a parameter. A tensor decoded up front is written twice
+(decoded into fresh memory, then copied) and whole on every rank. A :class:`DeferredTensor` has the checkpoint
+tensor's shape and dtype on the ``meta`` device and no data: ``narrow`` along its first dimension gives another one
+over fewer rows, and ``dst.copy_(deferred)`` into a contiguous CPU tensor of its dtype and shape decodes those rows
+straight into ``dst``. Any other operation decodes it first (once; the result is kept) and runs on real data, so a
+loader that does something else (a transpose, a cast, a concatenation) gets exactly what it would have got.
+
+Checksums: a copy of the whole tensor checks the stored and the decoded bytes as ``load_file`` does; a copy of some
+rows checks the stored bytes (read whole the first time) and decodes only those rows, whose bytes have no checksum
+of their own. Nothing is decoded twice: the counters say how many raw bytes were decoded against the checkpoint's.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch.utils._pytree import tree_map
+
+from ..format.header import TensorEntry
+from ..loading.host_reader import HostReader
+
+__all__ = ["DeferredTensor", "DecodeCounter"]
+
+
+class DecodeCounter:
+    """Raw bytes decoded, and the raw bytes of the tensors handed out."""
+
+    def __init__(self) -> None:
+        self.decoded = 0
+        self.handed_out = 0
+
+
+_METADATA = frozenset({
+    torch.Tensor.size, torch.Tensor.dim, torch.Tensor.numel, torch.Tensor.nelement, torch.Tensor.element_size,
+    torch.Tensor.stride, torch.Tensor.is_contiguous, torch.Tensor.is_floating_point, torch.Tensor.__len__,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.ndim.__get__,
+    torch.Tensor.requires_grad.__get__, torch.Tensor.layout.__get__,
+})
+"""Functions that read only a tensor's metadata: answered from the ``meta`` tensor, nothing decoded."""
+
+
+class DeferredTensor(torch.Tensor):
+    """Rows ``[start, stop)`` of the first dimension of checkpoint tensor ``entry``, not decoded yet.
+
+    Args:
+        reader (`HostReader`): reads and decodes the tensor's file on the CPU (keeps it open).
+        entry (`TensorEntry`): the tensor.
+        counter (`DecodeCounter`): where the bytes decoded are counted.
+    """
+
+    _reader: HostReader
+    _entry: TensorEntry
+    _rows: tuple[int, int]
+    _counter: DecodeCounter
+    _value: torch.Tensor | None
+
+    @staticmethod
+    def __new__(cls, reader: HostReader, entry: TensorEntry, counter: DecodeCounter,
+                rows: tuple[int, int] | None = None) -> "DeferredTensor":
+        dtype = entry.torch_dtype(reader.file.path)
+        rows = rows if rows is not None else (0, entry.shape[0] if entry.shape else 1)
+        shape = (rows[1] - rows[0], *entry.shape[1:]) if entry.shape else ()
+        tensor = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
+        tensor._reader, tensor._entry, tensor._rows, tensor._counter = reader, entry, rows, counter
+        tensor._value = None
+        if rows == (0, entry.shape[0] if entry.shape else 1):
+            counter.handed_out += entry.raw_length
+        return tensor
+
+    def __repr__(self) -> str:  # noqa: D105 - what a log line or an error message shows, without decoding
+        return f"DeferredTensor({self._entry.name!r}, rows={self._rows}, shape={tuple(self.shape)}, dtype={self.dtype})"
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: dict | None = None) -> Any:
+        kwargs = kwargs or {}
+        if func in _METADATA:
+            with torch._C.DisableTorchFunctionSubclass():
+                return func(*args, **kwargs)
+        if func in (torch.Tensor.narrow, torch.narrow) and type(args[0]) is cls:
+            narrowed = args[0]._narrow(*args[1:], **kwargs)
+            if narrowed is not None:
+                return narrowed
+        if func is torch.Tensor.copy_ and len(args) == 2 and type(args[1]) is cls and args[1]._decode_into(args[0]):
+            return args[0]
+        args, kwargs = tree_map(_materialized, (args, kwargs))
+        return func(*args, **kwargs)
+
+    def _narrow(self, dim: int, start: int, length: int) -> "DeferredTensor | None":
+        """Rows ``[start, start + length)`` of this one, when ``dim`` is the first and they lie inside it."""
+        if not isinstance(dim, int) or not isinstance(start, int) or not isinstance(length, int):
+            return None
+        first, stop = self._rows
+        if self._value is not None or not self._entry.shape or dim not in (0, -len(self._entry.shape)) \
+                or not 0 <= start <= start + length <= stop - first:
+            return None  # decoded first, and torch narrows (or refuses) as it would any tensor
+        return DeferredTensor(self._reader, self._entry, self._counter, (first + start, first + start + length))
+
+    def _decode_into(self, target: torch.Tensor) -> bool:
+        """Decode straight into ``target`` where it is a contiguous CPU tensor of this one's dtype and shape."""
+        with torch._C.DisableTorchFunctionSubclass():
+            fits = (isinstance(target, torch.Tensor) and not isinstance(target, DeferredTensor)
+                    and self._value is None and target.device.type == "cpu" and target.dtype == self.dtype
+                    and target.shape == self.shape and target.is_contiguous() and not target.requires_grad)
+        if not fits:
+            return False
+        self._decode(target)
+        return True
+
+    def _decode(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """These rows decoded, into ``out`` when given (else a new tensor)."""
+        entry, (start, stop) = self._entry, self._rows
+        if not entry.shape or (start, stop) == (0, entry.shape[0]):
+            (value,) = self._reader.tensors([entry.name], None if out is None else [out])
+        else:
+            value = self._reader.rows(entry, start, stop, out)
+        self._counter.decoded += value.numel() * value.element_size()
+        return value
+
+    def materialized(self) -> torch.Tensor:
+        """These rows as a real CPU tensor (decoded the first time)."""
+        if self._value is None:
+            self._value = self._decode()
+        return self._value
+
+
+def _materialized(value: Any) -> Any:
+    return value.materialized() if isinstance(value, DeferredTensor) else value

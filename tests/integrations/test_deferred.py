@@ -1,0 +1,128 @@
+"""Deferred checkpoint tensors (``integrations/deferred.py``): what vLLM's weight loaders do to them (narrow the
+first dimension, copy into a parameter) decodes straight into the target, only the rows kept; anything else decodes
+first and gets exactly the tensor; metadata never decodes; bad bytes are refused by name when they are used."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+import szformat
+from szformat.errors import ChecksumMismatchError
+from szformat.format.reader import SztFile
+from szformat.integrations.deferred import DecodeCounter, DeferredTensor
+from szformat.loading.host_reader import HostReader
+
+from support import write_at_rest
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "proj.weight": (torch.randn(96, 40, generator=g) * 0.02).to(torch.bfloat16),
+        "odd.weight": (torch.randn(33, 7, generator=g) * 0.05).to(torch.bfloat16),
+        "norm.weight": torch.randn(40, generator=g).to(torch.bfloat16),
+        "scale": torch.tensor(0.25, dtype=torch.bfloat16),
+        "f32": torch.randn(12, 5, generator=g),
+        "ids": torch.arange(30, dtype=torch.int64).reshape(6, 5),
+    }
+
+
+@pytest.fixture(params=["in-memory", "at rest"])
+def checkpoint(request, tmp_path):
+    tensors = _tensors(random.randrange(1 << 30))
+    path = tmp_path / "model.szt"
+    if request.param == "at rest":
+        write_at_rest(tensors, path)
+    else:
+        szformat.save_file(tensors, path)
+    return path, tensors
+
+
+def _deferred(path, name, counter=None):
+    file = SztFile(path)
+    counter = counter if counter is not None else DecodeCounter()
+    return DeferredTensor(HostReader(file, verify=True), file.entry(name), counter), counter
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(a.reshape(-1).view(torch.uint8),
+                                                                       b.reshape(-1).view(torch.uint8))
+
+
+def test_metadata_is_read_without_decoding(checkpoint):
+    path, tensors = checkpoint
+    for name, tensor in tensors.items():
+        deferred, counter = _deferred(path, name)
+        assert deferred.shape == tensor.shape and deferred.dtype == tensor.dtype and deferred.dim() == tensor.dim()
+        assert deferred.numel() == tensor.numel() and deferred.size() == tensor.size()
+        assert name in repr(deferred)
+        assert counter.decoded == 0 and counter.handed_out == tensor.numel() * tensor.element_size()
+
+
+def test_a_copy_into_a_parameter_decodes_straight_into_it(checkpoint):
+    path, tensors = checkpoint
+    for name, tensor in tensors.items():
+        deferred, counter = _deferred(path, name)
+        target = torch.full_like(tensor, 7) if tensor.is_floating_point() else torch.zeros_like(tensor)
+        address = target.data_ptr()
+        assert target.copy_(deferred) is target and target.data_ptr() == address
+        assert _same(target, tensor), name
+        assert counter.decoded == tensor.numel() * tensor.element_size()
+
+
+@pytest.mark.parametrize("start, length", [(0, 48), (48, 48), (5, 1), (0, 96), (95, 1), (10, 0)])
+def test_narrowed_rows_decode_only_themselves(checkpoint, start, length):
+    path, tensors = checkpoint
+    deferred, counter = _deferred(path, "proj.weight")
+    rows = deferred.narrow(0, start, length)
+    assert isinstance(rows, DeferredTensor) and rows.shape == (length, 40) and counter.decoded == 0
+    target = torch.empty(length, 40, dtype=torch.bfloat16)
+    target.copy_(rows)
+    assert _same(target, tensors["proj.weight"][start: start + length])
+    assert counter.decoded == length * 40 * 2
+    twice = deferred.narrow(0, start, length).narrow(0, 0, length // 2) if length > 1 else None
+    if twice is not None:
+        half = torch.empty(length // 2, 40, dtype=torch.bfloat16)
+        half.copy_(twice)
+        assert _same(half, tensors["proj.weight"][start: start + length // 2])
+
+
+def test_anything_else_decodes_first_and_gets_exactly_the_tensor(checkpoint):
+    path, tensors = checkpoint
+    weight = tensors["proj.weight"]
+    deferred, counter = _deferred(path, "proj.weight")
+    assert _same(deferred.narrow(1, 3, 20).contiguous(), weight.narrow(1, 3, 20))  # columns: decoded whole
+    assert _same(deferred.t().contiguous(), weight.t().contiguous())
+    assert _same(deferred.float(), weight.float())
+    assert _same(torch.cat([deferred, deferred]), torch.cat([weight, weight]))
+    assert counter.decoded == weight.numel() * 2  # decoded once, kept
+    as_float = torch.empty(96, 40)
+    other, _ = _deferred(path, "proj.weight")
+    as_float.copy_(other)  # a cast on the way: decoded, then copied by torch
+    assert _same(as_float, weight.float())
+    rows, _ = _deferred(path, "odd.weight")
+    assert _same(rows.narrow(0, 30, 3).reshape(-1), tensors["odd.weight"][30:].reshape(-1))
+    scalar, _ = _deferred(path, "scale")
+    assert scalar.item() == 0.25 and _same(scalar.view(1), tensors["scale"].view(1))
+
+
+def test_stored_bytes_that_fail_their_checksum_are_refused_when_used_naming_the_tensor(tmp_path):
+    tensors = _tensors(1)
+    path = tmp_path / "model.szt"
+    szformat.save_file(tensors, path)
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        entry = f.entry("proj.weight")
+        data[entry.offset + entry.length // 2] ^= 0x20
+    bad = tmp_path / "bad.szt"
+    bad.write_bytes(bytes(data))
+    for use in (lambda d: torch.empty(96, 40, dtype=torch.bfloat16).copy_(d),
+                lambda d: torch.empty(10, 40, dtype=torch.bfloat16).copy_(d.narrow(0, 50, 10)),
+                lambda d: d.sum()):
+        deferred, _ = _deferred(bad, "proj.weight")
+        with pytest.raises(ChecksumMismatchError, match="proj.weight") as info:
+            use(deferred)
+        assert "bad.szt" in str(info.value)
