@@ -27,7 +27,7 @@ __all__ = ["DeferredTensor", "DecodeCounter"]
 
 
 class DecodeCounter:
-    """Raw bytes decoded, and the raw bytes of the tensors handed out."""
+    """Raw bytes decoded, and the raw bytes of the tensors handed out (counted by whoever hands them out)."""
 
     def __init__(self) -> None:
         self.decoded = 0
@@ -67,8 +67,6 @@ class DeferredTensor(torch.Tensor):
         tensor = torch.Tensor._make_subclass(cls, torch.empty(shape, dtype=dtype, device="meta"))
         tensor._reader, tensor._entry, tensor._rows, tensor._counter = reader, entry, rows, counter
         tensor._value = None
-        if rows == (0, entry.shape[0] if entry.shape else 1):
-            counter.handed_out += entry.raw_length
         return tensor
 
     def __repr__(self) -> str:  # noqa: D105 - what a log line or an error message shows, without decoding

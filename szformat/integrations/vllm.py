@@ -62,7 +62,9 @@ def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool =
             file = open_shard(shard)  # closed once its last tensor is gone
             reader = HostReader(file, verify=verify)
             for name in (list(file.entries) if shard.names is None else shard.names):
-                yield name, DeferredTensor(reader, file.entry(name), counter)
+                entry = file.entry(name)
+                counter.handed_out += entry.raw_length
+                yield name, DeferredTensor(reader, entry, counter)
         return
     from ..loading.device_loader import DeviceLoader
 
