@@ -81,11 +81,11 @@ class CudaOps:
 
     def enqueue(self, stream: torch.cuda.Stream, work: Callable[[], None], label: str,
                 current: torch.cuda.Stream | None = None) -> None:
-        if current is None:
+        if current is None or torch.cuda.current_device() != self.device.index:  # set_stream also sets the device
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 work()
             return
-        torch.cuda.set_stream(stream)  # (also makes the stream's device current, and the restore undoes it)
+        torch.cuda.set_stream(stream)
         try:
             work()
         finally:
