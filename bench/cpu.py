@@ -7,7 +7,8 @@ and large tensors); and each tensor tiled end to end as many times (fewer, large
 Rows, all on the same bytes, in the same run; the SplitZip rows once per CPU kernel (``[native]``: the C
 extension, where the package was built with it; ``[reference]``: the PyTorch loops):
 
-- ``memory copy``: the raw BF16 bytes copied into preallocated tensors, the speed a decode would match.
+- ``memory copy``: the raw BF16 bytes copied into preallocated tensors, the speed a decode would match; and into
+  new ones (``clone``), which pays for fresh pages as a decode into new tensors does.
 - ``splitzip decode``: decode every tensor from a page-cached, memory-mapped file of payloads (each payload at a
   4096-byte offset, as in a .szt) into freshly allocated tensors; and into preallocated ones.
 - ``splitzip convert``: ``cpu.encode`` of every tensor (exponent histogram, codebook, payload, and the check that
@@ -193,7 +194,8 @@ def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, r
         for name, t in bf16.items():
             preallocated[name].copy_(t.reshape(-1))
 
-    methods = [("memory copy (raw bytes -> preallocated)", 1.0, memory_copy)]
+    methods = [("memory copy (raw bytes -> preallocated)", 1.0, memory_copy),
+               ("memory copy (raw bytes -> new)", 1.0, lambda: [t.clone() for t in bf16.values()])]
     for kernel in KERNELS:
         methods += [
             (f"splitzip decode [{kernel}] (mmap -> new)", splitzip_ratio, with_kernel(kernel, splitzip_decode)),
