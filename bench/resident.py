@@ -14,10 +14,10 @@ together, forward by forward in ``--reps`` rounds after an untimed warm-up round
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
 time is reported. On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched),
 and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
-weights' placement in slots); and the plain model with hooks on the same blocks that make the route's own CUDA calls
-and ``.data`` rebinds and expand nothing (what the hooks cost with the weights where the plain model has them).
-Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and
-the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
+weights' placement in slots); and the plain model with hooks on the same blocks that make the CUDA calls and
+``.data`` rebinds the route's hooks made in runs 62-68 and expand nothing (what such hooks cost with the weights where
+the plain model has them). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of
+each (weights + activations) and the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """
 
@@ -144,9 +144,10 @@ HOOKS_ONLY = "plain, the route's hook calls"
 
 
 def mimic_hooks(model: torch.nn.Module, device: torch.device) -> None:
-    """Hooks on the route's blocks that make the calls its hooks make per group (the compute stream looked up, an
-    event waited on, each weight's ``.data`` set to itself and back, two waits, a stream switch and an event
-    recorded on a side stream, an event recorded after the forward) and expand nothing."""
+    """Hooks on the route's blocks that make the calls its hooks made per group in runs 62-68 (the compute stream
+    looked up, an event waited on, each weight's ``.data`` set to itself and back, two waits, a stream switch through
+    the context managers and a new event recorded on a side stream, a new event recorded after the forward) and
+    expand nothing."""
     from szformat.offload.resident import find_blocks
 
     side = torch.cuda.Stream(device)
