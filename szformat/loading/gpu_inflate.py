@@ -6,6 +6,10 @@ stored bytes cross to the device as they are (fewer of them) and its batched zst
 a transfer in one call: 14 GB/s for the ~128 frames of a 128 MiB slot on the H200, 71 GB/s for 1024 frames
 (``bench/RESULTS.md``; the probe, ``tools/probe_gpu_zstd.py``, is in commit 98d3c4b).
 
+Byte planes (.szt 1.2) take the same path: each compressed plane is a frame of its own, inflated to its place in its
+frame, the verbatim planes are copied beside them (one launch per transfer), and the codec joins the planes into
+elements (``codec.gpu.join_planes``).
+
 nvCOMP validates little of what it inflates ("corrupt data leads to undefined behavior"), so a load inflates on
 the device only with ``verify`` on, and only bytes whose CRC-32 has already been checked (:class:`FrameInflater`
 is called by the route after that check). The frames' sizes come from the header, already checked against the
