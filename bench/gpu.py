@@ -254,6 +254,19 @@ def llm_shaped(layers: int, hidden: int, ffn: int) -> list[torch.Tensor]:
     return tensors
 
 
+def bench_rest(args: argparse.Namespace, copy_rate: float) -> None:
+    """Compilation, the decoders and the encoder."""
+    bench_compile()
+    bench_single(1 << 28, copy_rate)
+    if args.safetensors:
+        checkpoint = load_checkpoint(args.safetensors)
+        name = os.path.splitext(os.path.basename(args.safetensors))[0]
+        bench_batch(name, list(checkpoint.values()), copies=6)
+    bench_batch("LLM-shaped, 4 layers", llm_shaped(4, 4096, 11008), copies=2)
+    block = [gpu.encode(x) for x in llm_shaped(2, 4096, 11008) if x.numel() > 4096]  # two blocks of 7 weights
+    bench_scattered("7B-shaped blocks of 7 weights", block, copy_rate, tensors_per_group=7)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--safetensors", help="a real checkpoint to decode whole, batched (FP32 rounded to BF16)")
@@ -276,19 +289,6 @@ def main() -> int:
         with open(args.markdown, "w") as f:
             f.write("\n".join(lines) + "\n")
     return 0
-
-
-def bench_rest(args: argparse.Namespace, copy_rate: float) -> None:
-    """Compilation, the decoders and the encoder."""
-    bench_compile()
-    bench_single(1 << 28, copy_rate)
-    if args.safetensors:
-        checkpoint = load_checkpoint(args.safetensors)
-        name = os.path.splitext(os.path.basename(args.safetensors))[0]
-        bench_batch(name, list(checkpoint.values()), copies=6)
-    bench_batch("LLM-shaped, 4 layers", llm_shaped(4, 4096, 11008), copies=2)
-    block = [gpu.encode(x) for x in llm_shaped(2, 4096, 11008) if x.numel() > 4096]  # two blocks of 7 weights
-    bench_scattered("7B-shaped blocks of 7 weights", block, copy_rate, tensors_per_group=7)
 
 
 if __name__ == "__main__":

@@ -65,9 +65,14 @@ class TensorEntry:
             return self.length
         return self.raw_length if self.encoding == C.ENCODING_RAW else self.layout.comp_bytes
 
+    @property
+    def byte_planes(self) -> bool:
+        """Whether this is a raw tensor stored at rest as byte planes (1.2): inflated, then joined into elements."""
+        return isinstance(self.at_rest, PlanesStage)
+
     def segments(self) -> list[Segment]:
         """The pieces of the stored bytes of a tensor with an at-rest stage, in in-memory order."""
-        if isinstance(self.at_rest, PlanesStage):
+        if self.byte_planes:
             return self.at_rest.segments(self.raw_length)
         return segments(self.layout, self.at_rest)
 

@@ -300,7 +300,7 @@ class SztFile:
     def byte_planes(self) -> bool:
         """Whether any raw tensor of this file is stored as byte planes (1.2), inflated and then joined into its
         elements."""
-        return any(e.at_rest is not None and e.encoding == C.ENCODING_RAW for e in self.header.tensors)
+        return any(e.byte_planes for e in self.header.tensors)
 
     @property
     def buffer(self) -> mmap.mmap:

@@ -16,6 +16,7 @@ start-up with szformat's one-line error naming the file and the tensor.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import time
@@ -46,25 +47,27 @@ def register() -> None:
 
 
 def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool = True,
-                batch_bytes: int = BATCH_BYTES, counter: DecodeCounter | None = None
-                ) -> Iterator[tuple[str, torch.Tensor]]:
+                batch_bytes: int = BATCH_BYTES, counter: DecodeCounter | None = None,
+                files: contextlib.ExitStack | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint at ``path`` as ``(name, tensor)``, shard by shard, checksums checked as
     ``load_file`` checks them: on CUDA decoded on the device in batches of ``batch_bytes`` raw bytes; on the CPU as
-    :class:`~.deferred.DeferredTensor` (each holds its file open), decoded when used, the bytes decoded counted in
-    ``counter``."""
+    :class:`~.deferred.DeferredTensor`, decoded when used (the bytes decoded counted in ``counter``) while its file
+    is open: until ``files`` closes, when given (a loader whose model may keep tensors to use after the last one is
+    handed out), else until this iterator ends (a tensor used later raises ClosedFileError, naming the file)."""
     from ..format.index import checkpoint_shards, open_shard
 
     if device.type != "cuda":
         from ..loading.host_reader import HostReader
 
         counter = counter if counter is not None else DecodeCounter()
-        for shard in checkpoint_shards(path):
-            file = open_shard(shard)  # closed once its last tensor is gone
-            reader = HostReader(file, verify=verify)
-            for name in (list(file.entries) if shard.names is None else shard.names):
-                entry = file.entry(name)
-                counter.handed_out += entry.raw_length
-                yield name, DeferredTensor(reader, entry, counter)
+        with contextlib.ExitStack() as own:
+            for shard in checkpoint_shards(path):
+                file = (files if files is not None else own).enter_context(open_shard(shard))
+                reader = HostReader(file, verify=verify)
+                for name in (list(file.entries) if shard.names is None else shard.names):
+                    entry = file.entry(name)
+                    counter.handed_out += entry.raw_length
+                    yield name, DeferredTensor(reader, entry, counter)
         return
     from ..loading.device_loader import DeviceLoader
 
@@ -126,7 +129,8 @@ def _loader_class():
             folder = local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             counter = DecodeCounter()
-            loaded = model.load_weights(szt_weights(folder, device, counter=counter))
+            with contextlib.ExitStack() as files:  # open until the model has done with every tensor
+                loaded = model.load_weights(szt_weights(folder, device, counter=counter, files=files))
             logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)  # as vLLM's loaders
             if device.type != "cuda":
                 logger.info("szt: this rank decoded %.1f MB of the checkpoint's %.1f MB", counter.decoded / 1e6,

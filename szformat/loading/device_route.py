@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from ..codec.layout import ENCODING_RAW, ENCODING_SPLITZIP
+from ..codec.layout import ENCODING_SPLITZIP
 from ..format.header import TensorEntry
 from . import timeline
 from .device_codec import DeviceCodec
@@ -31,11 +31,6 @@ ARENA_ALIGNMENT = 256
 INFLATED_ALIGNMENT = 16
 """In-memory payloads inflated on the device start at multiples of this many bytes: the batched decode loads
 16-byte vectors."""
-
-
-def stored_as_planes(entry: TensorEntry) -> bool:
-    """Whether ``entry`` is a raw tensor stored at rest as byte planes (1.2): inflated, then joined into elements."""
-    return entry.encoding == ENCODING_RAW and entry.at_rest is not None
 
 
 def destination_bytes(entry: TensorEntry) -> int:
@@ -209,7 +204,7 @@ class DeviceDecodeRoute:
             if transfer.packed:
                 placed, cursor = payload_offsets.setdefault(k, {}), 0
                 slot_offset = {p.item: p.slot_offset for p in transfer.pieces}
-                planes = [p.item for p in transfer.pieces if stored_as_planes(entries[p.item])]
+                planes = [p.item for p in transfer.pieces if entries[p.item].byte_planes]
                 for item in list(rows.get(k, ())) + planes:
                     placed[item] = cursor
                     cursor += -(-entries[item].memory_length // INFLATED_ALIGNMENT) * INFLATED_ALIGNMENT
@@ -342,7 +337,7 @@ class DeviceDecodeRoute:
         def expand() -> None:
             for piece in transfer.pieces:  # raw pieces are copied as they are, or joined from their planes
                 entry = entries[piece.item]
-                if stored_as_planes(entry):
+                if entry.byte_planes:
                     start = placed[piece.item]
                     self._join(entry, payloads[start: start + entry.raw_length], dests[piece.item])
                 elif entry.encoding != ENCODING_SPLITZIP:
@@ -362,28 +357,23 @@ class DeviceDecodeRoute:
         rest: inflate its payload, or its planes, into scratch and decode, or join, from there)."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
-        if piece.last and stored_as_planes(entry):
-            self.loop.ops.wait(self.loop.decode_stream, copied)
-            dest = dests[piece.item]
-
-            def join() -> None:
+        if not piece.last or not (entry.byte_planes or entry.encoding == ENCODING_SPLITZIP):
+            return  # raw bytes stored as they are: already in place
+        dest, errors = dests[piece.item], checks.escapes([piece.item])
+        if entry.byte_planes:
+            def work() -> None:
                 planes = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.raw_length]
                 self._join(entry, planes, dest[: entry.raw_length])
-
-            self.loop.enqueue(self.loop.decode_stream, join, "decode", k)
-        elif piece.last and entry.encoding == ENCODING_SPLITZIP:
-            ops, loop = self.loop.ops, self.loop
-            ops.wait(loop.decode_stream, copied)
-            dest, errors = dests[piece.item], checks.escapes([piece.item])
-            if inflation is None:
-                work = lambda: self.codec.decode_in_place(  # noqa: E731
-                    dest, entry.layout, entry.codebook, self._scratch, errors)
-            else:
-                def work() -> None:
-                    payload = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.memory_length]
-                    self.codec.decode(payload, entry.layout, entry.codebook,
-                                      dest[: entry.raw_length].view(torch.bfloat16), errors)
-            loop.enqueue(loop.decode_stream, work, "decode", k)
+        elif inflation is None:
+            work = lambda: self.codec.decode_in_place(  # noqa: E731
+                dest, entry.layout, entry.codebook, self._scratch, errors)
+        else:
+            def work() -> None:
+                payload = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.memory_length]
+                self.codec.decode(payload, entry.layout, entry.codebook,
+                                  dest[: entry.raw_length].view(torch.bfloat16), errors)
+        self.loop.ops.wait(self.loop.decode_stream, copied)
+        self.loop.enqueue(self.loop.decode_stream, work, "decode", k)
 
     def _join(self, entry: TensorEntry, planes: torch.Tensor, out: torch.Tensor) -> None:
         """Join the byte planes of raw tensor ``entry``, inflated into ``planes``, into its elements ``out``."""

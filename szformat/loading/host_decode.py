@@ -201,7 +201,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
         out = into if into is not None else torch.empty(entry.length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
-    if entry.encoding == ENCODING_RAW:  # byte planes: stored bytes checked whole, frames inflated range by range
+    if entry.byte_planes:  # stored bytes checked whole, frames inflated range by range
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)

@@ -110,10 +110,7 @@ class HostReader:
         """Rows ``[row_start, row_stop)`` of a tensor (the whole tensor for scalars), decoded on the CPU, into
         ``out`` (a contiguous tensor of their dtype and shape) when given."""
         with allocation_errors(self.file.path, entry.name):
-            rows = self._rows(entry, row_start, row_stop, out)
-        if out is not None and rows.data_ptr() != out.data_ptr():
-            out.copy_(rows)
-        return rows if out is None else out
+            return self._rows(entry, row_start, row_stop, out)
 
     def _rows(self, entry: TensorEntry, row_start: int, row_stop: int, out: torch.Tensor | None) -> torch.Tensor:
         dtype = entry.torch_dtype(self.file.path)
@@ -121,21 +118,23 @@ class HostReader:
         row_numel = math.prod(row_shape)
         start, stop = row_start * row_numel, row_stop * row_numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
+        target = None if out is None else out.reshape(-1).view(torch.uint8)  # the raw bytes land there
         if entry.encoding == C.ENCODING_RAW and entry.at_rest is None:  # the stored bytes are the tensor's bytes
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
             if (begin, end) == (0, entry.length):
-                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8))
+                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8) if target is None
+                                        else target)
             elif self._unchecked(entry):
-                raw = self._read_stored(entry, self._buffer(entry.length))[begin:end].clone()
+                raw = _copied(self._read_stored(entry, self._buffer(entry.length))[begin:end], target)
             else:
-                raw = self.file.read(entry.name, begin, end)
+                raw = self.file.read(entry.name, begin, end, out=target)
             return raw.view(dtype).reshape(shape)
         whole = (start, stop) == (0, entry.numel)
-        if entry.encoding == C.ENCODING_RAW:  # byte planes: the frames holding these rows, inflated
+        if entry.byte_planes:  # the frames holding these rows, inflated
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
-            raw = self._payload(entry, [(begin, end)], whole)[begin:end].clone()
+            raw = _copied(self._payload(entry, [(begin, end)], whole)[begin:end], target)
             if self.verify and whole:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
@@ -146,6 +145,11 @@ class HostReader:
             check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.file.path,
                       tensor=entry.name)
         return out.reshape(shape)
+
+
+def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
+    """``source`` (bytes in a read buffer) copied into ``target``, or into a tensor of its own."""
+    return source.clone() if target is None else target.copy_(source)
 
 
 class TensorSlice:

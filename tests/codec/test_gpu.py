@@ -343,3 +343,5 @@ def test_copy_ranges_copies_every_range_in_one_launch_and_nothing_else():
     out = out.to(DEVICE)
     gpu.copy_ranges(source.to(DEVICE), out, sources, targets, lengths, max(r[2] for r in ranges))
     assert torch.equal(out.cpu(), expected), f"seed {seed}"
+    with pytest.raises(ValueError, match="flat uint8"):
+        gpu.copy_ranges(source.to(DEVICE).view(torch.int16), out, sources, targets, lengths, 1)

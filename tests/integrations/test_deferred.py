@@ -41,10 +41,19 @@ def checkpoint(request, tmp_path):
     return path, tensors
 
 
-def _deferred(path, name, counter=None):
-    file = SztFile(path)
-    counter = counter if counter is not None else DecodeCounter()
-    return DeferredTensor(HostReader(file, verify=True), file.entry(name), counter), counter
+@pytest.fixture
+def deferred_of():
+    """``(DeferredTensor, DecodeCounter)`` of tensor ``name`` of a file, the files closed after the test."""
+    files = []
+
+    def make(path, name):
+        files.append(SztFile(path))
+        counter = DecodeCounter()
+        return DeferredTensor(HostReader(files[-1], verify=True), files[-1].entry(name), counter), counter
+
+    yield make
+    for file in files:
+        file.close()
 
 
 def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
@@ -52,20 +61,20 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
                                                                        b.reshape(-1).view(torch.uint8))
 
 
-def test_metadata_is_read_without_decoding(checkpoint):
+def test_metadata_is_read_without_decoding(checkpoint, deferred_of):
     path, tensors = checkpoint
     for name, tensor in tensors.items():
-        deferred, counter = _deferred(path, name)
+        deferred, counter = deferred_of(path, name)
         assert deferred.shape == tensor.shape and deferred.dtype == tensor.dtype and deferred.dim() == tensor.dim()
         assert deferred.numel() == tensor.numel() and deferred.size() == tensor.size()
         assert name in repr(deferred)
         assert counter.decoded == 0
 
 
-def test_a_copy_into_a_parameter_decodes_straight_into_it(checkpoint):
+def test_a_copy_into_a_parameter_decodes_straight_into_it(checkpoint, deferred_of):
     path, tensors = checkpoint
     for name, tensor in tensors.items():
-        deferred, counter = _deferred(path, name)
+        deferred, counter = deferred_of(path, name)
         target = torch.full_like(tensor, 7) if tensor.is_floating_point() else torch.zeros_like(tensor)
         address = target.data_ptr()
         assert target.copy_(deferred) is target and target.data_ptr() == address
@@ -74,9 +83,9 @@ def test_a_copy_into_a_parameter_decodes_straight_into_it(checkpoint):
 
 
 @pytest.mark.parametrize("start, length", [(0, 48), (48, 48), (5, 1), (0, 96), (95, 1), (10, 0)])
-def test_narrowed_rows_decode_only_themselves(checkpoint, start, length):
+def test_narrowed_rows_decode_only_themselves(checkpoint, deferred_of, start, length):
     path, tensors = checkpoint
-    deferred, counter = _deferred(path, "proj.weight")
+    deferred, counter = deferred_of(path, "proj.weight")
     rows = deferred.narrow(0, start, length)
     assert isinstance(rows, DeferredTensor) and rows.shape == (length, 40) and counter.decoded == 0
     target = torch.empty(length, 40, dtype=torch.bfloat16)
@@ -90,26 +99,26 @@ def test_narrowed_rows_decode_only_themselves(checkpoint, start, length):
         assert _same(half, tensors["proj.weight"][start: start + length // 2])
 
 
-def test_anything_else_decodes_first_and_gets_exactly_the_tensor(checkpoint):
+def test_anything_else_decodes_first_and_gets_exactly_the_tensor(checkpoint, deferred_of):
     path, tensors = checkpoint
     weight = tensors["proj.weight"]
-    deferred, counter = _deferred(path, "proj.weight")
+    deferred, counter = deferred_of(path, "proj.weight")
     assert _same(deferred.t().contiguous(), weight.t().contiguous())
     assert _same(deferred.float(), weight.float())
     assert _same(torch.cat([deferred, deferred]), torch.cat([weight, weight]))
     assert counter.decoded == weight.numel() * 2  # decoded once, kept
     as_float = torch.empty(96, 40)
-    other, _ = _deferred(path, "proj.weight")
+    other, _ = deferred_of(path, "proj.weight")
     as_float.copy_(other)  # a cast on the way: decoded, then copied by torch
     assert _same(as_float, weight.float())
-    rows, _ = _deferred(path, "odd.weight")
+    rows, _ = deferred_of(path, "odd.weight")
     assert _same(rows.narrow(0, 30, 3).reshape(-1), tensors["odd.weight"][30:].reshape(-1))
-    scalar, _ = _deferred(path, "scale")
+    scalar, _ = deferred_of(path, "scale")
     assert scalar.item() == 0.25 and _same(scalar.view(1), tensors["scale"].view(1))
 
 
 @pytest.mark.parametrize("rows, cols", [((0, 96), (0, 20)), ((0, 96), (20, 20)), ((7, 60), (3, 17)), ((5, 5), (0, 40))])
-def test_columns_of_a_matrix_are_copied_out_of_whole_rows_decoded_block_by_block(checkpoint, monkeypatch, rows, cols):
+def test_columns_of_a_matrix_are_copied_out_of_whole_rows_decoded_block_by_block(checkpoint, deferred_of, monkeypatch, rows, cols):
     """A row-parallel shard (narrow on the second dimension, before or after the rows): whole rows decoded a few at a
     time (blocks smaller than the matrix here), only the columns copied into the target, which nothing else wrote."""
     from szformat.integrations import deferred as deferred_module
@@ -118,7 +127,7 @@ def test_columns_of_a_matrix_are_copied_out_of_whole_rows_decoded_block_by_block
     path, tensors = checkpoint
     weight = tensors["proj.weight"]
     for order in ("rows first", "columns first"):
-        deferred, counter = _deferred(path, "proj.weight")
+        deferred, counter = deferred_of(path, "proj.weight")
         if order == "rows first":
             shard = deferred.narrow(0, rows[0], rows[1] - rows[0]).narrow(1, cols[0], cols[1] - cols[0])
         else:
@@ -131,7 +140,27 @@ def test_columns_of_a_matrix_are_copied_out_of_whole_rows_decoded_block_by_block
         assert _same(shard.contiguous(), target)  # materialized the same way
 
 
-def test_stored_bytes_that_fail_their_checksum_are_refused_when_used_naming_the_tensor(tmp_path):
+def test_a_narrow_outside_the_tensor_is_refused_as_torch_refuses_it(checkpoint, deferred_of):
+    path, tensors = checkpoint
+    deferred, _ = deferred_of(path, "proj.weight")
+    for dim, start, length in ((0, 90, 7), (1, 35, 6), (0, -1, 2)):
+        with pytest.raises((RuntimeError, IndexError)) as real:
+            tensors["proj.weight"].narrow(dim, start, length)
+        with pytest.raises(type(real.value)):
+            deferred.narrow(dim, start, length)
+
+
+def test_decoding_into_a_tensor_of_the_wrong_size_is_refused_naming_the_tensor(checkpoint):
+    from szformat.loading.host_decode import decode_entries
+
+    path, _ = checkpoint
+    with SztFile(path) as f:
+        for wrong in (torch.empty(96, 39, dtype=torch.bfloat16), torch.empty(40, 96, dtype=torch.bfloat16).t()):
+            with pytest.raises(ValueError, match="proj.weight: decoding into a tensor needs a contiguous CPU tensor"):
+                decode_entries(f, [f.entry("proj.weight")], check_stored=[True], check_decoded=True, outs=[wrong])
+
+
+def test_stored_bytes_that_fail_their_checksum_are_refused_when_used_naming_the_tensor(tmp_path, deferred_of):
     tensors = _tensors(1)
     path = tmp_path / "model.szt"
     szformat.save_file(tensors, path)
@@ -144,7 +173,7 @@ def test_stored_bytes_that_fail_their_checksum_are_refused_when_used_naming_the_
     for use in (lambda d: torch.empty(96, 40, dtype=torch.bfloat16).copy_(d),
                 lambda d: torch.empty(10, 40, dtype=torch.bfloat16).copy_(d.narrow(0, 50, 10)),
                 lambda d: d.sum()):
-        deferred, _ = _deferred(bad, "proj.weight")
+        deferred, _ = deferred_of(bad, "proj.weight")
         with pytest.raises(ChecksumMismatchError, match="proj.weight") as info:
             use(deferred)
         assert "bad.szt" in str(info.value)
@@ -167,3 +196,24 @@ def test_szt_weights_on_the_cpu_counts_what_a_rank_decodes(checkpoint):
     assert counter.decoded == total - 48 * 40 * 2
     assert _same(loaded.pop("proj.weight"), tensors["proj.weight"][48:])
     assert all(_same(loaded[name], tensors[name]) for name in loaded)
+
+
+def test_tensors_used_after_their_files_closed_are_refused_naming_the_file(checkpoint):
+    """Without ``files`` the iterator closes each file when it ends: a tensor kept past it raises ClosedFileError;
+    with ``files`` they stay usable until the caller closes it."""
+    import contextlib
+
+    from szformat.errors import ClosedFileError
+    from szformat.integrations.vllm import szt_weights
+
+    path, tensors = checkpoint
+    kept = dict(szt_weights(path, torch.device("cpu")))
+    with pytest.raises(ClosedFileError, match="model.szt"):
+        torch.empty(96, 40, dtype=torch.bfloat16).copy_(kept["proj.weight"])
+    with contextlib.ExitStack() as files:
+        kept = dict(szt_weights(path, torch.device("cpu"), files=files))
+        target = torch.empty(96, 40, dtype=torch.bfloat16)
+        target.copy_(kept["proj.weight"])
+        assert _same(target, tensors["proj.weight"])
+    with pytest.raises(ClosedFileError):
+        kept["norm.weight"].sum()
