@@ -141,6 +141,7 @@ def inputs_device(inputs: dict) -> torch.device:
 
 
 HOOKS_ONLY = "plain, the route's hook calls"
+EMPTY_HOOKS = "plain, hooks that do nothing"
 
 
 def mimic_hooks(model: torch.nn.Module, device: torch.device) -> None:
@@ -269,8 +270,25 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     return rows
 
 
+def device_busy_ms(prof: Any) -> tuple[float, int]:
+    """Milliseconds in which at least one device kernel ran (the union of the kernels' intervals, so kernels that
+    overlap on two streams count once), and how many kernels ran."""
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events()
+                   if getattr(e, "device_type", None) is not None and e.device_type.name == "CUDA")
+    busy, reach = 0.0, float("-inf")
+    for begin, end in spans:
+        if end > reach:
+            busy += end - max(begin, reach)
+            reach = end
+    return busy / 1e3, len(spans)
+
+
 def profile(kind: str, args, device: torch.device) -> None:
-    """Where one resident forward's time goes: the hooks' host time, and the device kernels by total time."""
+    """Where a forward's time goes, the plain model beside the resident route: the forward's wall time (synchronized),
+    the host's time to issue it (until the call returns: where it is close to the wall time the forward is bound by
+    the host, and every microsecond a hook takes is added to it; the plain model with hooks that do nothing on the
+    same blocks says what PyTorch's hook calls cost alone), the device's busy time (one profiled forward, the
+    union of its kernels), and for the route the hooks' own host time, expansions apart."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -278,42 +296,65 @@ def profile(kind: str, args, device: torch.device) -> None:
 
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
-    model, handle = load_resident(kind, converted, device, args.tiny)
-    host = {"before": 0.0, "after": 0.0, "calls": 0}
+    sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
+    host = {"before": 0.0, "after": 0.0, "_expand": 0.0, "calls": 0}
 
     def timed(name):
         real = getattr(resident._Arena, name)
 
-        def call(self, group):
+        def call(self, *a):
             start = time.perf_counter()
-            real(self, group)
+            real(self, *a)
             host[name] += time.perf_counter() - start
             host["calls"] += name == "before"
         return call
 
-    originals = {name: getattr(resident._Arena, name) for name in ("before", "after")}
-    try:
-        for name in originals:
-            setattr(resident._Arena, name, timed(name))
-        with torch.no_grad():
-            for _ in range(2):
-                model(**inputs)
-            torch.cuda.synchronize() if device.type == "cuda" else None
-            host.update(before=0.0, after=0.0, calls=0)
-            activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-            start = time.perf_counter()
-            with torch_profile(activities=activities) as prof:
-                model(**inputs)
-                torch.cuda.synchronize() if device.type == "cuda" else None
-            wall = time.perf_counter() - start
-    finally:
-        for name, real in originals.items():
-            setattr(resident._Arena, name, real)
-    print(f"{kind}: one resident forward {wall * 1e3:.1f} ms (profiled); hooks on the host: before "
-          f"{host['before'] * 1e3:.2f} ms, after {host['after'] * 1e3:.2f} ms over {host['calls']} groups")
-    sort = "self_cuda_time_total" if device.type == "cuda" else "self_cpu_time_total"
-    print(prof.key_averages().table(sort_by=sort, row_limit=18, max_name_column_width=60))
-    handle.close()
+    originals = {name: getattr(resident._Arena, name) for name in ("before", "after", "_expand")}
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    rows = []
+    for label in ("plain", EMPTY_HOOKS, "resident"):
+        model, handle = load(kind, "plain" if label == EMPTY_HOOKS else label, folder, converted, device, args.tiny)
+        if label == EMPTY_HOOKS:
+            from szformat.offload.resident import find_blocks
+
+            for block in find_blocks(model):
+                block.register_forward_pre_hook(lambda module, args: None)
+                block.register_forward_hook(lambda module, args, out: None)
+        try:
+            for name in originals if handle is not None else ():
+                setattr(resident._Arena, name, timed(name))
+            walls, issues = [], []
+            with torch.no_grad():
+                for rep in range(2 + args.reps):
+                    sync()
+                    start = time.perf_counter()
+                    model(**inputs)
+                    issued = time.perf_counter()
+                    sync()
+                    if rep >= 2:
+                        walls.append(time.perf_counter() - start)
+                        issues.append(issued - start)
+                host.update(before=0.0, after=0.0, _expand=0.0, calls=0)
+                with torch_profile(activities=activities) as prof:
+                    model(**inputs)
+                    sync()
+            busy, kernels = device_busy_ms(prof) if device.type == "cuda" else (0.0, 0)
+            hooks = (f"{host['before'] * 1e3:.2f} (of which expansions enqueued {host['_expand'] * 1e3:.2f}) / "
+                     f"{host['after'] * 1e3:.2f} ms over {host['calls']} groups") if handle is not None else ""
+            rows.append([label, f"{statistics.median(walls) * 1e3:.1f}", f"{statistics.median(issues) * 1e3:.1f}",
+                         f"{busy:.1f}", str(kernels), hooks])
+        finally:
+            for name, real in originals.items():
+                setattr(resident._Arena, name, real)
+            if handle is not None:
+                handle.close()
+        del model
+        gc.collect()
+    print(f"{kind}: where a forward's time goes (median of {args.reps}; device busy from one profiled forward)")
+    header = ["", "wall ms", "host issue ms", "device busy ms", "kernels", "hooks on the host: before / after"]
+    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -287,6 +287,20 @@ def test_the_resident_benchmark_runs_tiny_models_on_the_cpu_and_checks_their_out
     assert "llm    prefill (ms)" in done.stdout and "dit    forward (ms)" in done.stdout
 
 
+def test_the_device_busy_time_counts_overlapping_kernels_once():
+    from types import SimpleNamespace
+
+    from bench import resident
+
+    def kernel(start, end, kind="CUDA"):
+        return SimpleNamespace(time_range=SimpleNamespace(start=start, end=end),
+                               device_type=SimpleNamespace(name=kind))
+
+    events = [kernel(0, 100), kernel(50, 150), kernel(300, 400), kernel(310, 320), kernel(0, 900, "CPU")]
+    busy_ms, kernels = resident.device_busy_ms(SimpleNamespace(events=lambda: events))
+    assert (busy_ms, kernels) == (0.25, 4)
+
+
 def test_the_dtypes_benchmark_measures_minilm_in_fp16():
     from tools import fetch_minilm
     if not (fetch_minilm.default_dest() / "minilm-fp32" / "model.safetensors").exists():
