@@ -14,9 +14,8 @@ together, forward by forward in ``--reps`` rounds after an untimed warm-up round
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
 time is reported. On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched),
 and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
-weights' placement in slots); and the plain model with hooks on the same blocks that make the CUDA calls and
-``.data`` rebinds the route's hooks made in runs 62-68 and expand nothing (what such hooks cost with the weights where
-the plain model has them). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of
+weights' placement in slots); and the plain model with a pre-forward hook that does nothing on each block (what
+PyTorch's hook calls cost alone). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of
 each (weights + activations) and the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
 script runs on a CPU in seconds: that is how the CI-side test runs it.
 """
@@ -140,51 +139,24 @@ def inputs_device(inputs: dict) -> torch.device:
     return next(v for v in inputs.values() if isinstance(v, torch.Tensor)).device
 
 
-HOOKS_ONLY = "plain, the route's hook calls"
 EMPTY_HOOKS = "plain, hooks that do nothing"
 
 
-def mimic_hooks(model: torch.nn.Module, device: torch.device) -> None:
-    """Hooks on the route's blocks that make the calls its hooks made per group in runs 62-68 (the compute stream
-    looked up, an event waited on, each weight's ``.data`` set to itself and back, two waits, a stream switch through
-    the context managers and a new event recorded on a side stream, a new event recorded after the forward) and
-    expand nothing."""
+def empty_hooks(model: torch.nn.Module) -> None:
+    """A pre-forward hook that does nothing on each of the route's blocks: what PyTorch's hook calls cost alone."""
     from szformat.offload.resident import find_blocks
 
-    side = torch.cuda.Stream(device)
-    ready = [torch.cuda.Event(blocking=True)]
-    ready[0].record(side)
-
-    def before(module, args):
-        compute = torch.cuda.current_stream(device)
-        compute.wait_event(ready[0])
-        for p in module._mimic_params:
-            p.data = p.data
-        side.wait_event(ready[0])
-        side.wait_event(ready[0])
-        with torch.cuda.device(device), torch.cuda.stream(side):
-            pass
-        ready[0] = torch.cuda.Event(blocking=True)
-        ready[0].record(side)
-
-    def after(module, args, out):
-        for p in module._mimic_params:
-            p.data = p.data
-        torch.cuda.Event(blocking=True).record(torch.cuda.current_stream(device))
-
     for block in find_blocks(model):
-        block._mimic_params = [p for p in block.parameters() if p.numel() * 2 >= 1 << 16]
-        block.register_forward_pre_hook(before)
-        block.register_forward_hook(after)
+        block.register_forward_pre_hook(lambda module, args: None)
 
 
 def load(kind: str, label: str, folder: Path, converted: Path, device: torch.device, tiny: bool):
     """Variant ``label`` of the model: ``(model, route handle or None)``."""
     if label == "plain":
         return load_plain(kind, folder, device), None
-    if label == HOOKS_ONLY:
+    if label == EMPTY_HOOKS:
         model = load_plain(kind, folder, device)
-        mimic_hooks(model, device)
+        empty_hooks(model)
         return model, None
     return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label,
                          slot_per_group="per group" in label)
@@ -221,7 +193,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group", HOOKS_ONLY) \
+    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group", EMPTY_HOOKS) \
         if device.type == "cuda" else ("plain", "resident")
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
@@ -297,7 +269,7 @@ def profile(kind: str, args, device: torch.device) -> None:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    host = {"before": 0.0, "after": 0.0, "_expand": 0.0, "calls": 0}
+    host = {"before": 0.0, "_expand": 0.0, "calls": 0}
 
     def timed(name):
         real = getattr(resident._Arena, name)
@@ -309,17 +281,11 @@ def profile(kind: str, args, device: torch.device) -> None:
             host["calls"] += name == "before"
         return call
 
-    originals = {name: getattr(resident._Arena, name) for name in ("before", "after", "_expand")}
+    originals = {name: getattr(resident._Arena, name) for name in ("before", "_expand")}
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
     rows = []
     for label in ("plain", EMPTY_HOOKS, "resident"):
-        model, handle = load(kind, "plain" if label == EMPTY_HOOKS else label, folder, converted, device, args.tiny)
-        if label == EMPTY_HOOKS:
-            from szformat.offload.resident import find_blocks
-
-            for block in find_blocks(model):
-                block.register_forward_pre_hook(lambda module, args: None)
-                block.register_forward_hook(lambda module, args, out: None)
+        model, handle = load(kind, label, folder, converted, device, args.tiny)
         try:
             for name in originals if handle is not None else ():
                 setattr(resident._Arena, name, timed(name))
@@ -334,13 +300,13 @@ def profile(kind: str, args, device: torch.device) -> None:
                     if rep >= 2:
                         walls.append(time.perf_counter() - start)
                         issues.append(issued - start)
-                host.update(before=0.0, after=0.0, _expand=0.0, calls=0)
+                host.update(before=0.0, _expand=0.0, calls=0)
                 with torch_profile(activities=activities) as prof:
                     model(**inputs)
                     sync()
             busy, kernels = device_busy_ms(prof) if device.type == "cuda" else (0.0, 0)
-            hooks = (f"{host['before'] * 1e3:.2f} (of which expansions enqueued {host['_expand'] * 1e3:.2f}) / "
-                     f"{host['after'] * 1e3:.2f} ms over {host['calls']} groups") if handle is not None else ""
+            hooks = (f"{host['before'] * 1e3:.2f} ms over {host['calls']} groups, of which expansions enqueued "
+                     f"{host['_expand'] * 1e3:.2f}") if handle is not None else ""
             rows.append([label, f"{statistics.median(walls) * 1e3:.1f}", f"{statistics.median(issues) * 1e3:.1f}",
                          f"{busy:.1f}", str(kernels), hooks])
         finally:
@@ -351,7 +317,7 @@ def profile(kind: str, args, device: torch.device) -> None:
         del model
         gc.collect()
     print(f"{kind}: where a forward's time goes (median of {args.reps}; device busy from one profiled forward)")
-    header = ["", "wall ms", "host issue ms", "device busy ms", "kernels", "hooks on the host: before / after"]
+    header = ["", "wall ms", "host issue ms", "device busy ms", "kernels", "the route's hooks on the host"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))

@@ -1,18 +1,21 @@
 """The resident route: weights stay compressed in device memory while the model runs, expanded block by block.
 
 ``load_into_offloader(path, module, route="resident", device=...)``. The stored bytes of every SplitZip weight are
-copied to the device once, as they are (0.75 of the raw bytes on real BF16 weights, CRC-checked on the way); the
-module's weights become hollow placeholders. A *group* is what expands at once: each repeated block (the children
-of the module's largest ``ModuleList`` of one class, as diffusers' group offloading and DDO find them), and each
-leaf module outside the blocks that holds compressed weights (an embedding, an output head). Just before a group
-runs, one batched decode expands all of its weights into a slot of a small device arena, its parameters are bound
-to views of that slot for its forward, and after the forward they are hollow again and the slot may be reused.
+copied to the device once, as they are (0.75 of the raw bytes on real BF16 weights, CRC-checked on the way). A
+*group* is what expands at once: each repeated block (the children of the module's largest ``ModuleList`` of one
+class, as diffusers' group offloading and DDO find them), and each leaf module outside the blocks that holds
+compressed weights (an embedding, an output head). The groups share a small device arena of ``slots`` slots, the
+``k``-th group of the order always the slot ``k % slots``, and each grouped weight is a view of its group's slot,
+bound once. Just before a group runs, one batched decode expands all of its weights into its slot (unless the slot
+holds them already); between forwards a grouped weight reads whatever its slot holds, and ``close()`` leaves hollow
+stand-ins.
 
-Ordering (CUDA): while a group computes, the next group of the order is expanded into another slot on a side
+Ordering (CUDA): while a group computes, the next group of the order is expanded into its own slot on a side
 stream; the compute stream waits for that decode's event before the group runs, and a slot is written again only
-after the event recorded when its last group's forward finished. Groups run in module order (the order a forward
-takes through most models); a group that runs out of that order is expanded on the compute stream when it is
-needed, into a slot no running group holds, so the outputs are the same either way, only slower.
+after the event recorded once its last group's forward has been enqueued (when the next group starts, or the
+model's forward ends). Groups run in module order (the order a forward takes through most models); a group that
+runs out of that order is expanded on the compute stream when it is needed, so the outputs are the same either
+way, only slower.
 
 Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors under ``min_tensor_bytes`` (norms,
 biases), tied tensors (one storage used by two modules), weights of modules outside the blocks that are not leaves,
@@ -154,138 +157,134 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
 
 class _Slot:
     """One arena slot: its buffer, the group it holds, and the events that order its reuse: ``ready`` when the
-    expansion into it has run, ``free`` when the forward of the group that used it has."""
+    expansion into it has run (``ready_on``: the stream it ran on), ``free`` when the forward of the group that
+    used it last has."""
 
     def __init__(self, buffer: torch.Tensor):
         self.buffer = buffer
         self.holds: ResidentGroup | None = None
         self.ready: Any = None
+        self.ready_on: Any = None
         self.free: Any = None
-        self.used = 0
 
 
 class _Arena:
-    """The slots, and the hooks that expand each group into one before it runs and release it after.
+    """The slots, and the hook that expands each group into its slot before it runs.
+
+    Every group has a slot of its own choosing: the ``k``-th group of the plan's order expands into slot ``k %
+    slots``, and its weights are bound to views of that slot once, at installation. A forward whose host is the
+    bottleneck (a DiT or an LM prefill at batch 1 on a busy host: the device idle half the time) pays every
+    microsecond a hook takes, and rebinding each weight to a slot before its block and to a stand-in after cost
+    more host time than the rest of the hooks together; with fixed slots nothing is rebound while the model runs.
+    Between forwards a grouped weight therefore reads its slot, which holds whichever of the slot's groups
+    expanded last: it is not the model's weight (the route runs inference only; ``close()`` leaves hollow
+    stand-ins).
+
+    One hook per group, before it: the slot of the group that ran before it is released then (an event recorded
+    on the stream it ran on: in stream order everything that group enqueued comes before), and the model's forward
+    releases the last one when it ends, so there is no hook after each group.
 
     Work goes through ``ops`` (:class:`~szformat.loading.ops.DeviceOps`): CUDA streams and events on a GPU, work
     run at once on the CPU, and in the tests streams that defer work until something waits for it."""
 
     def __init__(self, root: torch.nn.Module, plan: ResidentPlan, codec: DeviceCodec, device: torch.device,
                  ops: DeviceOps):
-        self.root, self.plan, self.codec, self.ops = root, plan, codec, ops
+        self.root, self.plan, self.codec, self.ops, self.device = root, plan, codec, ops, device
         self.side = ops.new_stream()
         self.slots = [_Slot(torch.empty(plan.slot_elements, dtype=torch.bfloat16, device=device))
                       for _ in range(plan.slots)]
-        self.running: set[int] = set()
-        self.compute: Any = None  # the stream the running group was called on
+        self.slot_of = {id(g): self.slots[k % len(self.slots)] for k, g in enumerate(plan.groups)}
+        self.following = {id(g): plan.groups[(k + 1) % len(plan.groups)] for k, g in enumerate(plan.groups)}
+        self.released: tuple[_Slot, Any] | None = None  # the slot of the group that ran last, and its stream
         self.forward_stream: Any = None  # the stream of the model's forward under way, looked up once per forward
-        self.clock = 0
         self.decodes = 0
-        self.order = {id(g): i for i, g in enumerate(plan.groups)}
-        self.hollow = {t.entry: _hollow(t.tensor, device) for g in plan.groups for t in g.tensors}
-        self._parameters: dict[int, list[torch.Tensor]] = {}
-        self._views: dict[tuple[int, int], list[torch.Tensor]] = {}
-        self._graphs: dict[tuple[int, int], Any] = {}
+        self._graphs: dict[int, Any] = {}
 
     def capture(self) -> None:
-        """Record each group's expansion into each slot as a CUDA graph, replayed from then on: a group's batched
+        """Record each group's expansion into its slot as a CUDA graph, replayed from then on: a group's batched
         decode is a few kernel launches whose host cost (Triton's launcher, about 0.1 ms) was most of what a group
-        added to a forward. Every address is fixed (stored bytes, table, slot), so one graph per (group, slot)
-        does. The kernels run once first (compiled, warmed up; an error there is the decode's own and is raised).
-        Where the capture fails nothing is recorded and the expansions launch as before (``counters()`` reports how
-        many graphs there are)."""
+        added to a forward. Every address is fixed (stored bytes, table, slot), so one graph per group does. The
+        kernels run once first (compiled, warmed up; an error there is the decode's own and is raised). Where the
+        capture fails nothing is recorded and the expansions launch as before (``counters()`` reports how many
+        graphs there are)."""
         for group in self.plan.groups:
             self.codec.decode_batch(group.payloads, group.table, self.slots[0].buffer)
         torch.cuda.synchronize()
         try:
             for group in self.plan.groups:
-                for slot in self.slots:
-                    graph = torch.cuda.CUDAGraph()
-                    with torch.cuda.graph(graph):
-                        self.codec.decode_batch(group.payloads, group.table, slot.buffer)
-                    self._graphs[(id(group), id(slot))] = graph
+                graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(graph):
+                    self.codec.decode_batch(group.payloads, group.table, self.slot_of[id(group)].buffer)
+                self._graphs[id(group)] = graph
         except RuntimeError:
             self._graphs.clear()
 
-    def bind_hollow(self) -> None:
-        """Point every grouped weight at its hollow stand-in, and note the parameter objects the hooks rebind
-        (from then on a forward costs one ``.data`` assignment per weight, nothing looked up by name)."""
+    def bind(self) -> None:
+        """Point every grouped weight at its view of its group's slot, once."""
+        for group in self.plan.groups:
+            buffer = self.slot_of[id(group)].buffer
+            for t, offset in zip(group.tensors, group.output_offsets):
+                assign_tensor(self.root, t.names, buffer[offset: offset + t.tensor.numel()].view(t.tensor.shape))
+
+    def unbind(self) -> None:
+        """Leave hollow stand-ins (no bytes of their own) where the slot views were, so the slots can be freed."""
         for group in self.plan.groups:
             for t in group.tensors:
-                assign_tensor(self.root, t.names, self.hollow[t.entry])
-            self._parameters[id(group)] = [module_tensor(self.root, t.names[0]) for t in group.tensors]
-
-    def _slot_views(self, group: ResidentGroup, slot: _Slot) -> list[torch.Tensor]:
-        key = (id(group), id(slot))
-        views = self._views.get(key)
-        if views is None:
-            views = self._views[key] = [slot.buffer[offset: offset + t.tensor.numel()].view(t.tensor.shape)
-                                        for t, offset in zip(group.tensors, group.output_offsets)]
-        return views
+                assign_tensor(self.root, t.names, _hollow(t.tensor, self.device))
 
     def before(self, group: ResidentGroup) -> None:
         if torch.is_grad_enabled() and group.module.training:
             raise DecodeRouteError("route='resident' runs inference only: its weights are expanded into shared "
                                    "slots; call model.eval() and run under torch.no_grad() or torch.inference_mode()")
         compute = self.forward_stream if self.forward_stream is not None else self.ops.current_stream()
-        self.compute = compute
-        slot = self._holding(group)
-        if slot is None:
-            slot = self._free_slot()
-            self._expand(group, slot, compute)
-        else:
+        self.release()
+        slot = self.slot_of[id(group)]
+        if slot.holds is group:
             self.ops.wait(compute, slot.ready)
-        self.running.add(id(slot))
-        self.clock += 1
-        slot.used = self.clock
-        for parameter, view in zip(self._parameters[id(group)], self._slot_views(group, slot)):
-            parameter.data = view
-        following = self.plan.groups[(self.order[id(group)] + 1) % len(self.plan.groups)]
-        if self.side is not None and following is not group and self._holding(following) is None:
-            self._expand(following, self._free_slot(), self.side)
+        else:
+            self._expand(group, slot, compute, compute)
+        self.released = (slot, compute)
+        following = self.following[id(group)]
+        ahead = self.slot_of[id(following)]
+        if self.side is not None and ahead is not slot and ahead.holds is not following:
+            self._expand(following, ahead, self.side, compute)
+
+    def release(self) -> None:
+        """The slot of the group that ran last may be written again once the work enqueued so far has run."""
+        if self.released is not None:
+            slot, stream = self.released
+            slot.free = self.ops.record(stream, into=slot.free)
+            self.released = None
 
     def enter_forward(self) -> None:
         """The model's forward begins: its stream, looked up here once, is the one every group of it runs on (a
-        lookup costs 5 us on the H200 host, each group's hooks would pay it; a block called on its own looks it up)."""
+        lookup costs 5 us on the H200 host, each group's hook would pay it; a block called on its own looks it up)."""
         self.forward_stream = self.ops.current_stream()
 
     def leave_forward(self) -> None:
+        self.release()
         self.forward_stream = None
-
-    def after(self, group: ResidentGroup) -> None:
-        for parameter, binding in zip(self._parameters[id(group)], group.tensors):
-            parameter.data = self.hollow[binding.entry]
-        slot = self._holding(group)
-        if slot is not None:
-            slot.free = self.ops.record(self.compute, into=slot.free)
-            self.running.discard(id(slot))
 
     def finish(self) -> None:
         """Wait for the expansions still enqueued (before the buffers they write are released)."""
         if self.side is not None:
             self.ops.synchronize(self.ops.record(self.side))
 
-    def _holding(self, group: ResidentGroup) -> _Slot | None:
-        return next((s for s in self.slots if s.holds is group), None)
-
-    def _free_slot(self) -> _Slot:
-        """The least recently used slot no running group holds (there is one: groups do not nest, so one runs at
-        a time, and there are at least two slots)."""
-        return min((s for s in self.slots if id(s) not in self.running), key=lambda s: s.used)
-
-    def _expand(self, group: ResidentGroup, slot: _Slot, stream: Any) -> None:
+    def _expand(self, group: ResidentGroup, slot: _Slot, stream: Any, compute: Any) -> None:
         """Enqueue the expansion of ``group`` into ``slot`` on ``stream``, after the slot's last group has finished
-        with it and any expansion still writing it."""
+        with it and any expansion still writing it on another stream; ``compute`` is the stream to switch back to."""
         slot.holds = group
         self.decodes += 1
-        for event in (slot.free, slot.ready):
-            if event is not None:
-                self.ops.wait(stream, event)
-        graph = self._graphs.get((id(group), id(slot)))
+        if slot.free is not None:
+            self.ops.wait(stream, slot.free)
+        if slot.ready is not None and slot.ready_on is not stream:
+            self.ops.wait(stream, slot.ready)
+        graph = self._graphs.get(id(group))
         self.ops.enqueue(stream, graph.replay if graph is not None else
                          lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer), "expand",
-                         current=self.compute)
+                         current=compute)
         slot.ready = self.ops.record(stream, into=slot.ready)
+        slot.ready_on = stream
 
 
 class _Immediate:
@@ -345,12 +344,11 @@ def install_resident(installation: Any) -> OffloadedModel:
         arena = _Arena(module, plan, codec, device, ops)
         if graphs:
             arena.capture()
-        arena.bind_hollow()
+        arena.bind()
         for group in plan.groups:
             for t in group.tensors:
                 module_tensor(module, t.names[0]).requires_grad_(False)
             handles.append(group.module.register_forward_pre_hook(lambda m, args, g=group: arena.before(g)))
-            handles.append(group.module.register_forward_hook(lambda m, args, out, g=group: arena.after(g)))
         handles.append(module.register_forward_pre_hook(lambda m, args: arena.enter_forward()))
         handles.append(module.register_forward_hook(lambda m, args, out: arena.leave_forward(), always_call=True))
         if device.type == "cuda":
@@ -368,6 +366,7 @@ def install_resident(installation: Any) -> OffloadedModel:
         for handle in handles:
             handle.remove()
         arena.finish()
+        arena.unbind()
         decoder.close()
         for group in plan.groups:
             group.payloads = group.table = None
