@@ -256,11 +256,13 @@ def device_busy_ms(prof: Any) -> tuple[float, int]:
 
 
 def profile(kind: str, args, device: torch.device) -> None:
-    """Where a forward's time goes, the plain model beside the resident route: the forward's wall time (synchronized),
-    the host's time to issue it (until the call returns: where it is close to the wall time the forward is bound by
-    the host, and every microsecond a hook takes is added to it; the plain model with hooks that do nothing on the
-    same blocks says what PyTorch's hook calls cost alone), the device's busy time (one profiled forward, the
-    union of its kernels), and for the route the hooks' own host time, expansions apart."""
+    """Where a forward's time goes, the plain model beside the resident route, all loaded together: the forward's
+    wall time (synchronized) and the host's time to issue it (until the call returns: where it is close to the wall
+    time the forward is bound by the host, and every microsecond a hook takes is added to it), in rotated rounds;
+    then the route's hooks' own host time (expansions apart), and last, each variant under ``torch.profiler`` for
+    the device's busy time (the union of its kernels; last, because the host issues kernels more slowly once a
+    profiler has run). The plain model with hooks that do nothing on the same blocks says what PyTorch's hook calls
+    cost alone."""
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
@@ -269,58 +271,69 @@ def profile(kind: str, args, device: torch.device) -> None:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    host = {"before": 0.0, "_expand": 0.0, "calls": 0}
-
-    def timed(name):
-        real = getattr(resident._Arena, name)
-
-        def call(self, *a):
-            start = time.perf_counter()
-            real(self, *a)
-            host[name] += time.perf_counter() - start
-            host["calls"] += name == "before"
-        return call
-
-    originals = {name: getattr(resident._Arena, name) for name in ("before", "_expand")}
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    rows = []
-    for label in ("plain", EMPTY_HOOKS, "resident"):
-        model, handle = load(kind, label, folder, converted, device, args.tiny)
-        try:
-            for name in originals if handle is not None else ():
-                setattr(resident._Arena, name, timed(name))
-            walls, issues = [], []
-            with torch.no_grad():
-                for rep in range(2 + args.reps):
-                    sync()
-                    start = time.perf_counter()
-                    model(**inputs)
-                    issued = time.perf_counter()
-                    sync()
-                    if rep >= 2:
-                        walls.append(time.perf_counter() - start)
-                        issues.append(issued - start)
-                host.update(before=0.0, _expand=0.0, calls=0)
-                with torch_profile(activities=activities) as prof:
-                    model(**inputs)
-                    sync()
-            busy, kernels = device_busy_ms(prof) if device.type == "cuda" else (0.0, 0)
-            hooks = (f"{host['before'] * 1e3:.2f} ms over {host['calls']} groups, of which expansions enqueued "
-                     f"{host['_expand'] * 1e3:.2f}") if handle is not None else ""
-            rows.append([label, f"{statistics.median(walls) * 1e3:.1f}", f"{statistics.median(issues) * 1e3:.1f}",
-                         f"{busy:.1f}", str(kernels), hooks])
-        finally:
-            for name, real in originals.items():
-                setattr(resident._Arena, name, real)
-            if handle is not None:
-                handle.close()
-        del model
-        gc.collect()
+    labels = ("plain", EMPTY_HOOKS, "resident")
+    loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
+    walls: dict[str, list[float]] = {label: [] for label in labels}
+    issues: dict[str, list[float]] = {label: [] for label in labels}
+    with torch.no_grad():
+        for round_ in range(-1, args.reps):
+            for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:
+                sync()
+                start = time.perf_counter()
+                loaded[label][0](**inputs)
+                issued = time.perf_counter()
+                sync()
+                if round_ >= 0:
+                    walls[label].append(time.perf_counter() - start)
+                    issues[label].append(issued - start)
+        hooks = _hooks_host_ms(resident._Arena, lambda: (loaded["resident"][0](**inputs), sync()), args.reps)
+        activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+        busy = {}
+        for label in labels:
+            with torch_profile(activities=activities) as prof:
+                loaded[label][0](**inputs)
+                sync()
+            busy[label] = device_busy_ms(prof) if device.type == "cuda" else (0.0, 0)
+    for _, handle in loaded.values():
+        if handle is not None:
+            handle.close()
+    rows = [[label, f"{statistics.median(walls[label]) * 1e3:.1f}", f"{statistics.median(issues[label]) * 1e3:.1f}",
+             f"{busy[label][0]:.1f}", str(busy[label][1]), hooks if label == "resident" else ""] for label in labels]
     print(f"{kind}: where a forward's time goes (median of {args.reps}; device busy from one profiled forward)")
     header = ["", "wall ms", "host issue ms", "device busy ms", "kernels", "the route's hooks on the host"]
     widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
     for row in [header, *rows]:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+
+
+def _hooks_host_ms(arena_class: type, forward: Any, reps: int) -> str:
+    """The host time a forward spends in the route's group hooks (median over ``reps`` forwards), and the share of
+    it that enqueues expansions."""
+    spent = {"before": 0.0, "_expand": 0.0, "calls": 0}
+    originals = {name: getattr(arena_class, name) for name in ("before", "_expand")}
+
+    def timed(name: str, real: Any) -> Any:
+        def call(self, *args):
+            start = time.perf_counter()
+            real(self, *args)
+            spent[name] += time.perf_counter() - start
+            spent["calls"] += name == "before"
+        return call
+
+    samples = []
+    try:
+        for name, real in originals.items():
+            setattr(arena_class, name, timed(name, real))
+        for _ in range(reps):
+            spent.update(before=0.0, _expand=0.0, calls=0)
+            forward()
+            samples.append(dict(spent))
+    finally:
+        for name, real in originals.items():
+            setattr(arena_class, name, real)
+    middle = sorted(samples, key=lambda s: s["before"])[len(samples) // 2]
+    return (f"{middle['before'] * 1e3:.2f} ms over {middle['calls']} groups, of which expansions enqueued "
+            f"{middle['_expand'] * 1e3:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:
