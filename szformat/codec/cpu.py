@@ -641,6 +641,33 @@ class PayloadDecoder:
                               bits if (first, last) == (start, stop) else bits[first - start: last - start])
         _patch_escapes(self.position, self.esc_val, start, stop, bits)
 
+    def decode_columns(self, rows: tuple[int, int], width: int, cols: tuple[int, int], out: torch.Tensor) -> None:
+        """Decode columns ``cols`` of rows ``rows`` of the elements seen as rows of ``width`` into ``out``, a
+        contiguous bfloat16 tensor of ``rows x cols`` elements: a row-parallel shard of a matrix, without decoding
+        the other columns. ``width`` and both column bounds are even, so every row's piece is whole pairs."""
+        (first_row, last_row), (first, last) = rows, cols
+        if width % 2 or first % 2 or last % 2 or not 0 <= first <= last <= width:
+            raise ValueError(f"columns [{first}, {last}) of rows of {width} need even bounds inside the row")
+        if not 0 <= first_row <= last_row or last_row * width > self.layout.n:
+            raise ValueError(f"rows [{first_row}, {last_row}) of {width} elements are outside 0..{self.layout.n}")
+        count = (last_row - first_row) * (last - first)
+        if out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
+            raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
+        layout, n_rows, start, stop = self.layout, last_row - first_row, first_row * width, last_row * width
+        pk = self.payload[layout.off_pk + start // 2: layout.off_pk + stop // 2].view(n_rows, width // 2)
+        sm = self.payload[layout.off_sm + start: layout.off_sm + stop].view(n_rows, width)
+        bits = out.view(-1).view(torch.int16)
+        with one_intra_op_thread():
+            _decode_pairs(pk[:, first // 2: last // 2].contiguous().view(-1),
+                          sm[:, first:last].contiguous().view(-1).view(torch.int8), self.lut, self.table, bits)
+        lo, hi = np.searchsorted(self.position, (start, stop))
+        position, esc_val = self.position[lo:hi] - start, self.esc_val[lo:hi]
+        column = position % width
+        kept = (column >= first) & (column < last)
+        index = (position[kept] // width) * (last - first) + column[kept] - first
+        values = bits.detach().numpy()
+        values[index] = _with_exponents(values[index], esc_val[kept])
+
     def decode_checked(self, start: int, stop: int, out: torch.Tensor, *,
                        streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> RangeChecksums:
         """:meth:`decode`, and the CRC-32s of the stored bytes it reads and of the bytes it writes.

@@ -58,6 +58,16 @@ def decode_entry(path: str | os.PathLike, entry: TensorEntry, payload: torch.Ten
                                 stop=entry.numel if stop is None else stop, out=out)
 
 
+def decode_entry_columns(path: str | os.PathLike, entry: TensorEntry, payload: torch.Tensor, out: torch.Tensor, *,
+                         rows: tuple[int, int], cols: tuple[int, int]) -> torch.Tensor:
+    """Decode columns ``cols`` of rows ``rows`` of SplitZip matrix ``entry`` (its width and both column bounds
+    even) from its in-memory ``payload`` (at least those rows' bytes and the escape streams) into ``out``."""
+    with payload_errors(path, entry.name):
+        decoder = cpu_codec.PayloadDecoder(payload, entry.layout, entry.codebook)
+        decoder.decode_columns(rows, entry.shape[1], cols, out.reshape(-1))
+        return out
+
+
 def inflate_entry(path: str | os.PathLike, entry: TensorEntry, stored: torch.Tensor, out: torch.Tensor | None = None,
                   *, ranges: Sequence[tuple[int, int]] | None = None) -> torch.Tensor:
     """The in-memory payload of ``entry`` (stored at rest; a raw tensor's own bytes) from its ``stored`` bytes:

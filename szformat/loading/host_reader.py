@@ -20,7 +20,7 @@ import torch
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
-from ..format.payloads import allocation_errors, decode_entry, inflate_entry
+from ..format.payloads import allocation_errors, decode_entry, decode_entry_columns, inflate_entry
 from ..format.reader import SztFile, check_crc
 from .host_decode import decode_entries
 
@@ -146,6 +146,21 @@ class HostReader:
                       tensor=entry.name)
         return out.reshape(shape)
 
+    def columns(self, entry: TensorEntry, rows: tuple[int, int], cols: tuple[int, int], out: torch.Tensor
+                ) -> torch.Tensor:
+        """Columns ``cols`` of rows ``rows`` of a SplitZip matrix, decoded on the CPU into ``out`` (contiguous, of
+        their dtype and shape); only those columns are decoded (see :meth:`columns_decodable`)."""
+        with allocation_errors(self.file.path, entry.name):
+            start, stop = rows[0] * entry.shape[1], rows[1] * entry.shape[1]
+            payload = self._payload(entry, entry.layout.byte_ranges(start, stop), False)
+            return decode_entry_columns(self.file.path, entry, payload, out, rows=rows, cols=cols)
+
+    @staticmethod
+    def columns_decodable(entry: TensorEntry, cols: tuple[int, int]) -> bool:
+        """Whether :meth:`columns` takes these columns of ``entry``: a SplitZip matrix whose width and column
+        bounds are even (each row's piece whole pairs of elements)."""
+        return (entry.encoding == C.ENCODING_SPLITZIP and len(entry.shape) == 2
+                and entry.shape[1] % 2 == 0 and cols[0] % 2 == 0 and cols[1] % 2 == 0)
 
 def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     """``source`` (bytes in a read buffer) copied into ``target``, or into a tensor of its own."""

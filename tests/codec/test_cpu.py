@@ -523,6 +523,41 @@ def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n
         decoder.decode_checked(1, n, torch.empty(max(0, n - 1), dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("rows, width", [(1, 2), (7, 40), (33, 1030), (3, 2 * CHUNK_SIZE + 6), (0, 8)])
+def test_columns_of_rows_decode_to_the_same_bits_as_the_whole_tensor(rows, width, rng, slicing):
+    """A row-parallel shard decoded alone: escapes inside and outside the columns (subnormals, NaN and Inf
+    payloads, all-escape rows), rows crossing chunks, blocks of rows starting anywhere."""
+    x = weight_like(rng, rows * width, scale=0.5)
+    specials = from_bits(special_values())
+    for _ in range(min(rows * width, 40)):
+        x[rng.randrange(rows * width)] = specials[rng.randrange(specials.numel())]
+    if rows > 2:
+        x[width: 2 * width] = from_bits([0x0001] * width)  # a row of escapes only
+    payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
+    decoder = cpu.PayloadDecoder(payload, layout, codebook)
+    matrix = x.view(rows, width)
+    for _ in range(6):
+        first_row = rng.randrange(rows + 1)
+        last_row = rng.randrange(first_row, rows + 1)
+        first = 2 * rng.randrange(width // 2 + 1)
+        last = 2 * rng.randrange(first // 2, width // 2 + 1)
+        out = torch.full((last_row - first_row, last - first), 7.0, dtype=torch.bfloat16)
+        decoder.decode_columns((first_row, last_row), width, (first, last), out)
+        want = matrix[first_row:last_row, first:last].contiguous()
+        assert torch.equal(out.view(torch.int16), want.view(torch.int16)), (first_row, last_row, first, last)
+
+
+def test_columns_with_odd_bounds_or_outside_the_rows_are_refused(rng):
+    x = weight_like(rng, 6 * 10)
+    decoder = cpu.PayloadDecoder(*cpu.encode(x))
+    out = torch.empty(6 * 4, dtype=torch.bfloat16)
+    for rows, width, cols in (((0, 6), 10, (1, 5)), ((0, 6), 10, (2, 12)), ((0, 12), 5, (0, 2)), ((0, 7), 10, (0, 4))):
+        with pytest.raises(ValueError, match="even bounds|outside"):
+            decoder.decode_columns(rows, width, cols, out)
+    with pytest.raises(ValueError, match="contiguous bfloat16 tensor of 24"):
+        decoder.decode_columns((0, 6), 10, (0, 4), torch.empty(20, dtype=torch.bfloat16))
+
+
 def test_decode_rejects_bad_arguments(rng):
     x = weight_like(rng, 100)
     payload, layout, codebook = cpu.encode(x)
