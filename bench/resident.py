@@ -207,7 +207,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     reference = None
     with torch.no_grad():
         for round_ in range(-1, args.reps):  # round -1: a warm-up of every variant, untimed
-            for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:
+            for label in rotated(labels, round_):
                 outputs = []
                 for phase, call in phases(kind, loaded[label][0], inputs, args.tiny, args).items():
                     sync()
@@ -240,6 +240,20 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
                  " / ".join(format_bytes(held[k]) for k in ("resident_stored_bytes", "arena_bytes", "plain_bytes")),
                  ""])
     return rows
+
+
+def rotated(labels: tuple[str, ...], round_: int) -> tuple[str, ...]:
+    """``labels`` starting at a different one each round, so that no variant always runs first."""
+    k = round_ % len(labels)
+    return labels[k:] + labels[:k]
+
+
+def print_table(header: list[str], rows: list[list[str]], *, text: set[int]) -> None:
+    """Columns padded to their widest cell: the columns ``text`` aligned left, the figures right."""
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    for row in [header, *rows]:
+        print("  ".join(str(c).ljust(w) if i in text else str(c).rjust(w)
+                        for i, (c, w) in enumerate(zip(row, widths))))
 
 
 def device_busy_ms(prof: Any) -> tuple[float, int]:
@@ -277,7 +291,7 @@ def profile(kind: str, args, device: torch.device) -> None:
     issues: dict[str, list[float]] = {label: [] for label in labels}
     with torch.no_grad():
         for round_ in range(-1, args.reps):
-            for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:
+            for label in rotated(labels, round_):
                 sync()
                 start = time.perf_counter()
                 loaded[label][0](**inputs)
@@ -300,10 +314,8 @@ def profile(kind: str, args, device: torch.device) -> None:
     rows = [[label, f"{statistics.median(walls[label]) * 1e3:.1f}", f"{statistics.median(issues[label]) * 1e3:.1f}",
              f"{busy[label][0]:.1f}", str(busy[label][1]), hooks if label == "resident" else ""] for label in labels]
     print(f"{kind}: where a forward's time goes (median of {args.reps}; device busy from one profiled forward)")
-    header = ["", "wall ms", "host issue ms", "device busy ms", "kernels", "the route's hooks on the host"]
-    widths = [max(len(r[i]) for r in [header, *rows]) for i in range(len(header))]
-    for row in [header, *rows]:
-        print("  ".join(c.ljust(w) for c, w in zip(row, widths)))
+    print_table(["", "wall ms", "host issue ms", "device busy ms", "kernels", "the route's hooks on the host"], rows,
+                text={0, 5})
 
 
 def _hooks_host_ms(arena_class: type, forward: Any, reps: int) -> str:
@@ -362,11 +374,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = []
     for kind in args.models.split(","):
         rows += measure(kind, args, device)
-    header = ["model", "what", "plain", "resident", "resident / plain"]
-    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
-    for row in [header, *rows]:
-        print("  ".join(str(c).rjust(w) if i >= 2 else str(c).ljust(w) for i, (c, w) in enumerate(zip(row, widths))))
+    print_table(["model", "what", "plain", "resident", "resident / plain"], rows, text={0, 1})
     print("outputs: bit-identical to the plain model on every row")
     return 0
 

@@ -162,6 +162,7 @@ class HostReader:
         return (entry.encoding == C.ENCODING_SPLITZIP and len(entry.shape) == 2
                 and entry.shape[1] % 2 == 0 and cols[0] % 2 == 0 and cols[1] % 2 == 0)
 
+
 def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     """``source`` (bytes in a read buffer) copied into ``target``, or into a tensor of its own."""
     return source.clone() if target is None else target.copy_(source)

@@ -237,7 +237,7 @@ class _Arena:
             raise DecodeRouteError("route='resident' runs inference only: its weights are expanded into shared "
                                    "slots; call model.eval() and run under torch.no_grad() or torch.inference_mode()")
         compute = self.forward_stream if self.forward_stream is not None else self.ops.current_stream()
-        self.release()
+        self.release_previous()
         slot = self.slot_of[id(group)]
         if slot.holds is group:
             self.ops.wait(compute, slot.ready)
@@ -249,7 +249,7 @@ class _Arena:
         if self.side is not None and ahead is not slot and ahead.holds is not following:
             self._expand(following, ahead, self.side, compute)
 
-    def release(self) -> None:
+    def release_previous(self) -> None:
         """The slot of the group that ran last may be written again once the work enqueued so far has run."""
         if self.released is not None:
             slot, stream = self.released
@@ -262,7 +262,7 @@ class _Arena:
         self.forward_stream = self.ops.current_stream()
 
     def leave_forward(self) -> None:
-        self.release()
+        self.release_previous()
         self.forward_stream = None
 
     def finish(self) -> None:

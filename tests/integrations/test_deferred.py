@@ -174,6 +174,8 @@ def test_stored_bytes_that_fail_their_checksum_are_refused_when_used_naming_the_
     bad.write_bytes(bytes(data))
     for use in (lambda d: torch.empty(96, 40, dtype=torch.bfloat16).copy_(d),
                 lambda d: torch.empty(10, 40, dtype=torch.bfloat16).copy_(d.narrow(0, 50, 10)),
+                lambda d: torch.empty(96, 20, dtype=torch.bfloat16).copy_(d.narrow(1, 20, 20)),  # columns alone
+                lambda d: torch.empty(96, 5, dtype=torch.bfloat16).copy_(d.narrow(1, 3, 5)),  # through whole rows
                 lambda d: d.sum()):
         deferred, _ = deferred_of(bad, "proj.weight")
         with pytest.raises(ChecksumMismatchError, match="proj.weight") as info:
