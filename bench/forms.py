@@ -4,6 +4,7 @@ the rate at which the host reads each file.
     python -m bench.forms --minilm .data/minilm-bf16.safetensors --work /tmp/szload \
         [--synthetic-gb 4.2] [--cache warm,cold] [--rounds 5] [--only REGEX] [--json forms.json]
     python -m bench.forms --dtype F32 --synthetic-gb 1 --work /tmp/szload   # byte planes at rest (1.2)
+    python -m bench.forms --dtype F32 --synthetic-gb 1 --timeline --cache warm --rounds 3   # where the time goes
 
 The at-rest form (.szt 1.1) has two goals: a warm load (page-cached file) within 1.1x of the in-memory form's, and a
 cold load faster than the in-memory form's by the bytes it saves. Single calls say little where a VM's speeds wander
@@ -28,6 +29,7 @@ import os
 import re
 import statistics
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -37,7 +39,7 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
-from szformat.loading import device_loader, hostio
+from szformat.loading import device_loader, hostio, timeline
 
 from .checks.load_gpu import Checkpoint, at_rest_copy, prepare  # noqa: E402
 from .load import drop_caches, mismatches, resident_share, timed_call  # noqa: E402
@@ -103,6 +105,19 @@ def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Ca
     }
 
 
+def recorded(load: Callable[[], object]) -> dict[str, float]:
+    """One warm call of ``load`` inside ``timeline.recording()``: its wall time and the timeline's summary."""
+    load()
+    torch.cuda.synchronize()
+    with timeline.recording() as record:
+        started = time.perf_counter()
+        result = load()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    del result
+    return {"call_ms": seconds * 1e3, **record.summary()}
+
+
 def check_bits(loads: dict[str, tuple[str, Callable[[], object]]], reference: dict[str, torch.Tensor]) -> bool:
     """Whether every load gives ``reference`` bit for bit (names, dtypes, shapes, device, bytes); says so for each."""
     same_everywhere = True
@@ -161,6 +176,8 @@ def main() -> int:
     parser.add_argument("--only", help="time only the paths whose label matches this regular expression (the "
                                            "in-memory form's load with verify on always runs: it is the anchor)")
     parser.add_argument("--json", type=Path)
+    parser.add_argument("--timeline", action="store_true", help="first, one recorded warm load of each form "
+                        "(verify on): where its time goes, step by step (szformat.loading.timeline)")
     parser.add_argument("--dtype", default="BF16", choices=["BF16", "F32", "F16", "F8_E4M3"],
                         help="the synthetic checkpoint's dtype (not BF16: byte planes at rest, format 1.2)")
     args = parser.parse_args()
@@ -177,6 +194,10 @@ def main() -> int:
     if not check_bits(loads, st_load_file(ckpt.safetensors, device="cuda")):  # the tensors the files hold
         return 1
 
+    if args.timeline:
+        for label in (ANCHOR, "at rest, load_file (verify on)"):
+            print(f"timeline, {label}:\n  " + "\n  ".join(
+                f"{key:<22} {value:10.2f}" for key, value in recorded(loads[label][1]).items()), flush=True)
     os.sync()  # no writeback of the files just written beside the timed calls
     buffer = torch.empty(max(sizes.values()), dtype=torch.uint8)
     buffer.fill_(0)  # its pages faulted in before any timing

@@ -12,8 +12,9 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
 Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded
 together, forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model
 pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
-time is reported. On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched),
-and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
+time is reported. A second resident row keeps two slots and expands the next group ahead on a side stream (the
+default expands each group in place, just before it runs, in one slot). On CUDA two more resident rows split the cost: without CUDA graphs
+(every expansion launched), and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
 weights' placement in slots); and the plain model with a pre-forward hook that does nothing on each block (what
 PyTorch's hook calls cost alone). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of
 each (weights + activations) and the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
@@ -86,10 +87,10 @@ def load_plain(kind: str, folder: Path, device: torch.device) -> torch.nn.Module
 
 
 def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, graphs: bool = True,
-                  slot_per_group: bool = False):
-    """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time; with
-    ``slot_per_group``, more slots than groups): returns the model and the route's handle."""
-    chosen = options(kind, tiny, graphs, slot_per_group)
+                  slots: str = "default"):
+    """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time; ``slots``
+    as :func:`options` takes them): returns the model and the route's handle."""
+    chosen = options(kind, tiny, graphs, slots)
     if kind == "llm":
         from szformat import transformers as szt
 
@@ -102,11 +103,15 @@ def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, 
     return model, szformat.load_into_offloader(converted, model, route="resident", device=device, **chosen)
 
 
-def options(kind: str, tiny: bool, graphs: bool = True, slot_per_group: bool = False) -> dict[str, int]:
-    """The route's defaults, but for the tiny models, whose every tensor is under the sizes that make a group; with
-    ``slot_per_group``, a slot for every block and leaf group (the layers, plus a few)."""
+def options(kind: str, tiny: bool, graphs: bool = True, slots: str = "default") -> dict[str, int]:
+    """The route's defaults, but for the tiny models, whose every tensor is under the sizes that make a group;
+    ``slots``: ``"default"`` (one slot, each group expanded in place just before it runs), ``"ahead"`` (two slots,
+    the next group expanded on a side stream) or ``"per group"`` (a slot for every block and leaf group: the layers,
+    plus a few)."""
     chosen: dict[str, int] = {"graphs": graphs, **({"min_tensor_bytes": 0, "min_leaf_bytes": 0} if tiny else {})}
-    if slot_per_group:
+    if slots == "ahead":
+        chosen["slots"] = 2
+    elif slots == "per group":
         chosen["slots"] = ((LLM_TINY if tiny else LLM) if kind == "llm" else (DIT_TINY if tiny else DIT))[
             "num_hidden_layers" if kind == "llm" else "num_layers"] + 4
     return chosen
@@ -140,6 +145,7 @@ def inputs_device(inputs: dict) -> torch.device:
 
 
 EMPTY_HOOKS = "plain, hooks that do nothing"
+AHEAD = "resident, two slots, the next group ahead on a side stream"
 
 
 def empty_hooks(model: torch.nn.Module) -> None:
@@ -158,8 +164,8 @@ def load(kind: str, label: str, folder: Path, converted: Path, device: torch.dev
         model = load_plain(kind, folder, device)
         empty_hooks(model)
         return model, None
-    return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label,
-                         slot_per_group="per group" in label)
+    slots = next((kind_ for kind_ in ("ahead", "per group") if kind_ in label), "default")
+    return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label, slots=slots)
 
 
 def alone(kind: str, label: str, folder: Path, converted: Path, device: torch.device, inputs: dict, args
@@ -193,8 +199,8 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", "resident", "resident, no CUDA graphs", "resident, a slot per group", EMPTY_HOOKS) \
-        if device.type == "cuda" else ("plain", "resident")
+    labels = ("plain", "resident", AHEAD, "resident, no CUDA graphs", "resident, a slot per group",
+              EMPTY_HOOKS) if device.type == "cuda" else ("plain", "resident", AHEAD)
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
     for label in labels[:2]:
@@ -285,7 +291,7 @@ def profile(kind: str, args, device: torch.device) -> None:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", EMPTY_HOOKS, "resident")
+    labels = ("plain", EMPTY_HOOKS, "resident", AHEAD)
     loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
     walls: dict[str, list[float]] = {label: [] for label in labels}
     issues: dict[str, list[float]] = {label: [] for label in labels}
@@ -300,7 +306,8 @@ def profile(kind: str, args, device: torch.device) -> None:
                 if round_ >= 0:
                     walls[label].append(time.perf_counter() - start)
                     issues[label].append(issued - start)
-        hooks = _hooks_host_ms(resident._Arena, lambda: (loaded["resident"][0](**inputs), sync()), args.reps)
+        hooks = {label: _hooks_host_ms(resident._Arena, lambda: (loaded[label][0](**inputs), sync()), args.reps)
+                 for label in ("resident", AHEAD)}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         busy = {}
         for label in labels:
@@ -312,7 +319,7 @@ def profile(kind: str, args, device: torch.device) -> None:
         if handle is not None:
             handle.close()
     rows = [[label, f"{statistics.median(walls[label]) * 1e3:.1f}", f"{statistics.median(issues[label]) * 1e3:.1f}",
-             f"{busy[label][0]:.1f}", str(busy[label][1]), hooks if label == "resident" else ""] for label in labels]
+             f"{busy[label][0]:.1f}", str(busy[label][1]), hooks.get(label, "")] for label in labels]
     print(f"{kind}: where a forward's time goes (median of {args.reps}; device busy from one profiled forward)")
     print_table(["", "wall ms", "host issue ms", "device busy ms", "kernels", "the route's hooks on the host"], rows,
                 text={0, 5})
@@ -321,8 +328,8 @@ def profile(kind: str, args, device: torch.device) -> None:
 def _hooks_host_ms(arena_class: type, forward: Any, reps: int) -> str:
     """The host time a forward spends in the route's group hooks (median over ``reps`` forwards), and the share of
     it that enqueues expansions."""
-    spent = {"before": 0.0, "_expand": 0.0, "calls": 0}
-    originals = {name: getattr(arena_class, name) for name in ("before", "_expand")}
+    spent = {"before": 0.0, "_expand": 0.0, "_expand_in_place": 0.0, "calls": 0}
+    originals = {name: getattr(arena_class, name) for name in ("before", "_expand", "_expand_in_place")}
 
     def timed(name: str, real: Any) -> Any:
         def call(self, *args):
@@ -337,7 +344,7 @@ def _hooks_host_ms(arena_class: type, forward: Any, reps: int) -> str:
         for name, real in originals.items():
             setattr(arena_class, name, timed(name, real))
         for _ in range(reps):
-            spent.update(before=0.0, _expand=0.0, calls=0)
+            spent.update(before=0.0, _expand=0.0, _expand_in_place=0.0, calls=0)
             forward()
             samples.append(dict(spent))
     finally:
@@ -345,7 +352,7 @@ def _hooks_host_ms(arena_class: type, forward: Any, reps: int) -> str:
             setattr(arena_class, name, real)
     middle = sorted(samples, key=lambda s: s["before"])[len(samples) // 2]
     return (f"{middle['before'] * 1e3:.2f} ms over {middle['calls']} groups, of which expansions enqueued "
-            f"{middle['_expand'] * 1e3:.2f}")
+            f"{(middle['_expand'] + middle['_expand_in_place']) * 1e3:.2f}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -60,9 +60,10 @@ class StagingConfig:
             H200 host: about 18 GB/s to pin, 35 GB/s to unpin, against 40 GB/s to read), so registration pays only
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
             A file in the at-rest form (format 1.1 and 1.2) is always staged: its stored bytes cross as they are and
-            nvCOMP inflates them on the device when it is installed and ``verify`` is on (the CRC-32s are then
-            checked before anything is inflated; byte planes are then joined by a kernel); otherwise the reader
-            threads inflate them into the slots.
+            nvCOMP inflates them on the device when it is installed (their stored bytes' CRC-32s are then checked
+            as the readers read them, ``verify`` or not, before anything is inflated: nvCOMP is never handed
+            bytes that were not; byte planes are then joined by a kernel); otherwise the reader threads inflate
+            them into the slots.
     """
 
     slot_bytes: int = 128 << 20
@@ -93,7 +94,8 @@ class DeviceLoader:
             staged reads, each reader thread checks the piece it has just read); a mismatch raises after the
             transfer and no tensor is returned. The GPU route does not check the decoded bytes' CRC-32 (they stay
             on the device); its kernels check the escape streams of SplitZip payloads as they decode them,
-            ``verify`` or not, and a tensor whose streams break a rule raises after the transfer.
+            ``verify`` or not, and a tensor whose streams break a rule raises after the transfer. Stored bytes
+            that the device inflates (the at-rest form, with an inflater) are CRC-checked ``verify`` or not.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
         inflater (`FrameInflater`, *optional*): inflates the at-rest form's zstd frames on the device; nvCOMP's by
             default when it is installed (and CUDA is not replaced).
@@ -143,7 +145,9 @@ class DeviceLoader:
                 moved = entries
                 if isinstance(source, InflatingSource):  # the route moves the in-memory form the readers make
                     moved = source.memory_entries(entries)
-                if self.verify and source.host_writes:  # the reader threads check what they have just read
+                # the reader threads check what they have just read; always what the device inflates
+                checked = self.verify or (file.at_rest and not isinstance(source, InflatingSource))
+                if checked and source.host_writes:
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
                     pending = self._start_verify(file, entries)
@@ -226,9 +230,9 @@ class DeviceLoader:
         return source
 
     def _may_inflate_on_device(self) -> bool:
-        """Whether a load may inflate the at-rest form on the device, given an inflater: the GPU route, ``verify``
-        (nothing unchecked reaches the inflater) and staged reads (the CRC-32s are taken as the readers read)."""
-        return self.route == "gpu" and self.verify and self.staging.transport == "staged"
+        """Whether a load may inflate the at-rest form on the device, given an inflater: the GPU route and staged
+        reads (the CRC-32s that keep unchecked bytes from the inflater are taken as the readers read)."""
+        return self.route == "gpu" and self.staging.transport == "staged"
 
     def _open_source(self, file: SztFile) -> HostSource:
         device_inflates = self.inflater is not None and self._may_inflate_on_device()

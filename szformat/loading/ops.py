@@ -85,6 +85,9 @@ class CudaOps:
             with torch.cuda.device(self.device), torch.cuda.stream(stream):
                 work()
             return
+        if stream is current:
+            work()
+            return
         torch.cuda.set_stream(stream)
         try:
             work()

@@ -4,18 +4,21 @@
 copied to the device once, as they are (0.75 of the raw bytes on real BF16 weights, CRC-checked on the way). A
 *group* is what expands at once: each repeated block (the children of the module's largest ``ModuleList`` of one
 class, as diffusers' group offloading and DDO find them), and each leaf module outside the blocks that holds
-compressed weights (an embedding, an output head). The groups share a small device arena of ``slots`` slots, the
-``k``-th group of the order always the slot ``k % slots``, and each grouped weight is a view of its group's slot,
-bound once. Just before a group runs, one batched decode expands all of its weights into its slot (unless the slot
-holds them already); between forwards a grouped weight reads whatever its slot holds, and ``close()`` leaves hollow
-stand-ins.
+compressed weights (an embedding, an output head). The groups share a small device arena of ``slots`` slots (default
+1), the ``k``-th group of the order always the slot ``k % slots``, and each grouped weight is a view of its group's
+slot, bound once. Just before a group runs, one batched decode expands all of its weights into its slot (unless the
+slot holds them already); between forwards a grouped weight reads whatever its slot holds, and ``close()`` leaves
+hollow stand-ins.
 
-Ordering (CUDA): while a group computes, the next group of the order is expanded into its own slot on a side
-stream; the compute stream waits for that decode's event before the group runs, and a slot is written again only
-after the event recorded once its last group's forward has been enqueued (when the next group starts, or the
-model's forward ends). Groups run in module order (the order a forward takes through most models); a group that
-runs out of that order is expanded on the compute stream when it is needed, so the outputs are the same either
-way, only slower.
+Ordering (CUDA): with ``slots=1`` (the default) there is no side stream: each group expands on the stream it runs
+on, just before it, and stream order alone orders the slot's reuse (the hook is one launch and no event: where the
+host issues a forward more slowly than the device runs it, the cheaper trade; the expansions' device time is then
+not hidden behind the block before). With two slots or more, while a group computes, the next group of the order is
+expanded into its own slot on a side stream; the compute stream waits for that decode's event before the group runs,
+and a slot is written again only after the event recorded once its last group's forward has been enqueued (when the
+next group starts, or the model's forward ends). Groups run in module order (the order a forward takes through most
+models); a group that runs out of that order is expanded on the compute stream when it is needed, so the outputs are
+the same either way, only slower.
 
 Stay plain on the device (decoded once): raw-stored tensors, buffers, tensors under ``min_tensor_bytes`` (norms,
 biases), tied tensors (one storage used by two modules), weights of modules outside the blocks that are not leaves,
@@ -49,7 +52,11 @@ PAYLOAD_ALIGNMENT = 16
 """Each tensor's stored bytes start at a multiple of this in its group's device buffer (the batch decode's rule)."""
 OUTPUT_ALIGNMENT = 64
 """Each tensor's expansion starts at a multiple of this many elements in a slot (128 bytes; the decode needs 8)."""
-DEFAULT_SLOTS = 2
+DEFAULT_SLOTS = 1
+"""Each group expanded in place, just before it runs: on the H200 the forwards of a DiT and of an LM (prefill and
+decode at batch 1) are issued by the host more slowly than the device runs them, and a hook that only launches its
+expansion cost them less than one that also orders a side stream with events (run 76 in ``bench/RESULTS.md``); it
+also needs half the arena. ``slots=2`` or more expands the next group ahead on a side stream."""
 DEFAULT_MIN_TENSOR_BYTES = 1 << 16
 """BF16 tensors smaller than this (norms, biases) stay plain: decoding them saves little and costs a table row."""
 DEFAULT_MIN_LEAF_BYTES = 32 << 20
@@ -116,8 +123,9 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
                   min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
                   min_leaf_bytes: int = DEFAULT_MIN_LEAF_BYTES) -> ResidentPlan:
     """Group the bound tensors (see the module docstring); raises ValueError for a bad ``slots``/``blocks``."""
-    if not isinstance(slots, int) or slots < 2:
-        raise ValueError(f"slots must be an integer of at least 2 (one running, one expanding), got {slots!r}")
+    if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
+        raise ValueError(f"slots must be an integer of at least 1 (1: each group expanded in place just before it "
+                         f"runs; 2 or more: the next group expanded ahead on a side stream), got {slots!r}")
     blocks = find_blocks(module) if blocks is None else list(blocks)
     block_of = {id(sub): block for block in blocks for sub in block.modules()}
     if len(block_of) != sum(len(list(b.modules())) for b in blocks):
@@ -166,6 +174,7 @@ class _Slot:
         self.ready: Any = None
         self.ready_on: Any = None
         self.free: Any = None
+        self.used_on: Any = None  # in place: the stream of the last group that ran in it
 
 
 class _Arena:
@@ -190,7 +199,7 @@ class _Arena:
     def __init__(self, root: torch.nn.Module, plan: ResidentPlan, codec: DeviceCodec, device: torch.device,
                  ops: DeviceOps):
         self.root, self.plan, self.codec, self.ops, self.device = root, plan, codec, ops, device
-        self.side = ops.new_stream()
+        self.side = ops.new_stream() if plan.slots > 1 else None
         self.slots = [_Slot(torch.empty(plan.slot_elements, dtype=torch.bfloat16, device=device))
                       for _ in range(plan.slots)]
         self.slot_of = {id(g): self.slots[k % len(self.slots)] for k, g in enumerate(plan.groups)}
@@ -237,6 +246,9 @@ class _Arena:
             raise DecodeRouteError("route='resident' runs inference only: its weights are expanded into shared "
                                    "slots; call model.eval() and run under torch.no_grad() or torch.inference_mode()")
         compute = self.forward_stream if self.forward_stream is not None else self.ops.current_stream()
+        if self.side is None:
+            self._expand_in_place(group, compute)
+            return
         self.release_previous()
         slot = self.slot_of[id(group)]
         if slot.holds is group:
@@ -248,6 +260,25 @@ class _Arena:
         ahead = self.slot_of[id(following)]
         if self.side is not None and ahead is not slot and ahead.holds is not following:
             self._expand(following, ahead, self.side, compute)
+
+    def _expand_in_place(self, group: ResidentGroup, compute: Any) -> None:
+        """With no side stream (one slot, or no streams at all: the CPU) a group expands on the stream it runs on,
+        just before it: stream order alone keeps the slot from being written while a group before it reads it, so
+        the hook is the expansion's launch (one graph replay) and nothing else. Only a forward on another stream than
+        the slot's last one waits for that stream first."""
+        slot = self.slot_of[id(group)]
+        if slot.used_on is not None and slot.used_on != compute:
+            self.ops.wait(compute, self.ops.record(slot.used_on))
+        slot.used_on = compute
+        if slot.holds is not group:
+            slot.holds = group
+            self.decodes += 1
+            self.ops.enqueue(compute, self._launcher(group, slot), "expand", current=compute)
+
+    def _launcher(self, group: ResidentGroup, slot: _Slot) -> Any:
+        graph = self._graphs.get(id(group))
+        return graph.replay if graph is not None else (
+            lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer))
 
     def release_previous(self) -> None:
         """The slot of the group that ran last may be written again once the work enqueued so far has run."""
@@ -267,8 +298,9 @@ class _Arena:
 
     def finish(self) -> None:
         """Wait for the expansions still enqueued (before the buffers they write are released)."""
-        if self.side is not None:
-            self.ops.synchronize(self.ops.record(self.side))
+        for stream in {id(s): s for s in [self.side, *(slot.used_on for slot in self.slots)]
+                       if s is not None}.values():
+            self.ops.synchronize(self.ops.record(stream))
 
     def _expand(self, group: ResidentGroup, slot: _Slot, stream: Any, compute: Any) -> None:
         """Enqueue the expansion of ``group`` into ``slot`` on ``stream``, after the slot's last group has finished
@@ -279,10 +311,7 @@ class _Arena:
             self.ops.wait(stream, slot.free)
         if slot.ready is not None and slot.ready_on is not stream:
             self.ops.wait(stream, slot.ready)
-        graph = self._graphs.get(id(group))
-        self.ops.enqueue(stream, graph.replay if graph is not None else
-                         lambda: self.codec.decode_batch(group.payloads, group.table, slot.buffer), "expand",
-                         current=compute)
+        self.ops.enqueue(stream, self._launcher(group, slot), "expand", current=compute)
         slot.ready = self.ops.record(stream, into=slot.ready)
         slot.ready_on = stream
 

@@ -1153,9 +1153,9 @@ def mixed_at_rest_checkpoint(tmp_path_factory):
 
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 16, 1 << 20])  # long.weight streamed, or packed with others
 def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoint, slot_bytes, monkeypatch):
-    """With an inflater and ``verify``, the stored bytes cross as they are and the device inflates them (packed
-    transfers into the in-memory payload buffer, with the payloads stored as they are; streamed tensors into
-    scratch), bit-identical; without ``verify`` the readers inflate, and the inflater is never handed a frame."""
+    """With an inflater, the stored bytes cross as they are and the device inflates them (packed transfers into the
+    in-memory payload buffer, with the payloads stored as they are; streamed tensors into scratch), bit-identical,
+    ``verify`` or not (the CRC-32s are then checked anyway: see the next test)."""
     path, tensors = mixed_at_rest_checkpoint
     staging = StagingConfig(slot_bytes=slot_bytes, slots=3, threads=2)
     with SztFile(path) as f:
@@ -1173,23 +1173,26 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
         with DeviceLoader("cpu", staging=staging, verify=verify, ops=FakeOps((1,)), codec=ReferenceCodec(),
                           inflater=inflater) as loader, SztFile(path) as f:
             _assert_same(loader.load(f), tensors)
-            assert inflater.frames == (frames if verify else 0)
+            assert inflater.frames == frames
             _assert_same(loader.load(f, ["long.weight"]), {"long.weight": tensors["long.weight"]})
             assert inflater.released == 2  # after each load, the open loader holds no scratch of it
             gc.collect()
-            assert verify is False or (made and all(ref() is None for ref in made))
+            assert made and all(ref() is None for ref in made)
 
 
+@pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 20])
 def test_device_inflation_follows_the_crc_check_and_reports_failed_frames(splitzip_at_rest_checkpoint, tmp_path,
-                                                                         slot_bytes):
+                                                                         slot_bytes, verify):
     """A tensor whose stored bytes fail their CRC-32 is refused before any of its frames reaches the inflater (it
-    validates little); a frame the inflater fails is reported with the tensor's name, after the load."""
+    validates little), even with ``verify=False``; a frame the inflater fails is reported with the tensor's name,
+    after the load."""
     path, _ = splitzip_at_rest_checkpoint
     bad = _with_first_frame_corrupt(path, "long.weight", tmp_path / "bad.szt")
     staging = StagingConfig(slot_bytes=slot_bytes, slots=2, threads=2)
     inflater = ZstdInflater()
-    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater) as loader:
+    with DeviceLoader("cpu", staging=staging, ops=FakeOps(), codec=ReferenceCodec(), inflater=inflater,
+                      verify=verify) as loader:
         with SztFile(bad) as f, pytest.raises(ChecksumMismatchError, match="long.weight"):
             loader.load(f, ["long.weight"])
         assert inflater.frames == 0

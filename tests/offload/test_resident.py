@@ -55,7 +55,7 @@ def test_forward_and_greedy_generate_are_bit_identical_to_the_plain_model(llama)
 
 
 def test_weights_are_views_of_the_arena_and_held_compressed(llama):
-    model, offloaded = resident(llama[1], llama[0])
+    model, offloaded = resident(llama[1], llama[0], slots=2)
     with offloaded, torch.no_grad():
         model(IDS)
         layers = model.model.layers
@@ -121,7 +121,7 @@ def test_each_expansion_ahead_waits_for_its_slot_to_be_released_on_the_compute_s
     """Once every slot has been used, an expansion on the side stream first waits for an event of the compute
     stream: the release of the slot by the last group that ran in it (recorded when the next group starts)."""
     ops = FakeOps(eager=(0,))
-    model, offloaded = resident(llama[1], llama[0], ops=ops)
+    model, offloaded = resident(llama[1], llama[0], ops=ops, slots=2)
     with offloaded, torch.no_grad():
         for _ in range(3):
             model(IDS)
@@ -134,6 +134,52 @@ def test_each_expansion_ahead_waits_for_its_slot_to_be_released_on_the_compute_s
                 break
             waits.append(step)
         assert any(step[1] == 1 and step[2].stream is ops.streams[0] for step in waits), ops.log[i - 3: i + 1]
+
+
+def test_one_slot_expands_each_group_in_place_on_the_compute_stream_with_no_events(llama):
+    """``slots=1``: no side stream, every group expanded on the stream it runs on just before it, so a forward
+    records and waits for no event; one block's bytes of arena, and the outputs of the plain model."""
+    expected_model = plain(llama[0])
+    ops = FakeOps(eager=(0,))
+    model, offloaded = resident(llama[1], llama[0], ops=ops, slots=1)
+    with offloaded, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        assert torch.equal(model.generate(IDS, max_new_tokens=8, do_sample=False),
+                           expected_model.generate(IDS, max_new_tokens=8, do_sample=False))
+        layers = model.model.layers
+        assert len({layer.self_attn.q_proj.weight.untyped_storage().data_ptr() for layer in layers}) == 1
+        held, log = offloaded.counters(), list(ops.log)
+    assert len(ops.streams) == 1
+    assert {step[0] for step in log} == {"expand"} and len(log) == held["decodes"] >= 2 * 5
+    assert ops.log[len(log):][-1][0] == "sync"  # closing waits for the last expansions
+    largest = 4 * 64 * 256 * 2  # the largest group: the 256 x 64 head, or a layer's MLP, give or take padding
+    assert held["arena_bytes"] <= (largest + 1024) * 1.1
+
+
+def test_in_place_a_forward_on_another_stream_waits_for_the_last_use_of_the_slot(llama):
+    """The slot's last group ran on stream 0; a forward on stream 1 must not write the slot before stream 0 has
+    finished with it: its first expansion comes after a wait for an event of stream 0."""
+    expected_model = plain(llama[0])
+
+    class SwitchingOps(FakeOps):
+        current = 0
+
+        def current_stream(self):
+            return self.streams[self.current]
+
+    ops = SwitchingOps(eager=(0, 1))
+    other = ops.new_stream()
+    model, offloaded = resident(llama[1], llama[0], ops=ops, slots=1)
+    with offloaded, torch.no_grad():
+        assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        ops.current = other.index
+        start = len(ops.log)
+        assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+    steps = ops.log[start:]
+    first = next(i for i, step in enumerate(steps) if step[:2] == ("expand", other.index))
+    assert any(step[0] == "wait" and step[1] == other.index and step[2].stream is ops.streams[0]
+               for step in steps[:first]), steps[: first + 1]
 
 
 def test_the_compute_stream_is_looked_up_once_per_forward_and_expansions_are_told_it(llama):
@@ -202,8 +248,9 @@ def test_stored_bytes_that_fail_their_checksum_are_refused_before_any_forward(ll
 
 def test_bad_options_and_devices_are_refused(llama):
     model = plain(llama[0])
-    with pytest.raises(ValueError, match="slots must be an integer of at least 2"):
-        szformat.load_into_offloader(llama[1], model, route="resident", device="cpu", slots=1)
+    for slots in (0, True, 1.0):
+        with pytest.raises(ValueError, match="slots must be an integer of at least 1"):
+            szformat.load_into_offloader(llama[1], model, route="resident", device="cpu", slots=slots)
     with pytest.raises(ValueError, match="the resident route takes"):
         szformat.load_into_offloader(llama[1], model, route="resident", device="cpu", budget=3)
     with pytest.raises(ValueError, match="route='resident' on the CPU too"):
@@ -261,7 +308,7 @@ def test_each_slot_records_its_two_events_again_instead_of_creating_events_per_g
 
     expected_model = plain(llama[0]).cuda()
     ids = IDS.cuda()
-    model, offloaded = resident(llama[1], llama[0], device="cuda")
+    model, offloaded = resident(llama[1], llama[0], device="cuda", slots=2)
     arena = next(c.cell_contents for hook in model.model.layers[0]._forward_pre_hooks.values()
                  for c in hook.__closure__ or () if isinstance(c.cell_contents, resident_module._Arena))
     with offloaded, torch.no_grad():
