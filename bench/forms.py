@@ -105,8 +105,9 @@ def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Ca
     }
 
 
-def recorded(load: Callable[[], object]) -> dict[str, float]:
-    """One warm call of ``load`` inside ``timeline.recording()``: its wall time and the timeline's summary."""
+def recorded(load: Callable[[], object]) -> tuple[dict[str, float], list[list]]:
+    """One warm call of ``load`` inside ``timeline.recording()``: its wall time and the timeline's summary, and its
+    spans (what, transfer, start and end in microseconds, lane, bytes)."""
     load()
     torch.cuda.synchronize()
     with timeline.recording() as record:
@@ -115,7 +116,8 @@ def recorded(load: Callable[[], object]) -> dict[str, float]:
         torch.cuda.synchronize()
         seconds = time.perf_counter() - started
     del result
-    return {"call_ms": seconds * 1e3, **record.summary()}
+    spans = [[s.what, s.k, round(s.start * 1e6), round(s.end * 1e6), s.lane, s.nbytes] for s in record.spans()]
+    return {"call_ms": seconds * 1e3, **record.summary()}, spans
 
 
 def check_bits(loads: dict[str, tuple[str, Callable[[], object]]], reference: dict[str, torch.Tensor]) -> bool:
@@ -176,8 +178,9 @@ def main() -> int:
     parser.add_argument("--only", help="time only the paths whose label matches this regular expression (the "
                                            "in-memory form's load with verify on always runs: it is the anchor)")
     parser.add_argument("--json", type=Path)
-    parser.add_argument("--timeline", action="store_true", help="first, one recorded warm load of each form "
-                        "(verify on): where its time goes, step by step (szformat.loading.timeline)")
+    parser.add_argument("--timeline", nargs="?", const="", type=str, help="first, one recorded warm load of each "
+                        "form (verify on): where its time goes, step by step (szformat.loading.timeline); given a "
+                        "path, its spans are also written there as JSON")
     parser.add_argument("--dtype", default="BF16", choices=["BF16", "F32", "F16", "F8_E4M3"],
                         help="the synthetic checkpoint's dtype (not BF16: byte planes at rest, format 1.2)")
     args = parser.parse_args()
@@ -194,10 +197,14 @@ def main() -> int:
     if not check_bits(loads, st_load_file(ckpt.safetensors, device="cuda")):  # the tensors the files hold
         return 1
 
-    if args.timeline:
+    if args.timeline is not None:
+        spans = {}
         for label in (ANCHOR, "at rest, load_file (verify on)"):
+            summary, spans[label] = recorded(loads[label][1])
             print(f"timeline, {label}:\n  " + "\n  ".join(
-                f"{key:<22} {value:10.2f}" for key, value in recorded(loads[label][1]).items()), flush=True)
+                f"{key:<22} {value:10.2f}" for key, value in summary.items()), flush=True)
+        if args.timeline:
+            Path(args.timeline).write_text(json.dumps(spans))
     os.sync()  # no writeback of the files just written beside the timed calls
     buffer = torch.empty(max(sizes.values()), dtype=torch.uint8)
     buffer.fill_(0)  # its pages faulted in before any timing
