@@ -5,6 +5,7 @@ the rate at which the host reads each file.
         [--synthetic-gb 4.2] [--cache warm,cold] [--rounds 5] [--only REGEX] [--json forms.json]
     python -m bench.forms --dtype F32 --synthetic-gb 1 --work /tmp/szload   # byte planes at rest (1.2)
     python -m bench.forms --dtype F32 --synthetic-gb 1 --timeline --cache warm --rounds 3   # where the time goes
+    python -m bench.forms --dtype F32 --synthetic-gb 1 --frame-kib 256 --cache warm        # smaller frames too
 
 The at-rest form (.szt 1.1) has two goals: a warm load (page-cached file) within 1.1x of the in-memory form's, and a
 cold load faster than the in-memory form's by the bytes it saves. Single calls say little where a VM's speeds wander
@@ -181,6 +182,8 @@ def main() -> int:
     parser.add_argument("--timeline", nargs="?", const="", type=str, help="first, one recorded warm load of each "
                         "form (verify on): where its time goes, step by step (szformat.loading.timeline); given a "
                         "path, its spans are also written there as JSON")
+    parser.add_argument("--frame-kib", type=int, action="append", default=[], help="also an at-rest copy in "
+                        "frames of this many KiB (the default is 1024), loaded beside the others (repeatable)")
     parser.add_argument("--dtype", default="BF16", choices=["BF16", "F32", "F16", "F8_E4M3"],
                         help="the synthetic checkpoint's dtype (not BF16: byte planes at rest, format 1.2)")
     args = parser.parse_args()
@@ -189,17 +192,21 @@ def main() -> int:
                 if c.name.startswith("synthetic"))
     at_rest = at_rest_copy(ckpt)
     files = {"in-memory": ckpt.szt, "at rest": at_rest.szt, "safetensors": ckpt.safetensors}
+    framed = {f"at rest, {kib} KiB frames": at_rest_copy(ckpt, kib << 10) for kib in args.frame_kib}
+    files.update({form: copy.szt for form, copy in framed.items()})
     sizes = {form: path.stat().st_size for form, path in files.items()}
     print(f"{torch.cuda.get_device_name()}, torch {torch.__version__}, {os.cpu_count()} cores, nvCOMP "
           f"{'found' if device_loader.nvcomp_inflater() else 'absent'}; files: "
           + ", ".join(f"{form} {size / 1e9:.3f} GB" for form, size in sizes.items()), flush=True)
     loads = load_paths(ckpt, at_rest)
+    loads.update({f"{form}, load_file (verify on)": (form, lambda path=c.szt: szformat.load_file(path, device="cuda"))
+                  for form, c in framed.items()})
     if not check_bits(loads, st_load_file(ckpt.safetensors, device="cuda")):  # the tensors the files hold
         return 1
 
     if args.timeline is not None:
         spans = {}
-        for label in (ANCHOR, "at rest, load_file (verify on)"):
+        for label in (ANCHOR, "at rest, load_file (verify on)", *(f"{form}, load_file (verify on)" for form in framed)):
             summary, spans[label] = recorded(loads[label][1])
             print(f"timeline, {label}:\n  " + "\n  ".join(
                 f"{key:<22} {value:10.2f}" for key, value in summary.items()), flush=True)

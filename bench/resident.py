@@ -9,16 +9,17 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
 * ``dit``: the SD3-medium-shaped 4.1 GB DiT of ``bench/offload.py`` at 1024x1024 (128x128 latents), batch 1,
   one forward.
 
-Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded
-together, forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model
-pays for lazy set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any
-time is reported. A second resident row keeps two slots and expands the next group ahead on a side stream (the
-default expands each group in place, just before it runs, in one slot). On CUDA two more resident rows split the cost: without CUDA graphs
-(every expansion launched), and with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
-weights' placement in slots); and the plain model with a pre-forward hook that does nothing on each block (what
-PyTorch's hook calls cost alone). Reported: median time, the ratio to the plain model, and on CUDA the device-memory peak of
-each (weights + activations) and the route's own figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole
-script runs on a CPU in seconds: that is how the CI-side test runs it.
+Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded together,
+forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model pays for lazy
+set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is
+reported. A second resident row keeps two slots and expands the next group ahead on a side stream (the default
+expands each group in place, just before it runs, in one slot). On CUDA two more resident rows split the cost:
+without CUDA graphs (every expansion launched), and with a slot per group (after the warm-up nothing is expanded
+again: what remains is the hooks' own cost and the weights' placement in slots); and the plain model with a
+pre-forward hook that does nothing on each block (what PyTorch's hook calls cost alone). Reported: median time, the
+ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and the route's own
+figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole script runs on a CPU
+in seconds: that is how the CI-side test runs it.
 """
 
 from __future__ import annotations

@@ -33,7 +33,7 @@ from safetensors.torch import save_file as st_save_file
 import szformat
 from szformat.convert import convert, repack
 from szformat.errors import ChecksumMismatchError
-from szformat.format.at_rest import DEFAULT_LEVEL
+from szformat.format.at_rest import DEFAULT_FRAME_SIZE, DEFAULT_LEVEL
 from szformat.format.reader import SztFile
 from szformat.loading import (
     DeviceLoader,
@@ -91,12 +91,14 @@ def llama_shapes(target_bytes: int) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-def at_rest_copy(ckpt: Checkpoint) -> Checkpoint:
-    """``ckpt`` repacked into its at-rest form beside it (once), as a checkpoint of its own."""
+def at_rest_copy(ckpt: Checkpoint, frame_size: int = DEFAULT_FRAME_SIZE) -> Checkpoint:
+    """``ckpt`` repacked into its at-rest form (frames of ``frame_size``) beside it (once), as a checkpoint of its
+    own."""
     suffix = ".szt" if ckpt.szt.is_file() else ""
-    target = ckpt.szt.with_name(ckpt.szt.name.removesuffix(".szt") + "-at-rest" + suffix)
+    size = "" if frame_size == DEFAULT_FRAME_SIZE else f"-{frame_size >> 10}k"
+    target = ckpt.szt.with_name(ckpt.szt.name.removesuffix(".szt") + "-at-rest" + size + suffix)
     if not target.exists():
-        repack(ckpt.szt, target, at_rest=DEFAULT_LEVEL)
+        repack(ckpt.szt, target, at_rest=DEFAULT_LEVEL, frame_size=frame_size)
         os.sync()
     return replace(ckpt, name=ckpt.name + AT_REST, szt=target, stored_bytes=_sizes(target)[1])
 

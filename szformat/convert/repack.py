@@ -12,6 +12,7 @@ import os
 from pathlib import Path
 
 from ..format import constants as C
+from ..format.at_rest import DEFAULT_FRAME_SIZE
 from ..format.forms import rewrite_form
 from ..format.reader import SztFile
 from .decompress import _raw_sizes
@@ -20,9 +21,9 @@ from .report import ConversionReport
 
 
 def repack(source: str | os.PathLike, target: str | os.PathLike, *, at_rest: int | None, overwrite: bool = False,
-           progress: bool = False) -> ConversionReport:
+           progress: bool = False, frame_size: int = DEFAULT_FRAME_SIZE) -> ConversionReport:
     """Write ``source`` (a .szt file, index or converted folder) to ``target`` in the at-rest form at zstd level
-    ``at_rest``, or in the in-memory form when ``at_rest`` is ``None``.
+    ``at_rest`` in frames of ``frame_size`` in-memory bytes, or in the in-memory form when ``at_rest`` is ``None``.
 
     Raises:
         FormatError (or a subclass): a .szt file is malformed or its stored bytes are corrupt (nothing is written).
@@ -33,7 +34,7 @@ def repack(source: str | os.PathLike, target: str | os.PathLike, *, at_rest: int
     """
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
         with SztFile(src) as szt:
-            rewrite_form(szt, dst, at_rest=at_rest, overwrite=overwrite, on_tensor=tensor_done)
+            rewrite_form(szt, dst, at_rest=at_rest, overwrite=overwrite, on_tensor=tensor_done, frame_size=frame_size)
 
     return run_pass(source, target, old_suffix=C.FILE_SUFFIX, old_magic=C.MAGIC, new_suffix=C.FILE_SUFFIX,
                     read_sizes=_raw_sizes, write_file=write_file, overwrite=overwrite, progress=progress,

@@ -13,6 +13,7 @@ from typing import Callable
 
 from ..checksum import tensor_crc32
 from ..codec.gate import EncodedTensor
+from .at_rest import DEFAULT_FRAME_SIZE
 from .header import TensorEntry
 from .reader import SztFile
 from .writer import SztWriter, writer_form
@@ -21,17 +22,18 @@ __all__ = ["rewrite_form"]
 
 
 def rewrite_form(source: SztFile, target: str | os.PathLike, *, at_rest: int | None, overwrite: bool = True,
-                 on_tensor: Callable[[TensorEntry], None] | None = None) -> Path:
+                 on_tensor: Callable[[TensorEntry], None] | None = None,
+                 frame_size: int = DEFAULT_FRAME_SIZE) -> Path:
     """Write ``source`` to ``target`` (atomically; an existing target is replaced only with ``overwrite``) in the
-    at-rest form at zstd level ``at_rest``, or in the in-memory form when it is ``None``; ``on_tensor(entry)``
-    follows each tensor written.
+    at-rest form at zstd level ``at_rest`` in frames of ``frame_size`` in-memory bytes, or in the in-memory form
+    when it is ``None``; ``on_tensor(entry)`` follows each tensor written.
 
     Raises:
         ChecksumMismatchError, PayloadError: a stored payload is corrupt (nothing is written).
         WriteError: ``target`` cannot be written.
     """
     with SztWriter(target, metadata=source.metadata, alignment=source.alignment, overwrite=overwrite,
-                   **writer_form(at_rest)) as writer:
+                   frame_size=frame_size, **writer_form(at_rest)) as writer:
         for entry in source.header.tensors:
             payload = source.memory_payload(entry.name, verify=True)
             crc = entry.crc32 if entry.at_rest is None else tensor_crc32(payload)

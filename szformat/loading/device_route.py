@@ -9,13 +9,14 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+import numpy as np
 import torch
 
 from ..codec.layout import ENCODING_SPLITZIP
 from ..format.header import TensorEntry
 from . import timeline
 from .device_codec import DeviceCodec
-from .gpu_inflate import FrameInflater, FramePlan, frames_of, plan_frames
+from .gpu_inflate import FrameInflater, FramePlan, frames_of, plan_frames, plane_frames_of
 from .hostio import Staged
 from .ops import DeviceOps
 from .plan import Extent, Transfer, plan_transfers
@@ -220,8 +221,8 @@ class DeviceDecodeRoute:
         inflations: dict[int, _Inflation] = {}
         if laid_out:
             calls = [frames for _, (frames, _, _) in laid_out.values()]
-            calls += [[(stored, length, memory, length) for stored, memory, length in copies]
-                      for _, (_, copies, _) in laid_out.values()]  # verbatim ranges as "frames" stored as they are
+            # the verbatim ranges as "frames" stored as they are: (stored, length, memory, length)
+            calls += [copies[:, [0, 2, 1, 2]] for _, (_, copies, _) in laid_out.values()]
             plans = plan_frames(calls, self.loop.ops.device)
             first_status = 0
             for (k, (items, (_, _, owners))), plan, copies in zip(laid_out.items(), plans, plans[len(laid_out):]):
@@ -245,22 +246,23 @@ class DeviceDecodeRoute:
 
     @staticmethod
     def _lay_out(placed: Sequence[tuple[int, int, int]], entries: Sequence[TensorEntry]
-                 ) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]], list[int]]:
+                 ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The frames, the verbatim copies and the entry of each frame that lay out payloads ``(item, stored
-        offset, memory offset)`` in memory form."""
-        frames: list[tuple[int, int, int, int]] = []
-        copies: list[tuple[int, int, int]] = []
-        owners: list[int] = []
+        offset, memory offset)`` in memory form (:func:`~.gpu_inflate.frames_of`'s arrays)."""
+        frames, copies, owners = [], [], []
         for item, stored, memory in placed:
             entry = entries[item]
             if entry.at_rest is None:
-                copies.append((stored, memory, entry.length))
-                continue
-            more_frames, more_copies = frames_of(entry.segments(), stored, memory)
-            frames += more_frames
-            copies += more_copies
+                more_frames, more_copies = np.empty((0, 4), dtype=np.int64), np.array([[stored, memory, entry.length]])
+            elif entry.byte_planes:
+                more_frames, more_copies = plane_frames_of(entry.at_rest, entry.raw_length, stored, memory)
+            else:
+                more_frames, more_copies = frames_of(entry.segments(), stored, memory)
+            frames.append(more_frames)
+            copies.append(more_copies)
             owners += [item] * len(more_frames)
-        return frames, copies, owners
+        return (np.concatenate(frames).reshape(-1, 4), np.concatenate(copies).astype(np.int64).reshape(-1, 3),
+                owners)
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:

@@ -11,8 +11,8 @@ frame, the verbatim planes are copied beside them (one launch per transfer), and
 elements (``codec.gpu.join_planes``).
 
 nvCOMP validates little of what it inflates ("corrupt data leads to undefined behavior"), so a load inflates on
-the device only with ``verify`` on, and only bytes whose CRC-32 has already been checked (:class:`FrameInflater`
-is called by the route after that check). The frames' sizes come from the header, already checked against the
+the device only bytes whose CRC-32 has already been checked, ``verify`` or not (:class:`FrameInflater` is called
+by the route after that check). The frames' sizes come from the header, already checked against the
 layout; each frame's status and inflated size are checked once the load has finished.
 
 nvCOMP is optional: ``pip install "szformat[nvcomp-cu12]"`` (or ``nvcomp-cu13``, matching PyTorch's CUDA). Without it,
@@ -32,10 +32,10 @@ import numpy as np
 import torch
 
 from ..errors import DecodeRouteError
-from ..format.at_rest import Segment
+from ..format.at_rest import PlanesStage, Segment
 
 __all__ = ["FramePlan", "FrameInflater", "NvcompInflater", "DecompressOptions", "nvcomp_library",
-           "nvcomp_inflater", "plan_frames", "frames_of"]
+           "nvcomp_inflater", "plan_frames", "frames_of", "plane_frames_of"]
 
 
 @dataclass(frozen=True)
@@ -55,50 +55,66 @@ class FramePlan:
     memory_bytes: int
 
 
-def plan_frames(calls: Sequence[Sequence[tuple[int, int, int, int]]], device: torch.device) -> list[FramePlan]:
-    """A :class:`FramePlan` for each call's ``(stored, stored_length, memory, memory_length)`` frames. All of
-    their arrays are views of one table sent to ``device`` in one copy through pinned memory (only enqueued on the
-    current stream): a pinned allocation and a copy per transfer, before a load's first read, would cost the
-    loading thread milliseconds each (as the batch tables did)."""
-    frames = [frame for call in calls for frame in call]
-    table = torch.from_numpy(np.array(frames, dtype=np.int64).reshape(-1, 4).T.copy())  # 2x torch.tensor's speed
+def plan_frames(calls: Sequence[np.ndarray], device: torch.device) -> list[FramePlan]:
+    """A :class:`FramePlan` for each call's frames, an int64 array of ``(stored, stored_length, memory,
+    memory_length)`` rows. All of their arrays are views of one table sent to ``device`` in one copy through pinned
+    memory (only enqueued on the current stream): a pinned allocation and a copy per transfer, before a load's first
+    read, would cost the loading thread milliseconds each (as the batch tables did)."""
+    rows = np.concatenate([np.asarray(call, dtype=np.int64).reshape(-1, 4) for call in calls]) if calls else \
+        np.empty((0, 4), dtype=np.int64)
+    table = torch.from_numpy(np.ascontiguousarray(rows.T))
     if device.type == "cuda":
         table = table.pin_memory().to(device, non_blocking=True)
     plans, first = [], 0
     for call in calls:
-        part = table[:, first: first + len(call)]
-        lengths = [frame[3] for frame in call]
-        plans.append(FramePlan(len(call), part[0], part[1], part[2], part[3], max(lengths, default=0),
-                               sum(lengths)))
-        first += len(call)
+        count = len(call)
+        part = table[:, first: first + count]
+        lengths = rows[first: first + count, 3]
+        plans.append(FramePlan(count, part[0], part[1], part[2], part[3], int(lengths.max(initial=0)),
+                               int(lengths.sum())))
+        first += count
     return plans
 
 
-def frames_of(segments: Sequence[Segment], stored_base: int, memory_base: int
-              ) -> tuple[list[tuple[int, int, int, int]], list[tuple[int, int, int]]]:
-    """The compressed pieces of one payload as frames, and its verbatim pieces as ``(stored, memory, length)``
-    copies (adjacent ones merged: the streams after ``pk`` usually make one), offset by the two bases. A frame of
-    byte planes (1.2) is laid out as its planes back to back, each a frame or a copy of its own: the device joins
-    them into elements afterwards."""
+def frames_of(segments: Sequence[Segment], stored_base: int, memory_base: int) -> tuple[np.ndarray, np.ndarray]:
+    """The zstd frames of one payload stored at rest (1.1) as ``(stored, stored_length, memory, memory_length)``
+    rows, and its verbatim pieces as ``(stored, memory, length)`` copies (adjacent ones merged: the streams after
+    ``pk`` usually make one), offset by the two bases."""
     frames, copies = [], []
-
-    def add(stored: int, stored_length: int, memory: int, memory_length: int, compressed: bool) -> None:
-        if compressed:
-            frames.append((stored_base + stored, stored_length, memory_base + memory, memory_length))
-        elif copies and copies[-1][0] + copies[-1][2] == stored_base + stored \
-                and copies[-1][1] + copies[-1][2] == memory_base + memory:
-            copies[-1] = (copies[-1][0], copies[-1][1], copies[-1][2] + memory_length)
-        else:
-            copies.append((stored_base + stored, memory_base + memory, memory_length))
-
     for s in segments:
-        if s.planes is None:
-            add(s.stored, s.stored_length, s.memory, s.memory_length, s.compressed)
-            continue
-        plane, stored = s.memory_length // len(s.planes), s.stored
-        for j, length in enumerate(s.planes):
-            add(stored, length, s.memory + j * plane, plane, length < plane)  # a plane's own length: verbatim
-            stored += length
+        if s.compressed:
+            frames.append((stored_base + s.stored, s.stored_length, memory_base + s.memory, s.memory_length))
+        elif copies and copies[-1][0] + copies[-1][2] == stored_base + s.stored \
+                and copies[-1][1] + copies[-1][2] == memory_base + s.memory:
+            copies[-1][2] += s.memory_length
+        else:
+            copies.append([stored_base + s.stored, memory_base + s.memory, s.memory_length])
+    return np.array(frames, dtype=np.int64).reshape(-1, 4), np.array(copies, dtype=np.int64).reshape(-1, 3)
+
+
+def plane_frames_of(stage: PlanesStage, size: int, stored_base: int, memory_base: int
+                    ) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`frames_of` for a raw tensor of ``size`` bytes stored as byte planes (1.2): each frame's planes laid
+    out back to back at the frame's place, each compressed plane (stored shorter than the plane) a zstd frame, the
+    verbatim ones copies. Computed on whole arrays: a GB of FP32 has thousands of planes, and a loop over them cost
+    a load about 6 ms before its first read. Every plane follows the one before it in the stored bytes and in
+    memory alike (a frame's length is a multiple of the element size), so a run of verbatim planes is one copy."""
+    k = stage.itemsize
+    stored_lengths = np.asarray(stage.planes, dtype=np.int64)
+    starts = np.arange(len(stored_lengths) // k, dtype=np.int64) * stage.frame_size
+    plane = np.repeat(np.minimum(stage.frame_size, size - starts) // k, k)
+    memory = np.repeat(starts, k) + np.tile(np.arange(k, dtype=np.int64), len(starts)) * plane
+    stored = np.cumsum(stored_lengths) - stored_lengths
+    compressed = stored_lengths < plane
+    frames = np.stack([stored[compressed] + stored_base, stored_lengths[compressed], memory[compressed] + memory_base,
+                       plane[compressed]], axis=1)
+    verbatim = np.flatnonzero(~compressed)
+    first = last = verbatim
+    if len(verbatim):
+        breaks = np.flatnonzero(np.diff(verbatim) != 1)
+        first, last = verbatim[np.r_[0, breaks + 1]], verbatim[np.r_[breaks, len(verbatim) - 1]]
+    copies = np.stack([stored[first] + stored_base, memory[first] + memory_base,
+                       memory[last] + plane[last] - memory[first]], axis=1)
     return frames, copies
 
 

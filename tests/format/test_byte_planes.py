@@ -139,6 +139,10 @@ def test_decompress_verify_and_repack_are_exact(valid_file, tensors, tmp_path):
     assert_same_tensors(szformat.load_file(memory), tensors)
     again = repack(memory, tmp_path / "again.szt", at_rest=1).output
     assert again.read_bytes() == szformat_at_rest_bytes(tensors, tmp_path)
+    small = repack(memory, tmp_path / "small.szt", at_rest=1, frame_size=4096).output
+    with SztFile(small) as f:
+        assert {e.at_rest.frame_size for e in f.entries.values() if e.at_rest is not None} == {4096}
+    assert_same_tensors(szformat.load_file(small), tensors)
 
 
 def szformat_at_rest_bytes(tensors: dict[str, torch.Tensor], tmp_path) -> bytes:

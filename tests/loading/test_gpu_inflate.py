@@ -6,6 +6,7 @@ real library is asked to fail (an option out of range), and must be reported as 
 """
 
 import ctypes
+import random
 from collections import namedtuple
 
 import pytest
@@ -13,29 +14,60 @@ import torch
 import zstandard
 
 from szformat.errors import DecodeRouteError
-from szformat.format.at_rest import Segment
+from szformat.format.at_rest import PlanesStage, Segment
 from szformat.loading import gpu_inflate
-from szformat.loading.gpu_inflate import NvcompInflater, frames_of, plan_frames
+from szformat.loading.gpu_inflate import NvcompInflater, frames_of, plan_frames, plane_frames_of
 
 
 def test_frames_of_offsets_frames_and_merges_adjacent_verbatim_copies():
     segments = [Segment(0, 100, 0, 40, True), Segment(100, 60, 40, 60, False), Segment(160, 30, 100, 30, False),
                 Segment(200, 8, 140, 8, False)]
     frames, copies = frames_of(segments, stored_base=1000, memory_base=5000)
-    assert frames == [(1000, 40, 5000, 100)]
-    assert copies == [(1040, 5100, 90), (1140, 5200, 8)]  # the third segment is not adjacent in memory
+    assert frames.tolist() == [[1000, 40, 5000, 100]]
+    assert copies.tolist() == [[1040, 5100, 90], [1140, 5200, 8]]  # the third segment is not adjacent in memory
 
 
-def test_frames_of_lays_byte_planes_out_plane_after_plane():
+def test_plane_frames_of_lays_byte_planes_out_plane_after_plane():
     """A frame of byte planes becomes one zstd frame per compressed plane (stored shorter than the plane) and a copy
-    per verbatim one, each plane at its place in the frame's memory; a 1.1 frame stays one frame whatever its size."""
-    segments = [Segment(0, 4096, 0, 3000, True, (1024, 900, 1024, 52), True),
-                Segment(4096, 400, 3000, 340, True, (100, 100, 40, 100), True),
-                Segment(4496, 50, 3340, 60, True)]
-    frames, copies = frames_of(segments, stored_base=10, memory_base=20)
-    assert frames == [(1034, 900, 1044, 1024), (2958, 52, 3092, 1024), (3210, 40, 4316, 100),
-                      (3350, 60, 4516, 50)]
-    assert copies == [(10, 20, 1024), (1934, 2068, 1024), (3010, 4116, 200), (3250, 4416, 100)]
+    per run of verbatim ones, each plane at its place in the frame's memory; the last frame is shorter."""
+    stage = PlanesStage(4, "sign_last", 4096, (1024, 900, 1024, 52, 100, 100, 40, 100))
+    frames, copies = plane_frames_of(stage, 4496, stored_base=10, memory_base=20)
+    assert frames.tolist() == [[1034, 900, 1044, 1024], [2958, 52, 3092, 1024], [3210, 40, 4316, 100]]
+    assert copies.tolist() == [[10, 20, 1024], [1934, 2068, 1024], [3010, 4116, 200], [3250, 4416, 100]]
+    whole = PlanesStage(2, "bytes", 4096, (2048, 2048, 2048, 2048))
+    assert plane_frames_of(whole, 8192, 0, 0)[0].shape == (0, 4)
+    assert plane_frames_of(whole, 8192, 0, 0)[1].tolist() == [[0, 0, 8192]]  # all verbatim: one copy
+    packed = PlanesStage(2, "bytes", 4096, (7, 9))
+    assert plane_frames_of(packed, 4096, 0, 0)[1].shape == (0, 3)
+
+
+@pytest.mark.parametrize("seed", [random.randrange(1 << 30) for _ in range(3)])
+def test_plane_frames_of_matches_the_frames_of_the_planes_segments(seed):
+    """The array form against a loop over the stage's own segments: every plane where the segments put it."""
+    rng = random.Random(seed)
+    itemsize, frame_size = rng.choice([1, 2, 4, 8]), rng.choice([4096, 8192])
+    size = itemsize * rng.randrange(1, 6 * frame_size // itemsize)
+    planes = []
+    for start in range(0, size, frame_size):
+        plane = min(frame_size, size - start) // itemsize
+        planes += [plane if rng.random() < 0.4 else rng.randrange(1, plane) if plane > 1 else plane
+                   for _ in range(itemsize)]
+    stage = PlanesStage(itemsize, "bytes", frame_size, tuple(planes))
+    expected_frames, expected_copies = [], []
+    for s in stage.segments(size):
+        plane, stored = s.memory_length // itemsize, 1000 + s.stored
+        for j, length in enumerate(s.planes):
+            memory = 7 + s.memory + j * plane
+            if length < plane:
+                expected_frames.append([stored, length, memory, plane])
+            elif expected_copies and expected_copies[-1][0] + expected_copies[-1][2] == stored \
+                    and expected_copies[-1][1] + expected_copies[-1][2] == memory:
+                expected_copies[-1][2] += plane
+            else:
+                expected_copies.append([stored, memory, plane])
+            stored += length
+    frames, copies = plane_frames_of(stage, size, 1000, 7)
+    assert frames.tolist() == expected_frames and copies.tolist() == expected_copies
 
 
 def test_plan_frames_gives_each_call_its_own_part_of_one_table():
