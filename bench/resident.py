@@ -12,8 +12,9 @@ Models, random weights (``randn * 0.02``, BF16) saved as safetensors and convert
 Each row runs the plain model (loaded from safetensors onto the device) and the resident route, all loaded together,
 forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model pays for lazy
 set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is
-reported. A second resident row keeps two slots and expands the next group ahead on a side stream (the default
-expands each group in place, just before it runs, in one slot). On CUDA two more resident rows split the cost:
+reported. Two more resident rows expand two consecutive blocks at once (``num_blocks_per_group=2``), and keep two
+slots to expand the next group ahead on a side stream (the default expands each block in place, just before it
+runs, in one slot). On CUDA two more resident rows split the cost:
 without CUDA graphs (every expansion launched), and with a slot per group (after the warm-up nothing is expanded
 again: what remains is the hooks' own cost and the weights' placement in slots); and the plain model with a
 pre-forward hook that does nothing on each block (what PyTorch's hook calls cost alone). Reported: median time, the
@@ -88,10 +89,13 @@ def load_plain(kind: str, folder: Path, device: torch.device) -> torch.nn.Module
 
 
 def load_resident(kind: str, converted: Path, device: torch.device, tiny: bool, graphs: bool = True,
-                  slots: str = "default"):
+                  slots: str = "default", blocks_per_group: int = 1):
     """The model with ``route="resident"`` (its expansions replayed as CUDA graphs or launched each time; ``slots``
-    as :func:`options` takes them): returns the model and the route's handle."""
+    as :func:`options` takes them; ``blocks_per_group`` consecutive blocks expanded together): returns the model
+    and the route's handle."""
     chosen = options(kind, tiny, graphs, slots)
+    if blocks_per_group > 1:
+        chosen["num_blocks_per_group"] = blocks_per_group
     if kind == "llm":
         from szformat import transformers as szt
 
@@ -147,6 +151,7 @@ def inputs_device(inputs: dict) -> torch.device:
 
 EMPTY_HOOKS = "plain, hooks that do nothing"
 AHEAD = "resident, two slots, the next group ahead on a side stream"
+PAIRS = "resident, two blocks per group (num_blocks_per_group=2)"
 
 
 def empty_hooks(model: torch.nn.Module) -> None:
@@ -166,7 +171,8 @@ def load(kind: str, label: str, folder: Path, converted: Path, device: torch.dev
         empty_hooks(model)
         return model, None
     slots = next((kind_ for kind_ in ("ahead", "per group") if kind_ in label), "default")
-    return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label, slots=slots)
+    return load_resident(kind, converted, device, tiny, graphs="no CUDA" not in label, slots=slots,
+                         blocks_per_group=2 if label == PAIRS else 1)
 
 
 def alone(kind: str, label: str, folder: Path, converted: Path, device: torch.device, inputs: dict, args
@@ -200,8 +206,8 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", "resident", AHEAD, "resident, no CUDA graphs", "resident, a slot per group",
-              EMPTY_HOOKS) if device.type == "cuda" else ("plain", "resident", AHEAD)
+    labels = ("plain", "resident", PAIRS, AHEAD, "resident, no CUDA graphs", "resident, a slot per group",
+              EMPTY_HOOKS) if device.type == "cuda" else ("plain", "resident", PAIRS, AHEAD)
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
     for label in labels[:2]:
@@ -292,7 +298,7 @@ def profile(kind: str, args, device: torch.device) -> None:
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
-    labels = ("plain", EMPTY_HOOKS, "resident", AHEAD)
+    labels = ("plain", EMPTY_HOOKS, "resident", PAIRS, AHEAD)
     loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
     walls: dict[str, list[float]] = {label: [] for label in labels}
     issues: dict[str, list[float]] = {label: [] for label in labels}
@@ -308,7 +314,7 @@ def profile(kind: str, args, device: torch.device) -> None:
                     walls[label].append(time.perf_counter() - start)
                     issues[label].append(issued - start)
         hooks = {label: _hooks_host_ms(resident._Arena, lambda: (loaded[label][0](**inputs), sync()), args.reps)
-                 for label in ("resident", AHEAD)}
+                 for label in ("resident", PAIRS, AHEAD)}
         activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
         busy = {}
         for label in labels:

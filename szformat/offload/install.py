@@ -91,7 +91,9 @@ def load_into_offloader(path: str | os.PathLike, module: torch.nn.Module, *, rou
         environment (`OffloadEnvironment`, *optional*): route facts; read from this process by default.
         engine_options: passed to the engine: DDO configuration fields for ``native``/``staging`` (e.g.
             ``vmm_resident_weight_budget_gb``, ``vmm_staging_buffer_gb``); ``offload_type``,
-            ``num_blocks_per_group``, ``use_stream`` for ``diffusers_group``; none for ``accelerate``.
+            ``num_blocks_per_group``, ``use_stream`` for ``diffusers_group``; ``blocks``, ``num_blocks_per_group``,
+            ``slots``, ``min_tensor_bytes``, ``min_leaf_bytes``, ``graphs`` for ``resident``; none for
+            ``accelerate``.
 
     Returns:
         `OffloadedModel`: the module and its route; call ``close()`` when done.

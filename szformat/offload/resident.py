@@ -63,15 +63,17 @@ DEFAULT_MIN_LEAF_BYTES = 32 << 20
 """A leaf module outside the blocks becomes a group of its own only with at least this many raw bytes of
 compressed weights (an embedding, an output head); smaller ones (a DiT's input projections) stay plain: each group
 costs its expansion's host work on every forward, about 0.1 ms, which only a large tensor repays in memory."""
-RESIDENT_OPTIONS = ("blocks", "slots", "min_tensor_bytes", "min_leaf_bytes", "ops", "graphs")
-"""Engine options: the blocks (default: found), arena slots, the size under which a tensor stays plain, the
+RESIDENT_OPTIONS = ("blocks", "num_blocks_per_group", "slots", "min_tensor_bytes", "min_leaf_bytes", "ops", "graphs")
+"""Engine options: the blocks (default: found), how many consecutive blocks expand together (diffusers' group
+offloading's name; default 1), arena slots, the size under which a tensor stays plain, the
 :class:`~szformat.loading.ops.DeviceOps` work is ordered through (default: CUDA streams; on the CPU, none), and
 whether each expansion is replayed as a CUDA graph (default: on CUDA)."""
 
 
 @dataclasses.dataclass
 class ResidentGroup:
-    """The weights that expand together: the module that runs them, and where each tensor lands in a slot."""
+    """The weights that expand together: the module that runs them (the first of ``modules``, when several
+    consecutive blocks expand as one group), and where each tensor lands in a slot."""
 
     module: torch.nn.Module
     name: str
@@ -80,6 +82,17 @@ class ResidentGroup:
     raw_elements: int
     payloads: torch.Tensor | None = None
     table: Any = None
+    modules: list[torch.nn.Module] = dataclasses.field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.modules = self.modules or [self.module]
+
+    def absorb(self, other: "ResidentGroup") -> None:
+        """Take ``other``'s weights after this group's own in the slot, and its module."""
+        self.tensors += other.tensors
+        self.output_offsets += [self.raw_elements + offset for offset in other.output_offsets]
+        self.raw_elements += other.raw_elements
+        self.modules += other.modules
 
 
 @dataclasses.dataclass
@@ -119,10 +132,13 @@ def find_blocks(module: torch.nn.Module) -> list[torch.nn.Module]:
 
 
 def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], entries: Any, *,
-                  blocks: Sequence[torch.nn.Module] | None = None, slots: int = DEFAULT_SLOTS,
-                  min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
+                  blocks: Sequence[torch.nn.Module] | None = None, num_blocks_per_group: int = 1,
+                  slots: int = DEFAULT_SLOTS, min_tensor_bytes: int = DEFAULT_MIN_TENSOR_BYTES,
                   min_leaf_bytes: int = DEFAULT_MIN_LEAF_BYTES) -> ResidentPlan:
-    """Group the bound tensors (see the module docstring); raises ValueError for a bad ``slots``/``blocks``."""
+    """Group the bound tensors (see the module docstring); raises ValueError for a bad ``slots``, ``blocks`` or
+    ``num_blocks_per_group``."""
+    if not isinstance(num_blocks_per_group, int) or isinstance(num_blocks_per_group, bool) or num_blocks_per_group < 1:
+        raise ValueError(f"num_blocks_per_group must be an integer of at least 1, got {num_blocks_per_group!r}")
     if not isinstance(slots, int) or isinstance(slots, bool) or slots < 1:
         raise ValueError(f"slots must be an integer of at least 1 (1: each group expanded in place just before it "
                          f"runs; 2 or more: the next group expanded ahead on a side stream), got {slots!r}")
@@ -158,9 +174,16 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
             plain.extend(group.tensors)
             del groups[key]
     order = {id(m): i for i, m in enumerate(module.modules())}
-    ordered = sorted(groups.values(), key=lambda g: order[id(g.module)])
+    merged: list[ResidentGroup] = []
+    for group in sorted(groups.values(), key=lambda g: order[id(g.module)]):
+        last = merged[-1] if merged else None
+        if last is not None and id(group.module) in blocks_ids and id(last.module) in blocks_ids \
+                and len(last.modules) < num_blocks_per_group:
+            last.absorb(group)
+        else:
+            merged.append(group)
     raw = sum(entries[b.entry].raw_length for b in bindings)
-    return ResidentPlan(ordered, plain, slots, raw)
+    return ResidentPlan(merged, plain, slots, raw)
 
 
 class _Slot:
@@ -249,8 +272,10 @@ class _Arena:
         if self.side is None:
             self._expand_in_place(group, compute)
             return
-        self.release_previous()
         slot = self.slot_of[id(group)]
+        if self.released is not None and self.released[0] is slot and slot.holds is group:
+            return  # a later block of the group that just ran: its wait for the expansion is enqueued already
+        self.release_previous()
         if slot.holds is group:
             self.ops.wait(compute, slot.ready)
         else:
@@ -377,7 +402,8 @@ def install_resident(installation: Any) -> OffloadedModel:
         for group in plan.groups:
             for t in group.tensors:
                 module_tensor(module, t.names[0]).requires_grad_(False)
-            handles.append(group.module.register_forward_pre_hook(lambda m, args, g=group: arena.before(g)))
+            handles += [member.register_forward_pre_hook(lambda m, args, g=group: arena.before(g))
+                        for member in group.modules]
         handles.append(module.register_forward_pre_hook(lambda m, args: arena.enter_forward()))
         handles.append(module.register_forward_hook(lambda m, args, out: arena.leave_forward(), always_call=True))
         if device.type == "cuda":

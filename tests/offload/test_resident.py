@@ -157,6 +157,31 @@ def test_one_slot_expands_each_group_in_place_on_the_compute_stream_with_no_even
     assert held["arena_bytes"] <= (largest + 1024) * 1.1
 
 
+@pytest.mark.parametrize("slots, eager", [(1, (0,)), (2, (0, 1))])
+def test_consecutive_blocks_expand_together_as_one_group(llama, slots, eager):
+    """``num_blocks_per_group=2``: layers 0 and 1 are one group (their weights side by side in one slot, one
+    expansion before layer 0), layer 2 a group of its own; the outputs stay the plain model's, with the expansion
+    in place or ahead on a side stream that runs as soon as its waits allow."""
+    expected_model = plain(llama[0])
+    ops = FakeOps(eager=eager)
+    model, offloaded = resident(llama[1], llama[0], ops=ops, slots=slots, num_blocks_per_group=2)
+    layers = model.model.layers
+    with offloaded, torch.no_grad():
+        for _ in range(2):
+            assert torch.equal(model(IDS).logits, expected_model(IDS).logits)
+        assert torch.equal(model.generate(IDS, max_new_tokens=4, do_sample=False),
+                           expected_model.generate(IDS, max_new_tokens=4, do_sample=False))
+        a, b = layers[0].mlp.down_proj.weight, layers[1].mlp.down_proj.weight
+        assert a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()  # one slot, side by side
+        assert a.data_ptr() + a.numel() * 2 <= b.data_ptr()
+        before = offloaded.counters()["decodes"]
+        model(IDS)
+        groups = 5  # embedding, layers 0-1, layer 2, norm, head
+        assert offloaded.counters()["decodes"] - before == groups
+    with pytest.raises(ValueError, match="num_blocks_per_group must be an integer of at least 1"):
+        resident(llama[1], llama[0], num_blocks_per_group=0)
+
+
 def test_in_place_a_forward_on_another_stream_waits_for_the_last_use_of_the_slot(llama):
     """The slot's last group ran on stream 0; a forward on stream 1 must not write the slot before stream 0 has
     finished with it: its first expansion comes after a wait for an event of stream 0."""
