@@ -21,6 +21,12 @@ pre-forward hook that does nothing on each block (what PyTorch's hook calls cost
 ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and the route's own
 figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole script runs on a CPU
 in seconds: that is how the CI-side test runs it.
+
+``--df11`` adds DFloat11 0.5.0 on the same LM (CUDA, ``pip install dfloat11==0.5.0``): the plain model's weights
+compressed by its own ``compress_model`` (once, into ``<work>/llm...-df11``), loaded by ``DFloat11Model`` (a
+pre-forward hook per block decodes the block's Huffman-coded weights), timed in the same rounds, its device-memory
+peak beside the others, its outputs compared (a difference is reported on its rows, not fatal). Its compressor is a
+Python loop (about 0.3 us per weight): ``--llm-layers`` and ``--llm-vocab`` shrink the LM for every row.
 """
 
 from __future__ import annotations
@@ -40,6 +46,7 @@ from szformat.convert.report import format_bytes
 
 LLM = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
            num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
+LLM_DEFAULT = dict(LLM)
 LLM_TINY = dict(LLM, vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=3,
                 num_attention_heads=4, num_key_value_heads=2)
 DIT = dict(sample_size=128, patch_size=2, in_channels=16, num_layers=24, attention_head_dim=64,
@@ -69,7 +76,8 @@ def build(kind: str, tiny: bool) -> torch.nn.Module:
 
 def prepare(kind: str, work: Path, tiny: bool) -> tuple[Path, Path]:
     """The model folder (``save_pretrained``, BF16) and its szconvert twin, made once per ``work`` folder."""
-    folder = work / f"{kind}{'-tiny' if tiny else ''}"
+    shape = "" if kind != "llm" or tiny or LLM == LLM_DEFAULT else f"-{LLM['num_hidden_layers']}x{LLM['vocab_size']}"
+    folder = work / f"{kind}{'-tiny' if tiny else ''}{shape}"
     converted = folder.with_name(folder.name + "-szt")
     if not converted.exists():
         build(kind, tiny).save_pretrained(folder)
@@ -152,6 +160,38 @@ def inputs_device(inputs: dict) -> torch.device:
 EMPTY_HOOKS = "plain, hooks that do nothing"
 AHEAD = "resident, two slots, the next group ahead on a side stream"
 PAIRS = "resident, two blocks per group (num_blocks_per_group=2)"
+DF11 = "DFloat11 0.5.0 (Huffman-coded on the device, a pre-forward hook per block)"
+DF11_LLAMA = {r"model\.embed_tokens": [], r"lm_head": [], r"model\.layers\.\d+": [
+    "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.up_proj",
+    "mlp.down_proj"]}
+"""DFloat11's ``pattern_dict`` for a Llama: the embedding, the head and every linear layer of each decoder layer (as
+its published Llama checkpoints are compressed), each layer decoded by one hook."""
+
+
+def df11_folder(folder: Path) -> Path:
+    """The plain model's weights compressed by DFloat11's own ``compress_model`` beside it (once: its encoder is a
+    Python loop, about 0.3 us per weight)."""
+    target = folder.with_name(folder.name + "-df11")
+    if not target.exists():
+        from dfloat11.dfloat11 import compress_model
+
+        partial = target.with_name(target.name + ".partial")
+        compress_model(load_plain("llm", folder, torch.device("cpu")), pattern_dict=DF11_LLAMA,
+                       save_path=str(partial), save_single_file=False, check_correctness=False)
+        partial.rename(target)
+    return target
+
+
+def load_df11(folder: Path, device: torch.device) -> torch.nn.Module:
+    """The LM as DFloat11 loads it: its config's model built on the host, the compressed weights and hooks put in,
+    then moved to ``device``."""
+    import transformers
+    from dfloat11 import DFloat11Model
+
+    config = transformers.AutoConfig.from_pretrained(folder)
+    skeleton = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    return DFloat11Model.from_pretrained(str(df11_folder(folder)), device=str(device),
+                                         bfloat16_model=skeleton).eval()
 
 
 def empty_hooks(model: torch.nn.Module) -> None:
@@ -166,6 +206,8 @@ def load(kind: str, label: str, folder: Path, converted: Path, device: torch.dev
     """Variant ``label`` of the model: ``(model, route handle or None)``."""
     if label == "plain":
         return load_plain(kind, folder, device), None
+    if label == DF11:
+        return load_df11(folder, device), None
     if label == EMPTY_HOOKS:
         model = load_plain(kind, folder, device)
         empty_hooks(model)
@@ -208,16 +250,18 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
     labels = ("plain", "resident", PAIRS, AHEAD, "resident, no CUDA graphs", "resident, a slot per group",
               EMPTY_HOOKS) if device.type == "cuda" else ("plain", "resident", PAIRS, AHEAD)
+    if args.df11 and kind == "llm":
+        labels += (DF11,)
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
-    for label in labels[:2]:
+    for label in labels[:2] + tuple(label for label in labels if label == DF11):
         peak, counters = alone(kind, label, folder, converted, device, inputs, args)
         peaks.update({label: peak} if device.type == "cuda" else {})
         held = counters or held
     gc.collect()
     loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in labels}
-    reference = None
+    reference, differs = None, set()
     with torch.no_grad():
         for round_ in range(-1, args.reps):  # round -1: a warm-up of every variant, untimed
             for label in rotated(labels, round_):
@@ -232,7 +276,10 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
                 if reference is None:
                     reference = outputs
                 elif not all(torch.equal(a, b) for a, b in zip(outputs, reference)):
-                    raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is reported")
+                    if label != DF11:
+                        raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is "
+                                         "reported")
+                    differs.add(label)  # a peer's: reported, and said
     for _, handle in loaded.values():
         if handle is not None:
             handle.close()
@@ -242,10 +289,11 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
         for label in labels[1:]:
             resident = statistics.median(samples[label][phase])
             what = f"{phase} (ms)" + (label.removeprefix("resident") if label.startswith("resident") else f", {label}")
+            what += ", OUTPUTS DIFFER from the plain model's" if label in differs else ""
             rows.append([kind, what, f"{plain * 1e3:.1f}", f"{resident * 1e3:.1f}", f"{resident / plain:.2f}"])
-    if peaks:
-        rows.append([kind, "device memory peak", format_bytes(peaks["plain"]), format_bytes(peaks["resident"]),
-                     f"{peaks['resident'] / peaks['plain']:.2f}"])
+    for label in (label for label in ("resident", DF11) if label in peaks):
+        rows.append([kind, "device memory peak" + ("" if label == "resident" else f", {label}"),
+                     format_bytes(peaks["plain"]), format_bytes(peaks[label]), f"{peaks[label] / peaks['plain']:.2f}"])
     weights = held["resident_stored_bytes"] + held["arena_bytes"] + held["plain_bytes"]
     rows.append([kind, "weights: raw / compressed + arena + plain", format_bytes(held["raw_bytes"]),
                  format_bytes(weights), f"{weights / held['raw_bytes']:.2f}"])
@@ -371,10 +419,16 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill", type=int, default=2048)
     parser.add_argument("--decode", type=int, default=64)
     parser.add_argument("--tiny", action="store_true", help="tiny models, for a CPU")
+    parser.add_argument("--llm-layers", type=int, help="the LM's decoder layers (default 16)")
+    parser.add_argument("--llm-vocab", type=int, help="the LM's vocabulary (default 32000)")
+    parser.add_argument("--df11", action="store_true", help="a DFloat11 0.5.0 row for the LM (CUDA, dfloat11 "
+                        "installed; its compressor takes about 0.3 us per weight: pick a smaller LM)")
     parser.add_argument("--output-alignment", type=int, help="elements each expanded weight starts at a multiple of "
                         "in its slot (the route's OUTPUT_ALIGNMENT): where GEMM kernels are chosen by alignment")
     parser.add_argument("--profile", action="store_true", help="profile one resident forward of each model instead")
     args = parser.parse_args(argv)
+    LLM.update({key: value for key, value in (("num_hidden_layers", args.llm_layers), ("vocab_size", args.llm_vocab))
+                if value})
     if args.output_alignment:
         from szformat.offload import resident
         resident.OUTPUT_ALIGNMENT = args.output_alignment
@@ -390,7 +444,7 @@ def main(argv: list[str] | None = None) -> int:
         rows += measure(kind, args, device)
     print(f"device: {device}" + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""))
     print_table(["model", "what", "plain", "resident", "resident / plain"], rows, text={0, 1})
-    print("outputs: bit-identical to the plain model on every row")
+    print("outputs: bit-identical to the plain model on every row not marked otherwise")
     return 0
 
 
