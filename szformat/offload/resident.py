@@ -212,7 +212,9 @@ class _Arena:
     expanded last: it is not the model's weight (the route runs inference only; ``close()`` leaves hollow
     stand-ins).
 
-    One hook per group, before it: the slot of the group that ran before it is released then (an event recorded
+    One hook per block of a group, before it (the first one of a group does the work; a later block of the same
+    group finds it done). In place (no side stream) the hook launches the group's expansion on its own stream and
+    nothing else. With a side stream, the slot of the group that ran before it is released then (an event recorded
     on the stream it ran on: in stream order everything that group enqueued comes before), and the model's forward
     releases the last one when it ends, so there is no hook after each group.
 
