@@ -261,8 +261,10 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     gc.collect()
     loaded = {label: load(kind, label, folder, converted, device, args.tiny) for label in labels}
     samples: dict[str, dict[str, list[float]]] = {label: {} for label in labels}
-    reference, differs = None, set()
+    differs = set()
     with torch.no_grad():
+        reference = [out for call in phases(kind, loaded["plain"][0], inputs, args.tiny, args).values()
+                     for out in call()]
         for round_ in range(-1, args.reps):  # round -1: a warm-up of every variant, untimed
             for label in rotated(labels, round_):
                 outputs = []
@@ -273,9 +275,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
                     sync()
                     if round_ >= 0:
                         samples[label].setdefault(phase, []).append(time.perf_counter() - start)
-                if reference is None:
-                    reference = outputs
-                elif not all(torch.equal(a, b) for a, b in zip(outputs, reference)):
+                if not all(torch.equal(a, b) for a, b in zip(outputs, reference)):
                     if label != DF11:
                         raise SystemExit(f"{kind}: the {label} outputs differ from the plain model's: nothing is "
                                          "reported")
