@@ -183,13 +183,14 @@ def df11_folder(folder: Path) -> Path:
 
 
 def load_df11(folder: Path, device: torch.device) -> torch.nn.Module:
-    """The LM as DFloat11 loads it: its config's model built on the host, the compressed weights and hooks put in,
-    then moved to ``device``."""
+    """The LM as DFloat11 loads it: its config's model built on the host as DFloat11 builds it (in BF16 from the
+    config, so its rotary table stays FP32 as in the plain model: a ``.to(bfloat16)`` would round it and change the
+    logits), the compressed weights and hooks put in, then moved to ``device``."""
     import transformers
     from dfloat11 import DFloat11Model
 
     config = transformers.AutoConfig.from_pretrained(folder)
-    skeleton = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
+    skeleton = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16).eval()
     return DFloat11Model.from_pretrained(str(df11_folder(folder)), device=str(device),
                                          bfloat16_model=skeleton).eval()
 
