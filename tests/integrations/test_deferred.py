@@ -221,3 +221,56 @@ def test_tensors_used_after_their_files_closed_are_refused_naming_the_file(check
         assert _same(target, tensors["proj.weight"])
     with pytest.raises(ClosedFileError):
         kept["norm.weight"].sum()
+
+
+def test_tensor_parallel_ranks_share_the_checks_of_the_stored_bytes(tmp_path, monkeypatch):
+    """``share=(rank, ranks)``: each rank checks every ``ranks``-th tensor whole and reads of the others only the
+    rows it keeps; a corrupt tensor fails the rank that checks it, whether that rank decodes it or not (then when
+    its files close), and a load that fails on its own reports its own error."""
+    import contextlib
+
+    from szformat.integrations.vllm import szt_weights
+
+    tensors = _tensors(2)
+    path = tmp_path / "model.szt"
+    szformat.save_file(tensors, path)
+    data = bytearray(path.read_bytes())
+    with SztFile(path) as f:
+        assert list(f.entries)[0] == "proj.weight"  # the first tensor: rank 0 of 2 checks it
+        entry = f.entry("proj.weight")
+        data[entry.offset + entry.length - 1] ^= 0x20  # in the sm bytes of the last row
+    bad = tmp_path / "bad.szt"
+    bad.write_bytes(bytes(data))
+    read = []
+    real_read = SztFile.read
+
+    def counted(self, name, *args, **kwargs):
+        out = real_read(self, name, *args, **kwargs)
+        read.append((name, out.numel()))
+        return out
+
+    monkeypatch.setattr(SztFile, "read", counted)
+
+    def load(rank, keep_rows=(0, 48), skip=()):
+        loaded = {}
+        with contextlib.ExitStack() as files:
+            for name, deferred in szt_weights(bad, torch.device("cpu"), files=files, share=(rank, 2)):
+                if name in skip:
+                    continue
+                kept = deferred.narrow(0, *keep_rows) if name == "proj.weight" else deferred
+                loaded[name] = torch.empty(kept.shape, dtype=kept.dtype).copy_(kept)
+        return loaded
+
+    loaded = load(1)  # rank 1 keeps the first 48 rows, which the flipped byte is not in
+    assert _same(loaded.pop("proj.weight"), tensors["proj.weight"][:48])
+    assert all(_same(loaded[name], tensors[name]) for name in loaded)
+    proj_bytes = sum(n for name, n in read if name == "proj.weight")
+    with SztFile(path) as f:
+        assert 0 < proj_bytes <= f.entry("proj.weight").length * 0.6  # about half the rows' bytes, not all
+    for skip in ((), ("proj.weight",)):  # decoded, or never used: the files' closing checks it
+        with pytest.raises(ChecksumMismatchError, match="proj.weight"):
+            load(0, skip=skip)
+    with pytest.raises(ZeroDivisionError):  # a load failing on its own is not masked by the closing check
+        with contextlib.ExitStack() as files:
+            for _ in szt_weights(bad, torch.device("cpu"), files=files, share=(0, 2)):
+                raise ZeroDivisionError
