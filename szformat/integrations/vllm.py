@@ -48,38 +48,23 @@ def register() -> None:
 
 def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool = True,
                 batch_bytes: int = BATCH_BYTES, counter: DecodeCounter | None = None,
-                files: contextlib.ExitStack | None = None,
-                share: tuple[int, int] | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+                files: contextlib.ExitStack | None = None) -> Iterator[tuple[str, torch.Tensor]]:
     """Every tensor of the checkpoint at ``path`` as ``(name, tensor)``, shard by shard, checksums checked as
     ``load_file`` checks them: on CUDA decoded on the device in batches of ``batch_bytes`` raw bytes; on the CPU as
     :class:`~.deferred.DeferredTensor`, decoded when used (the bytes decoded counted in ``counter``) while its file
     is open: until ``files`` closes, when given (a loader whose model may keep tensors to use after the last one is
-    handed out), else until this iterator ends (a tensor used later raises ClosedFileError, naming the file).
-
-    ``share=(rank, ranks)`` (CPU; the tensor-parallel ranks of one model, each reading the same files): this
-    process checks the stored bytes of every ``ranks``-th tensor from the ``rank``-th, whole, and reads of the
-    others only what it decodes (a rank that keeps half a matrix reads half its bytes), so each stored byte is still
-    checked once per load and a mismatch fails the rank that checks it, and with it the engine's start. Its own
-    tensors that nothing decoded are checked when the files close."""
+    handed out), else until this iterator ends (a tensor used later raises ClosedFileError, naming the file)."""
     from ..format.index import checkpoint_shards, open_shard
 
     if device.type != "cuda":
         from ..loading.host_reader import HostReader
 
         counter = counter if counter is not None else DecodeCounter()
-        rank, ranks = share if share is not None else (0, 1)
-        index = 0
         with contextlib.ExitStack() as own:
-            stack = files if files is not None else own
             for shard in checkpoint_shards(path):
-                file = stack.enter_context(open_shard(shard))
-                names = list(file.entries) if shard.names is None else shard.names
-                mine = [name for i, name in enumerate(names, index) if i % ranks == rank]
-                index += len(names)
-                reader = HostReader(file, verify=verify, checked_elsewhere=set(names) - set(mine))
-                if share is not None:
-                    stack.push(_checked_at_close(reader, mine))
-                for name in names:
+                file = (files if files is not None else own).enter_context(open_shard(shard))
+                reader = HostReader(file, verify=verify)
+                for name in (list(file.entries) if shard.names is None else shard.names):
                     entry = file.entry(name)
                     counter.handed_out += entry.raw_length
                     yield name, DeferredTensor(reader, entry, counter)
@@ -96,17 +81,6 @@ def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool =
                 loader.release(file)
     finally:
         loader.close()
-
-
-def _checked_at_close(reader, names: list[str]):
-    """An exit callback (before the file closes) that checks the stored bytes of ``names`` that ``reader`` has not
-    checked, unless the load is already failing (its own error is the one to report)."""
-    def check(failed: type[BaseException] | None, *_) -> bool:
-        if failed is None:
-            reader.check_stored(names)
-        return False  # never swallows an error
-
-    return check
 
 
 def _batches(file, names: list[str], budget: int) -> Iterator[list[str]]:
@@ -140,15 +114,6 @@ def local_checkpoint(model: str, revision: str | None = None, download_dir: str 
     return download_model_repo(reference, revision=revision, cache_dir=download_dir)
 
 
-def _tensor_parallel_share() -> tuple[int, int] | None:
-    """``(rank, ranks)`` of this process among the tensor-parallel ranks that load the same tensors (no pipeline
-    stages: a stage loads only its own layers, so it checks what it decodes itself), else ``None``."""
-    from vllm.distributed import get_pp_group, get_tensor_model_parallel_rank, get_tensor_model_parallel_world_size
-
-    ranks = get_tensor_model_parallel_world_size()
-    return (get_tensor_model_parallel_rank(), ranks) if ranks > 1 and get_pp_group().world_size == 1 else None
-
-
 def _loader_class():
     """The loader class, defined once vLLM is importable (vLLM is imported only by the plugin's processes)."""
     from vllm.model_executor.model_loader.base_loader import BaseModelLoader
@@ -165,8 +130,7 @@ def _loader_class():
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             counter = DecodeCounter()
             with contextlib.ExitStack() as files:  # open until the model has done with every tensor
-                loaded = model.load_weights(szt_weights(folder, device, counter=counter, files=files,
-                                                        share=_tensor_parallel_share()))
+                loaded = model.load_weights(szt_weights(folder, device, counter=counter, files=files))
             logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)  # as vLLM's loaders
             if device.type != "cuda":
                 logger.info("szt: this rank decoded %.1f MB of the checkpoint's %.1f MB", counter.decoded / 1e6,

@@ -12,7 +12,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from typing import Any, Collection, Sequence
+from typing import Any, Sequence
 
 import numpy as np
 import torch
@@ -37,15 +37,12 @@ class HostReader:
     Args:
         file (`SztFile`): the open file (the caller closes it).
         verify (`bool`): check CRC-32s (stored bytes once per tensor; decoded bytes of every whole tensor).
-        checked_elsewhere (collection of `str`, *optional*): tensors whose stored bytes another process reading
-            the same file checks (a tensor-parallel rank): this reader reads only what it decodes of them.
     """
 
-    def __init__(self, file: SztFile, *, verify: bool, checked_elsewhere: Collection[str] = ()):
+    def __init__(self, file: SztFile, *, verify: bool):
         self.file = file
         self.verify = verify
         self.verified: set[str] = set()
-        self.elsewhere = frozenset(checked_elsewhere)
         self._scratch = threading.local()
 
     def release(self) -> None:
@@ -56,7 +53,7 @@ class HostReader:
         """Tensors ``names``, decoded on the CPU (several threads; see :mod:`.host_decode`), into ``outs`` (per
         name a contiguous tensor of its raw size, or ``None``) where given."""
         entries = [self.file.entry(name) for name in names]
-        check_stored = [self._unchecked(entry) for entry in entries]
+        check_stored = [self.verify and name not in self.verified for name in names]
         tensors = decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify,
                                  outs=outs)
         if self.verify:
@@ -64,20 +61,7 @@ class HostReader:
         return tensors
 
     def _unchecked(self, entry: TensorEntry) -> bool:
-        return self.verify and entry.name not in self.verified and entry.name not in self.elsewhere
-
-    def check_stored(self, names: Sequence[str]) -> None:
-        """Check the stored bytes of the tensors ``names`` that this reader has not checked yet (nor left to
-        another process), reading them whole: what a load that decoded only parts of them, or none, still owes.
-
-        Raises:
-            ChecksumMismatchError: naming the file and the first tensor whose bytes do not match.
-        """
-        for name in names:
-            entry = self.file.entry(name)
-            if self._unchecked(entry):
-                with allocation_errors(self.file.path, entry.name):
-                    self._read_stored(entry, self._buffer(entry.length))
+        return self.verify and entry.name not in self.verified
 
     def _read_stored(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
         """Read all stored bytes of a tensor into ``out``, CRC-checked the first time when ``verify`` is on.
