@@ -249,11 +249,11 @@ class DeviceDecodeRoute:
                  ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The frames, the verbatim copies and the entry of each frame that lay out payloads ``(item, stored
         offset, memory offset)`` in memory form (:func:`~.gpu_inflate.frames_of`'s arrays)."""
-        frames, copies, owners = [], [], []
+        frames, copies, owners = [np.empty((0, 4), dtype=np.int64)], [np.empty((0, 3), dtype=np.int64)], []
         for item, stored, memory in placed:
             entry = entries[item]
             if entry.at_rest is None:
-                more_frames, more_copies = np.empty((0, 4), dtype=np.int64), np.array([[stored, memory, entry.length]])
+                more_frames, more_copies = frames[0], np.array([[stored, memory, entry.length]], dtype=np.int64)
             elif entry.byte_planes:
                 more_frames, more_copies = plane_frames_of(entry.at_rest, entry.raw_length, stored, memory)
             else:
@@ -261,8 +261,7 @@ class DeviceDecodeRoute:
             frames.append(more_frames)
             copies.append(more_copies)
             owners += [item] * len(more_frames)
-        return (np.concatenate(frames).reshape(-1, 4), np.concatenate(copies).astype(np.int64).reshape(-1, 3),
-                owners)
+        return np.concatenate(frames), np.concatenate(copies), owners
 
     def _allocate(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry]
                   ) -> tuple[list[torch.Tensor], dict[int, tuple[torch.Tensor, list[int]]]]:
