@@ -30,7 +30,6 @@ import os
 import re
 import statistics
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
@@ -40,10 +39,10 @@ import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
-from szformat.loading import device_loader, hostio, timeline
+from szformat.loading import device_loader, hostio
 
 from .checks.load_gpu import Checkpoint, at_rest_copy, prepare  # noqa: E402
-from .load import drop_caches, mismatches, resident_share, timed_call  # noqa: E402
+from .load import drop_caches, mismatches, print_summary, recorded, resident_share, timed_call  # noqa: E402
 
 ANCHOR = "in-memory form, load_file (verify on)"
 DIRECT_THREADS = 16
@@ -104,21 +103,6 @@ def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Ca
         "at rest, verify off": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda", verify=False)),
         "safetensors load_file": ("safetensors", lambda: st_load_file(ckpt.safetensors, device="cuda")),
     }
-
-
-def recorded(load: Callable[[], object]) -> tuple[dict[str, float], list[list]]:
-    """One warm call of ``load`` inside ``timeline.recording()``: its wall time and the timeline's summary, and its
-    spans (what, transfer, start and end in microseconds, lane, bytes)."""
-    load()
-    torch.cuda.synchronize()
-    with timeline.recording() as record:
-        started = time.perf_counter()
-        result = load()
-        torch.cuda.synchronize()
-        seconds = time.perf_counter() - started
-    del result
-    spans = [[s.what, s.k, round(s.start * 1e6), round(s.end * 1e6), s.lane, s.nbytes] for s in record.spans()]
-    return {"call_ms": seconds * 1e3, **record.summary()}, spans
 
 
 def check_bits(loads: dict[str, tuple[str, Callable[[], object]]], reference: dict[str, torch.Tensor]) -> bool:
@@ -208,8 +192,7 @@ def main() -> int:
         spans = {}
         for label in (ANCHOR, "at rest, load_file (verify on)", *(f"{form}, load_file (verify on)" for form in framed)):
             summary, spans[label] = recorded(loads[label][1])
-            print(f"timeline, {label}:\n  " + "\n  ".join(
-                f"{key:<22} {value:10.2f}" for key, value in summary.items()), flush=True)
+            print_summary(label, summary)
         if args.timeline:
             Path(args.timeline).write_text(json.dumps(spans))
     os.sync()  # no writeback of the files just written beside the timed calls

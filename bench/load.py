@@ -429,26 +429,36 @@ def bench(ckpt: Checkpoint, methods: dict[str, Loader], reps: int, cold: bool) -
     return rows
 
 
+def recorded(load: Callable[[], object]) -> tuple[dict[str, float], list[list]]:
+    """One warm call of ``load`` (after an untimed one: pinned slots allocated, kernels loaded) inside
+    ``timeline.recording()``: its wall time and the timeline's summary, and its spans (what, transfer, start and
+    end in microseconds, lane, bytes)."""
+    load()
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.synchronize()
+    with timeline.recording() as record:
+        started = time.perf_counter()
+        result = load()
+        torch.cuda.synchronize()
+        seconds = time.perf_counter() - started
+    del result
+    spans = [[s.what, s.k, round(s.start * 1e6), round(s.end * 1e6), s.lane, s.nbytes] for s in record.spans()]
+    return {"call_ms": seconds * 1e3, **record.summary()}, spans
+
+
+def print_summary(title: str, summary: dict[str, float]) -> None:
+    print(f"timeline {title}:\n  " + "\n  ".join(f"{key:<22} {value:10.2f}" for key, value in summary.items()),
+          flush=True)
+
+
 def timelines(ckpt: Checkpoint, labels: list[str]) -> list[dict]:
     """One warm call of each path, recorded: its summary printed, its spans returned."""
     out = []
     for label in labels:
-        timed(METHODS[label], ckpt)  # warm: pinned slots allocated, kernels loaded
-        gc.collect()
-        torch.cuda.empty_cache()
-        torch.cuda.synchronize()
-        with timeline.recording() as record:
-            started = time.perf_counter()
-            result = METHODS[label](ckpt)
-            torch.cuda.synchronize()
-            seconds = time.perf_counter() - started
-        del result
-        summary = {"call_ms": seconds * 1e3, **record.summary()}
-        print(f"timeline {ckpt.name} / {label}:\n  " + "\n  ".join(
-            f"{key:<22} {value:10.2f}" for key, value in summary.items()), flush=True)
-        out.append({"checkpoint": ckpt.name, "method": label, "summary": summary,
-                    "spans": [[s.what, s.k, round(s.start * 1e6), round(s.end * 1e6), s.lane, s.nbytes]
-                              for s in record.spans()]})
+        summary, spans = recorded(lambda label=label: METHODS[label](ckpt))
+        print_summary(f"{ckpt.name} / {label}", summary)
+        out.append({"checkpoint": ckpt.name, "method": label, "summary": summary, "spans": spans})
     return out
 
 

@@ -13,14 +13,13 @@ Each row runs the plain model (loaded from safetensors onto the device) and the 
 forward by forward in ``--reps`` rounds after an untimed warm-up round (the first forward of any model pays for lazy
 set-up), and checks the outputs (logits, generated tokens, the DiT's sample) bit for bit before any time is
 reported. Two more resident rows expand two consecutive blocks at once (``num_blocks_per_group=2``), and keep two
-slots to expand the next group ahead on a side stream (the default expands each block in place, just before it
-runs, in one slot). On CUDA two more resident rows split the cost:
-without CUDA graphs (every expansion launched), and with a slot per group (after the warm-up nothing is expanded
-again: what remains is the hooks' own cost and the weights' placement in slots); and the plain model with a
-pre-forward hook that does nothing on each block (what PyTorch's hook calls cost alone). Reported: median time, the
-ratio to the plain model, and on CUDA the device-memory peak of each (weights + activations) and the route's own
-figures (compressed weights, arena, plain tensors). ``--tiny`` shrinks every model so the whole script runs on a CPU
-in seconds: that is how the CI-side test runs it.
+slots to expand the next group ahead on a side stream (the default expands each block in place, just before it runs,
+in one slot). On CUDA two more resident rows split the cost: without CUDA graphs (every expansion launched), and
+with a slot per group (after the warm-up nothing is expanded again: what remains is the hooks' own cost and the
+weights' placement in slots); and the plain model with a pre-forward hook that does nothing on each block (what
+PyTorch's hook calls cost alone). Reported: median time, the ratio to the plain model, and on CUDA the device-memory
+peak of each (weights + activations) and the route's own figures (compressed weights, arena, plain tensors).
+``--tiny`` shrinks every model so the whole script runs on a CPU in seconds: that is how the CI-side test runs it.
 
 ``--df11`` adds DFloat11 0.5.0 on the same LM (CUDA, ``pip install dfloat11==0.5.0``): the plain model's weights
 compressed by its own ``compress_model`` (once, into ``<work>/llm...-df11``), loaded by ``DFloat11Model`` (a
@@ -255,7 +254,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
         labels += (DF11,)
     peaks: dict[str, int] = {}
     held: dict[str, int] = {}
-    for label in labels[:2] + tuple(label for label in labels if label == DF11):
+    for label in labels[:2] + ((DF11,) if DF11 in labels else ()):
         peak, counters = alone(kind, label, folder, converted, device, inputs, args)
         peaks.update({label: peak} if device.type == "cuda" else {})
         held = counters or held

@@ -142,12 +142,11 @@ class DeviceLoader:
         try:
             if self.route == "gpu":
                 source = self._source(file)
-                moved = entries
-                if isinstance(source, InflatingSource):  # the route moves the in-memory form the readers make
-                    moved = source.memory_entries(entries)
+                readers_inflate = isinstance(source, InflatingSource)
+                # the route moves the in-memory form the readers make, or the stored bytes as they are
+                moved = source.memory_entries(entries) if readers_inflate else entries
                 # the reader threads check what they have just read; always what the device inflates
-                checked = self.verify or (file.at_rest and not isinstance(source, InflatingSource))
-                if checked and source.host_writes:
+                if (self.verify or (file.at_rest and not readers_inflate)) and source.host_writes:
                     inline = StoredCrcCheck(entries, file.path)
                 elif self.verify:
                     pending = self._start_verify(file, entries)

@@ -249,11 +249,12 @@ class DeviceDecodeRoute:
                  ) -> tuple[np.ndarray, np.ndarray, list[int]]:
         """The frames, the verbatim copies and the entry of each frame that lay out payloads ``(item, stored
         offset, memory offset)`` in memory form (:func:`~.gpu_inflate.frames_of`'s arrays)."""
-        frames, copies, owners = [np.empty((0, 4), dtype=np.int64)], [np.empty((0, 3), dtype=np.int64)], []
+        no_frames = np.empty((0, 4), dtype=np.int64)
+        frames, copies, owners = [no_frames], [np.empty((0, 3), dtype=np.int64)], []
         for item, stored, memory in placed:
             entry = entries[item]
-            if entry.at_rest is None:
-                more_frames, more_copies = frames[0], np.array([[stored, memory, entry.length]], dtype=np.int64)
+            if entry.at_rest is None:  # stored in memory form: copied as it is
+                more_frames, more_copies = no_frames, np.array([[stored, memory, entry.length]], dtype=np.int64)
             elif entry.byte_planes:
                 more_frames, more_copies = plane_frames_of(entry.at_rest, entry.raw_length, stored, memory)
             else:

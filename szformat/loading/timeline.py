@@ -87,9 +87,9 @@ class Timeline:
         """Totals, in milliseconds and GB/s: ``wall``; per step of the loop the time spent in it: on its staging
         thread ``wait_slot`` (for a free slot) and ``stage`` (submitting reads), on its copying thread
         ``wait_reads`` (for a transfer's reads) and ``land`` (enqueueing its copy), on the calling thread ``expand``
-        (enqueueing its decode), and on CUDA ``copy_call``, ``inflate_call`` and ``decode_call`` (the calls that
-        enqueue them), plus ``allocate`` (every destination, before the loop starts); per kind of work (``read`` and
-        ``crc`` on the reader threads, ``copy``, ``inflate`` and ``decode`` on the device) the time any of it ran
+        (enqueueing its decode), and on CUDA ``<kind>_call`` for each kind of device work enqueued (``copy``,
+        ``inflate``, ``decode``), plus ``allocate`` (every destination, before the loop starts); per kind of work
+        (``read`` and ``crc`` on the reader threads, each kind of device work on the device) the time any of it ran
         (``*_busy_ms``), its sum over threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it
         first started and last ended; and how long a transfer's bytes waited between its last read and the start of
         its copy (``read_to_copy_mean_ms``/``_max_ms``)."""
@@ -100,11 +100,11 @@ class Timeline:
         by_what: dict[str, list[Span]] = {}
         for s in spans:
             by_what.setdefault(s.what if not s.lane.startswith("device:") else s.lane, []).append(s)
-        for what in ("wait_slot", "stage", "wait_reads", "land", "expand", "copy_call", "inflate_call", "decode_call",
-                     "allocate"):
+        calls = sorted(what for what in by_what if what.endswith("_call"))  # one per kind of device work enqueued
+        for what in ("wait_slot", "stage", "wait_reads", "land", "expand", *calls, "allocate"):
             out[f"{what}_ms"] = 1e3 * sum(s.end - s.start for s in by_what.get(what, []))
-        for what, key in (("read", "read"), ("crc", "crc"), ("device:copy", "copy"), ("device:inflate", "inflate"),
-                          ("device:decode", "decode")):
+        lanes = sorted(what for what in by_what if what.startswith("device:"))
+        for what, key in (("read", "read"), ("crc", "crc"), *((lane, lane.removeprefix("device:")) for lane in lanes)):
             group = by_what.get(what, [])
             if not group:
                 continue

@@ -72,20 +72,21 @@ whether each expansion is replayed as a CUDA graph (default: on CUDA)."""
 
 @dataclasses.dataclass
 class ResidentGroup:
-    """The weights that expand together: the module that runs them (the first of ``modules``, when several
-    consecutive blocks expand as one group), and where each tensor lands in a slot."""
+    """The weights that expand together: the modules that run them (one block or leaf; several consecutive blocks
+    with ``num_blocks_per_group``), and where each tensor lands in a slot."""
 
-    module: torch.nn.Module
+    modules: list[torch.nn.Module]
     name: str
     tensors: list[TensorBinding]
     output_offsets: list[int]
     raw_elements: int
     payloads: torch.Tensor | None = None
     table: Any = None
-    modules: list[torch.nn.Module] = dataclasses.field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.modules = self.modules or [self.module]
+    @property
+    def module(self) -> torch.nn.Module:
+        """The first module of the group: the one whose hook expands it when the model runs in order."""
+        return self.modules[0]
 
     def absorb(self, other: "ResidentGroup") -> None:
         """Take ``other``'s weights after this group's own in the slot, and its module."""
@@ -164,7 +165,8 @@ def plan_resident(module: torch.nn.Module, bindings: Sequence[TensorBinding], en
             continue
         group = groups.get(id(group_module))
         if group is None:
-            group = groups[id(group_module)] = ResidentGroup(group_module, names.get(id(group_module), ""), [], [], 0)
+            name = names.get(id(group_module), "")
+            group = groups[id(group_module)] = ResidentGroup([group_module], name, [], [], 0)
         group.tensors.append(binding)
         group.output_offsets.append(group.raw_elements)
         group.raw_elements += -(-entry.layout.n // OUTPUT_ALIGNMENT) * OUTPUT_ALIGNMENT
@@ -325,9 +327,10 @@ class _Arena:
 
     def finish(self) -> None:
         """Wait for the expansions still enqueued (before the buffers they write are released)."""
-        for stream in {id(s): s for s in [self.side, *(slot.used_on for slot in self.slots)]
-                       if s is not None}.values():
-            self.ops.synchronize(self.ops.record(stream))
+        streams = [self.side] if self.side is not None else [slot.used_on for slot in self.slots]
+        for stream in streams:
+            if stream is not None:
+                self.ops.synchronize(self.ops.record(stream))
 
     def _expand(self, group: ResidentGroup, slot: _Slot, stream: Any, compute: Any) -> None:
         """Enqueue the expansion of ``group`` into ``slot`` on ``stream``, after the slot's last group has finished

@@ -668,6 +668,19 @@ def test_timeline_records_every_step_of_every_transfer(checkpoint, verify):
             "copy_call_ms", "decode_call_ms"} <= summary.keys()
 
 
+def test_timeline_summary_covers_every_kind_of_device_work():
+    """Each kind of device work the loop enqueues (copies, inflations, decodes, and any added later) gets its
+    ``<kind>_call_ms`` host time and its ``<kind>_busy_ms`` device time, without a list of kinds to keep up."""
+    record = timeline.Timeline()
+    record.device_origin(0.0, lambda a, b: b - a)
+    for k, kind in enumerate(("copy", "inflate", "decode", "join")):
+        record.add(f"{kind}_call", k, 0.001 * k, 0.001 * k + 0.0005)
+        record.add_device(kind, k, 0.01 * k, 0.01 * k + 0.004, nbytes=1000)
+    summary = record.summary()
+    for kind in ("copy", "inflate", "decode", "join"):
+        assert summary[f"{kind}_call_ms"] == pytest.approx(0.5) and summary[f"{kind}_busy_ms"] == pytest.approx(4)
+
+
 def test_sharded_checkpoints_load_through_index_or_folder(tmp_path):
     tensors = _tensors(random.randrange(1 << 30))
     names = sorted(tensors)

@@ -10,7 +10,7 @@ import torch
 import szformat
 from szformat.errors import ChecksumMismatchError, DecodeRouteError
 from szformat.format.reader import SztFile
-from szformat.offload.resident import find_blocks, plan_resident
+from szformat.offload.resident import _Arena, find_blocks, plan_resident
 
 from fakes import FakeOps
 from support import llama_config, reference, save_and_convert
@@ -178,6 +178,15 @@ def test_consecutive_blocks_expand_together_as_one_group(llama, slots, eager):
         model(IDS)
         groups = 5  # embedding, layers 0-1, layer 2, norm, head
         assert offloaded.counters()["decodes"] - before == groups
+        arena = next(c.cell_contents for hook in layers[1]._forward_pre_hooks.values()
+                     for c in hook.__closure__ or () if isinstance(c.cell_contents, _Arena))
+        pair = next(g for g in arena.plan.groups if g.modules == [layers[0], layers[1]])
+        arena.enter_forward()
+        arena.before(pair)  # layer 0's hook
+        steps = len(ops.log)
+        arena.before(pair)  # layer 1's hook: the group is expanded and waited for already
+        assert len(ops.log) == steps
+        arena.leave_forward()
     with pytest.raises(ValueError, match="num_blocks_per_group must be an integer of at least 1"):
         resident(llama[1], llama[0], num_blocks_per_group=0)
 
