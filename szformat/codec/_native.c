@@ -11,6 +11,11 @@
  *   exponent_histogram(bits, counts)     counts[e] += elements of exponent byte e (int64 x 256).
  *   mismatches(a, b, positions) -> count where two int16 arrays differ (the encoder's check finds the escapes so):
  *                                        blocks of 32 elements compared at once, the rare differing ones by element.
+ *   decode_payload(payload, dec_lut, out, n_esc, chunk_size)
+ *                                        a whole payload in one call: its escape streams checked (the reference's
+ *                                        checks, order and messages), then pairs, the odd last element and the
+ *                                        escapes written; what a small tensor costs is otherwise the Python
+ *                                        around five calls.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -23,6 +28,7 @@
 #define PY_SSIZE_T_CLEAN
 #include <Python.h>
 #include <stdint.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -215,6 +221,66 @@ static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n,
         if (a[i] != b[i])
             positions[count++] = i;
     return count;
+}
+
+/* A whole payload (the layout of szformat/codec/layout.py): where its streams start. */
+static Py_ssize_t align4(Py_ssize_t x) { return (x + 3) & ~(Py_ssize_t)3; }
+
+/* The escape streams' checks of the reference (``_validated_escapes``), in its order, so a stream that breaks
+ * several rules gets the same message: local positions, chunk ids, positions, order. Returns NULL when they hold,
+ * else the message (written into ``message``). Reads unaligned little-endian fields byte by byte. */
+static const char *check_escapes(const uint8_t *cid, const uint8_t *lpos, Py_ssize_t n_esc, Py_ssize_t n,
+                                 Py_ssize_t chunk_size, char *message, size_t size)
+{
+    if (n_esc == 0)
+        return NULL;
+    Py_ssize_t n_chunks = (n + chunk_size - 1) / chunk_size;
+    uint32_t max_local = 0;
+    int64_t min_chunk = INT32_MAX, max_chunk = INT32_MIN, max_position = INT64_MIN, previous = -1;
+    int ascending = 1;
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        const uint8_t *c = cid + 4 * k, *l = lpos + 2 * k;
+        int32_t chunk = (int32_t)((uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 | (uint32_t)c[3] << 24);
+        uint32_t local = (uint32_t)l[0] | (uint32_t)l[1] << 8;
+        int64_t position = (int64_t)chunk * chunk_size + local;
+        max_local = local > max_local ? local : max_local;
+        min_chunk = chunk < min_chunk ? chunk : min_chunk;
+        max_chunk = chunk > max_chunk ? chunk : max_chunk;
+        max_position = position > max_position ? position : max_position;
+        if (k && position <= previous)
+            ascending = 0;
+        previous = position;
+    }
+    if (max_local >= (uint32_t)chunk_size)
+        snprintf(message, size, "escape local position %u is outside its chunk of %zd", max_local, chunk_size);
+    else if (min_chunk < 0 || max_chunk >= n_chunks)
+        snprintf(message, size, "escape chunk id out of range 0..%zd", n_chunks - 1);
+    else if (max_position >= n)
+        snprintf(message, size, "escape position %lld is past the tensor's %zd elements", (long long)max_position, n);
+    else if (!ascending)
+        snprintf(message, size, "escape positions are not strictly ascending");
+    else
+        return NULL;
+    return message;
+}
+
+/* Every element of a payload whose escapes were checked: whole pairs, the odd last element, then each escape's
+ * raw exponent in place of the code's (sign and mantissa are right already). */
+static void decode_whole(const uint8_t *payload, const uint8_t *lut, uint16_t *out, Py_ssize_t n, Py_ssize_t n_esc,
+                         Py_ssize_t chunk_size)
+{
+    Py_ssize_t n_pairs = (n + 1) / 2, off_sm = align4(n_pairs), off_cid = align4(off_sm + n);
+    Py_ssize_t off_lpos = off_cid + 4 * n_esc, off_ev = align4(off_lpos + 2 * n_esc);
+    const uint8_t *pk = payload, *sm = payload + off_sm;
+    decode(pk, sm, lut, out, n / 2);
+    if (n % 2)
+        out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        const uint8_t *c = payload + off_cid + 4 * k, *l = payload + off_lpos + 2 * k;
+        int64_t position = (int64_t)((uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
+                                     (uint32_t)c[3] << 24) * chunk_size + ((uint32_t)l[0] | (uint32_t)l[1] << 8);
+        out[position] = (uint16_t)((out[position] & 0x807F) | (uint32_t)payload[off_ev + k] << 7);
+    }
 }
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -417,6 +483,50 @@ static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+static PyObject *py_decode_payload(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"payload", "dec_lut", "out"};
+    Buffers b;
+    PyObject *result = NULL;
+    Py_ssize_t n_esc, chunk_size;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "decode_payload() takes 5 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    n_esc = PyLong_AsSsize_t(args[3]);
+    chunk_size = PyLong_AsSsize_t(args[4]);
+    if ((n_esc == -1 || chunk_size == -1) && PyErr_Occurred())
+        return NULL;
+    if (take("decode_payload", args, 3, 3, names, 0x4, &b) == 0) {
+        Py_ssize_t n = b.views[2].len / 2;
+        Py_ssize_t off_cid = align4(align4((n + 1) / 2) + n);
+        Py_ssize_t needed = align4(off_cid + 6 * n_esc) + n_esc;
+        if (b.views[2].len % 2 || n_esc < 0 || n_esc > n || chunk_size <= 0 || chunk_size > 65536 ||
+            b.views[1].len != 16 || b.views[0].len < needed) {
+            PyErr_Format(PyExc_ValueError, "decode_payload(): %zd elements with %zd escapes in chunks of %zd need "
+                         "%zd payload bytes and a 16-byte codebook (got %zd, %zd; %zd output bytes)", n, n_esc,
+                         chunk_size, needed, b.views[0].len, b.views[1].len, b.views[2].len);
+        } else {
+            const uint8_t *payload = b.views[0].buf, *lut = b.views[1].buf;
+            uint16_t *out = b.views[2].buf;
+            char message[160];
+            const char *error;
+            Py_BEGIN_ALLOW_THREADS
+            error = check_escapes(payload + off_cid, payload + off_cid + 4 * n_esc, n_esc, n, chunk_size, message,
+                                  sizeof message);
+            if (error == NULL)
+                decode_whole(payload, lut, out, n, n_esc, chunk_size);
+            Py_END_ALLOW_THREADS
+            if (error != NULL)
+                PyErr_SetString(PyExc_ValueError, error);
+            else
+                result = Py_NewRef(Py_None);
+        }
+    }
+    release(&b);
+    return result;
+}
+
 static int planes_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *itemsize,
                        int *sign_last)
 {
@@ -524,6 +634,8 @@ static PyMethodDef methods[] = {
     {"encode_pairs", FASTCALL(py_encode_pairs), "encode_pairs(bits, enc_lut, pk, sm): whole pairs"},
     {"exponent_histogram", FASTCALL(py_exponent_histogram), "exponent_histogram(bits, counts): counts += ..."},
     {"mismatches", FASTCALL(py_mismatches), "mismatches(a, b, positions) -> count: where int16 arrays differ"},
+    {"decode_payload", FASTCALL(py_decode_payload), "decode_payload(payload, dec_lut, out, n_esc, chunk_size): a whole "
+     "payload, escapes checked and patched"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},

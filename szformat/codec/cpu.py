@@ -440,6 +440,11 @@ def _check_payload(payload: torch.Tensor, layout: PayloadLayout) -> None:
         raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {layout.comp_bytes}")
 
 
+def _check_out(out: torch.Tensor, count: int) -> None:
+    if out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
+        raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
+
+
 def _escape_streams(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """NumPy views of the escape streams of a payload: chunk_id (<i4), local_pos (<u2), esc_val (u1).
 
@@ -622,8 +627,7 @@ class PayloadDecoder:
         the payload's escape streams)."""
         if not 0 <= start <= stop <= self.layout.n:
             raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
-        if out.dtype != torch.bfloat16 or out.numel() != stop - start or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bfloat16 tensor of {stop - start} elements")
+        _check_out(out, stop - start)
         pk, sm = self.streams(start, stop) if streams is None else streams
         if pk.numel() != (stop + 1) // 2 - start // 2 or sm.numel() != stop - start:
             raise ValueError(f"streams of {pk.numel()} pk and {sm.numel()} sm bytes do not cover [{start}, {stop})")
@@ -651,8 +655,7 @@ class PayloadDecoder:
         if not 0 <= first_row <= last_row or last_row * width > self.layout.n:
             raise ValueError(f"rows [{first_row}, {last_row}) of {width} elements are outside 0..{self.layout.n}")
         count = (last_row - first_row) * (last - first)
-        if out.dtype != torch.bfloat16 or out.numel() != count or not out.is_contiguous():
-            raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
+        _check_out(out, count)
         layout, n_rows, start, stop = self.layout, last_row - first_row, first_row * width, last_row * width
         pk = self.payload[layout.off_pk + start // 2: layout.off_pk + stop // 2].view(n_rows, width // 2)
         sm = self.payload[layout.off_sm + start: layout.off_sm + stop].view(n_rows, width)
@@ -722,6 +725,13 @@ def decode(
     stop = layout.n if stop is None else stop
     if not 0 <= start <= stop <= layout.n:  # before allocating ``out`` (the decoder checks ``out`` and the payload)
         raise ValueError(f"element range [{start}, {stop}) is outside 0..{layout.n}")
+    if _native is not None and (start, stop) == (0, layout.n):
+        _check_payload(payload, layout)
+        out = torch.empty(layout.n, dtype=torch.bfloat16) if out is None else out
+        _check_out(out, layout.n)
+        _native.decode_payload(payload.numpy(), bytes(codebook.dec_lut), out.detach().view(torch.int16).numpy(),
+                               layout.n_esc, layout.chunk_size)
+        return out
     decoder = PayloadDecoder(payload, layout, codebook)
     out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out
     decoder.decode(start, stop, out)

@@ -19,6 +19,11 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Four c
   raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is read whole and inflated
   first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by the threads, straight
   into its output.
+- **A small tensor in one read and one call.** Where the C kernels are built, a SplitZip tensor of one range in the
+  in-memory form is read whole into the thread's scratch (one ``pread``), checksummed whole, and decoded by one
+  call that also checks and patches its escapes (``codec.cpu.decode``): per tensor, the Python around the four
+  reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
+  ``bench/RESULTS.md``, "CPU loading").
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
   Tensors are taken in groups of about :data:`GROUP_BYTES` of payload, so payload buffers never hold a whole
   checkpoint.
@@ -37,6 +42,7 @@ from typing import Sequence
 import torch
 
 from ..checksum import crc32, crc32_join
+from ..codec import cpu
 from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
 from ..errors import PayloadError
 from ..format import at_rest
@@ -54,6 +60,9 @@ range a thread takes holds the others back little."""
 
 RAW_RANGE_BYTES = 2 * RANGE_ELEMENTS
 """Bytes read per range of a tensor stored raw."""
+
+SCRATCH_BYTES = RANGE_ELEMENTS * 3 // 2 + 1
+"""Bytes of each thread's scratch: a range's ``pk`` and ``sm`` bytes, or a small tensor's whole payload."""
 
 GROUP_BYTES = 256 << 20
 """Payload bytes (in memory) of the tensors decoded together: the payload buffers alive at once."""
@@ -109,15 +118,44 @@ class _Job:
             self.decoder.decode(start, stop, out, streams=streams)
 
 
+@dataclass
+class _WholeJob:
+    """A small SplitZip tensor in the in-memory form, where the C kernels are built: its payload read by one call
+    into the thread's scratch, its stored bytes' CRC-32 compared before anything decodes them, the payload decoded
+    with its escapes by one call, and the decoded bytes' CRC-32 compared while they are in cache."""
+
+    file: SztFile
+    entry: TensorEntry
+    dtype: torch.dtype
+    out: torch.Tensor  # flat bfloat16
+    check_stored: bool
+    check_decoded: bool
+    ranges: tuple[tuple[int, int], ...] = ((0, 0),)  # one unit of work
+
+    def run(self, k: int) -> None:
+        entry, path = self.entry, self.file.path
+        with allocation_errors(path, entry.name):
+            payload = self.file.read(entry.name, out=_range_scratch(entry.length))
+        if self.check_stored:
+            check_crc(payload, entry.crc32, what="stored bytes", path=path, tensor=entry.name)
+        try:
+            cpu.decode(payload, entry.layout, entry.codebook, out=self.out)
+        except ValueError as e:
+            raise PayloadError(str(e), path=path, tensor=entry.name) from None
+        if self.check_decoded:
+            check_crc(self.out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=path, tensor=entry.name)
+
+
 _thread_scratch = threading.local()
 
 
 def _range_scratch(nbytes: int) -> torch.Tensor:
-    """This thread's buffer for one range's stored bytes (3 MiB for :data:`RANGE_ELEMENTS`): they are read into it
-    and decoded from it while in the cache, instead of travelling through memory in a buffer of the whole payload."""
+    """This thread's buffer for one range's stored bytes or a small tensor's payload (:data:`SCRATCH_BYTES`): they
+    are read into it and decoded from it while in the cache, instead of travelling through memory in a buffer of the
+    whole payload, and it is made once per thread (fresh pages cost as much as the reads into them)."""
     buffer = getattr(_thread_scratch, "buffer", None)
     if buffer is None or buffer.numel() < nbytes:
-        buffer = _thread_scratch.buffer = torch.empty(max(nbytes, RANGE_ELEMENTS * 3 // 2 + 1), dtype=torch.uint8)
+        buffer = _thread_scratch.buffer = torch.empty(max(nbytes, SCRATCH_BYTES), dtype=torch.uint8)
     return buffer[:nbytes]
 
 
@@ -155,7 +193,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
         _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))
         for job, i in zip(jobs, group):
-            _check(file.path, job, check_stored[i], check_decoded)
+            if isinstance(job, _Job):  # a whole job compared its checksums as it ran
+                _check(file.path, job, check_stored[i], check_decoded)
             tensors.append(job.out.view(job.dtype).reshape(job.entry.shape))
     return tensors
 
@@ -175,8 +214,15 @@ def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
 
 def _read_length(entry: TensorEntry) -> int:
     """Bytes of the group's payload buffer a tensor takes: its stored bytes when they are read range by range (a
-    SplitZip payload in the in-memory form), else none."""
-    return entry.length if entry.encoding != ENCODING_RAW and entry.at_rest is None else 0
+    SplitZip payload in the in-memory form, unless it is read whole), else none."""
+    return entry.length if entry.encoding != ENCODING_RAW and entry.at_rest is None and not _whole(entry) else 0
+
+
+def _whole(entry: TensorEntry) -> bool:
+    """Whether a tensor is decoded by one :class:`_WholeJob`: a SplitZip payload of one range in the in-memory form
+    that fits a thread's scratch, where the C kernels are built."""
+    return (cpu._native is not None and entry.encoding != ENCODING_RAW and entry.at_rest is None
+            and entry.layout.n <= RANGE_ELEMENTS and entry.length <= SCRATCH_BYTES)
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
@@ -198,6 +244,9 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
              payload: torch.Tensor, into: torch.Tensor | None) -> _Job:
     """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given."""
     dtype = entry.torch_dtype(file.path)
+    if _whole(entry):
+        out = into.view(torch.bfloat16) if into is not None else torch.empty(entry.layout.n, dtype=torch.bfloat16)
+        return _WholeJob(file, entry, dtype, out, check_stored, check_decoded)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
         out = into if into is not None else torch.empty(entry.length, dtype=torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))

@@ -707,6 +707,16 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
         native.exponent_histogram(bytes(32), bytearray(255 * 8))
     with pytest.raises(ValueError, match="mismatches"):
         native.mismatches(bytes(32), bytes(30), bytearray(16 * 8))
+    payload = bytes(8 + 16 + 4 * 1 + 4 + 1)  # 16 elements, one escape: pk, sm, chunk id, local position + pad, value
+    native.decode_payload(payload, lut, bytearray(32), 1, 1024)
+    for args in ((payload[:-1], lut, bytearray(32), 1, 1024), (payload, bytes(15), bytearray(32), 1, 1024),
+                 (payload, lut, bytearray(31), 1, 1024), (payload, lut, bytearray(32), 17, 1024),
+                 (payload, lut, bytearray(32), -1, 1024), (payload, lut, bytearray(32), 1, 0),
+                 (payload, lut, bytearray(32), 1, 65537)):
+        with pytest.raises(ValueError, match="decode_payload"):
+            native.decode_payload(*args)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        native.decode_payload(payload, lut, bytearray(32), 1)
 
 
 def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
@@ -725,6 +735,7 @@ def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
               "    x[torch.randint(0, n, (max(1, n // 50),), generator=g)] = float('inf')\n"
               "    payload, layout, codebook = cpu.encode(x)\n"
               "    native = cpu.decode(payload, layout, codebook, start=n // 3, stop=n)\n"
+              "    assert torch.equal(cpu.decode(payload, layout, codebook).view(torch.int16), x.view(torch.int16)), n\n"
               "    cpu._native = None\n"
               "    again, layout2, codebook2 = cpu.encode(x)\n"
               "    reference = cpu.decode(payload, layout, codebook, start=n // 3, stop=n)\n"

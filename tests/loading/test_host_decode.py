@@ -11,7 +11,7 @@ import torch
 
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
-from szformat.errors import ChecksumMismatchError
+from szformat.errors import ChecksumMismatchError, PayloadError
 from szformat.format.reader import SztFile
 from szformat.loading import host_decode
 
@@ -136,3 +136,51 @@ def test_a_corrupt_range_is_reported_after_a_parallel_decode(tmp_path, small_ran
         load_file(path)
     assert info.value.tensor == "big"
     assert torch.equal(_bits(load_file(path, verify=False)["wide"]), _bits(_tensors()["wide"]))
+
+
+@pytest.mark.parametrize("kernel", ["native", "reference"])
+def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(tmp_path, two_threads, monkeypatch,
+                                                                                 kernel):
+    """With the C kernels a small tensor is one read and one decode call (escapes checked and patched in C); with
+    the reference it goes range by range; both give the source's bits."""
+    if kernel == "native" and cpu._native is None:
+        pytest.skip("the C extension was not built here")
+    monkeypatch.setattr(cpu, "_native", cpu._native if kernel == "native" else None)
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    whole, ranges = [], []
+    real_decode, real_checked = cpu.decode, cpu.PayloadDecoder.decode_checked
+    monkeypatch.setattr(cpu, "decode", lambda payload, layout, *a, **kw: whole.append(layout.n)
+                        or real_decode(payload, layout, *a, **kw))
+    monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", lambda self, start, stop, out, **kw:
+                        ranges.append(self.layout.n) or real_checked(self, start, stop, out, **kw))
+    loaded = load_file(path)
+    for name, tensor in source.items():
+        assert torch.equal(_bits(loaded[name]), _bits(tensor)), name
+    with SztFile(path) as f:
+        splitzip = sorted(f.entry(name).layout.n for name in f.entries if f.entry(name).encoding == "splitzip")
+    assert splitzip == [20_001, 64 * 513]
+    if kernel == "native":
+        assert (sorted(whole), ranges) == (splitzip, [])
+    else:
+        assert (whole, sorted(ranges)) == ([], splitzip)
+
+
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_small_tensor_with_corrupt_bytes_is_refused_by_name(tmp_path, verify):
+    """A whole-read tensor's stored bytes are checked before anything decodes them; with verify off, a broken escape
+    stream is still the package's error naming file and tensor, and nothing else changes."""
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    with safe_open(path, framework="pt") as f:
+        e = f.entry("big")
+        at = e.offset + e.layout.off_lpos  # the first escape's local position: now past its chunk
+    data = bytearray(path.read_bytes())
+    data[at + 1] ^= 0xF0
+    path.write_bytes(bytes(data))
+    error = ChecksumMismatchError if verify else PayloadError
+    with pytest.raises(error, match="stored bytes" if verify else "outside its chunk") as info:
+        load_file(path, verify=verify)
+    assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
