@@ -317,6 +317,26 @@ def _level(config: dict, codec: str) -> int | None:
     return level
 
 
+_INT = {int}
+
+
+def _check_plane_sizes(planes: list[int], itemsize: int, frame_size: int, raw_length: int) -> None:
+    """Every plane's stored size is between 1 and its plane's bytes: whole frames' planes hold ``frame_size //
+    itemsize`` bytes, the last frame's what is left. Checked with the builtins' ``min``/``max`` over the list (a
+    Python loop over a 1 GB tensor's 4,000 planes took milliseconds of every open), the first bad plane found by
+    the loop only when there is one, so the message names it."""
+    last = itemsize * (len(planes) // itemsize - 1)
+    whole, tail = planes[:last], planes[last:]
+    if min(planes) > 0 and (not whole or max(whole) <= frame_size // itemsize) and \
+            max(tail) <= (raw_length - last // itemsize * frame_size) // itemsize:
+        return
+    for i, stored in enumerate(planes):
+        frame = min(frame_size, raw_length - (i // itemsize) * frame_size)
+        if not 0 < stored <= frame // itemsize:
+            raise AtRestError(f"zstd_planes plane {i} is stored in {stored} bytes; a plane of {frame // itemsize} "
+                              "bytes takes between 1 and as many")
+
+
 def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) -> PlanesStage:
     """Validate a raw tensor's ``at_rest`` map against its ``raw_length`` bytes of ``itemsize``-byte elements and
     its stored ``length``.
@@ -338,15 +358,11 @@ def parse_planes(obj: object, *, itemsize: int, raw_length: int, length: int) ->
         raise AtRestError("an empty tensor has no at-rest stage")
     planes = config.get("planes")
     count = _frame_count(raw_length, frame_size) * itemsize
-    if not isinstance(planes, list) or len(planes) != count or any(type(p) is not int for p in planes):
+    if not isinstance(planes, list) or len(planes) != count or set(map(type, planes)) != _INT:
         raise AtRestError(f"zstd_planes 'planes' must list {count} integers ({itemsize} planes of each of "
                           f"{count // itemsize} frames of {frame_size} bytes), got "
                           f"{len(planes) if isinstance(planes, list) else type(planes).__name__}")
-    for i, stored in enumerate(planes):
-        frame = min(frame_size, raw_length - (i // itemsize) * frame_size)
-        if not 0 < stored <= frame // itemsize:
-            raise AtRestError(f"zstd_planes plane {i} is stored in {stored} bytes; a plane of {frame // itemsize} "
-                              "bytes takes between 1 and as many")
+    _check_plane_sizes(planes, itemsize, frame_size, raw_length)
     level = _level(config, AT_REST_PLANES)
     if sum(planes) != length:
         raise AtRestError(f"planes add up to {sum(planes)} stored bytes, the entry records {length}")
