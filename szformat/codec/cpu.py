@@ -557,6 +557,12 @@ def _decode_one(pk_byte: int, s: int, dec_lut: tuple[int, ...], i: int) -> int:
     return bits - 0x10000 if bits & 0x8000 else bits
 
 
+def native_kernels() -> bool:
+    """Whether this process decodes with the C kernels (``cpu_kernel.KERNEL`` names them), so a whole payload is one
+    call: callers that can hand one over choose so."""
+    return _native is not None
+
+
 @contextmanager
 def one_intra_op_thread() -> Iterator[None]:
     """Run PyTorch's CPU ops of the calling thread on one intra-op thread, and restore the setting after.

@@ -1,7 +1,7 @@
 """Decode tensors of an open .szt file into CPU memory: independent threads, one intra-op thread each, checksums
 taken while the bytes are in cache.
 
-What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Four choices, each measured with
+What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five choices, each measured with
 ``bench/cpu.py`` (``bench/RESULTS.md``):
 
 - **Ranges on independent threads.** Every tensor is cut into ranges of :data:`RANGE_ELEMENTS` (a small tensor is
@@ -221,12 +221,12 @@ def _read_length(entry: TensorEntry) -> int:
 def _whole(entry: TensorEntry) -> bool:
     """Whether a tensor is decoded by one :class:`_WholeJob`: a SplitZip payload of one range in the in-memory form
     that fits a thread's scratch, where the C kernels are built."""
-    return (cpu._native is not None and entry.encoding != ENCODING_RAW and entry.at_rest is None
+    return (cpu.native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None
             and entry.layout.n <= RANGE_ELEMENTS and entry.length <= SCRATCH_BYTES)
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
-         out: torch.Tensor | None = None) -> _Job:
+         out: torch.Tensor | None = None) -> _Job | _WholeJob:
     """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
     bytes around the streams (padding, escape streams) read now into ``payload`` (its part of the buffer the
     groups of one call share: fresh pages for every tensor cost as much as reading into them) and the streams left
@@ -241,7 +241,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
-             payload: torch.Tensor, into: torch.Tensor | None) -> _Job:
+             payload: torch.Tensor, into: torch.Tensor | None) -> _Job | _WholeJob:
     """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given."""
     dtype = entry.torch_dtype(file.path)
     if _whole(entry):
