@@ -242,7 +242,7 @@ def output(model: str, loaded) -> torch.Tensor:
 
 
 def bench_model(model: str, work: Path, reps: int, cold: bool, tiny: bool) -> list[dict]:
-    from bench_load import drop_caches, resident_share
+    from .load import drop_caches, resident_share
 
     folder = work / model
     if not Path(f"{folder}-szt").is_dir():

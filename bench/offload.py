@@ -165,7 +165,7 @@ def prepare(minilm_dir: Path | None, work: Path, models: list[str]) -> dict[str,
     against the SHA-256 of the BF16 file it was converted from), the DiTs built, saved and converted on the GPU; the
     pinned host-to-device rate of this machine."""
     import torch
-    from copyrate import pinned_h2d_gbps
+    from .common import pinned_h2d_gbps
 
     from szformat.convert.decompress import decompress
 

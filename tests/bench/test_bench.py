@@ -268,6 +268,36 @@ def test_every_benchmark_answers_help_without_a_gpu():
         assert done.stdout.startswith("usage:"), name
 
 
+OPTIONAL_PEERS = {"dfloat11", "fastsafetensors", "instanttensor", "runai_model_streamer", "zipnn", "cupy",
+                  "ddo_vmm_bootstrap", "diffusers_dynamic_offloader", "accelerate", "diffusers", "vllm", "openai"}
+"""What a benchmark imports only where it measures that peer or route (each says so when it is missing)."""
+
+
+def test_every_import_in_the_benchmarks_names_a_module_that_exists():
+    """Imports inside functions run only on the machine that takes that figure (often the lent GPU): a module
+    renamed or moved must fail here, not after a device start. Relative imports must name a module of ``bench``,
+    absolute ones an installed package, the standard library or a known optional peer."""
+    import ast
+    import importlib.util
+
+    missing = []
+    for path in sorted((REPO_ROOT / "bench").rglob("*.py")):
+        package = ".".join(path.relative_to(REPO_ROOT).with_suffix("").parts[:-1])
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.level:  # a module of bench, found whole
+                names = [importlib.util.resolve_name("." * node.level + (node.module or ""), package)]
+            elif isinstance(node, ast.ImportFrom):  # a package: its top level, found without importing it
+                names = [node.module.split(".")[0]]
+            elif isinstance(node, ast.Import):
+                names = [alias.name.split(".")[0] for alias in node.names]
+            else:
+                continue
+            for name in names:
+                if name.split(".")[0] not in OPTIONAL_PEERS and importlib.util.find_spec(name) is None:
+                    missing.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {name}")
+    assert not missing, missing
+
+
 def test_the_cpu_benchmark_runs_its_codec_section_on_a_small_model(tmp_path):
     from safetensors.torch import save_file
 
