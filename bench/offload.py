@@ -79,7 +79,8 @@ import threading  # noqa: E402
 import time  # noqa: E402
 from pathlib import Path  # noqa: E402
 
-from .common import memory_status  # noqa: E402
+# by its package's name, not relatively: DDO's bootstrap starts the native batch again by this file's path
+from bench.common import memory_status  # noqa: E402
 
 CONFIGS = ("gpu", "szt-resident", "szt-staging", "szt-staging-cpu", "ddo-staging-st", "szt-group", "szt-accelerate",
            "st-group", "st-group-stream", "st-accelerate", "szt-native", "ddo-native-st")
@@ -165,7 +166,7 @@ def prepare(minilm_dir: Path | None, work: Path, models: list[str]) -> dict[str,
     against the SHA-256 of the BF16 file it was converted from), the DiTs built, saved and converted on the GPU; the
     pinned host-to-device rate of this machine."""
     import torch
-    from .common import pinned_h2d_gbps
+    from bench.common import pinned_h2d_gbps
 
     from szformat.convert.decompress import decompress
 

@@ -7,6 +7,8 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -254,9 +256,6 @@ REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
 def _run_module(*args: str, timeout: float = 300):
-    import subprocess
-    import sys
-
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -296,6 +295,15 @@ def test_every_import_in_the_benchmarks_names_a_module_that_exists():
                 if name.split(".")[0] not in OPTIONAL_PEERS and importlib.util.find_spec(name) is None:
                     missing.append(f"{path.relative_to(REPO_ROOT)}:{node.lineno}: {name}")
     assert not missing, missing
+
+
+def test_the_offload_benchmark_also_runs_by_its_path_as_ddos_bootstrap_starts_it():
+    """DDO's ``ensure_vmm_fast_process`` starts the native batch again with ``runpy.run_path``: no package then, so
+    a relative import there fails the batch on the GPU machine only."""
+    script = ("import runpy, sys; sys.argv = ['bench/offload.py', '--help']; "
+              "runpy.run_path(sys.argv[0], run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", script], cwd=REPO_ROOT, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
 
 
 def test_the_cpu_benchmark_runs_its_codec_section_on_a_small_model(tmp_path):
