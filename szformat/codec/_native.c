@@ -223,26 +223,47 @@ static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n,
     return count;
 }
 
-/* A whole payload (the layout of szformat/codec/layout.py): where its streams start. */
+/* Where the streams of a payload of ``n`` elements and ``n_esc`` escapes start (szformat/codec/layout.py). */
+typedef struct {
+    Py_ssize_t sm, cid, lpos, ev, end;
+} Offsets;
+
 static Py_ssize_t align4(Py_ssize_t x) { return (x + 3) & ~(Py_ssize_t)3; }
+
+static Offsets offsets_of(Py_ssize_t n, Py_ssize_t n_esc)
+{
+    Offsets o;
+    o.sm = align4((n + 1) / 2);
+    o.cid = align4(o.sm + n);
+    o.lpos = o.cid + 4 * n_esc;
+    o.ev = align4(o.lpos + 2 * n_esc);
+    o.end = o.ev + n_esc;
+    return o;
+}
+
+/* Escape k's chunk id (int32) and local position (u16), little-endian, read byte by byte (any alignment). */
+static void escape_at(const uint8_t *payload, Offsets o, Py_ssize_t k, int64_t *chunk, int64_t *local)
+{
+    const uint8_t *c = payload + o.cid + 4 * k, *l = payload + o.lpos + 2 * k;
+    *chunk = (int32_t)((uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 | (uint32_t)c[3] << 24);
+    *local = (uint32_t)l[0] | (uint32_t)l[1] << 8;
+}
 
 /* The escape streams' checks of the reference (``_validated_escapes``), in its order, so a stream that breaks
  * several rules gets the same message: local positions, chunk ids, positions, order. Returns NULL when they hold,
- * else the message (written into ``message``). Reads unaligned little-endian fields byte by byte. */
-static const char *check_escapes(const uint8_t *cid, const uint8_t *lpos, Py_ssize_t n_esc, Py_ssize_t n,
+ * else the message (written into ``message``). */
+static const char *check_escapes(const uint8_t *payload, Offsets o, Py_ssize_t n_esc, Py_ssize_t n,
                                  Py_ssize_t chunk_size, char *message, size_t size)
 {
     if (n_esc == 0)
         return NULL;
     Py_ssize_t n_chunks = (n + chunk_size - 1) / chunk_size;
-    uint32_t max_local = 0;
-    int64_t min_chunk = INT32_MAX, max_chunk = INT32_MIN, max_position = INT64_MIN, previous = -1;
+    int64_t max_local = 0, min_chunk = INT32_MAX, max_chunk = INT32_MIN, max_position = INT64_MIN, previous = -1;
     int ascending = 1;
     for (Py_ssize_t k = 0; k < n_esc; k++) {
-        const uint8_t *c = cid + 4 * k, *l = lpos + 2 * k;
-        int32_t chunk = (int32_t)((uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 | (uint32_t)c[3] << 24);
-        uint32_t local = (uint32_t)l[0] | (uint32_t)l[1] << 8;
-        int64_t position = (int64_t)chunk * chunk_size + local;
+        int64_t chunk, local;
+        escape_at(payload, o, k, &chunk, &local);
+        int64_t position = chunk * chunk_size + local;
         max_local = local > max_local ? local : max_local;
         min_chunk = chunk < min_chunk ? chunk : min_chunk;
         max_chunk = chunk > max_chunk ? chunk : max_chunk;
@@ -251,8 +272,9 @@ static const char *check_escapes(const uint8_t *cid, const uint8_t *lpos, Py_ssi
             ascending = 0;
         previous = position;
     }
-    if (max_local >= (uint32_t)chunk_size)
-        snprintf(message, size, "escape local position %u is outside its chunk of %zd", max_local, chunk_size);
+    if (max_local >= chunk_size)
+        snprintf(message, size, "escape local position %lld is outside its chunk of %zd", (long long)max_local,
+                 chunk_size);
     else if (min_chunk < 0 || max_chunk >= n_chunks)
         snprintf(message, size, "escape chunk id out of range 0..%zd", n_chunks - 1);
     else if (max_position >= n)
@@ -266,20 +288,18 @@ static const char *check_escapes(const uint8_t *cid, const uint8_t *lpos, Py_ssi
 
 /* Every element of a payload whose escapes were checked: whole pairs, the odd last element, then each escape's
  * raw exponent in place of the code's (sign and mantissa are right already). */
-static void decode_whole(const uint8_t *payload, const uint8_t *lut, uint16_t *out, Py_ssize_t n, Py_ssize_t n_esc,
-                         Py_ssize_t chunk_size)
+static void decode_whole(const uint8_t *payload, Offsets o, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
+                         Py_ssize_t n_esc, Py_ssize_t chunk_size)
 {
-    Py_ssize_t n_pairs = (n + 1) / 2, off_sm = align4(n_pairs), off_cid = align4(off_sm + n);
-    Py_ssize_t off_lpos = off_cid + 4 * n_esc, off_ev = align4(off_lpos + 2 * n_esc);
-    const uint8_t *pk = payload, *sm = payload + off_sm;
+    const uint8_t *pk = payload, *sm = payload + o.sm;
     decode(pk, sm, lut, out, n / 2);
     if (n % 2)
         out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
     for (Py_ssize_t k = 0; k < n_esc; k++) {
-        const uint8_t *c = payload + off_cid + 4 * k, *l = payload + off_lpos + 2 * k;
-        int64_t position = (int64_t)((uint32_t)c[0] | (uint32_t)c[1] << 8 | (uint32_t)c[2] << 16 |
-                                     (uint32_t)c[3] << 24) * chunk_size + ((uint32_t)l[0] | (uint32_t)l[1] << 8);
-        out[position] = (uint16_t)((out[position] & 0x807F) | (uint32_t)payload[off_ev + k] << 7);
+        int64_t chunk, local;
+        escape_at(payload, o, k, &chunk, &local);
+        int64_t position = chunk * chunk_size + local;
+        out[position] = (uint16_t)((out[position] & 0x807F) | (uint32_t)payload[o.ev + k] << 7);
     }
 }
 
@@ -499,23 +519,21 @@ static PyObject *py_decode_payload(PyObject *self, PyObject *const *args, Py_ssi
         return NULL;
     if (take("decode_payload", args, 3, 3, names, 0x4, &b) == 0) {
         Py_ssize_t n = b.views[2].len / 2;
-        Py_ssize_t off_cid = align4(align4((n + 1) / 2) + n);
-        Py_ssize_t needed = align4(off_cid + 6 * n_esc) + n_esc;
+        Offsets o = offsets_of(n, n_esc < 0 ? 0 : n_esc);
         if (b.views[2].len % 2 || n_esc < 0 || n_esc > n || chunk_size <= 0 || chunk_size > 65536 ||
-            b.views[1].len != 16 || b.views[0].len < needed) {
+            b.views[1].len != 16 || b.views[0].len < o.end) {
             PyErr_Format(PyExc_ValueError, "decode_payload(): %zd elements with %zd escapes in chunks of %zd need "
                          "%zd payload bytes and a 16-byte codebook (got %zd, %zd; %zd output bytes)", n, n_esc,
-                         chunk_size, needed, b.views[0].len, b.views[1].len, b.views[2].len);
+                         chunk_size, o.end, b.views[0].len, b.views[1].len, b.views[2].len);
         } else {
             const uint8_t *payload = b.views[0].buf, *lut = b.views[1].buf;
             uint16_t *out = b.views[2].buf;
             char message[160];
             const char *error;
             Py_BEGIN_ALLOW_THREADS
-            error = check_escapes(payload + off_cid, payload + off_cid + 4 * n_esc, n_esc, n, chunk_size, message,
-                                  sizeof message);
+            error = check_escapes(payload, o, n_esc, n, chunk_size, message, sizeof message);
             if (error == NULL)
-                decode_whole(payload, lut, out, n, n_esc, chunk_size);
+                decode_whole(payload, o, lut, out, n, n_esc, chunk_size);
             Py_END_ALLOW_THREADS
             if (error != NULL)
                 PyErr_SetString(PyExc_ValueError, error);
