@@ -33,13 +33,13 @@ import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Callable
-from unittest import mock
 
 import torch
 from safetensors.torch import load_file as st_load_file
 
 import szformat
 from szformat.loading import device_loader, hostio
+from szformat.loading.device_loader import StagingConfig
 
 from .checks.load_gpu import Checkpoint, at_rest_copy, prepare  # noqa: E402
 from .load import drop_caches, mismatches, print_summary, recorded, resident_share, timed_call  # noqa: E402
@@ -91,16 +91,15 @@ def direct_read(path: Path) -> Callable[[], object]:
 
 def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Callable[[], object]]]:
     """Label -> (form whose file it reads, the load)."""
-    def readers_inflating() -> object:  # the at-rest form as a host without nvCOMP loads it
-        with mock.patch.object(device_loader, "nvcomp_inflater", lambda: None):
-            return szformat.load_file(at_rest.szt, device="cuda")
-
+    nvcomp = StagingConfig(device_inflate=True)  # the bench's own files: trusted
     return {
         ANCHOR: ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda")),
         "in-memory form, verify off": ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda", verify=False)),
-        "at rest, load_file (verify on)": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda")),
-        "at rest, verify on, the readers inflate": ("at rest", readers_inflating),
-        "at rest, verify off": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda", verify=False)),
+        "at rest, load_file (verify on)": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda",
+                                                                                 staging=nvcomp)),
+        "at rest, verify on, the readers inflate": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda")),
+        "at rest, verify off": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda", verify=False,
+                                                                      staging=nvcomp)),
         "safetensors load_file": ("safetensors", lambda: st_load_file(ckpt.safetensors, device="cuda")),
     }
 

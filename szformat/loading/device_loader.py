@@ -59,17 +59,23 @@ class StagingConfig:
             Pinning and unpinning pages cost more than the reads they save for a one-time load (measured on the
             H200 host: about 18 GB/s to pin, 35 GB/s to unpin, against 40 GB/s to read), so registration pays only
             for a file that stays open and is read again (``safe_open`` keeps its registration until closed).
-            A file in the at-rest form (format 1.1 and 1.2) is always staged: its stored bytes cross as they are and
-            nvCOMP inflates them on the device when it is installed (their stored bytes' CRC-32s are then checked
-            as the readers read them, ``verify`` or not, before anything is inflated: nvCOMP is never handed
-            bytes that were not; byte planes are then joined by a kernel); otherwise the reader threads inflate
-            them into the slots.
+            A file in the at-rest form (format 1.1 and 1.2) is always staged.
+        device_inflate (`bool`): inflate the at-rest form's zstd frames on the device with nvCOMP (when it is
+            installed; the GPU route, staged reads) instead of on the reader threads: the stored bytes cross as they
+            are, 1.0-1.25x the in-memory form's load time on the H200 against 1.6-1.9x (``bench/RESULTS.md``).
+            **For files you trust only** (default off): nvCOMP does not validate what it inflates (its documentation:
+            corrupt data is undefined behaviour), and a crafted file whose CRC-32s match its corrupt frames makes it
+            fail the CUDA context, which ends the process (the spec's refusal vectors ``at_rest_frame_lengths``,
+            ``at_rest_frame_corrupt`` and ``at_rest_bomb`` do). The reader threads' zstd refuses such frames with a
+            PayloadError naming the file and the tensor. The stored bytes are CRC-checked before nvCOMP sees them,
+            ``verify`` or not, which stops accidental corruption, not a forged checksum.
     """
 
     slot_bytes: int = 128 << 20
     slots: int = 4
     threads: int | None = None
     transport: str = "staged"
+    device_inflate: bool = False
 
     def __post_init__(self) -> None:
         if self.slot_bytes < SLOT_GRANULE:
@@ -97,8 +103,8 @@ class DeviceLoader:
             ``verify`` or not, and a tensor whose streams break a rule raises after the transfer. Stored bytes
             that the device inflates (the at-rest form, with an inflater) are CRC-checked ``verify`` or not.
         ops (`DeviceOps`, *optional*), codec (`DeviceCodec`, *optional*): replace CUDA and the Triton kernels (tests).
-        inflater (`FrameInflater`, *optional*): inflates the at-rest form's zstd frames on the device; nvCOMP's by
-            default when it is installed (and CUDA is not replaced).
+        inflater (`FrameInflater`, *optional*): inflates the at-rest form's zstd frames on the device; by default
+            nvCOMP's where ``staging.device_inflate`` asks for it and it is installed (and CUDA is not replaced).
 
     Raises:
         DecodeRouteError: no such CUDA device, or the GPU route without Triton.
@@ -114,8 +120,8 @@ class DeviceLoader:
         self.codec = (codec if codec is not None else triton_codec()) if self.route == "gpu" else None
         self.staging = staging if staging is not None else StagingConfig()
         self.verify = verify
-        if inflater is None and ops is None and self._may_inflate_on_device():  # else nvCOMP is never called
-            inflater = nvcomp_inflater()
+        if inflater is None and ops is None and self.staging.device_inflate and self._may_inflate_on_device():
+            inflater = nvcomp_inflater()  # else nvCOMP is never called
         self.inflater = inflater
         self.threads = self.staging.threads or default_threads()
         self._pool = ThreadPoolExecutor(self.threads, thread_name_prefix="szformat-io")

@@ -1164,6 +1164,20 @@ def mixed_at_rest_checkpoint(tmp_path_factory):
     return path, tensors
 
 
+@pytest.mark.parametrize("asked", [False, True])
+def test_nvcomp_inflates_on_the_device_only_when_asked(monkeypatch, asked):
+    """nvCOMP does not validate frames, so a crafted file whose CRC-32s match can fail the CUDA context: the loader
+    takes it only with ``StagingConfig(device_inflate=True)``; by default the reader threads' zstd inflates, and
+    refuses such frames by name."""
+    from szformat.loading import device_loader
+
+    nvcomp = ZstdInflater()
+    monkeypatch.setattr(device_loader, "nvcomp_inflater", lambda: nvcomp)
+    monkeypatch.setattr(device_loader, "cuda_ops", lambda device: FakeOps())  # CUDA itself, not replaced
+    with DeviceLoader("cpu", staging=StagingConfig(device_inflate=asked), codec=ReferenceCodec()) as loader:
+        assert loader.inflater is (nvcomp if asked else None)
+
+
 @pytest.mark.parametrize("slot_bytes", [4096, 1 << 16, 1 << 20])  # long.weight streamed, or packed with others
 def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoint, slot_bytes, monkeypatch):
     """With an inflater, the stored bytes cross as they are and the device inflates them (packed transfers into the
