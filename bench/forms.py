@@ -91,15 +91,15 @@ def direct_read(path: Path) -> Callable[[], object]:
 
 def load_paths(ckpt: Checkpoint, at_rest: Checkpoint) -> dict[str, tuple[str, Callable[[], object]]]:
     """Label -> (form whose file it reads, the load)."""
-    nvcomp = StagingConfig(device_inflate=True)  # the bench's own files: trusted
+    trusted = StagingConfig(device_inflate=True)  # nvCOMP inflates: the bench's own files
     return {
         ANCHOR: ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda")),
         "in-memory form, verify off": ("in-memory", lambda: szformat.load_file(ckpt.szt, device="cuda", verify=False)),
         "at rest, load_file (verify on)": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda",
-                                                                                 staging=nvcomp)),
+                                                                                 staging=trusted)),
         "at rest, verify on, the readers inflate": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda")),
         "at rest, verify off": ("at rest", lambda: szformat.load_file(at_rest.szt, device="cuda", verify=False,
-                                                                      staging=nvcomp)),
+                                                                      staging=trusted)),
         "safetensors load_file": ("safetensors", lambda: st_load_file(ckpt.safetensors, device="cuda")),
     }
 

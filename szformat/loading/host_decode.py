@@ -21,7 +21,7 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   into its output.
 - **A small tensor in one read and one call.** Where the C kernels are built, a SplitZip tensor of one range in the
   in-memory form is read whole into the thread's scratch (one ``pread``), checksummed whole, and decoded by one
-  call that also checks and patches its escapes (``codec.cpu.decode``): per tensor, the Python around the four
+  call that also checks and patches its escapes (``format.payloads.decode_entry``): per tensor, the Python around the four
   reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
   ``bench/RESULTS.md``, "CPU loading").
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
@@ -42,13 +42,12 @@ from typing import Sequence
 import torch
 
 from ..checksum import crc32, crc32_join
-from ..codec import cpu
-from ..codec.cpu import PayloadDecoder, RangeChecksums, one_intra_op_thread
+from ..codec.cpu import PayloadDecoder, RangeChecksums, native_kernels, one_intra_op_thread
 from ..errors import PayloadError
 from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
-from ..format.payloads import allocation_errors, inflate_entry, payload_errors
+from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries"]
@@ -138,10 +137,7 @@ class _WholeJob:
             payload = self.file.read(entry.name, out=_range_scratch(entry.length))
         if self.check_stored:
             check_crc(payload, entry.crc32, what="stored bytes", path=path, tensor=entry.name)
-        try:
-            cpu.decode(payload, entry.layout, entry.codebook, out=self.out)
-        except ValueError as e:
-            raise PayloadError(str(e), path=path, tensor=entry.name) from None
+        decode_entry(path, entry, payload, self.out)
         if self.check_decoded:
             check_crc(self.out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=path, tensor=entry.name)
 
@@ -221,7 +217,7 @@ def _read_length(entry: TensorEntry) -> int:
 def _whole(entry: TensorEntry) -> bool:
     """Whether a tensor is decoded by one :class:`_WholeJob`: a SplitZip payload of one range in the in-memory form
     that fits a thread's scratch, where the C kernels are built."""
-    return (cpu.native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None
+    return (native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None
             and entry.layout.n <= RANGE_ELEMENTS and entry.length <= SCRATCH_BYTES)
 
 

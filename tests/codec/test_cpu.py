@@ -717,6 +717,8 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
             native.decode_payload(*args)
     with pytest.raises(TypeError, match="takes 5 arguments"):
         native.decode_payload(payload, lut, bytearray(32), 1)
+    with pytest.raises(TypeError):  # the counts are integers, checked before any buffer is taken
+        native.decode_payload(payload, lut, bytearray(32), "1", 1024)
 
 
 def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
