@@ -54,4 +54,5 @@ def test_the_wheel_installs_into_a_fresh_environment_and_runs(wheel, tmp_path):
 
 def test_install_hints_name_the_packages_of_the_extra():
     assert install_hint("gpu").startswith("pip install 'triton>=3.2' (szformat's gpu extra: pip install -e")
+    assert "'diffusers-dynamic-offloader[vmm]==0.1.0rc2'" in install_hint("ddo")
     assert install_hint("no-such-extra") == "pip install -e \".[no-such-extra]\" in szformat's source tree"
