@@ -10,12 +10,14 @@ import pytest
 import torch
 
 import szformat
+from szformat.convert import convert
 from szformat.errors import ChecksumMismatchError
 from szformat.format.reader import SztFile
 from szformat.integrations.deferred import DecodeCounter, DeferredTensor
 from szformat.loading.host_reader import HostReader
 
-from support import write_at_rest
+from fakes import FakeOps, ReferenceCodec
+from support import write_at_rest, write_sharded
 
 
 def _tensors(seed: int) -> dict[str, torch.Tensor]:
@@ -221,3 +223,67 @@ def test_tensors_used_after_their_files_closed_are_refused_naming_the_file(check
         assert _same(target, tensors["proj.weight"])
     with pytest.raises(ClosedFileError):
         kept["norm.weight"].sum()
+
+
+@pytest.fixture(params=["in-memory", "at rest"])
+def sharded(request, tmp_path):
+    """A converted two-shard checkpoint (index and shards) in either form, and its tensors."""
+    tensors = write_sharded(tmp_path / "st", seed=random.randrange(1 << 30))
+    convert(tmp_path / "st", tmp_path / "szt", at_rest=1 if request.param == "at rest" else None)
+    return tmp_path / "szt", tensors
+
+
+def _device_weights(monkeypatch, device: torch.device):
+    """``szt_weights`` on ``device``, its device branch served on the CPU by fakes where there is no CUDA: the loads
+    it asks for are recorded."""
+    from szformat.integrations import vllm
+    from szformat.loading import StagingConfig, device_loader
+
+    loads, events = [], []
+
+    class Recording(device_loader.DeviceLoader):
+        def __init__(self, device, *, verify):
+            fake = device.type != "cuda" or not torch.cuda.is_available()
+            super().__init__("cpu" if fake else device, verify=verify, ops=FakeOps() if fake else None,
+                             codec=ReferenceCodec() if fake else None, staging=StagingConfig(slot_bytes=8192))
+
+        def load(self, file, names):
+            loads.append([file.entry(n).raw_length for n in names])
+            return super().load(file, names)
+
+        def release(self, file):
+            events.append(("release", file.path.name))
+            super().release(file)
+
+        def close(self):
+            events.append(("close",))
+            super().close()
+
+    monkeypatch.setattr(device_loader, "DeviceLoader", Recording)
+    return vllm.szt_weights, loads, events
+
+
+@pytest.mark.parametrize("device", ["cuda-faked", pytest.param("cuda", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs a CUDA device"))])
+def test_szt_weights_on_a_gpu_rank_loads_batches_of_the_budget(sharded, monkeypatch, device):
+    """A CUDA rank gets every tensor of every shard bit for bit, decoded in loads of at most ``batch_bytes`` raw
+    bytes (one tensor alone where it is larger), each shard released after its last batch and the loader closed."""
+    path, tensors = sharded
+    szt_weights, loads, events = _device_weights(monkeypatch, torch.device("cuda"))
+    budget = 4096
+    got = {name: tensor.cpu() for name, tensor in szt_weights(path, torch.device("cuda"), batch_bytes=budget)}
+    assert got.keys() == tensors.keys()
+    assert all(_same(got[name], tensors[name]) for name in tensors)
+    assert sum(len(batch) for batch in loads) == len(tensors) and len(loads) > 2
+    assert all(sum(batch) <= budget or len(batch) == 1 for batch in loads)
+    assert events == [("release", "model-00001-of-00002.szt"), ("release", "model-00002-of-00002.szt"), ("close",)]
+
+
+def test_a_gpu_rank_that_stops_early_closes_its_loader(sharded, monkeypatch):
+    """vLLM failing on a name mid-load closes the iterator: the loader (its pinned slots, its threads) goes too."""
+    path, _ = sharded
+    szt_weights, _, events = _device_weights(monkeypatch, torch.device("cuda"))
+    weights = szt_weights(path, torch.device("cuda"), batch_bytes=4096)
+    next(weights)
+    weights.close()
+    assert events == [("close",)]
