@@ -345,6 +345,29 @@ def test_verify_detects_corrupted_stored_bytes(model_file, tmp_path):
         load_file(bad)
 
 
+@pytest.mark.parametrize("name, rows", [("weight", slice(200, 210)), ("weight", slice(299, 300)),
+                                        ("bias", slice(0, 2)), ("bias", slice(300, 301))])
+def test_a_slice_far_from_a_corrupted_byte_is_refused(model_file, tmp_path, monkeypatch, name, rows):
+    """A part read checks its tensor's whole stored payload (the bytes outside the part read through a small
+    buffer): a flipped byte far from the rows asked for is found, named, and no rows are returned."""
+    from szformat.loading import host_reader
+
+    monkeypatch.setattr(host_reader, "CHECK_PIECE", 256)  # many pieces, the corrupted one among the passing ones
+    with safe_open(model_file, framework="pt") as f:
+        e = f.entry(name)
+        at = e.offset + (e.layout.off_sm + 1234 if name == "weight" else 5 * 4 + 1)  # row 4 / element 5
+    data = bytearray(model_file.read_bytes())
+    data[at] ^= 0x80
+    bad = tmp_path / "bad.szt"
+    bad.write_bytes(bytes(data))
+    with safe_open(bad, framework="pt") as f:
+        with pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
+            f.get_slice(name)[rows]
+        assert info.value.tensor == name and "bad.szt" in str(info.value)
+    with safe_open(bad, framework="pt", verify=False) as f:  # the rows themselves were intact
+        assert same_bits(f.get_slice(name)[rows], MODEL[name][rows])
+
+
 def test_verify_false_skips_checksums_but_not_structure(model_file, tmp_path):
     bad = tmp_path / "bad.szt"
     _corrupt_sm_byte(model_file, bad, element=1234)
@@ -383,6 +406,7 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         return real_compare(actual, expected, what=what, path=path, tensor=tensor)
 
     monkeypatch.setattr(host_reader, "check_crc", spy)
+    monkeypatch.setattr(host_reader, "compare_crc", compare_spy)  # a part read checks the whole payload as it goes
     monkeypatch.setattr(host_decode, "check_crc", spy)
     monkeypatch.setattr(host_decode, "compare_crc", compare_spy)
     with safe_open(model_file, framework="pt") as f:

@@ -21,13 +21,18 @@ from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, decode_entry_columns, inflate_entry
-from ..format.reader import SztFile, check_crc
+from ..checksum import crc32
+from ..format.reader import SztFile, check_crc, compare_crc
 from .host_decode import decode_entries
 
 __all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 256 << 20
 """Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
+
+CHECK_PIECE = 1 << 20
+"""Bytes read at a time when a part of a tensor is read and its whole stored payload checksummed: the bytes the part
+does not need go through a buffer of this size that stays in the cache, only to be checksummed."""
 
 
 class HostReader:
@@ -75,6 +80,32 @@ class HostReader:
             self.verified.add(entry.name)
         return out
 
+    def _read_spans(self, entry: TensorEntry, spans: Sequence[tuple[int, int]], out: torch.Tensor,
+                    base: int = 0) -> None:
+        """Read the stored bytes ``spans`` of a tensor into ``out`` (byte ``b`` at ``out[b - base]``); the first time,
+        when ``verify`` is on, the CRC-32 of its whole stored payload is checked on the way, each piece checksummed
+        as it lands in the cache, the bytes between the spans read through a small buffer only for that. A rank of
+        a tensor-parallel load so writes only its part of a tensor to memory, not the whole payload."""
+        name = entry.name
+        if not self._unchecked(entry):
+            for begin, end in spans:
+                self.file.read(name, begin, end, out=out[begin - base: end - base])
+            return
+        crc, cursor, passing = 0, 0, None
+        for begin, end in sorted(spans) + [(entry.length, entry.length)]:
+            while cursor < end:
+                inside = cursor >= begin
+                stop = min(end if inside else begin, cursor + CHECK_PIECE)
+                if inside:
+                    piece = out[cursor - base: stop - base]
+                else:
+                    passing = passing if passing is not None else self._buffer(CHECK_PIECE, "passing")
+                    piece = passing[: stop - cursor]
+                crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
+                cursor = stop
+        compare_crc(crc, entry.crc32, what="stored bytes", path=self.file.path, tensor=name)
+        self.verified.add(name)
+
     def _buffer(self, nbytes: int, role: str = "stored") -> torch.Tensor:
         """A uint8 buffer to read stored bytes into (``role`` ``"stored"``) or inflate a payload stored at rest into
         (``"memory"``) and decode them from: up to :data:`SCRATCH_BYTES`, one per role this thread keeps while the
@@ -94,12 +125,11 @@ class HostReader:
         ``verify`` is on) or only those bytes; for a payload stored at rest, the stored bytes of the frames holding
         them, inflated."""
         stored = self._buffer(entry.length)
-        if whole or self._unchecked(entry):
+        if whole:
             self._read_stored(entry, stored)
         else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
             spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.segments(), ranges)
-            for begin, end in spans:
-                self.file.read(entry.name, begin, end, out=stored[begin:end])
+            self._read_spans(entry, spans, stored)
         if entry.at_rest is None:
             return stored
         payload = self._buffer(entry.memory_length, "memory")
@@ -125,10 +155,9 @@ class HostReader:
             if (begin, end) == (0, entry.length):
                 raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8) if target is None
                                         else target)
-            elif self._unchecked(entry):
-                raw = _copied(self._read_stored(entry, self._buffer(entry.length))[begin:end], target)
             else:
-                raw = self.file.read(entry.name, begin, end, out=target)
+                raw = target if target is not None else torch.empty(end - begin, dtype=torch.uint8)
+                self._read_spans(entry, [(begin, end)], raw, base=begin)
             return raw.view(dtype).reshape(shape)
         whole = (start, stop) == (0, entry.numel)
         if entry.byte_planes:  # the frames holding these rows, inflated
