@@ -1,10 +1,11 @@
 """Reading one open .szt file on the CPU, tensor by tensor or rows at a time: what ``safe_open`` runs.
 
 Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
-(:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are read,
+(:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are kept,
 for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored
 bytes are copied out of the file (``pread``), never touched through the mapping, so a file truncated meanwhile is
-an error, not SIGBUS; each stored payload's CRC-32 is checked once per open file.
+an error, not SIGBUS; each stored payload's CRC-32 is checked once per open file, also by a slice's first read (its
+bytes checksummed as they land, the rest of the payload read through a small buffer only to be checksummed).
 """
 
 from __future__ import annotations
@@ -17,11 +18,11 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from ..checksum import crc32
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, decode_entry_columns, inflate_entry
-from ..checksum import crc32
 from ..format.reader import SztFile, check_crc, compare_crc
 from .host_decode import decode_entries
 
@@ -121,9 +122,9 @@ class HostReader:
 
     def _payload(self, entry: TensorEntry, ranges: list[tuple[int, int]], whole: bool) -> torch.Tensor:
         """The in-memory payload of a tensor (a SplitZip payload, or the bytes of a raw tensor stored as byte
-        planes), with at least its bytes ``ranges`` in place: read whole (and CRC-checked, the first time when
-        ``verify`` is on) or only those bytes; for a payload stored at rest, the stored bytes of the frames holding
-        them, inflated."""
+        planes), with at least its bytes ``ranges`` in place: read whole or only those bytes, the whole payload's
+        CRC-32 checked the first time when ``verify`` is on (:meth:`_read_spans`); for a payload stored at rest,
+        the stored bytes of the frames holding them, inflated."""
         stored = self._buffer(entry.length)
         if whole:
             self._read_stored(entry, stored)
