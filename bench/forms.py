@@ -6,6 +6,7 @@ the rate at which the host reads each file.
     python -m bench.forms --dtype F32 --synthetic-gb 1 --work /tmp/szload   # byte planes at rest (1.2)
     python -m bench.forms --dtype F32 --synthetic-gb 1 --timeline --cache warm --rounds 3   # where the time goes
     python -m bench.forms --dtype F32 --synthetic-gb 1 --frame-kib 256 --cache warm        # smaller frames too
+    python -m bench.forms --dtype F32 --synthetic-gb 1 --reader-threads 16 --cache warm    # more readers inflating
 
 The at-rest form (.szt 1.1) has two goals: a warm load (page-cached file) within 1.1x of the in-memory form's, and a
 cold load faster than the in-memory form's by the bytes it saves. Single calls say little where a VM's speeds wander
@@ -167,6 +168,9 @@ def main() -> int:
                         "path, its spans are also written there as JSON")
     parser.add_argument("--frame-kib", type=int, action="append", default=[], help="also an at-rest copy in "
                         "frames of this many KiB (the default is 1024), loaded beside the others (repeatable)")
+    parser.add_argument("--reader-threads", type=int, action="append", default=[], help="also the default at-rest "
+                        "load (the reader threads inflate) with this many reader threads (the default is "
+                        "min(12, cores)) (repeatable)")
     parser.add_argument("--dtype", default="BF16", choices=["BF16", "F32", "F16", "F8_E4M3"],
                         help="the synthetic checkpoint's dtype (not BF16: byte planes at rest, format 1.2)")
     args = parser.parse_args()
@@ -184,6 +188,8 @@ def main() -> int:
     loads = load_paths(ckpt, at_rest)
     loads.update({f"{form}, load_file (verify on)": (form, lambda path=c.szt: szformat.load_file(path, device="cuda"))
                   for form, c in framed.items()})
+    loads.update({f"at rest, the readers inflate, {n} threads": ("at rest", lambda n=n: szformat.load_file(
+        at_rest.szt, device="cuda", staging=StagingConfig(threads=n))) for n in args.reader_threads})
     if not check_bits(loads, st_load_file(ckpt.safetensors, device="cuda")):  # the tensors the files hold
         return 1
 
