@@ -16,6 +16,9 @@
  *                                        checks, order and messages), then pairs, the odd last element and the
  *                                        escapes written; what a small tensor costs is otherwise the Python
  *                                        around five calls.
+ *   encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> escapes
+ *                                        the inverse, a whole payload (escape streams and padding included) in
+ *                                        one call; the caller checks it by decoding it with decode_payload.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -303,6 +306,99 @@ static void decode_whole(const uint8_t *payload, Offsets o, const uint8_t *lut, 
     }
 }
 
+/* The escape streams being written: escapes past ``n_esc`` are counted, not written. */
+typedef struct {
+    uint8_t *payload;
+    Offsets o;
+    Py_ssize_t n_esc, chunk_size, found;
+} Escapes;
+
+static void add_escape(Escapes *s, Py_ssize_t i, uint8_t exponent)
+{
+    if (s->found < s->n_esc) {
+        uint32_t chunk = (uint32_t)(i / s->chunk_size), local = (uint32_t)(i % s->chunk_size);
+        uint8_t *c = s->payload + s->o.cid + 4 * s->found, *l = s->payload + s->o.lpos + 2 * s->found;
+        c[0] = (uint8_t)chunk, c[1] = (uint8_t)(chunk >> 8), c[2] = (uint8_t)(chunk >> 16), c[3] = (uint8_t)(chunk >> 24);
+        l[0] = (uint8_t)local, l[1] = (uint8_t)(local >> 8);
+        s->payload[s->o.ev + s->found] = exponent;
+    }
+    s->found++;
+}
+
+static void list_escapes_scalar(const uint16_t *bits, Py_ssize_t start, Py_ssize_t n, const uint8_t *enc, Escapes *s)
+{
+    for (Py_ssize_t i = start; i < n; i++)
+        if (enc[(bits[i] >> 7) & 0xFF] == 16)
+            add_escape(s, i, (uint8_t)(bits[i] >> 7));
+}
+
+#ifdef SZ_X86
+/* 32 elements at a time: each exponent byte compared with the codebook's (at most 16) exponents; the elements that
+ * match none, rare, are then taken one by one. */
+__attribute__((target("avx2")))
+static void list_escapes_avx2(const uint16_t *bits, Py_ssize_t n, const uint8_t *enc, Escapes *s)
+{
+    __m256i codebook[16];
+    int used = 0;
+    for (int e = 0; e < 256; e++)
+        if (enc[e] != 16)
+            codebook[used++] = _mm256_set1_epi8((char)e);
+    const __m256i byte_mask = _mm256_set1_epi16(0x00FF);
+    Py_ssize_t i = 0;
+    for (; i + 32 <= n; i += 32) {
+        __m256i x0 = _mm256_loadu_si256((const __m256i *)(bits + i));
+        __m256i x1 = _mm256_loadu_si256((const __m256i *)(bits + i + 16));
+        __m256i e = _mm256_permute4x64_epi64(_mm256_packus_epi16(_mm256_and_si256(_mm256_srli_epi16(x0, 7), byte_mask),
+                                                                 _mm256_and_si256(_mm256_srli_epi16(x1, 7), byte_mask)),
+                                             0xD8);
+        __m256i known = _mm256_setzero_si256();
+        for (int k = 0; k < used; k++)
+            known = _mm256_or_si256(known, _mm256_cmpeq_epi8(e, codebook[k]));
+        uint32_t escaped = ~(uint32_t)_mm256_movemask_epi8(known);
+        while (escaped) {
+            int j = __builtin_ctz(escaped);
+            add_escape(s, i + j, (uint8_t)(bits[i + j] >> 7));
+            escaped &= escaped - 1;
+        }
+    }
+    list_escapes_scalar(bits, i, n, enc, s);
+}
+#endif
+
+/* Every element whose exponent byte the table maps to the escape code (16), in order. */
+static void list_escapes(const uint16_t *bits, Py_ssize_t n, const uint8_t *enc, Escapes *s)
+{
+#ifdef SZ_X86
+    if (have_avx2()) {
+        list_escapes_avx2(bits, n, enc, s);
+        return;
+    }
+#endif
+    list_escapes_scalar(bits, 0, n, enc, s);
+}
+
+/* A whole payload of ``n`` elements: pairs, the odd last element (its code in the high nibble), the alignment gaps
+ * zeroed, and the escapes (elements whose exponent byte the table maps to the escape code 16) listed in the escape
+ * streams, at most ``n_esc`` of them written. Returns how many escapes the elements hold, so the caller can tell a
+ * layout that miscounts them (nothing is written past ``n_esc``). */
+static Py_ssize_t encode_whole(const uint16_t *bits, const uint8_t *enc, uint8_t *payload, Offsets o, Py_ssize_t n,
+                               Py_ssize_t n_esc, Py_ssize_t chunk_size)
+{
+    uint8_t *pk = payload, *sm = payload + o.sm;
+    encode(bits, enc, pk, sm, n / 2);
+    if (n % 2) {
+        uint16_t x = bits[n - 1];
+        pk[n / 2] = (uint8_t)((enc[(x >> 7) & 0xFF] & 0xF) << 4);
+        sm[n - 1] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
+    }
+    memset(payload + (n + 1) / 2, 0, (size_t)(o.sm - (n + 1) / 2));
+    memset(payload + o.sm + n, 0, (size_t)(o.cid - o.sm - n));
+    memset(payload + o.lpos + 2 * n_esc, 0, (size_t)(o.ev - o.lpos - 2 * n_esc));
+    Escapes escapes = {payload, o, n_esc, chunk_size, 0};
+    list_escapes(bits, n, enc, &escapes);
+    return escapes.found;
+}
+
 /* ---------------------------------------------------------------------------------------------------------------
  * Byte planes (the at-rest stage of raw tensors): plane j holds byte j of every element (little-endian), after
  * the element is rotated left by one bit when ``sign_last`` (a float's sign moves to bit 0, so its exponent fills
@@ -503,45 +599,82 @@ static PyObject *py_mismatches(PyObject *self, PyObject *const *args, Py_ssize_t
     return result;
 }
 
+/* The arguments of decode_payload and encode_payload: three buffers (the payload, a table of ``table_bytes``, and
+ * the elements, in the order ``names`` gives), then the escape count and the chunk size, checked against each other
+ * before anything is read or written. The caller releases ``a->b`` whatever this returns. */
+typedef struct {
+    Buffers b;
+    Py_ssize_t n, n_esc, chunk_size;
+    Offsets o;
+} PayloadArgs;
+
+static int payload_args(const char *function, PyObject *const *args, Py_ssize_t nargs, const char *const *names,
+                        unsigned writable, int payload, int elements, Py_ssize_t table_bytes, PayloadArgs *a)
+{
+    a->b.count = 0;
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 5 arguments (%zd given)", function, nargs);
+        return -1;
+    }
+    a->n_esc = PyLong_AsSsize_t(args[3]);
+    a->chunk_size = PyLong_AsSsize_t(args[4]);
+    if ((a->n_esc == -1 || a->chunk_size == -1) && PyErr_Occurred())
+        return -1;
+    if (take(function, args, 3, 3, names, writable, &a->b) < 0)
+        return -1;
+    const Py_buffer *v = a->b.views;
+    a->n = v[elements].len / 2;
+    a->o = offsets_of(a->n, a->n_esc < 0 ? 0 : a->n_esc);
+    if (v[elements].len % 2 || a->n_esc < 0 || a->n_esc > a->n || a->chunk_size <= 0 || a->chunk_size > 65536 ||
+        v[1].len != table_bytes || v[payload].len < a->o.end) {
+        PyErr_Format(PyExc_ValueError, "%s(): %zd elements with %zd escapes in chunks of %zd need %zd payload bytes "
+                     "and a %zd-byte table (got %zd payload bytes, a %zd-byte table, %zd element bytes)", function,
+                     a->n, a->n_esc, a->chunk_size, a->o.end, table_bytes, v[payload].len, v[1].len, v[elements].len);
+        return -1;
+    }
+    return 0;
+}
+
 static PyObject *py_decode_payload(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {"payload", "dec_lut", "out"};
-    Buffers b;
+    PayloadArgs a;
     PyObject *result = NULL;
-    Py_ssize_t n_esc, chunk_size;
-    if (nargs != 5) {
-        PyErr_Format(PyExc_TypeError, "decode_payload() takes 5 arguments (%zd given)", nargs);
-        return NULL;
+    if (payload_args("decode_payload", args, nargs, names, 0x4, 0, 2, 16, &a) == 0) {
+        const uint8_t *payload = a.b.views[0].buf, *lut = a.b.views[1].buf;
+        uint16_t *out = a.b.views[2].buf;
+        char message[160];
+        const char *error;
+        Py_BEGIN_ALLOW_THREADS
+        error = check_escapes(payload, a.o, a.n_esc, a.n, a.chunk_size, message, sizeof message);
+        if (error == NULL)
+            decode_whole(payload, a.o, lut, out, a.n, a.n_esc, a.chunk_size);
+        Py_END_ALLOW_THREADS
+        if (error != NULL)
+            PyErr_SetString(PyExc_ValueError, error);
+        else
+            result = Py_NewRef(Py_None);
     }
-    n_esc = PyLong_AsSsize_t(args[3]);
-    chunk_size = PyLong_AsSsize_t(args[4]);
-    if ((n_esc == -1 || chunk_size == -1) && PyErr_Occurred())
-        return NULL;
-    if (take("decode_payload", args, 3, 3, names, 0x4, &b) == 0) {
-        Py_ssize_t n = b.views[2].len / 2;
-        Offsets o = offsets_of(n, n_esc < 0 ? 0 : n_esc);
-        if (b.views[2].len % 2 || n_esc < 0 || n_esc > n || chunk_size <= 0 || chunk_size > 65536 ||
-            b.views[1].len != 16 || b.views[0].len < o.end) {
-            PyErr_Format(PyExc_ValueError, "decode_payload(): %zd elements with %zd escapes in chunks of %zd need "
-                         "%zd payload bytes and a 16-byte codebook (got %zd, %zd; %zd output bytes)", n, n_esc,
-                         chunk_size, o.end, b.views[0].len, b.views[1].len, b.views[2].len);
-        } else {
-            const uint8_t *payload = b.views[0].buf, *lut = b.views[1].buf;
-            uint16_t *out = b.views[2].buf;
-            char message[160];
-            const char *error;
-            Py_BEGIN_ALLOW_THREADS
-            error = check_escapes(payload, o, n_esc, n, chunk_size, message, sizeof message);
-            if (error == NULL)
-                decode_whole(payload, o, lut, out, n, n_esc, chunk_size);
-            Py_END_ALLOW_THREADS
-            if (error != NULL)
-                PyErr_SetString(PyExc_ValueError, error);
-            else
-                result = Py_NewRef(Py_None);
-        }
+    release(&a.b);
+    return result;
+}
+
+static PyObject *py_encode_payload(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"bits", "enc_lut", "payload"};
+    PayloadArgs a;
+    PyObject *result = NULL;
+    if (payload_args("encode_payload", args, nargs, names, 0x4, 2, 0, 256, &a) == 0) {
+        const uint16_t *bits = a.b.views[0].buf;
+        const uint8_t *enc = a.b.views[1].buf;
+        uint8_t *payload = a.b.views[2].buf;
+        Py_ssize_t found;
+        Py_BEGIN_ALLOW_THREADS
+        found = encode_whole(bits, enc, payload, a.o, a.n, a.n_esc, a.chunk_size);
+        Py_END_ALLOW_THREADS
+        result = PyLong_FromSsize_t(found);
     }
-    release(&b);
+    release(&a.b);
     return result;
 }
 
@@ -654,6 +787,8 @@ static PyMethodDef methods[] = {
     {"mismatches", FASTCALL(py_mismatches), "mismatches(a, b, positions) -> count: where int16 arrays differ"},
     {"decode_payload", FASTCALL(py_decode_payload), "decode_payload(payload, dec_lut, out, n_esc, chunk_size): a whole "
      "payload, escapes checked and patched"},
+    {"encode_payload", FASTCALL(py_encode_payload), "encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> "
+     "escapes: a whole payload, escape streams and padding included"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},

@@ -73,6 +73,11 @@ runs, so threads decoding side by side wait on each other between calls: with sl
 decoded no faster than one (the GIL handed back and forth every few microseconds), with 512 Ki pairs 1.77x faster,
 and one thread as fast as before."""
 
+WHOLE_ENCODE_ELEMENTS = 1 << 20
+"""Tensors up to this many elements (2 MiB of BF16; all but the embeddings of a small model) are encoded by one C
+call and checked by one decode of the whole payload (:func:`_encode_whole`), which stays in the cache at this size;
+larger ones are encoded slice by slice, each checked while it is in cache."""
+
 _SIGN_AND_MANTISSA = -0x7F81
 """``0x807F`` as int16: the sign and mantissa bits of one BF16 element."""
 
@@ -238,7 +243,9 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
 
     The check is the decoder's own arithmetic on the bytes written: each slice of pairs is decoded again while it
     is in cache and compared with its source, the escape streams are read back through the decoder's validation,
-    and whatever the slices leave (a small tensor, an odd last element) is decoded from the finished payload.
+    and whatever the slices leave (a small tensor, an odd last element) is decoded from the finished payload. With
+    the C kernels a tensor of up to :data:`WHOLE_ENCODE_ELEMENTS` is written by one call and checked by one decode
+    of the whole payload (:func:`_encode_whole`).
 
     Args:
         x (`torch.Tensor`): the bfloat16 tensor (any shape; encoded in row-major order).
@@ -257,6 +264,9 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
         raise ValueError(f"layout is for {layout.n} elements, the tensor has {n}")
     _check_payload(payload, layout)
     data = payload.numpy()
+    if _native is not None and n <= WHOLE_ENCODE_ELEMENTS:
+        _encode_whole(bits.numpy(), codebook, layout, data)
+        return
     pk = data[layout.off_pk: layout.off_pk + layout.n_pairs]
     sm = data[layout.off_sm: layout.off_sm + n]
     source = bits.numpy()
@@ -276,6 +286,38 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
         local_pos[:] = position % layout.chunk_size
         esc_val[:] = _small_exponents(source[position])
     _check_stored(payload, layout, codebook, source, checked, position, unpatched)
+
+
+def _encode_whole(source: np.ndarray, codebook: Codebook, layout: PayloadLayout, data: np.ndarray) -> None:
+    """:func:`encode_into` of a small tensor where the C kernels are built: the payload written by one call, then
+    decoded whole by the decoder's own call (escape streams checked as a reader checks them) and compared with the
+    source. Per small tensor the Python around the slice loop's calls cost more than the encode itself."""
+    found = _native.encode_payload(source, _exponent_codes(codebook.dec_lut, codebook.n_used), data, layout.n_esc,
+                                   layout.chunk_size)
+    if found != layout.n_esc:
+        raise ValueError(f"the codebook leaves {found} escapes, the layout expects {layout.n_esc}")
+    decoded = _whole_scratch(layout.n)
+    try:
+        _native.decode_payload(data[: layout.comp_bytes], bytes(codebook.dec_lut), decoded, layout.n_esc,
+                               layout.chunk_size)
+    except ValueError as e:
+        raise RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor (escape streams: "
+                                f"{e})") from None
+    if not np.array_equal(decoded, source):
+        first = int(np.flatnonzero(decoded != source)[0])
+        raise RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor (element {first})")
+
+
+_whole_scratches = threading.local()
+
+
+def _whole_scratch(n: int) -> np.ndarray:
+    """This thread's int16 buffer of :data:`WHOLE_ENCODE_ELEMENTS` that :func:`_encode_whole` decodes into (made
+    once: fresh pages cost more than the decode into them)."""
+    buffer = getattr(_whole_scratches, "buffer", None)
+    if buffer is None:
+        buffer = _whole_scratches.buffer = np.empty(WHOLE_ENCODE_ELEMENTS, dtype=np.int16)
+    return buffer[:n]
 
 
 def _small_exponents(bits: np.ndarray) -> np.ndarray:

@@ -336,6 +336,12 @@ def test_encode_into_refuses_a_layout_that_does_not_fit(rng):
     wrong = PayloadLayout(n=100, n_esc=layout.n_esc + 1)
     with pytest.raises(ValueError, match="escapes"):
         cpu.encode_into(x, codebook, wrong, torch.empty(wrong.comp_bytes, dtype=torch.uint8))
+    x[[3, 50]] = from_bits([0x7F80, 0x7FC1])  # two escapes, a layout that counts one: nothing written past it
+    fewer = PayloadLayout(n=100, n_esc=1)
+    payload = torch.full((fewer.comp_bytes + 16,), 0xAB, dtype=torch.uint8)
+    with pytest.raises(ValueError, match="leaves 2 escapes, the layout expects 1"):
+        cpu.encode_into(x, codebook, fewer, payload)
+    assert (payload[fewer.comp_bytes:] == 0xAB).all()
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -346,6 +352,7 @@ def test_encode_into_refuses_a_layout_that_does_not_fit(rng):
 @pytest.mark.parametrize("stream, mask", [("sm", 0x80), ("sm", 0x01), ("pk", 0x01), ("pk", 0x10)])
 def test_a_wrong_byte_written_by_the_sliced_encoder_is_caught(stream, mask, rng, monkeypatch):
     monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
+    monkeypatch.setattr(cpu, "WHOLE_ENCODE_ELEMENTS", 0)  # the sliced path, which larger tensors take
     x = weight_like(rng, 5001)
     pairs_left = flip_in_last_slice(monkeypatch, 5001 // 2, stream, mask)
     with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
@@ -382,6 +389,7 @@ def test_a_wrong_code_is_not_taken_for_an_escape(rng, monkeypatch, kernel):
 def test_a_wrong_byte_in_what_the_slices_leave_is_caught(where, rng, monkeypatch, slicing):
     """Bytes the slice-by-slice check does not cover (the escape streams, the odd last element) are checked on the
     finished payload."""
+    monkeypatch.setattr(cpu, "WHOLE_ENCODE_ELEMENTS", 0)  # the sliced path, which larger tensors take
     x = weight_like(rng, 3 * CHUNK_SIZE + 1, scale=0.5)
     codebook = cpu.calibrate(x)
     x[[5, 700, 2 * CHUNK_SIZE + 9]] = from_bits([0x7F80, 0x7FC1, 0x4F00])  # escapes in three chunks
@@ -397,6 +405,54 @@ def test_a_wrong_byte_in_what_the_slices_leave_is_caught(where, rng, monkeypatch
     monkeypatch.setattr(cpu, "_check_stored", corrupt_then_check)
     with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
         cpu.encode(x, codebook)
+
+
+class _CorruptingKernels:
+    """The C kernels, with ``encode_payload`` flipping the bits ``mask`` of one byte of what it wrote."""
+
+    def __init__(self, offset_of, mask: int):
+        self.offset_of, self.mask = offset_of, mask
+
+    def __getattr__(self, name):
+        return getattr(BUILT, name)
+
+    def encode_payload(self, bits, enc_lut, payload, n_esc, chunk_size):
+        found = BUILT.encode_payload(bits, enc_lut, payload, n_esc, chunk_size)
+        payload[self.offset_of(PayloadLayout(n=bits.size, n_esc=n_esc, chunk_size=chunk_size))] ^= self.mask
+        return found
+
+
+@pytest.mark.parametrize("where, mask", [("pk", 0x01), ("pk", 0x10), ("sm", 0x80), ("sm", 0x01), ("chunk_id", 0x01),
+                                         ("local_pos", 0x01), ("esc_val", 0x01), ("odd last element", 0x20)])
+def test_a_wrong_byte_written_by_the_whole_encoder_is_caught(where, mask, rng, monkeypatch, kernel):
+    """A small tensor is encoded by one C call and checked by decoding the whole payload: a wrong byte in any stream
+    is a RoundTripMismatch, never a payload handed on."""
+    if kernel == "reference":
+        pytest.skip("the C kernels' whole-payload encoder")
+    x = weight_like(rng, 3 * CHUNK_SIZE + 1, scale=0.5)
+    codebook = cpu.calibrate(x)
+    x[[5, 700, 2 * CHUNK_SIZE + 9]] = from_bits([0x7F80, 0x7FC1, 0x4F00])  # escapes in three chunks
+    offsets = {"pk": lambda o: o.off_pk + 100, "sm": lambda o: o.off_sm + 1000, "chunk_id": lambda o: o.off_cid + 4,
+               "local_pos": lambda o: o.off_lpos + 2, "esc_val": lambda o: o.off_ev + 1,
+               "odd last element": lambda o: o.off_pk + o.n // 2}
+    monkeypatch.setattr(cpu, "_native", _CorruptingKernels(offsets[where], mask))
+    with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
+        cpu.encode(x, codebook)
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 1023, 4097])
+def test_the_whole_encoder_writes_the_slice_encoders_bytes(n, rng, monkeypatch, kernel):
+    """Both paths of the C kernels give the same payload, padding and escape streams included."""
+    if kernel == "reference":
+        pytest.skip("compares two paths of the C kernels")
+    x = weight_like(rng, n, scale=0.5)
+    if n:
+        x[torch.randint(0, n, (max(1, n // 40),))] = from_bits([0x7F80])
+    codebook = cpu.calibrate(weight_like(rng, 1000))  # another tensor's: escapes in every chunk
+    whole, layout, _ = cpu.encode(x, codebook)
+    monkeypatch.setattr(cpu, "WHOLE_ENCODE_ELEMENTS", 0)
+    sliced, sliced_layout, _ = cpu.encode(x, codebook)
+    assert layout == sliced_layout and torch.equal(whole, sliced)
 
 
 @reference_only
@@ -719,6 +775,18 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
         native.decode_payload(payload, lut, bytearray(32), 1)
     with pytest.raises(TypeError):  # the counts are integers, checked before any buffer is taken
         native.decode_payload(payload, lut, bytearray(32), "1", 1024)
+    bits, table = bytes(32), bytes([16]) * 256  # 16 elements, every one an escape
+    assert native.encode_payload(bits, table, bytearray(len(payload)), 1, 1024) == 16
+    for args in ((bits, table, bytearray(len(payload) - 1), 1, 1024), (bits, bytes(255), bytearray(len(payload)), 1,
+                 1024), (bytes(31), table, bytearray(len(payload)), 1, 1024), (bits, table, bytearray(64), 17, 1024),
+                 (bits, table, bytearray(64), -1, 1024), (bits, table, bytearray(64), 1, 0),
+                 (bits, table, bytearray(64), 1, 65537)):
+        with pytest.raises(ValueError, match="encode_payload"):
+            native.encode_payload(*args)
+    with pytest.raises(TypeError, match="payload must be a C-contiguous writable buffer"):
+        native.encode_payload(bits, table, bytes(len(payload)), 1, 1024)
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        native.encode_payload(bits, table, bytearray(len(payload)), 1)
 
 
 def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):

@@ -27,6 +27,7 @@ from safetensors.torch import save_file as save_safetensors
 import szformat
 from szformat._install import install_hint
 from szformat.codec import cpu
+from szformat.codec.layout import PayloadLayout
 from szformat.convert import convert, decompress, verify
 from szformat.convert import expand
 from szformat.convert.device import codec_for
@@ -626,11 +627,33 @@ def test_round_trip_mismatch_aborts_the_conversion(model_file, tmp_path):
 def test_cpu_round_trip_check_catches_a_bad_byte_in_a_late_slice(tmp_path, monkeypatch):
     """The CPU encoder checks slice by slice as it writes; a wrong byte in its last slice must still stop the file."""
     monkeypatch.setattr(cpu, "SLICE_PAIRS", 64)
+    monkeypatch.setattr(cpu, "WHOLE_ENCODE_ELEMENTS", 0)  # the sliced path, which larger tensors take
     pairs_left = flip_in_last_slice(monkeypatch, 50 * 70 // 2, "sm", 0x80)
     save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
     with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
         convert(tmp_path / "m.safetensors")
     assert pairs_left == [0]
+    assert listing(tmp_path) == ["m.safetensors"]
+
+
+@pytest.mark.skipif(cpu._native is None, reason="the C kernels' whole-payload encoder")
+def test_cpu_round_trip_check_catches_a_bad_byte_from_the_whole_payload_encoder(tmp_path, monkeypatch):
+    """A small tensor is written by one C call and checked by decoding it whole: a wrong byte stops the file."""
+    native = cpu._native
+
+    class Corrupting:
+        def __getattr__(self, name):
+            return getattr(native, name)
+
+        def encode_payload(self, bits, enc_lut, payload, n_esc, chunk_size):
+            found = native.encode_payload(bits, enc_lut, payload, n_esc, chunk_size)
+            payload[PayloadLayout(n=bits.size, n_esc=n_esc).off_sm + bits.size - 1] ^= 0x80
+            return found
+
+    monkeypatch.setattr(cpu, "_native", Corrupting())
+    save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
+    with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
+        convert(tmp_path / "m.safetensors")
     assert listing(tmp_path) == ["m.safetensors"]
 
 
