@@ -334,15 +334,22 @@ static void list_escapes_scalar(const uint16_t *bits, Py_ssize_t start, Py_ssize
 
 #ifdef SZ_X86
 /* 32 elements at a time: each exponent byte compared with the codebook's (at most 16) exponents; the elements that
- * match none, rare, are then taken one by one. */
+ * match none, rare, are then taken one by one. A table with more than 16 codes (no codebook makes one) goes to
+ * the portable loop. */
 __attribute__((target("avx2")))
 static void list_escapes_avx2(const uint16_t *bits, Py_ssize_t n, const uint8_t *enc, Escapes *s)
 {
     __m256i codebook[16];
     int used = 0;
-    for (int e = 0; e < 256; e++)
-        if (enc[e] != 16)
-            codebook[used++] = _mm256_set1_epi8((char)e);
+    for (int e = 0; e < 256; e++) {
+        if (enc[e] == 16)
+            continue;
+        if (used == 16) {
+            list_escapes_scalar(bits, 0, n, enc, s);
+            return;
+        }
+        codebook[used++] = _mm256_set1_epi8((char)e);
+    }
     const __m256i byte_mask = _mm256_set1_epi16(0x00FF);
     Py_ssize_t i = 0;
     for (; i + 32 <= n; i += 32) {

@@ -777,6 +777,9 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
         native.decode_payload(payload, lut, bytearray(32), "1", 1024)
     bits, table = bytes(32), bytes([16]) * 256  # 16 elements, every one an escape
     assert native.encode_payload(bits, table, bytearray(len(payload)), 1, 1024) == 16
+    # a table of more codes than a codebook has (exponents 0 and 16 escape): counted by the portable loop
+    exponents = torch.arange(64, dtype=torch.int16).numpy() << 7
+    assert native.encode_payload(exponents, bytes([16]) + bytes(range(1, 256)), bytearray(128), 1, 1024) == 2
     for args in ((bits, table, bytearray(len(payload) - 1), 1, 1024), (bits, bytes(255), bytearray(len(payload)), 1,
                  1024), (bytes(31), table, bytearray(len(payload)), 1, 1024), (bits, table, bytearray(64), 17, 1024),
                  (bits, table, bytearray(64), -1, 1024), (bits, table, bytearray(64), 1, 0),
