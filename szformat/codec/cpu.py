@@ -301,11 +301,14 @@ def _encode_whole(source: np.ndarray, codebook: Codebook, layout: PayloadLayout,
         _native.decode_payload(data[: layout.comp_bytes], bytes(codebook.dec_lut), decoded, layout.n_esc,
                                layout.chunk_size)
     except ValueError as e:
-        raise RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor (escape streams: "
-                                f"{e})") from None
+        raise _round_trip_mismatch(f"escape streams: {e}") from None
     if not np.array_equal(decoded, source):
-        first = int(np.flatnonzero(decoded != source)[0])
-        raise RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor (element {first})")
+        raise _round_trip_mismatch(f"element {int(np.flatnonzero(decoded != source)[0])}")
+
+
+def _round_trip_mismatch(what: str) -> RoundTripMismatch:
+    """The encoder's error when the payload it wrote does not decode to its source; ``what`` says where."""
+    return RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor ({what})")
 
 
 _whole_scratches = threading.local()
@@ -315,8 +318,8 @@ def _whole_scratch(n: int) -> np.ndarray:
     """This thread's int16 buffer of :data:`WHOLE_ENCODE_ELEMENTS` that :func:`_encode_whole` decodes into (made
     once: fresh pages cost more than the decode into them)."""
     buffer = getattr(_whole_scratches, "buffer", None)
-    if buffer is None:
-        buffer = _whole_scratches.buffer = np.empty(WHOLE_ENCODE_ELEMENTS, dtype=np.int16)
+    if buffer is None or buffer.size < n:
+        buffer = _whole_scratches.buffer = np.empty(max(n, WHOLE_ENCODE_ELEMENTS), dtype=np.int16)
     return buffer[:n]
 
 
@@ -418,9 +421,7 @@ def _check_escapes(source: np.ndarray, position: np.ndarray, codebook: Codebook)
     any other is a codec bug, told apart here from a layout that miscounts escapes."""
     code = _exponent_codes(codebook.dec_lut, codebook.n_used)[_small_exponents(source[position])]
     if (code != ESCAPE_CODE).any():
-        first = int(position[np.flatnonzero(code != ESCAPE_CODE)[0]])
-        raise RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor (element "
-                                f"{first})")
+        raise _round_trip_mismatch(f"element {int(position[np.flatnonzero(code != ESCAPE_CODE)[0]])}")
 
 
 def _check_stored(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, source: np.ndarray,
@@ -433,18 +434,15 @@ def _check_stored(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebo
     Raises:
         RoundTripMismatch: any of it fails.
     """
-    def mismatch(what: str) -> RoundTripMismatch:
-        return RoundTripMismatch(f"SplitZip payload does not decode bit for bit to the source tensor ({what})")
-
     try:
         decoder = PayloadDecoder(payload, layout, codebook)
     except ValueError as e:
-        raise mismatch(f"escape streams: {e}") from None
+        raise _round_trip_mismatch(f"escape streams: {e}") from None
     if not np.array_equal(decoder.position, position):
-        raise mismatch("the escape streams list other elements")
+        raise _round_trip_mismatch("the escape streams list other elements")
     patched = _with_exponents(unpatched, decoder.esc_val[: unpatched.size])
     if not np.array_equal(patched, source[position[: unpatched.size]]):
-        raise mismatch("an escaped element")
+        raise _round_trip_mismatch("an escaped element")
     step = 2 * DECODE_SLICES * SLICE_PAIRS
     out = torch.empty(min(step, layout.n - checked), dtype=torch.bfloat16)
     for start in range(checked, layout.n, step):
@@ -452,7 +450,7 @@ def _check_stored(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebo
         decoded = _scratch(out, stop - start)
         decoder.decode(start, stop, decoded)
         if not np.array_equal(decoded.view(torch.int16).numpy(), source[start:stop]):
-            raise mismatch(f"elements {start} to {stop - 1}")
+            raise _round_trip_mismatch(f"elements {start} to {stop - 1}")
 
 
 def encode(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
