@@ -107,13 +107,17 @@ static int have_avx2(void)
  * Encode and histogram
  * ------------------------------------------------------------------------------------------------------------- */
 
+/* An element's 4-bit code (an escape's 16 gives nibble 0) and its sm byte, (sign << 7) | mantissa. */
+static inline uint8_t code_nibble(uint16_t x, const uint8_t *enc) { return enc[(x >> 7) & 0xFF] & 0xF; }
+static inline uint8_t sm_byte(uint16_t x) { return (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F)); }
+
 static void encode_scalar(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, Py_ssize_t n_pairs)
 {
     for (Py_ssize_t i = 0; i < n_pairs; i++) {
         uint16_t x0 = bits[2 * i], x1 = bits[2 * i + 1];
-        pk[i] = (uint8_t)(((enc[(x0 >> 7) & 0xFF] & 0xF) << 4) | (enc[(x1 >> 7) & 0xFF] & 0xF)); /* escape: 16 -> 0 */
-        sm[2 * i] = (uint8_t)(((x0 >> 8) & 0x80) | (x0 & 0x7F));
-        sm[2 * i + 1] = (uint8_t)(((x1 >> 8) & 0x80) | (x1 & 0x7F));
+        pk[i] = (uint8_t)(code_nibble(x0, enc) << 4 | code_nibble(x1, enc));
+        sm[2 * i] = sm_byte(x0);
+        sm[2 * i + 1] = sm_byte(x1);
     }
 }
 
@@ -394,9 +398,8 @@ static Py_ssize_t encode_whole(const uint16_t *bits, const uint8_t *enc, uint8_t
     uint8_t *pk = payload, *sm = payload + o.sm;
     encode(bits, enc, pk, sm, n / 2);
     if (n % 2) {
-        uint16_t x = bits[n - 1];
-        pk[n / 2] = (uint8_t)((enc[(x >> 7) & 0xFF] & 0xF) << 4);
-        sm[n - 1] = (uint8_t)(((x >> 8) & 0x80) | (x & 0x7F));
+        pk[n / 2] = (uint8_t)(code_nibble(bits[n - 1], enc) << 4);
+        sm[n - 1] = sm_byte(bits[n - 1]);
     }
     memset(payload + (n + 1) / 2, 0, (size_t)(o.sm - (n + 1) / 2));
     memset(payload + o.sm + n, 0, (size_t)(o.cid - o.sm - n));

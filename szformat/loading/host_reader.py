@@ -69,39 +69,27 @@ class HostReader:
     def _unchecked(self, entry: TensorEntry) -> bool:
         return self.verify and entry.name not in self.verified
 
-    def _read_stored(self, entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
-        """Read all stored bytes of a tensor into ``out``, CRC-checked the first time when ``verify`` is on.
-
-        Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
-        TruncatedFileError rather than SIGBUS.
-        """
-        self.file.read(entry.name, out=out)
-        if self._unchecked(entry):
-            check_crc(out, entry.crc32, what="stored bytes", path=self.file.path, tensor=entry.name)
-            self.verified.add(entry.name)
-        return out
-
     def _read_spans(self, entry: TensorEntry, spans: Sequence[tuple[int, int]], out: torch.Tensor,
                     base: int = 0) -> None:
         """Read the stored bytes ``spans`` of a tensor into ``out`` (byte ``b`` at ``out[b - base]``); the first time,
         when ``verify`` is on, the CRC-32 of its whole stored payload is checked on the way, each piece checksummed
         as it lands in the cache, the bytes between the spans read through a small buffer only for that. A rank of
-        a tensor-parallel load so writes only its part of a tensor to memory, not the whole payload."""
+        a tensor-parallel load so writes only its part of a tensor to memory, not the whole payload.
+
+        Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
+        TruncatedFileError rather than SIGBUS.
+        """
         name = entry.name
         if not self._unchecked(entry):
             for begin, end in spans:
                 self.file.read(name, begin, end, out=out[begin - base: end - base])
             return
-        crc, cursor, passing = 0, 0, None
+        crc, cursor, passing = 0, 0, self._buffer(CHECK_PIECE, "passing")
         for begin, end in sorted(spans) + [(entry.length, entry.length)]:
             while cursor < end:
                 inside = cursor >= begin
                 stop = min(end if inside else begin, cursor + CHECK_PIECE)
-                if inside:
-                    piece = out[cursor - base: stop - base]
-                else:
-                    passing = passing if passing is not None else self._buffer(CHECK_PIECE, "passing")
-                    piece = passing[: stop - cursor]
+                piece = out[cursor - base: stop - base] if inside else passing[: stop - cursor]
                 crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
                 cursor = stop
         compare_crc(crc, entry.crc32, what="stored bytes", path=self.file.path, tensor=name)
@@ -127,10 +115,10 @@ class HostReader:
         the stored bytes of the frames holding them, inflated."""
         stored = self._buffer(entry.length)
         if whole:
-            self._read_stored(entry, stored)
+            spans = [(0, entry.length)]
         else:  # only the bytes these rows need (at rest: the frames and verbatim pieces holding them)
             spans = ranges if entry.at_rest is None else at_rest.stored_ranges(entry.segments(), ranges)
-            self._read_spans(entry, spans, stored)
+        self._read_spans(entry, spans, stored)
         if entry.at_rest is None:
             return stored
         payload = self._buffer(entry.memory_length, "memory")
@@ -153,12 +141,8 @@ class HostReader:
         if entry.encoding == C.ENCODING_RAW and entry.at_rest is None:  # the stored bytes are the tensor's bytes
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
-            if (begin, end) == (0, entry.length):
-                raw = self._read_stored(entry, torch.empty(entry.length, dtype=torch.uint8) if target is None
-                                        else target)
-            else:
-                raw = target if target is not None else torch.empty(end - begin, dtype=torch.uint8)
-                self._read_spans(entry, [(begin, end)], raw, base=begin)
+            raw = target if target is not None else torch.empty(end - begin, dtype=torch.uint8)
+            self._read_spans(entry, [(begin, end)], raw, base=begin)
             return raw.view(dtype).reshape(shape)
         whole = (start, stop) == (0, entry.numel)
         if entry.byte_planes:  # the frames holding these rows, inflated

@@ -440,6 +440,18 @@ def test_a_wrong_byte_written_by_the_whole_encoder_is_caught(where, mask, rng, m
         cpu.encode(x, codebook)
 
 
+def test_escape_streams_the_whole_encoder_broke_are_named(rng, monkeypatch, kernel):
+    """A local position written past its chunk fails the decoder's own stream checks, and the error says so."""
+    if kernel == "reference":
+        pytest.skip("the C kernels' whole-payload encoder")
+    x = weight_like(rng, 3 * CHUNK_SIZE + 1, scale=0.5)
+    codebook = cpu.calibrate(x)
+    x[[5, 700]] = from_bits([0x7F80, 0x7FC1])
+    monkeypatch.setattr(cpu, "_native", _CorruptingKernels(lambda o: o.off_lpos + 3, 0x80))  # local 700 + 32768
+    with pytest.raises(cpu.RoundTripMismatch, match=r"\(escape streams: escape local position 33468 is outside"):
+        cpu.encode(x, codebook)
+
+
 @pytest.mark.parametrize("n", [0, 1, 2, 1023, 4097])
 def test_the_whole_encoder_writes_the_slice_encoders_bytes(n, rng, monkeypatch, kernel):
     """Both paths of the C kernels give the same payload, padding and escape streams included."""

@@ -233,9 +233,9 @@ def sharded(request, tmp_path):
     return tmp_path / "szt", tensors
 
 
-def _device_weights(monkeypatch, device: torch.device):
-    """``szt_weights`` on ``device``, its device branch served on the CPU by fakes where there is no CUDA: the loads
-    it asks for are recorded."""
+def _device_weights(monkeypatch, fake: bool):
+    """``szt_weights``, whose CUDA branch is served on the CPU by fakes when ``fake`` (or where there is no CUDA),
+    else by the device: the loads it asks for are recorded."""
     from szformat.integrations import vllm
     from szformat.loading import StagingConfig, device_loader
 
@@ -243,9 +243,9 @@ def _device_weights(monkeypatch, device: torch.device):
 
     class Recording(device_loader.DeviceLoader):
         def __init__(self, device, *, verify):
-            fake = device.type != "cuda" or not torch.cuda.is_available()
-            super().__init__("cpu" if fake else device, verify=verify, ops=FakeOps() if fake else None,
-                             codec=ReferenceCodec() if fake else None, staging=StagingConfig(slot_bytes=8192))
+            faked = fake or not torch.cuda.is_available()
+            super().__init__("cpu" if faked else device, verify=verify, ops=FakeOps() if faked else None,
+                             codec=ReferenceCodec() if faked else None, staging=StagingConfig(slot_bytes=8192))
 
         def load(self, file, names):
             loads.append([file.entry(n).raw_length for n in names])
@@ -269,7 +269,7 @@ def test_szt_weights_on_a_gpu_rank_loads_batches_of_the_budget(sharded, monkeypa
     """A CUDA rank gets every tensor of every shard bit for bit, decoded in loads of at most ``batch_bytes`` raw
     bytes (one tensor alone where it is larger), each shard released after its last batch and the loader closed."""
     path, tensors = sharded
-    szt_weights, loads, events = _device_weights(monkeypatch, torch.device("cuda"))
+    szt_weights, loads, events = _device_weights(monkeypatch, fake=device == "cuda-faked")
     budget = 4096
     got = {name: tensor.cpu() for name, tensor in szt_weights(path, torch.device("cuda"), batch_bytes=budget)}
     assert got.keys() == tensors.keys()
@@ -282,7 +282,7 @@ def test_szt_weights_on_a_gpu_rank_loads_batches_of_the_budget(sharded, monkeypa
 def test_a_gpu_rank_that_stops_early_closes_its_loader(sharded, monkeypatch):
     """vLLM failing on a name mid-load closes the iterator: the loader (its pinned slots, its threads) goes too."""
     path, _ = sharded
-    szt_weights, _, events = _device_weights(monkeypatch, torch.device("cuda"))
+    szt_weights, _, events = _device_weights(monkeypatch, fake=True)
     weights = szt_weights(path, torch.device("cuda"), batch_bytes=4096)
     next(weights)
     weights.close()
