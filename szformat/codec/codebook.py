@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
-
 from .._lazy import torch
 from .layout import ESCAPE_CODE, N_CODES
 
@@ -47,11 +46,13 @@ def codebook_from_histogram(histogram: Sequence[int] | torch.Tensor) -> Codebook
 
     The tie rule makes conversion deterministic: the same tensor always gives the same bytes, on any device.
     """
-    counts = [int(c) for c in (histogram.tolist() if isinstance(histogram, torch.Tensor) else histogram)]
-    if len(counts) != 256:
-        raise ValueError(f"an exponent histogram has 256 bins, got {len(counts)}")
-    ranked = sorted((e for e in range(256) if counts[e] > 0), key=lambda e: (-counts[e], e))[:N_CODES]
-    total = sum(counts)
-    covered = sum(counts[e] for e in ranked)
-    coverage = covered / total if total else 1.0
-    return Codebook(dec_lut=tuple(ranked) + (0,) * (N_CODES - len(ranked)), n_used=len(ranked), coverage=coverage)
+    import numpy as np  # here: `szconvert info` reads headers without NumPy
+
+    counts = np.asarray(histogram.cpu().numpy() if isinstance(histogram, torch.Tensor) else histogram, dtype=np.int64)
+    if counts.shape != (256,):
+        raise ValueError(f"an exponent histogram has 256 bins, got {counts.size}")
+    # A stable sort of the negated counts keeps equal counts in exponent order: the tie rule.
+    ranked = tuple(int(e) for e in np.argsort(-counts, kind="stable")[:N_CODES] if counts[e] > 0)
+    total = int(counts.sum())
+    coverage = int(counts[list(ranked)].sum()) / total if total else 1.0
+    return Codebook(dec_lut=ranked + (0,) * (N_CODES - len(ranked)), n_used=len(ranked), coverage=coverage)
