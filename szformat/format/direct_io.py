@@ -22,7 +22,7 @@ import mmap
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
 
-__all__ = ["BLOCK", "STAGING_BYTES", "DirectAppender", "direct_io_enabled"]
+__all__ = ["BLOCK", "STAGING_BYTES", "DirectAppender"]
 
 BLOCK = 4096
 """Alignment of every direct write's offset, length and memory: the largest logical block size disks report."""
@@ -94,9 +94,8 @@ class DirectAppender:
             if self._fill == STAGING_BYTES:
                 self._hand_over(STAGING_BYTES)
 
-    def finish(self) -> int:
-        """Write what is left, truncate the file to the bytes appended and return to ordinary I/O; returns the
-        file's length."""
+    def finish(self) -> None:
+        """Write what is left, truncate the file to the bytes appended and return it to ordinary I/O."""
         length = self._base + self._fill
         if self._fill:
             padded = -(-self._fill // BLOCK) * BLOCK
@@ -106,7 +105,6 @@ class DirectAppender:
         os.ftruncate(self._fd, length)
         if self._direct:
             _set_direct(self._fd, False)
-        return length
 
     def close(self) -> None:
         """Wait for a write in flight (it cannot be stopped) and give the buffers back; errors are not raised."""
