@@ -28,8 +28,9 @@ BLOCK = 4096
 """Alignment of every direct write's offset, length and memory: the largest logical block size disks report."""
 
 STAGING_BYTES = 16 << 20
-"""Bytes per staging buffer (two per output): large enough that a write's fixed cost is small, small enough to stay
-cheap beside a conversion's own buffers."""
+"""Bytes per staging buffer (two per output). With 4 MiB buffers `decompress` of a 2.2 GB file ran 3.1-3.5 s on the
+build VM against 2.2-3.3 s with 16 MiB (a larger write keeps the disk busier while the next buffer fills); their
+first touch (about 34 ms for the two on that VM) is why small outputs do not use them (``atomic.DIRECT_FROM_BYTES``)."""
 
 
 def direct_io_enabled() -> bool:
