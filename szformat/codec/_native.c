@@ -8,7 +8,8 @@
  *                                        patched afterwards by the caller, as in the reference.
  *   encode_pairs(bits, enc_lut, pk, sm)  the inverse for whole pairs: an exponent without a code (enc_lut[e] ==
  *                                        16) gets nibble 0; the caller finds the escapes by decoding again.
- *   exponent_histogram(bits, counts)     counts[e] += elements of exponent byte e (int64 x 256).
+ *   exponent_histogram(bits, counts)     counts[e] += elements of exponent byte e (int64 x 256); with AVX-512BW
+ *                                        the frequent exponents counted 64 elements at a time by byte compares.
  *   mismatches(a, b, positions) -> count where two int16 arrays differ (the encoder's check finds the escapes so):
  *                                        blocks of 32 elements compared at once, the rare differing ones by element.
  *   decode_payload(payload, dec_lut, out, n_esc, chunk_size)
@@ -96,6 +97,24 @@ static int have_avx2(void)
         const char *isa = getenv("SZFORMAT_CPU_ISA");
         __builtin_cpu_init();
         cached = __builtin_cpu_supports("avx2") && !(isa && strcmp(isa, "scalar") == 0) ? 1 : 0;
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* Whether the AVX-512BW exponent histogram runs: the CPU (and the OS, which the builtin checks) has AVX-512F and
+ * BW, and SZFORMAT_CPU_ISA asks for neither the portable loops nor AVX2 alone. */
+static int have_avx512bw(void)
+{
+#ifdef SZ_X86
+    static int cached = -1;
+    if (cached < 0) {
+        const char *isa = getenv("SZFORMAT_CPU_ISA");
+        int capped = isa && (strcmp(isa, "scalar") == 0 || strcmp(isa, "avx2") == 0);
+        __builtin_cpu_init();
+        cached = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") && !capped ? 1 : 0;
     }
     return cached;
 #else
@@ -213,6 +232,65 @@ static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts
         }
     }
 }
+
+#ifdef SZ_X86
+#define HISTOGRAM_SAMPLE 65536 /* elements whose exponents choose the ones counted by compares */
+#define HISTOGRAM_BLOCK 65536  /* elements between checks that those still cover nearly all the rest */
+
+/* The exponent histogram with AVX-512BW. A weight's exponents cluster on a few values, so the (at most) 16 most
+ * frequent among its first HISTOGRAM_SAMPLE elements are counted 64 elements at a time, one byte compare and one
+ * popcount each, and only the elements outside them one by one; a block where those are more than 1/16 hands the
+ * rest to the four tables, so no tensor runs much slower than there. The counts are exact whatever was chosen. On
+ * weights 0.26 against 0.75 ns per element in cache on the build VM, 0.43 against 0.88 from memory. */
+__attribute__((target("avx512f,avx512bw,popcnt")))
+static void histogram_avx512(const uint16_t *bits, Py_ssize_t n, int64_t *counts)
+{
+    Py_ssize_t head = n < HISTOGRAM_SAMPLE ? n : HISTOGRAM_SAMPLE;
+    int64_t sample[256] = {0};
+    histogram_scalar(bits, head, sample);
+    for (int e = 0; e < 256; e++)
+        counts[e] += sample[e];
+    uint8_t chosen[16];
+    int k = 0;
+    for (; k < 16; k++) { /* the most frequent first; any choice gives exact counts */
+        int best = -1;
+        for (int e = 0; e < 256; e++)
+            if (sample[e] > 0 && (best < 0 || sample[e] > sample[best]))
+                best = e;
+        if (best < 0)
+            break;
+        chosen[k] = (uint8_t)best;
+        sample[best] = 0;
+    }
+    __m512i wanted[16];
+    uint64_t hits[16] = {0};
+    for (int j = 0; j < k; j++)
+        wanted[j] = _mm512_set1_epi8((char)chosen[j]);
+    Py_ssize_t i = head, vector_end = head + (n - head) / 64 * 64;
+    while (i < vector_end) {
+        Py_ssize_t stop = vector_end - i > HISTOGRAM_BLOCK ? i + HISTOGRAM_BLOCK : vector_end, missed = 0;
+        for (; i < stop; i += 64) {
+            __m512i a = _mm512_srli_epi16(_mm512_loadu_si512(bits + i), 7);
+            __m512i b = _mm512_srli_epi16(_mm512_loadu_si512(bits + i + 32), 7);
+            __m512i exponents = _mm512_inserti64x4(_mm512_castsi256_si512(_mm512_cvtepi16_epi8(a)),
+                                                   _mm512_cvtepi16_epi8(b), 1); /* the low byte of bits >> 7 */
+            uint64_t any = 0;
+            for (int j = 0; j < k; j++) {
+                uint64_t match = _mm512_cmpeq_epi8_mask(exponents, wanted[j]);
+                hits[j] += (uint64_t)_mm_popcnt_u64(match);
+                any |= match;
+            }
+            for (uint64_t rest = ~any; rest; rest &= rest - 1, missed++)
+                counts[(bits[i + __builtin_ctzll(rest)] >> 7) & 0xFF]++;
+        }
+        if (missed > HISTOGRAM_BLOCK / 16)
+            break; /* these exponents are not clustered: the four tables count the rest */
+    }
+    histogram_scalar(bits + i, n - i, counts);
+    for (int j = 0; j < k; j++)
+        counts[chosen[j]] += (int64_t)hits[j];
+}
+#endif
 
 static Py_ssize_t mismatches(const uint16_t *a, const uint16_t *b, Py_ssize_t n, int64_t *positions)
 {
@@ -576,7 +654,12 @@ static PyObject *py_exponent_histogram(PyObject *self, PyObject *const *args, Py
             int64_t *counts = b.views[1].buf;
             Py_ssize_t n = b.views[0].len / 2;
             Py_BEGIN_ALLOW_THREADS
-            histogram_scalar(bits, n, counts);
+#ifdef SZ_X86
+            if (have_avx512bw())
+                histogram_avx512(bits, n, counts);
+            else
+#endif
+                histogram_scalar(bits, n, counts);
             Py_END_ALLOW_THREADS
             result = Py_NewRef(Py_None);
         }
@@ -785,7 +868,7 @@ done:
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs)
 {
-    return PyUnicode_FromString(have_avx2() ? "avx2" : "scalar");
+    return PyUnicode_FromString(have_avx512bw() ? "avx2+avx512bw" : have_avx2() ? "avx2" : "scalar");
 }
 
 #define FASTCALL(function) (PyCFunction)(void (*)(void))(function), METH_FASTCALL
@@ -801,7 +884,7 @@ static PyMethodDef methods[] = {
      "escapes: a whole payload, escape streams and padding included"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
-    {"isa", py_isa, METH_NOARGS, "the instruction set decode_pairs uses here: 'avx2' or 'scalar'"},
+    {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };
 

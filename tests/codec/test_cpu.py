@@ -833,3 +833,38 @@ def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
     done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.stdout.split() == ["scalar", "ok"], f"seed={seed}: {done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+@pytest.mark.parametrize("isa", ["", "avx2", "scalar"])
+def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
+    """The C histogram (AVX-512BW where the CPU has it, else the four tables; ``SZFORMAT_CPU_ISA`` caps it) against
+    ``bincount``: sizes around its 64-element vectors and 65,536-element sample and blocks, clustered weights,
+    exponents spread past what its compares count (the four tables take over), all-escape halves, random bits."""
+    env = {**os.environ, "SZFORMAT_CPU_ISA": isa,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    script = ("import sys, numpy as np, torch\n"
+              "from szformat.codec import cpu\n"
+              "print(cpu._native.isa())\n"
+              "g = torch.Generator().manual_seed(int(sys.argv[1]))\n"
+              "for n in (0, 1, 63, 64, 65, 65_535, 65_536, 65_537, 65_600, 65_601, 200_003, 1 << 20):\n"
+              "    weights = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)\n"
+              "    half_inf = weights.clone()\n"
+              "    half_inf[n // 2:] = float('inf')\n"
+              "    spread = (torch.randn(n, generator=g) * torch.logspace(-30, 30, n)).to(torch.bfloat16)\n"
+              "    late = weights.clone()\n"
+              "    late[70_000:] = spread[70_000:]\n"
+              "    bits = torch.randint(-2**15, 2**15, (n,), generator=g, dtype=torch.int16).view(torch.bfloat16)\n"
+              "    for name, x in (('weights', weights), ('half inf', half_inf), ('spread', spread),\n"
+              "                    ('spread after the sample', late), ('random bits', bits)):\n"
+              "        counts = np.full(256, 7, dtype=np.int64)  # the call adds to what is there\n"
+              "        cpu._native.exponent_histogram(x.view(torch.int16).numpy(), counts)\n"
+              "        expected = torch.bincount(cpu.split_bf16(x)[0].reshape(-1), minlength=256).numpy() + 7\n"
+              "        assert np.array_equal(counts, expected), (n, name)\n"
+              "print('ok')\n")
+    seed = random.SystemRandom().randrange(2**32)
+    done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
+                          timeout=300)
+    expected_isa = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"]}.get(isa, ["avx2+avx512bw", "avx2", "scalar"])
+    lines = done.stdout.split("\n")
+    assert lines[0] in expected_isa and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
