@@ -108,7 +108,7 @@ static int have_avx2(void)
  * BW, and SZFORMAT_CPU_ISA asks for neither the portable loops nor AVX2 alone. */
 static int have_avx512bw(void)
 {
-#ifdef SZ_X86
+#if defined(SZ_X86) && defined(__x86_64__)
     static int cached = -1;
     if (cached < 0) {
         const char *isa = getenv("SZFORMAT_CPU_ISA");
@@ -233,7 +233,8 @@ static void histogram_scalar(const uint16_t *bits, Py_ssize_t n, int64_t *counts
     }
 }
 
-#ifdef SZ_X86
+#if defined(SZ_X86) && defined(__x86_64__) /* 64-bit masks */
+#define SZ_HISTOGRAM_AVX512 1
 #define HISTOGRAM_SAMPLE 65536 /* elements whose exponents choose the ones counted by compares */
 #define HISTOGRAM_BLOCK 65536  /* elements between checks that those still cover nearly all the rest */
 
@@ -277,7 +278,7 @@ static void histogram_avx512(const uint16_t *bits, Py_ssize_t n, int64_t *counts
             uint64_t any = 0;
             for (int j = 0; j < k; j++) {
                 uint64_t match = _mm512_cmpeq_epi8_mask(exponents, wanted[j]);
-                hits[j] += (uint64_t)_mm_popcnt_u64(match);
+                hits[j] += (uint64_t)__builtin_popcountll(match);
                 any |= match;
             }
             for (uint64_t rest = ~any; rest; rest &= rest - 1, missed++)
@@ -654,7 +655,7 @@ static PyObject *py_exponent_histogram(PyObject *self, PyObject *const *args, Py
             int64_t *counts = b.views[1].buf;
             Py_ssize_t n = b.views[0].len / 2;
             Py_BEGIN_ALLOW_THREADS
-#ifdef SZ_X86
+#ifdef SZ_HISTOGRAM_AVX512
             if (have_avx512bw())
                 histogram_avx512(bits, n, counts);
             else
