@@ -885,7 +885,8 @@ static PyMethodDef methods[] = {
      "escapes: a whole payload, escape streams and padding included"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
-    {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' or 'scalar'"},
+    {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "
+     "or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };
 
