@@ -49,7 +49,7 @@ def pwrites(monkeypatch):
 
 
 def direct_io_works(folder: Path) -> bool:
-    """Whether ``folder``'s file system takes an ``O_DIRECT`` write (tmpfs does not)."""
+    """Whether ``folder``'s file system takes an ``O_DIRECT`` write (tmpfs before Linux 6.6 does not)."""
     import mmap
 
     path = folder / "probe"
