@@ -12,8 +12,7 @@ buffer is written at its offset (a multiple of the buffer's size) by a thread of
 the disk writes while the codec encodes. The last buffer is zero-padded to :data:`BLOCK` and the file truncated to
 its length. Direct I/O is asked of the file system, never assumed: where it refuses ``O_DIRECT`` (tmpfs before Linux
 6.6, some network and FUSE file systems), or refuses a direct write with ``EINVAL``, the bytes go through the page
-cache as before.
-Only Linux has ``O_DIRECT``; elsewhere nothing changes. ``SZFORMAT_DIRECT_IO=0`` turns it off.
+cache as before. Only Linux has ``O_DIRECT``; elsewhere nothing changes. ``SZFORMAT_DIRECT_IO=0`` turns it off.
 """
 
 from __future__ import annotations
