@@ -1,5 +1,5 @@
 """Stand-ins shared by the tests: the device codec and inflater on the CPU (the loader and offloader tests run the
-device pipelines there), streams that defer work as a GPU's do, and a CPU encoder that writes one wrong byte."""
+device pipelines there), streams that defer work as a GPU's do, and CPU encoders that write one wrong byte."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ import torch
 import zstandard
 
 from szformat.codec import cpu as cpu_codec
+from szformat.codec.layout import PayloadLayout
 from szformat.loading.device_codec import HostCodec
 
 
@@ -86,6 +87,23 @@ def flip_in_last_slice(monkeypatch, n_pairs: int, stream: str, mask: int) -> lis
 
     monkeypatch.setattr(cpu_codec, "_encode_pairs", wrong)
     return pairs_left
+
+
+
+class CorruptingKernels:
+    """The built C kernels, with ``encode_payload`` flipping the bits ``mask`` of one byte of what it wrote: the byte
+    at ``offset_of(layout)`` of the payload's layout (a codec bug the whole-payload check must catch)."""
+
+    def __init__(self, offset_of, mask: int):
+        self.offset_of, self.mask = offset_of, mask
+
+    def __getattr__(self, name):
+        return getattr(cpu_codec.cpu_kernel.native, name)
+
+    def encode_payload(self, bits, enc_lut, payload, n_esc, chunk_size):
+        found = cpu_codec.cpu_kernel.native.encode_payload(bits, enc_lut, payload, n_esc, chunk_size)
+        payload[self.offset_of(PayloadLayout(n=bits.size, n_esc=n_esc, chunk_size=chunk_size))] ^= self.mask
+        return found
 
 
 POISON = 0xA5

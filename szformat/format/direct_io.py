@@ -78,11 +78,7 @@ class DirectAppender:
             _set_direct(fd, True)
         except OSError:
             return None
-        try:
-            return cls(fd, base, head)
-        except BaseException:
-            _set_direct(fd, False)
-            raise
+        return cls(fd, base, head)  # staging buffers refused: the caller's write error ends the file anyway
 
     def append(self, data) -> None:
         """Append ``data`` (any contiguous buffer)."""

@@ -19,7 +19,7 @@ import torch
 from szformat.checksum import crc32_join
 from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
 
-from fakes import flip_in_last_slice
+from fakes import CorruptingKernels, flip_in_last_slice
 
 pytestmark = pytest.mark.filterwarnings("error")  # e.g. PyTorch resizing an `out=` view: a slicing bug
 
@@ -407,21 +407,6 @@ def test_a_wrong_byte_in_what_the_slices_leave_is_caught(where, rng, monkeypatch
         cpu.encode(x, codebook)
 
 
-class _CorruptingKernels:
-    """The C kernels, with ``encode_payload`` flipping the bits ``mask`` of one byte of what it wrote."""
-
-    def __init__(self, offset_of, mask: int):
-        self.offset_of, self.mask = offset_of, mask
-
-    def __getattr__(self, name):
-        return getattr(BUILT, name)
-
-    def encode_payload(self, bits, enc_lut, payload, n_esc, chunk_size):
-        found = BUILT.encode_payload(bits, enc_lut, payload, n_esc, chunk_size)
-        payload[self.offset_of(PayloadLayout(n=bits.size, n_esc=n_esc, chunk_size=chunk_size))] ^= self.mask
-        return found
-
-
 @pytest.mark.parametrize("where, mask", [("pk", 0x01), ("pk", 0x10), ("sm", 0x80), ("sm", 0x01), ("chunk_id", 0x01),
                                          ("local_pos", 0x01), ("esc_val", 0x01), ("odd last element", 0x20)])
 def test_a_wrong_byte_written_by_the_whole_encoder_is_caught(where, mask, rng, monkeypatch, kernel):
@@ -435,7 +420,7 @@ def test_a_wrong_byte_written_by_the_whole_encoder_is_caught(where, mask, rng, m
     offsets = {"pk": lambda o: o.off_pk + 100, "sm": lambda o: o.off_sm + 1000, "chunk_id": lambda o: o.off_cid + 4,
                "local_pos": lambda o: o.off_lpos + 2, "esc_val": lambda o: o.off_ev + 1,
                "odd last element": lambda o: o.off_pk + o.n // 2}
-    monkeypatch.setattr(cpu, "_native", _CorruptingKernels(offsets[where], mask))
+    monkeypatch.setattr(cpu, "_native", CorruptingKernels(offsets[where], mask))
     with pytest.raises(cpu.RoundTripMismatch, match="does not decode bit for bit"):
         cpu.encode(x, codebook)
 
@@ -447,7 +432,7 @@ def test_escape_streams_the_whole_encoder_broke_are_named(rng, monkeypatch, kern
     x = weight_like(rng, 3 * CHUNK_SIZE + 1, scale=0.5)
     codebook = cpu.calibrate(x)
     x[[5, 700]] = from_bits([0x7F80, 0x7FC1])
-    monkeypatch.setattr(cpu, "_native", _CorruptingKernels(lambda o: o.off_lpos + 3, 0x80))  # local 700 + 32768
+    monkeypatch.setattr(cpu, "_native", CorruptingKernels(lambda o: o.off_lpos + 3, 0x80))  # local 700 + 32768
     with pytest.raises(cpu.RoundTripMismatch, match=r"\(escape streams: escape local position 33468 is outside"):
         cpu.encode(x, codebook)
 
@@ -804,13 +789,21 @@ def test_the_c_kernels_refuse_buffers_of_the_wrong_size_or_kind(kernel):
         native.encode_payload(bits, table, bytearray(len(payload)), 1)
 
 
+def run_with_isa(isa: str, script: str) -> tuple[int, subprocess.CompletedProcess]:
+    """Run ``script`` (given a fresh seed as its argument) in a fresh interpreter whose C kernels are capped to
+    ``isa`` (``SZFORMAT_CPU_ISA``; "" for the best this CPU has); returns the seed and the finished process."""
+    env = {**os.environ, "SZFORMAT_CPU_ISA": isa,
+           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    seed = random.SystemRandom().randrange(2**32)
+    return seed, subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
+                                timeout=300)
+
+
 def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
     """The C kernels' portable loops (what a CPU without AVX2 runs; ``SZFORMAT_CPU_ISA=scalar`` selects them here)
     encode and decode bit for bit as the reference does, odd sizes, escapes and partial ranges included."""
     if kernel == "reference":
         pytest.skip("compares the C extension's portable loops with the reference")
-    env = {**os.environ, "SZFORMAT_CPU_ISA": "scalar",
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = ("import sys, torch\n"
               "from szformat.codec import cpu\n"
               "print(cpu._native.isa())\n"
@@ -829,9 +822,7 @@ def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
               "    assert torch.equal(native.view(torch.int16), reference.view(torch.int16)), n\n"
               "    assert torch.equal(native.view(torch.int16), x[n // 3:].view(torch.int16)), n\n"
               "print('ok')\n")
-    seed = random.SystemRandom().randrange(2**32)
-    done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    seed, done = run_with_isa("scalar", script)
     assert done.stdout.split() == ["scalar", "ok"], f"seed={seed}: {done.stderr[-3000:]}"
 
 
@@ -841,8 +832,6 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
     """The C histogram (AVX-512BW where the CPU has it, else the four tables; ``SZFORMAT_CPU_ISA`` caps it) against
     ``bincount``: sizes around its 64-element vectors and 65,536-element sample and blocks, clustered weights,
     exponents spread past what its compares count (the four tables take over), all-escape halves, random bits."""
-    env = {**os.environ, "SZFORMAT_CPU_ISA": isa,
-           "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
     script = ("import sys, numpy as np, torch\n"
               "from szformat.codec import cpu\n"
               "print(cpu._native.isa())\n"
@@ -862,9 +851,7 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
               "        expected = torch.bincount(cpu.split_bf16(x)[0].reshape(-1), minlength=256).numpy() + 7\n"
               "        assert np.array_equal(counts, expected), (n, name)\n"
               "print('ok')\n")
-    seed = random.SystemRandom().randrange(2**32)
-    done = subprocess.run([sys.executable, "-c", script, str(seed)], env=env, capture_output=True, text=True,
-                          timeout=300)
+    seed, done = run_with_isa(isa, script)
     expected_isa = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"]}.get(isa, ["avx2+avx512bw", "avx2", "scalar"])
     lines = done.stdout.split("\n")
     assert lines[0] in expected_isa and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"

@@ -27,7 +27,6 @@ from safetensors.torch import save_file as save_safetensors
 import szformat
 from szformat._install import install_hint
 from szformat.codec import cpu
-from szformat.codec.layout import PayloadLayout
 from szformat.convert import convert, decompress, verify
 from szformat.convert import expand
 from szformat.convert.device import codec_for
@@ -36,7 +35,7 @@ from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRoute
                              WriteError)
 from szformat.format.reader import SztFile
 
-from fakes import flip_in_last_slice
+from fakes import CorruptingKernels, flip_in_last_slice
 from support import (METADATA, RecordingBackend, assert_same_tensors, bf16_weights, flip_payload_byte, listing,
                      model_tensors, secret_outside, write_pipeline, write_sharded)
 
@@ -639,18 +638,7 @@ def test_cpu_round_trip_check_catches_a_bad_byte_in_a_late_slice(tmp_path, monke
 @pytest.mark.skipif(cpu._native is None, reason="the C kernels' whole-payload encoder")
 def test_cpu_round_trip_check_catches_a_bad_byte_from_the_whole_payload_encoder(tmp_path, monkeypatch):
     """A small tensor is written by one C call and checked by decoding it whole: a wrong byte stops the file."""
-    native = cpu._native
-
-    class Corrupting:
-        def __getattr__(self, name):
-            return getattr(native, name)
-
-        def encode_payload(self, bits, enc_lut, payload, n_esc, chunk_size):
-            found = native.encode_payload(bits, enc_lut, payload, n_esc, chunk_size)
-            payload[PayloadLayout(n=bits.size, n_esc=n_esc).off_sm + bits.size - 1] ^= 0x80
-            return found
-
-    monkeypatch.setattr(cpu, "_native", Corrupting())
+    monkeypatch.setattr(cpu, "_native", CorruptingKernels(lambda layout: layout.off_sm + layout.n - 1, 0x80))
     save_safetensors({"w": bf16_weights((50, 70), 5)}, tmp_path / "m.safetensors")
     with pytest.raises(RoundTripError, match="tensor 'w': SplitZip payload does not decode bit for bit"):
         convert(tmp_path / "m.safetensors")

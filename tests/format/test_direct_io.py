@@ -186,3 +186,15 @@ def test_convert_and_decompress_write_the_same_files_with_direct_io(tmp_path, sm
             back = (tmp_path / f"back-{mode}-{at_rest}.safetensors").read_bytes()
             assert back == (tmp_path / "m.safetensors").read_bytes()
     assert outputs["1", None] == outputs["0", None] and outputs["1", 3] == outputs["0", 3]
+
+
+def test_staging_buffers_that_cannot_be_had_are_a_write_error_and_leave_nothing(tmp_path, small_buffers, monkeypatch):
+    def refuse(*args, **kwargs):
+        raise OSError(errno.ENOMEM, os.strerror(errno.ENOMEM))
+
+    if not direct_io_works(tmp_path):
+        pytest.skip(f"{tmp_path}'s file system refuses O_DIRECT: no staging buffers are asked for")
+    monkeypatch.setattr(direct_io.mmap, "mmap", refuse)
+    with pytest.raises(WriteError, match="Cannot allocate memory"):
+        write_pieces(tmp_path / "out.bin", random.Random(7).randbytes(3 * STAGING), 7)
+    assert list(tmp_path.iterdir()) == []
