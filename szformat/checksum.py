@@ -8,12 +8,13 @@ pieces in parallel; it also joins the CRCs of adjacent pieces (:func:`crc32_comb
 
 from __future__ import annotations
 
+import ctypes
 from typing import Iterable
 
 from zlib_ng import zlib_ng
 from ._lazy import torch
 
-__all__ = ["crc32", "crc32_combine", "crc32_join", "tensor_crc32"]
+__all__ = ["crc32", "crc32_combine", "crc32_join", "crc32_function_address", "tensor_crc32"]
 
 
 def crc32(data: bytes | bytearray | memoryview, value: int = 0) -> int:
@@ -39,3 +40,12 @@ def crc32_join(parts: Iterable[tuple[int, int]]) -> int:
     for part, length in parts:
         crc = crc32_combine(crc, part, length)
     return crc
+
+
+def crc32_function_address() -> int | None:
+    """The address of zlib-ng's C function ``zng_crc32`` (what :func:`crc32` runs), for the C kernels to checksum
+    each block they decode while it is in cache; ``None`` where zlib-ng's module does not export it."""
+    try:
+        return ctypes.cast(ctypes.CDLL(zlib_ng.__file__).zng_crc32, ctypes.c_void_p).value
+    except (OSError, AttributeError):
+        return None

@@ -20,6 +20,10 @@
  *   encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> escapes
  *                                        the inverse, a whole payload (escape streams and padding included) in
  *                                        one call; the caller checks it by decoding it with decode_payload.
+ *   use_crc32(address)                   zlib-ng's zng_crc32 for the call below (checked against a bitwise CRC-32).
+ *   decode_range_checked(pk, sm, dec_lut, out, positions, exponents) -> (pk_crc, sm_crc, out_crc)
+ *                                        a range of a load with its escapes, block by block, each block's stored
+ *                                        and decoded bytes checksummed while in the L1 cache.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -389,6 +393,59 @@ static void decode_whole(const uint8_t *payload, Offsets o, const uint8_t *lut, 
     }
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+ * A range decoded with its checksums
+ * ------------------------------------------------------------------------------------------------------------- */
+
+/* zlib-ng's CRC-32 (``zng_crc32``, the one ``szformat.checksum`` calls), handed over by ``use_crc32``: a load's
+ * checksums are taken block by block inside the decode, while each block is in the L1 cache, instead of in passes
+ * over ranges that have left it (which cost as much as the decode). NULL until it is handed over. */
+typedef uint32_t (*crc32_function)(uint32_t crc, const uint8_t *buf, uint32_t len);
+static crc32_function crc32_of = NULL;
+
+/* CRC-32 bit by bit: only to check the function ``use_crc32`` is handed before trusting it. */
+static uint32_t crc32_bitwise(uint32_t crc, const uint8_t *buf, size_t len)
+{
+    crc = ~crc;
+    for (size_t i = 0; i < len; i++) {
+        crc ^= buf[i];
+        for (int k = 0; k < 8; k++)
+            crc = (crc >> 1) ^ (0xEDB88320u & (0u - (crc & 1u)));
+    }
+    return ~crc;
+}
+
+/* Pairs per block of decode_range_checked: 8 KiB of pk, 16 KiB of sm and 32 KiB out, so each block's checksums
+ * read it from the L1 or L2 cache right after the decode touched it. */
+#define CHECKED_BLOCK_PAIRS 8192
+
+/* Elements [0, n) of a range that starts at an even element: pk holds (n + 1) / 2 bytes, sm n bytes; ``positions``
+ * (ascending, inside [0, n), checked by the caller) and ``exponents`` are the range's escapes. Block by block: the
+ * pk and sm bytes' CRC-32s taken, the block decoded, its escapes patched, its output's CRC-32 taken. */
+static void decode_range_checked(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out,
+                                 Py_ssize_t n, const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc,
+                                 uint32_t crcs[3])
+{
+    uint32_t pk_crc = 0, sm_crc = 0, out_crc = 0;
+    Py_ssize_t k = 0;
+    for (Py_ssize_t first = 0; first < n; first += 2 * CHECKED_BLOCK_PAIRS) {
+        Py_ssize_t count = n - first < 2 * CHECKED_BLOCK_PAIRS ? n - first : 2 * CHECKED_BLOCK_PAIRS;
+        const uint8_t *block_pk = pk + first / 2, *block_sm = sm + first;
+        uint16_t *block_out = out + first;
+        pk_crc = crc32_of(pk_crc, block_pk, (uint32_t)((count + 1) / 2));
+        sm_crc = crc32_of(sm_crc, block_sm, (uint32_t)count);
+        decode(block_pk, block_sm, lut, block_out, count / 2);
+        if (count % 2)
+            block_out[count - 1] = (uint16_t)(sm_field(block_sm[count - 1]) | (uint32_t)lut[block_pk[count / 2] >> 4] << 7);
+        for (; k < n_esc && positions[k] < first + count; k++)
+            out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+        out_crc = crc32_of(out_crc, (const uint8_t *)block_out, (uint32_t)(2 * count));
+    }
+    crcs[0] = pk_crc;
+    crcs[1] = sm_crc;
+    crcs[2] = out_crc;
+}
+
 /* The escape streams being written: escapes past ``n_esc`` are counted, not written. */
 typedef struct {
     uint8_t *payload;
@@ -558,7 +615,7 @@ static void planes_join(const uint8_t *const *planes, uint8_t *out, Py_ssize_t n
  * Python bindings
  * ------------------------------------------------------------------------------------------------------------- */
 
-#define MAX_BUFFERS 5
+#define MAX_BUFFERS 6
 
 /* A call's arguments as buffers: ``names[i]`` for messages; bit i of ``writable`` asks for a writable one. Every
  * buffer taken is released by ``release`` whatever happened. */
@@ -772,6 +829,63 @@ static PyObject *py_encode_payload(PyObject *self, PyObject *const *args, Py_ssi
     return result;
 }
 
+static PyObject *py_use_crc32(PyObject *self, PyObject *address)
+{
+    void *pointer = PyLong_AsVoidPtr(address);
+    if (pointer == NULL) {
+        if (!PyErr_Occurred())
+            PyErr_SetString(PyExc_ValueError, "use_crc32(): a null address");
+        return NULL;
+    }
+    crc32_function candidate = (crc32_function)pointer;
+    uint8_t probe[257];
+    for (int i = 0; i < 257; i++)
+        probe[i] = (uint8_t)(i * 167 + 13);
+    if (candidate(0x12345678u, probe, sizeof probe) != crc32_bitwise(0x12345678u, probe, sizeof probe)) {
+        PyErr_SetString(PyExc_ValueError, "use_crc32(): the function does not compute CRC-32");
+        return NULL;
+    }
+    crc32_of = candidate;
+    Py_RETURN_NONE;
+}
+
+static PyObject *py_decode_range_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"pk", "sm", "dec_lut", "out", "positions", "exponents"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (crc32_of == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_range_checked(): no CRC-32 function (use_crc32)");
+        return NULL;
+    }
+    if (take("decode_range_checked", args, nargs, 6, names, 0x8, &b) < 0)
+        goto done;
+    const Py_buffer *v = b.views;
+    Py_ssize_t n = v[1].len, n_esc = v[5].len;
+    if (v[0].len != (n + 1) / 2 || v[2].len != 16 || v[3].len != 2 * n || v[4].len != 8 * n_esc ||
+        n > UINT32_MAX / 2) {
+        PyErr_Format(PyExc_ValueError, "decode_range_checked(): %zd sm bytes need %zd pk bytes, a 16-byte codebook, "
+                     "%zd output bytes and 8 position bytes per escape exponent (got %zd, %zd, %zd, %zd for %zd)", n,
+                     (n + 1) / 2, 2 * n, v[0].len, v[2].len, v[3].len, v[4].len, n_esc);
+        goto done;
+    }
+    const int64_t *positions = v[4].buf;
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
+            PyErr_Format(PyExc_ValueError, "decode_range_checked(): escape positions must ascend inside [0, %zd)", n);
+            goto done;
+        }
+    }
+    uint32_t crcs[3];
+    Py_BEGIN_ALLOW_THREADS
+    decode_range_checked(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc, crcs);
+    Py_END_ALLOW_THREADS
+    result = Py_BuildValue("(kkk)", (unsigned long)crcs[0], (unsigned long)crcs[1], (unsigned long)crcs[2]);
+done:
+    release(&b);
+    return result;
+}
+
 static int planes_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *itemsize,
                        int *sign_last)
 {
@@ -883,6 +997,10 @@ static PyMethodDef methods[] = {
      "payload, escapes checked and patched"},
     {"encode_payload", FASTCALL(py_encode_payload), "encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> "
      "escapes: a whole payload, escape streams and padding included"},
+    {"use_crc32", py_use_crc32, METH_O, "use_crc32(address): zlib-ng's zng_crc32 for decode_range_checked, checked "
+     "against a bitwise CRC-32 first"},
+    {"decode_range_checked", FASTCALL(py_decode_range_checked), "decode_range_checked(pk, sm, dec_lut, out, "
+     "positions, exponents) -> (pk_crc, sm_crc, out_crc): a range decoded block by block with its checksums"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["native", "KERNEL"]
+__all__ = ["native", "KERNEL", "CHECKSUMS_IN_KERNEL"]
 
 
 def _load_native() -> ModuleType | None:
@@ -21,7 +21,26 @@ def _load_native() -> ModuleType | None:
     return _native
 
 
+def _hand_over_crc32(kernels: ModuleType | None) -> bool:
+    """Give the C kernels zlib-ng's CRC-32 function, which they check before taking it; whether they took it."""
+    if kernels is None:
+        return False
+    from ..checksum import crc32_function_address
+
+    address = crc32_function_address()
+    if address is None:
+        return False
+    try:
+        kernels.use_crc32(address)
+    except ValueError:
+        return False
+    return True
+
+
 native = _load_native()
+CHECKSUMS_IN_KERNEL = _hand_over_crc32(native)
+"""Whether a checked range is decoded by one C call that also takes its CRC-32s block by block
+(``_native.decode_range_checked``): where the C kernels are built and zlib-ng exports its CRC-32 function."""
 KERNEL = f"native ({native.isa()})" if native is not None else "reference (PyTorch)"
 """``native (avx2)``, ``native (scalar)`` (the C extension, by the instructions it uses on this CPU) or
 ``reference (PyTorch)``."""

@@ -5,6 +5,7 @@ Random cases draw a fresh seed each run and print it; a failure report shows ``s
 
 from __future__ import annotations
 
+import ctypes
 import os
 import random
 import struct
@@ -13,10 +14,11 @@ import sys
 import zlib
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
-from szformat.checksum import crc32_join
+from szformat.checksum import crc32_function_address, crc32_join
 from szformat.codec import CHUNK_SIZE, Codebook, PayloadLayout, codebook_from_histogram, cpu
 
 from fakes import CorruptingKernels, flip_in_last_slice
@@ -555,11 +557,24 @@ def test_one_intra_op_thread_nests_and_leaves_a_single_thread_setting_alone():
         torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("n", [0, 1, 2, 7, 2 * CHUNK_SIZE + 1, 9001])
-def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n, rng, slicing):
+@pytest.fixture(params=["checksums in the kernel", "checksums apart"])
+def checksums_in_kernel(request, kernel, monkeypatch) -> None:
+    """Checked ranges decoded by the C call that checksums block by block (where it is built and has zlib-ng's
+    CRC-32), and by the decode followed by the checksums of the whole range."""
+    if request.param == "checksums in the kernel" and not (kernel == "native" and cpu.cpu_kernel.CHECKSUMS_IN_KERNEL):
+        pytest.skip("the C kernels do not take checksums here")
+    monkeypatch.setattr(cpu.cpu_kernel, "CHECKSUMS_IN_KERNEL", request.param == "checksums in the kernel")
+
+
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 2 * CHUNK_SIZE + 1, 9001, 4 * 8192 + 1, 70_002])
+def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n, rng, slicing, checksums_in_kernel):
+    """Ranges cut at random even elements, across the C call's blocks of 8,192 pairs; escapes at the start and
+    scattered, so blocks hold none, one or many."""
     x = weight_like(rng, n, scale=0.5)
-    specials = from_bits(special_values())[: n]
-    x[: specials.numel()] = specials  # subnormals, NaN, Inf: escapes, most of them
+    specials = from_bits(special_values())
+    x[: min(n, specials.numel())] = specials[: n]  # subnormals, NaN, Inf: escapes, most of them
+    for _ in range(n // 500):
+        x[rng.randrange(n)] = specials[rng.randrange(specials.numel())]
     payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
     decoder = cpu.PayloadDecoder(payload, layout, codebook)
     cuts = sorted({0, n} | {2 * rng.randrange(n // 2 + 1) for _ in range(5)})
@@ -574,6 +589,32 @@ def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n
             decoder.stored_crc(ranges[1:])
     with pytest.raises(ValueError, match="even element"):
         decoder.decode_checked(1, n, torch.empty(max(0, n - 1), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_the_checksumming_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
+    native = cpu._native
+    pk, sm, lut, out = bytes(4), bytes(8), bytes(range(16)), bytearray(16)
+    if cpu.cpu_kernel.CHECKSUMS_IN_KERNEL:
+        no_escapes = np.zeros(0, dtype=np.int64), b""
+        assert native.decode_range_checked(pk, sm, lut, out, *no_escapes) == \
+            (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(bytes(out)))
+        with pytest.raises(ValueError, match="need 4 pk bytes"):
+            native.decode_range_checked(bytes(3), sm, lut, out, *no_escapes)
+        with pytest.raises(ValueError, match="need 4 pk bytes"):
+            native.decode_range_checked(pk, sm, lut, bytearray(14), *no_escapes)
+        for positions in ([3, 3], [5, 2], [-1, 2], [2, 8]):
+            with pytest.raises(ValueError, match="ascend inside"):
+                native.decode_range_checked(pk, sm, lut, out, np.array(positions, dtype=np.int64), bytes(2))
+    constant = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)(lambda c, b, n: 0)
+    try:
+        with pytest.raises(ValueError, match="does not compute CRC-32"):
+            native.use_crc32(ctypes.cast(constant, ctypes.c_void_p).value)
+        with pytest.raises(ValueError, match="null address"):
+            native.use_crc32(0)
+    finally:
+        if cpu.cpu_kernel.CHECKSUMS_IN_KERNEL:  # whatever happened, the real one again
+            native.use_crc32(crc32_function_address())
 
 
 @pytest.mark.parametrize("rows, width", [(1, 2), (7, 40), (33, 1030), (3, 2 * CHUNK_SIZE + 6), (0, 8)])
@@ -821,6 +862,10 @@ def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
               "    assert torch.equal(payload, again) and layout == layout2 and codebook == codebook2, n\n"
               "    assert torch.equal(native.view(torch.int16), reference.view(torch.int16)), n\n"
               "    assert torch.equal(native.view(torch.int16), x[n // 3:].view(torch.int16)), n\n"
+              "    start = 2 * (n // 6)  # a checked range (the C call that checksums, where zlib-ng lends its CRC-32)\n"
+              "    checked = torch.empty(n - start, dtype=torch.bfloat16)\n"
+              "    cpu.PayloadDecoder(payload, layout, codebook).decode_checked(start, n, checked)\n"
+              "    assert torch.equal(checked.view(torch.int16), x[start:].view(torch.int16)), n\n"
               "print('ok')\n")
     seed, done = run_with_isa("scalar", script)
     assert done.stdout.split() == ["scalar", "ok"], f"seed={seed}: {done.stderr[-3000:]}"
