@@ -795,6 +795,15 @@ def decode(
     return out
 
 
+def decode_with_crc(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor) -> int:
+    """:func:`decode` of a whole payload into ``out``, and the CRC-32 of the decoded bytes: taken block by block as
+    they are written where the C kernels checksum (:meth:`PayloadDecoder.decode_checked`), else by a pass after."""
+    if _native is not None and cpu_kernel.CHECKSUMS_IN_KERNEL:
+        return PayloadDecoder(payload, layout, codebook).decode_checked(0, layout.n, out).raw
+    decode(payload, layout, codebook, out=out)
+    return crc32(out.view(torch.uint8).numpy())
+
+
 def _patch_escapes(position: np.ndarray, esc_val: np.ndarray, start: int, stop: int, bits: torch.Tensor) -> None:
     """Give the escaped elements among ``[start, stop)`` their raw exponent; sign and mantissa are already right."""
     if not position.size:

@@ -18,7 +18,7 @@ from ..errors import PayloadError, SzformatError, TensorAllocationError
 from . import at_rest
 from .header import TensorEntry
 
-__all__ = ["payload_errors", "allocation_errors", "decode_entry", "inflate_entry"]
+__all__ = ["payload_errors", "allocation_errors", "decode_entry", "decode_entry_with_crc", "inflate_entry"]
 
 
 @contextlib.contextmanager
@@ -56,6 +56,14 @@ def decode_entry(path: str | os.PathLike, entry: TensorEntry, payload: torch.Ten
     with payload_errors(path, entry.name):
         return cpu_codec.decode(payload, entry.layout, entry.codebook, start=start,
                                 stop=entry.numel if stop is None else stop, out=out)
+
+
+def decode_entry_with_crc(path: str | os.PathLike, entry: TensorEntry, payload: torch.Tensor, out: torch.Tensor
+                          ) -> int:
+    """:func:`decode_entry` of the whole tensor, and the CRC-32 of its decoded bytes (taken as they are written
+    where the C kernels checksum, not in a pass of its own)."""
+    with payload_errors(path, entry.name):
+        return cpu_codec.decode_with_crc(payload, entry.layout, entry.codebook, out)
 
 
 def decode_entry_columns(path: str | os.PathLike, entry: TensorEntry, payload: torch.Tensor, out: torch.Tensor, *,

@@ -22,7 +22,8 @@ from ..checksum import crc32
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
-from ..format.payloads import allocation_errors, decode_entry, decode_entry_columns, inflate_entry
+from ..format.payloads import (allocation_errors, decode_entry, decode_entry_columns, decode_entry_with_crc,
+                               inflate_entry)
 from ..format.reader import SztFile, check_crc, compare_crc
 from .host_decode import decode_entries
 
@@ -154,10 +155,11 @@ class HostReader:
             return raw.view(dtype).reshape(shape)
         payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out.reshape(-1)
-        decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
-        if self.verify and start == 0 and stop == entry.numel:
-            check_crc(out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=self.file.path,
-                      tensor=entry.name)
+        if self.verify and whole:
+            compare_crc(decode_entry_with_crc(self.file.path, entry, payload, out), entry.raw_crc32,
+                        what="decoded bytes", path=self.file.path, tensor=entry.name)
+        else:
+            decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
         return out.reshape(shape)
 
     def columns(self, entry: TensorEntry, rows: tuple[int, int], cols: tuple[int, int], out: torch.Tensor

@@ -591,6 +591,18 @@ def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n
         decoder.decode_checked(1, n, torch.empty(max(0, n - 1), dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("n", [0, 1, 9001, 4 * 8192 + 3])
+def test_a_whole_payload_decoded_with_its_crc(n, rng, checksums_in_kernel):
+    x = weight_like(rng, n, scale=0.5)
+    for _ in range(n // 300):
+        x[rng.randrange(n)] = from_bits([[0x0001, 0x7FC1, 0xFF80][rng.randrange(3)]])[0]  # subnormal, NaN, -Inf
+    payload, layout, codebook = cpu.encode(x)
+    out = torch.full((n,), 3.0, dtype=torch.bfloat16)
+    crc = cpu.decode_with_crc(payload, layout, codebook, out)
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    assert crc == zlib.crc32(x.view(torch.uint8).numpy().tobytes())
+
+
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_the_checksumming_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
     native = cpu._native
