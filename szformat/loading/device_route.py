@@ -32,6 +32,11 @@ ARENA_ALIGNMENT = 256
 INFLATED_ALIGNMENT = 16
 """In-memory payloads inflated on the device start at multiples of this many bytes: the batched decode loads
 16-byte vectors."""
+STREAMED_LANES = 2
+"""Tensors too large for a slot and stored at rest are inflated and expanded on this many streams of their own, in
+turn, each with a scratch buffer of the largest one's in-memory size. One nvCOMP call lasts about one frame's decode
+(about 10 ms on the H200 for 1 MiB frames) however many frames it takes, so on one stream the large tensors of a
+file queued behind each other and the load ended up to three calls after its last read (``bench/RESULTS.md``)."""
 
 
 def destination_bytes(entry: TensorEntry) -> int:
@@ -96,6 +101,19 @@ class _Inflation:
     """The entry of each frame."""
 
 
+@dataclass
+class _Expansions:
+    """What a load's expansions need: per packed transfer its SplitZip tensors (the rows of its batch table) and
+    where its payloads lie in its payload buffer, per transfer at rest its inflation, the device's checks, the
+    batch tables (filled on the decode stream)."""
+
+    rows: dict[int, list[int]]
+    payload_offsets: dict[int, dict[int, int]]
+    inflations: dict[int, _Inflation]
+    checks: DeviceChecks
+    tables: dict[int, Any]
+
+
 class DeviceDecodeRoute:
     """Stored bytes cross to the device; the device expands them.
 
@@ -124,7 +142,9 @@ class DeviceDecodeRoute:
         self._scratch = codec.new_scratch()  # used on the decode stream only, so reuse is ordered
         self._inflate_streams: list[Any] = []  # one per slot, so that the inflation of transfers overlaps
         self._slot_payloads: list[torch.Tensor] = []  # per slot: the in-memory payloads of its packed transfer
-        self._scratch_payload: torch.Tensor | None = None  # a streamed tensor's, inflated on the decode stream
+        self._lane_streams: list[Any] = []  # where streamed tensors stored at rest are inflated, in turn
+        self._lane_payloads: list[torch.Tensor] = []  # per lane: the in-memory payload of its streamed tensor
+        self._next_lane = 0
 
     def load(self, entries: Sequence[TensorEntry], source: HostSource, *,
              verify: StoredCrcCheck | None = None) -> tuple[list[torch.Tensor], DeviceChecks]:
@@ -142,15 +162,7 @@ class DeviceDecodeRoute:
         transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
                                    self.loop.ring.slot_bytes)
         dests, arenas = self._allocate(transfers, entries)
-        rows = {k: [p.item for p in transfers[k].pieces if entries[p.item].encoding == ENCODING_SPLITZIP]
-                for k in arenas}  # the rows of each packed transfer's batch table
-        rows = {k: items for k, items in rows.items() if items}
-        streamed = [p.item for t in transfers if not t.packed for p in t.pieces
-                    if p.last and entries[p.item].encoding == ENCODING_SPLITZIP and entries[p.item].layout.n_esc]
-        payload_offsets, inflations = self._plan_inflation(transfers, entries, rows) if at_rest else ({}, {})
-        checks = DeviceChecks(self.loop.ops, [item for items in rows.values() for item in items] + streamed,
-                              [item for inflation in inflations.values() for item in inflation.owners])
-        tables = self._batch_tables(rows, transfers, entries, arenas, payload_offsets)
+        planned: list[_Expansions] = []  # made while the first reads run (see ``TransferLoop.run``'s ``prepare``)
 
         def stage(k: int, transfer: Transfer, slot: Slot) -> Staged:
             return source.stage(transfer, slot, verify=verify, k=k)
@@ -168,24 +180,47 @@ class DeviceDecodeRoute:
             return self.loop.ops.record(self.loop.copy_stream)
 
         def expand(k: int, slot: Slot, copied: Any) -> None:
-            transfer = transfers[k]
-            inflation = inflations.get(k)
+            transfer, plan = transfers[k], planned[0]
+            inflation = plan.inflations.get(k)
             if inflation is not None and verify is not None:
                 verify.check_items(inflation.items)  # nothing unchecked reaches the inflater
             if transfer.packed:
-                self._expand_packed(k, transfer, arenas[k][0], tables, checks, rows.get(k, ()), inflation, slot,
-                                    copied, entries, dests, payload_offsets.get(k, {}))
+                self._expand_packed(k, transfer, arenas[k][0], plan.tables, plan.checks, plan.rows.get(k, ()),
+                                    inflation, slot, copied, entries, dests, plan.payload_offsets.get(k, {}))
             else:
-                self._expand_streamed(k, transfer, copied, entries, dests, checks, inflation)
+                self._expand_streamed(k, transfer, copied, entries, dests, plan.checks, inflation)
 
-        self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes)
-        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], checks
+        self._next_lane = 0
+        self.loop.run(transfers, stage, copy, expand, host_writes=source.host_writes,
+                      prepare=lambda: planned.append(self._expansions(transfers, entries, arenas, at_rest)))
+        return [dest[: entry.raw_length] for dest, entry in zip(dests, entries)], planned[0].checks
+
+    def _expansions(self, transfers: Sequence[Transfer], entries: Sequence[TensorEntry],
+                    arenas: dict[int, tuple[torch.Tensor, list[int]]], at_rest: bool) -> _Expansions:
+        """What expanding the transfers needs and copying them does not: the batch tables, the device's checks, the
+        frame plans and payload buffers of an at-rest file (5-6 ms of host work for 1.5 GB of FP32 byte planes on
+        the H200 host, which held back the first read). Made while the first reads run; the device work it
+        enqueues on the current stream comes before every expansion (each stream the route expands on waits)."""
+        ops = self.loop.ops
+        rows = {k: [p.item for p in transfers[k].pieces if entries[p.item].encoding == ENCODING_SPLITZIP]
+                for k in arenas}  # the rows of each packed transfer's batch table
+        rows = {k: items for k, items in rows.items() if items}
+        streamed = [p.item for t in transfers if not t.packed for p in t.pieces
+                    if p.last and entries[p.item].encoding == ENCODING_SPLITZIP and entries[p.item].layout.n_esc]
+        payload_offsets, inflations = self._plan_inflation(transfers, entries, rows) if at_rest else ({}, {})
+        checks = DeviceChecks(ops, [item for items in rows.values() for item in items] + streamed,
+                              [item for inflation in inflations.values() for item in inflation.owners])
+        prepared = ops.record(ops.current_stream())
+        for stream in (self.loop.decode_stream, *self._inflate_streams, *self._lane_streams):
+            ops.wait(stream, prepared)
+        tables = self._batch_tables(rows, transfers, entries, arenas, payload_offsets)
+        return _Expansions(rows, payload_offsets, inflations, checks, tables)
 
     def release_scratch(self) -> None:
-        """Drop the buffers a load of at-rest payloads used (a payload buffer per slot, scratch, the inflater's own),
-        once its device work has finished: an open file (``safe_open``) keeps its loader, and these can hold more
-        than a GB of device memory."""
-        self._slot_payloads, self._scratch_payload = [], None
+        """Drop the buffers a load of at-rest payloads used (a payload buffer per slot and per lane, the inflater's
+        own), once its device work has finished: an open file (``safe_open``) keeps its loader, and these can hold
+        more than a GB of device memory."""
+        self._slot_payloads, self._lane_payloads = [], []
         if self.inflater is not None:
             self.inflater.release()
 
@@ -198,7 +233,7 @@ class DeviceDecodeRoute:
         Returns the payload offsets per packed transfer and the inflations per transfer."""
         payload_offsets: dict[int, dict[int, int]] = {}
         laid_out = {}  # transfer -> (its entries, their frames, copies and frame owners)
-        packed, streamed = 0, 0
+        packed, streamed, streamed_count = 0, 0, 0
         for k, transfer in enumerate(transfers):
             if not any(entries[p.item].at_rest is not None for p in transfer.pieces):
                 continue
@@ -217,7 +252,8 @@ class DeviceDecodeRoute:
                 if piece.last:
                     laid_out[k] = ([piece.item], self._lay_out([(piece.item, 0, 0)], entries))
                     streamed = max(streamed, entries[piece.item].memory_length)
-        self._provide_payload_buffers(packed, streamed)
+                    streamed_count += 1
+        self._provide_payload_buffers(packed, streamed, min(streamed_count, STREAMED_LANES))
         inflations: dict[int, _Inflation] = {}
         if laid_out:
             calls = [frames for _, (frames, _, _) in laid_out.values()]
@@ -230,19 +266,23 @@ class DeviceDecodeRoute:
                 first_status += plan.count
         return payload_offsets, inflations
 
-    def _provide_payload_buffers(self, packed: int, streamed: int) -> None:
-        """In-memory payload buffers of ``packed`` bytes per slot and ``streamed`` for one streamed tensor, and the
-        slots' inflate streams, allocated before the run (so none is freed while the device may use it): the
-        previous load has finished with the ones they replace."""
+    def _provide_payload_buffers(self, packed: int, streamed: int, lanes: int) -> None:
+        """In-memory payload buffers of ``packed`` bytes per slot and of ``streamed`` bytes for each of ``lanes``
+        lanes of streamed tensors, and their streams, allocated before the run (so none is freed while the device
+        may use it): the previous load has finished with the ones they replace. The streams stay, and the loop
+        waits for them as for its own (``TransferLoop.side_streams``)."""
         ops, slots = self.loop.ops, self.loop.ring.slots
         if packed and (len(self._slot_payloads) < slots or self._slot_payloads[0].numel() < packed):
             self._slot_payloads = []
             self._slot_payloads = [ops.device_buffer(packed) for _ in range(slots)]
         while packed and len(self._inflate_streams) < slots:
             self._inflate_streams.append(ops.new_stream())
-        if streamed and (self._scratch_payload is None or self._scratch_payload.numel() < streamed):
-            self._scratch_payload = None
-            self._scratch_payload = ops.device_buffer(streamed)
+        if lanes and (len(self._lane_payloads) < lanes or self._lane_payloads[0].numel() < streamed):
+            self._lane_payloads = []
+            self._lane_payloads = [ops.device_buffer(streamed) for _ in range(lanes)]
+        while len(self._lane_streams) < lanes:
+            self._lane_streams.append(ops.new_stream())
+            self.loop.side_streams.append(self._lane_streams[-1])
 
     @staticmethod
     def _lay_out(placed: Sequence[tuple[int, int, int]], entries: Sequence[TensorEntry]
@@ -355,27 +395,33 @@ class DeviceDecodeRoute:
 
     def _expand_streamed(self, k: int, transfer: Transfer, copied: Any, entries, dests, checks: DeviceChecks,
                          inflation: _Inflation | None) -> None:
-        """Once the last piece of a streamed tensor is copied, expand the tensor over its destination (stored at
-        rest: inflate its payload, or its planes, into scratch and decode, or join, from there)."""
+        """Once the last piece of a streamed tensor is copied, expand the tensor over its destination: in place on
+        the decode stream, or, stored at rest, on the next lane (:data:`STREAMED_LANES`): its payload, or its
+        planes, inflated into the lane's scratch and decoded, or joined, from there."""
         (piece,) = transfer.pieces
         entry = entries[piece.item]
         if not piece.last or not (entry.byte_planes or entry.encoding == ENCODING_SPLITZIP):
             return  # raw bytes stored as they are: already in place
         dest, errors = dests[piece.item], checks.escapes([piece.item])
+        stream, label = self.loop.decode_stream, "decode"
+        if inflation is not None:
+            lane = self._next_lane % len(self._lane_streams)
+            self._next_lane += 1
+            stream, scratch, label = self._lane_streams[lane], self._lane_payloads[lane], "inflate"
         if entry.byte_planes:
             def work() -> None:
-                planes = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.raw_length]
+                planes = self._inflate(dest, inflation, scratch, checks)[: entry.raw_length]
                 self._join(entry, planes, dest[: entry.raw_length])
         elif inflation is None:
             work = lambda: self.codec.decode_in_place(  # noqa: E731
                 dest, entry.layout, entry.codebook, self._scratch, errors)
         else:
             def work() -> None:
-                payload = self._inflate(dest, inflation, self._scratch_payload, checks)[: entry.memory_length]
+                payload = self._inflate(dest, inflation, scratch, checks)[: entry.memory_length]
                 self.codec.decode(payload, entry.layout, entry.codebook,
                                   dest[: entry.raw_length].view(torch.bfloat16), errors)
-        self.loop.ops.wait(self.loop.decode_stream, copied)
-        self.loop.enqueue(self.loop.decode_stream, work, "decode", k)
+        self.loop.ops.wait(stream, copied)
+        self.loop.enqueue(stream, work, label, k)
 
     def _join(self, entry: TensorEntry, planes: torch.Tensor, out: torch.Tensor) -> None:
         """Join the byte planes of raw tensor ``entry``, inflated into ``planes``, into its elements ``out``."""

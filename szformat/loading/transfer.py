@@ -52,10 +52,13 @@ class TransferLoop:
         self.reading = reading
         self.copy_stream = ops.new_stream()
         self.decode_stream = ops.new_stream()
+        self.side_streams: list[Any] = []
+        """Streams of a route's own whose work :meth:`finish` waits for too (work the decode stream does not wait
+        for)."""
         self._timeline: timeline.Timeline | None = None
 
     def run(self, transfers: Sequence[Transfer], stage: Staging, copy: Copying, expand: Expanding, *,
-            host_writes: bool) -> None:
+            host_writes: bool, prepare: Callable[[], None] | None = None) -> None:
         """Stage, copy and expand every transfer; returns once all device work is enqueued (see :meth:`finish`).
 
         ``stage(k, transfer, slot)`` starts making the bytes of ``transfers[k]`` available on the host;
@@ -68,7 +71,8 @@ class TransferLoop:
         each slot as soon as its copy has run and submits the reads into it; a copying thread enqueues each
         transfer's copy as soon as its reads are done, and hands the slot back; this thread enqueues each decode
         (whose launch costs the host far more than a copy's). So neither the readers nor the copy engine wait
-        behind decode launches.
+        behind decode launches. ``prepare()``, when given, runs on this thread once the others have started and
+        before the first ``expand``: what only the expansions need is made while the first reads run.
         """
         ops = self.ops
         self._timeline = record = timeline.current()
@@ -90,6 +94,11 @@ class TransferLoop:
         for worker in workers:
             worker.start()
         try:
+            if prepare is not None:
+                began = record.now() if record is not None else 0.0
+                prepare()
+                if record is not None:
+                    record.add("prepare", -1, began, record.now())
             for _ in transfers:
                 item = copied.get()
                 if isinstance(item, BaseException):
@@ -205,7 +214,7 @@ class TransferLoop:
 
     def finish(self) -> None:
         """Block until every copy and decode enqueued so far has completed."""
-        for stream in (self.copy_stream, self.decode_stream):
+        for stream in (self.copy_stream, self.decode_stream, *self.side_streams):
             self.ops.synchronize(self.ops.record(stream))
 
 

@@ -550,15 +550,15 @@ def test_copies_decodes_and_slot_waits_each_have_their_thread(checkpoint):
     assert "szformat-stage" in callers["sync"]
 
 
-def test_batch_tables_are_built_once_before_the_first_transfer_lands(checkpoint):
-    """Every packed transfer's table is described in one call, before the loop (and its one copy to the device is
-    enqueued on the decode stream ahead of every decode), not as each transfer lands."""
+def test_batch_tables_are_built_once_before_the_first_decode(checkpoint):
+    """Every packed transfer's table is described in one call, while the first reads run (and its one copy to the
+    device is enqueued on the decode stream ahead of every decode), not as each transfer lands."""
     path, tensors = checkpoint
     calls: list[tuple[int, int]] = []
 
     class CountingCodec(ReferenceCodec):
         def batch_tables(self, batches, device):
-            calls.append((len(batches), sum(1 for step in ops.log if step[0] == "copy")))
+            calls.append((len(batches), sum(1 for step in ops.log if step[0] == "decode")))
             return super().batch_tables(batches, device)
 
     ops = FakeOps(eager=(2,))
@@ -592,6 +592,39 @@ def test_slots_come_back_once_copied_not_once_decoded():
     loop.run([SimpleNamespace(nbytes=4096)] * 5, lambda k, t, slot: Staged(slot.host), copy, expand,
              host_writes=True)
     assert waited == [True] and copies == [0, 1, 2, 3, 4]
+
+
+def test_prepare_runs_while_the_first_reads_do_and_before_the_first_expand():
+    """What only the expansions need is made once the staging thread has begun reading (the reads do not wait for
+    it), before the first expand; when it fails, the run stops and raises it, its threads ended."""
+    ops = FakeOps()
+    loop = TransferLoop(ops, StagingRing(ops, 2, 4096, host=True, device=True))
+    staged: list[int] = []
+    events: list[str] = []
+
+    def stage(k, transfer, slot):
+        staged.append(k)
+        return Staged(slot.host)
+
+    def prepare():
+        deadline = time.monotonic() + 2
+        while not staged and time.monotonic() < deadline:
+            time.sleep(0.001)
+        events.append(f"prepared with {len(staged)} staged")
+
+    loop.run([SimpleNamespace(nbytes=4096)] * 3, stage, lambda k, slot, host: ops.record(loop.copy_stream),
+             lambda k, slot, copied: events.append(f"expand {k}"), host_writes=True, prepare=prepare)
+    assert events[0] != "prepared with 0 staged" and events[0].startswith("prepared")
+    assert events[1:] == ["expand 0", "expand 1", "expand 2"]
+
+    def failing():
+        raise RuntimeError("no room for the payload buffers")
+
+    before = threading.active_count()
+    with pytest.raises(RuntimeError, match="no room"):
+        loop.run([SimpleNamespace(nbytes=4096)] * 3, stage, lambda k, slot, host: ops.record(loop.copy_stream),
+                 lambda k, slot, copied: events.append(f"expand {k}"), host_writes=True, prepare=failing)
+    assert threading.active_count() == before and events[-1] == "expand 2"
 
 
 def test_an_interrupted_run_waits_for_the_reads_already_staged(monkeypatch):
@@ -1190,9 +1223,9 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
     made = []  # the payload buffers each load allocates: gone once it returns
     provide = DeviceDecodeRoute._provide_payload_buffers
 
-    def recorded(self, packed, streamed):
-        provide(self, packed, streamed)
-        made.extend(weakref.ref(b) for b in self._slot_payloads + [self._scratch_payload] if b is not None)
+    def recorded(self, packed, streamed, lanes):
+        provide(self, packed, streamed, lanes)
+        made.extend(weakref.ref(b) for b in self._slot_payloads + self._lane_payloads)
 
     monkeypatch.setattr(DeviceDecodeRoute, "_provide_payload_buffers", recorded)
     for verify in (True, False):
@@ -1205,6 +1238,25 @@ def test_device_inflates_files_at_rest_whose_crcs_are_on(mixed_at_rest_checkpoin
             assert inflater.released == 2  # after each load, the open loader holds no scratch of it
             gc.collect()
             assert made and all(ref() is None for ref in made)
+
+
+def test_large_tensors_at_rest_inflate_on_lanes_of_their_own_that_the_load_waits_for(tmp_path):
+    """Tensors larger than a slot and stored at rest (byte planes, SplitZip 1.1) are inflated and expanded in turn
+    on two streams of their own, each after its own copy, not queued on the decode stream; the load waits for those
+    streams (here they run only when waited for), and gives every tensor back bit for bit."""
+    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
+    tensors = {f"w{i}": (torch.randn(6000 + 999 * i, generator=gen) * 0.02).to(dtype)
+               for i, dtype in enumerate([torch.float32, torch.bfloat16, torch.float16, torch.float32, torch.bfloat16])}
+    path = write_at_rest(tensors, tmp_path / "model.szt")
+    ops = FakeOps()  # no stream runs before something waits for it
+    with DeviceLoader("cpu", staging=StagingConfig(slot_bytes=4096, slots=3, threads=2), ops=ops,
+                      codec=ReferenceCodec(), inflater=ZstdInflater()) as loader, SztFile(path) as f:
+        assert all(e.at_rest is not None and e.length > 4096 for e in f.entries.values())
+        _assert_same(loader.load(f), tensors)
+    inflated_on = [step[1] for step in ops.log if step[0] == "inflate"]
+    assert len(inflated_on) == len(tensors) and inflated_on[0] != inflated_on[1]
+    assert inflated_on == [inflated_on[i % 2] for i in range(len(tensors))]  # the two lanes in turn
+    assert not {step[1] for step in ops.log if step[0] == "decode"} & set(inflated_on)
 
 
 @pytest.mark.parametrize("verify", [True, False])
