@@ -88,7 +88,8 @@ class Timeline:
         thread ``wait_slot`` (for a free slot) and ``stage`` (submitting reads), on its copying thread
         ``wait_reads`` (for a transfer's reads) and ``land`` (enqueueing its copy), on the calling thread ``expand``
         (enqueueing its decode), and on CUDA ``<kind>_call`` for each kind of device work enqueued (``copy``,
-        ``inflate``, ``decode``), plus ``allocate`` (every destination, before the loop starts); per kind of work
+        ``inflate``, ``decode``), plus ``allocate`` (every destination, before the loop starts) and ``prepare``
+        (what only the expansions need, made on the calling thread while the first reads run); per kind of work
         (``read`` and ``crc`` on the reader threads, each kind of device work on the device) the time any of it ran
         (``*_busy_ms``), its sum over threads (``*_thread_ms``), bytes over busy time (``*_gbps``), and when it
         first started and last ended; and how long a transfer's bytes waited between its last read and the start of
@@ -101,7 +102,7 @@ class Timeline:
         for s in spans:
             by_what.setdefault(s.what if not s.lane.startswith("device:") else s.lane, []).append(s)
         calls = sorted(what for what in by_what if what.endswith("_call"))  # one per kind of device work enqueued
-        for what in ("wait_slot", "stage", "wait_reads", "land", "expand", *calls, "allocate"):
+        for what in ("wait_slot", "stage", "wait_reads", "land", "expand", *calls, "allocate", "prepare"):
             out[f"{what}_ms"] = 1e3 * sum(s.end - s.start for s in by_what.get(what, []))
         lanes = sorted(what for what in by_what if what.startswith("device:"))
         for what, key in (("read", "read"), ("crc", "crc"), *((lane, lane.removeprefix("device:")) for lane in lanes)):

@@ -699,6 +699,9 @@ def test_timeline_records_every_step_of_every_transfer(checkpoint, verify):
     assert summary["read_thread_ms"] >= summary["read_busy_ms"] > 0
     assert {"wall_ms", "wait_slot_ms", "wait_reads_ms", "land_ms", "expand_ms", "allocate_ms", "copy_busy_ms",
             "copy_call_ms", "decode_call_ms"} <= summary.keys()
+    (prepared,) = [s for s in spans if s.what == "prepare"]  # on the calling thread, before the first expand
+    assert prepared.lane == "MainThread" and prepared.end <= min(s.start for s in spans if s.what == "expand")
+    assert summary["prepare_ms"] == pytest.approx(1e3 * (prepared.end - prepared.start))
 
 
 def test_timeline_summary_covers_every_kind_of_device_work():
