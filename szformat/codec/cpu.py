@@ -730,7 +730,7 @@ class PayloadDecoder:
         if start % 2:
             raise ValueError(f"a checked range starts at an even element, not {start}")
         pk, sm = self.streams(start, stop) if streams is None else streams
-        if _native is not None and cpu_kernel.CHECKSUMS_IN_KERNEL:
+        if _native is not None and cpu_kernel.checksums_in_kernel():
             if not 0 <= start <= stop <= self.layout.n:
                 raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
             _check_out(out, stop - start)
@@ -798,7 +798,7 @@ def decode(
 def decode_with_crc(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook, out: torch.Tensor) -> int:
     """:func:`decode` of a whole payload into ``out``, and the CRC-32 of the decoded bytes: taken block by block as
     they are written where the C kernels checksum (:meth:`PayloadDecoder.decode_checked`), else by a pass after."""
-    if _native is not None and cpu_kernel.CHECKSUMS_IN_KERNEL:
+    if _native is not None and cpu_kernel.checksums_in_kernel():
         return PayloadDecoder(payload, layout, codebook).decode_checked(0, layout.n, out).raw
     decode(payload, layout, codebook, out=out)
     return crc32(out.view(torch.uint8).numpy())

@@ -6,7 +6,7 @@ from __future__ import annotations
 import os
 from types import ModuleType
 
-__all__ = ["native", "KERNEL", "CHECKSUMS_IN_KERNEL"]
+__all__ = ["native", "KERNEL", "checksums_in_kernel"]
 
 
 def _load_native() -> ModuleType | None:
@@ -19,6 +19,17 @@ def _load_native() -> ModuleType | None:
     except ImportError:
         return None
     return _native
+
+
+def checksums_in_kernel() -> bool:
+    """Whether a checked range is decoded by one C call that also takes its CRC-32s block by block
+    (``_native.decode_range_checked``): where the C kernels are built and zlib-ng exports its CRC-32 function. The
+    function is handed to the kernels on the first call, not at import: ``szconvert --version`` imports this module
+    and nothing else."""
+    global _checksums_in_kernel
+    if _checksums_in_kernel is None:
+        _checksums_in_kernel = _hand_over_crc32(native)
+    return _checksums_in_kernel
 
 
 def _hand_over_crc32(kernels: ModuleType | None) -> bool:
@@ -38,9 +49,7 @@ def _hand_over_crc32(kernels: ModuleType | None) -> bool:
 
 
 native = _load_native()
-CHECKSUMS_IN_KERNEL = _hand_over_crc32(native)
-"""Whether a checked range is decoded by one C call that also takes its CRC-32s block by block
-(``_native.decode_range_checked``): where the C kernels are built and zlib-ng exports its CRC-32 function."""
+_checksums_in_kernel: bool | None = None
 KERNEL = f"native ({native.isa()})" if native is not None else "reference (PyTorch)"
 """``native (avx2)``, ``native (scalar)`` (the C extension, by the instructions it uses on this CPU) or
 ``reference (PyTorch)``."""

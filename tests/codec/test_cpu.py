@@ -561,9 +561,10 @@ def test_one_intra_op_thread_nests_and_leaves_a_single_thread_setting_alone():
 def checksums_in_kernel(request, kernel, monkeypatch) -> None:
     """Checked ranges decoded by the C call that checksums block by block (where it is built and has zlib-ng's
     CRC-32), and by the decode followed by the checksums of the whole range."""
-    if request.param == "checksums in the kernel" and not (kernel == "native" and cpu.cpu_kernel.CHECKSUMS_IN_KERNEL):
+    in_kernel = request.param == "checksums in the kernel"
+    if in_kernel and not (kernel == "native" and cpu.cpu_kernel.checksums_in_kernel()):
         pytest.skip("the C kernels do not take checksums here")
-    monkeypatch.setattr(cpu.cpu_kernel, "CHECKSUMS_IN_KERNEL", request.param == "checksums in the kernel")
+    monkeypatch.setattr(cpu.cpu_kernel, "checksums_in_kernel", lambda: in_kernel)
 
 
 @pytest.mark.parametrize("n", [0, 1, 2, 7, 2 * CHUNK_SIZE + 1, 9001, 4 * 8192 + 1, 70_002])
@@ -607,7 +608,7 @@ def test_a_whole_payload_decoded_with_its_crc(n, rng, checksums_in_kernel):
 def test_the_checksumming_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
     native = cpu._native
     pk, sm, lut, out = bytes(4), bytes(8), bytes(range(16)), bytearray(16)
-    if cpu.cpu_kernel.CHECKSUMS_IN_KERNEL:
+    if cpu.cpu_kernel.checksums_in_kernel():
         no_escapes = np.zeros(0, dtype=np.int64), b""
         assert native.decode_range_checked(pk, sm, lut, out, *no_escapes) == \
             (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(bytes(out)))
@@ -625,7 +626,7 @@ def test_the_checksumming_kernel_refuses_bad_arguments_and_a_function_that_is_no
         with pytest.raises(ValueError, match="null address"):
             native.use_crc32(0)
     finally:
-        if cpu.cpu_kernel.CHECKSUMS_IN_KERNEL:  # whatever happened, the real one again
+        if cpu.cpu_kernel.checksums_in_kernel():  # whatever happened, the real one again
             native.use_crc32(crc32_function_address())
 
 
