@@ -862,8 +862,7 @@ static PyObject *py_decode_range_checked(PyObject *self, PyObject *const *args, 
         goto done;
     const Py_buffer *v = b.views;
     Py_ssize_t n = v[1].len, n_esc = v[5].len;
-    if (v[0].len != (n + 1) / 2 || v[2].len != 16 || v[3].len != 2 * n || v[4].len != 8 * n_esc ||
-        n > UINT32_MAX / 2) {
+    if (v[0].len != (n + 1) / 2 || v[2].len != 16 || v[3].len != 2 * n || v[4].len != 8 * n_esc) {
         PyErr_Format(PyExc_ValueError, "decode_range_checked(): %zd sm bytes need %zd pk bytes, a 16-byte codebook, "
                      "%zd output bytes and 8 position bytes per escape exponent (got %zd, %zd, %zd, %zd for %zd)", n,
                      (n + 1) / 2, 2 * n, v[0].len, v[2].len, v[3].len, v[4].len, n_esc);
