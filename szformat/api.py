@@ -208,6 +208,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
         if t.layout is not torch.strided:
             raise ConversionError(f"tensor is {t.layout}; convert it with .to_dense() first", path=filename,
                                   tensor=name)
-    with SztWriter(filename, metadata=metadata, alignment=alignment, **writer_form(level)) as writer:
+    with SztWriter(filename, metadata=metadata, alignment=alignment,
+                   raw_bytes=sum(t.numel() * t.element_size() for _, t in items), **writer_form(level)) as writer:
         for name, t in items:
             write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))

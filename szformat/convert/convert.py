@@ -84,7 +84,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
         with SafetensorsSource(src) as reader:
             cast_from = cast_dtypes(reader.header.tensors) if cast else set()
             with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)), alignment=alignment,
-                           overwrite=overwrite, **writer_form(at_rest)) as writer:
+                           overwrite=overwrite, raw_bytes=sum(read_sizes(src).values()),
+                           **writer_form(at_rest)) as writer:
                 for tensor, raw in reader.tensors():
                     dtype = tensor.dtype
                     with reader.reading(tensor):

@@ -39,7 +39,7 @@ from .._lazy import byte_planes, torch
 from ..codec.layout import PayloadLayout
 
 __all__ = ["AT_REST_ZSTD", "AT_REST_PLANES", "PlanesStage", "parse_planes", "compress_planes", "STREAMS",
-           "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE",
+           "DEFAULT_LEVEL", "DEFAULT_FRAME_SIZE", "TAIL_FRAME_SIZE", "TAIL_BYTES",
            "DEFAULT_STREAMS", "ESCAPE_STREAMS", "ESCAPE_STREAMS_MIN_BYTES", "AT_REST_COVERAGE_GATE", "MIN_FRAME_SIZE",
            "MAX_FRAME_SIZE", "MAX_EXPANSION", "ZstdStage", "Segment", "AtRestError", "check_frame_size",
            "parse_at_rest", "parse_at_rest_option", "stream_extents", "segments", "writer_streams", "compress",
@@ -82,6 +82,16 @@ DEFAULT_LEVEL = 1
 DEFAULT_FRAME_SIZE = 1 << 20
 """In-memory bytes per frame: small enough that a slice inflates little more than it needs and that many threads
 share one large tensor, large enough that the per-frame cost (header, checksum, a call) stays under 1 %."""
+
+TAIL_FRAME_SIZE = 128 << 10
+"""In-memory bytes per frame of the tensors that end a file (:data:`TAIL_BYTES`). A GPU load inflates the frames of
+each transfer with one nvCOMP call, which lasts about one frame's decode whatever the frames' count (about 10 ms for
+1 MiB frames on the H200, 2.8 ms for 128 KiB ones), so the last transfer's call is the load's tail: with small frames
+at the end of the file it shrinks, for 0.01 % of the file (``bench/RESULTS.md``, "Byte planes at rest")."""
+
+TAIL_BYTES = 256 << 20
+"""Raw bytes at the end of a file whose tensors (those no larger than this) get :data:`TAIL_FRAME_SIZE`: about the
+last two transfers of a GPU load (its staging slots hold 128 MiB)."""
 
 MIN_FRAME_SIZE = 1 << 12
 MAX_FRAME_SIZE = 1 << 26

@@ -33,7 +33,8 @@ def rewrite_form(source: SztFile, target: str | os.PathLike, *, at_rest: int | N
         WriteError: ``target`` cannot be written.
     """
     with SztWriter(target, metadata=source.metadata, alignment=source.alignment, overwrite=overwrite,
-                   frame_size=frame_size, **writer_form(at_rest)) as writer:
+                   frame_size=frame_size, raw_bytes=sum(e.raw_length for e in source.header.tensors),
+                   **writer_form(at_rest)) as writer:
         for entry in source.header.tensors:
             payload = source.memory_payload(entry.name, verify=True)
             crc = entry.crc32 if entry.at_rest is None else tensor_crc32(payload)

@@ -49,6 +49,9 @@ class SztWriter:
         at_rest (`int`, *optional*): a zstd level: SplitZip payloads go through the at-rest stage (format 1.1) where
             it makes them smaller. :func:`writer_form` gives the options of each form.
         frame_size (`int`, *optional*): in-memory bytes per zstd frame of the at-rest stage (1 MiB by default).
+        raw_bytes (`int`, *optional*): the raw bytes of all the tensors the file will hold, when known: the tensors
+            in its last ``at_rest.TAIL_BYTES`` get frames of ``at_rest.TAIL_FRAME_SIZE`` (a GPU load's last inflation
+            is then short), when that is smaller than ``frame_size``.
         small_alignment (`int`, *optional*): 1.1: where payloads under 1 MiB start (16 in the at-rest form).
         compress_header (`bool`, *optional*): 1.1: store the header through zstd when that makes it smaller.
 
@@ -59,8 +62,8 @@ class SztWriter:
 
     def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
                  alignment: int = C.DEFAULT_ALIGNMENT, overwrite: bool = True, at_rest: int | None = None,
-                 frame_size: int = at_rest_stage.DEFAULT_FRAME_SIZE, small_alignment: int | None = None,
-                 compress_header: bool = False):
+                 frame_size: int = at_rest_stage.DEFAULT_FRAME_SIZE, raw_bytes: int | None = None,
+                 small_alignment: int | None = None, compress_header: bool = False):
         if type(alignment) is not int or not C.MIN_ALIGNMENT <= alignment <= C.MAX_ALIGNMENT \
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
@@ -77,6 +80,8 @@ class SztWriter:
         self.alignment = alignment
         self.at_rest = at_rest
         self.frame_size = frame_size
+        self.raw_bytes = raw_bytes
+        self._raw_written = 0
         self.small_alignment = small_alignment
         self.compress_header = compress_header
         self.metadata = None if metadata is None else dict(metadata)
@@ -116,6 +121,7 @@ class SztWriter:
             raw_reason=encoded.raw_reason, at_rest=stage)
         for part in parts:
             self._write(part)
+        self._raw_written += encoded.raw_length
         self._entries.append(entry)
         self._names.add(name)
         return entry
@@ -133,16 +139,16 @@ class SztWriter:
         whole = [memoryview(payload.numpy())]
         if self.at_rest is None or not payload.numel():
             return whole, payload.numel(), encoded.crc32, None
+        frame_size = self._frame_size(encoded.raw_length)
         if encoded.encoding == C.ENCODING_RAW:
             itemsize = C.itemsize(dtype)  # frames of whole elements (4096, a multiple of every size, bounds it below)
             staged = at_rest_stage.compress_planes(payload, dtype, itemsize, level=self.at_rest,
-                                                   frame_size=self.frame_size - self.frame_size % itemsize)
+                                                   frame_size=frame_size - frame_size % itemsize)
             if staged is None:
                 return whole, payload.numel(), encoded.crc32, None
             parts, stage = staged
         else:
-            parts, stage = at_rest_stage.compress(payload, encoded.layout, level=self.at_rest,
-                                                  frame_size=self.frame_size)
+            parts, stage = at_rest_stage.compress(payload, encoded.layout, level=self.at_rest, frame_size=frame_size)
         length = sum(len(part) for part in parts)
         if length >= payload.numel():
             return whole, payload.numel(), encoded.crc32, None
@@ -150,6 +156,16 @@ class SztWriter:
         for part in parts:
             crc = crc32(part, crc)
         return parts, length, crc, stage
+
+    def _frame_size(self, raw_length: int) -> int:
+        """The frame size of the next tensor, of ``raw_length`` raw bytes: :data:`at_rest.TAIL_FRAME_SIZE` where
+        it reaches into the file's last :data:`at_rest.TAIL_BYTES`, is no larger than them and larger than one such
+        frame (a tensor of one frame keeps its header as it was), else ``frame_size``."""
+        if self.raw_bytes is None or not at_rest_stage.TAIL_FRAME_SIZE < raw_length <= at_rest_stage.TAIL_BYTES:
+            return self.frame_size
+        if self._raw_written + raw_length <= self.raw_bytes - at_rest_stage.TAIL_BYTES:
+            return self.frame_size
+        return min(self.frame_size, at_rest_stage.TAIL_FRAME_SIZE)
 
     def _check_entry(self, name: str, dtype: str, shape: Sequence[int], encoded: EncodedTensor,
                      length: int) -> tuple[int, ...]:

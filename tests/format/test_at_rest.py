@@ -16,6 +16,7 @@ import msgpack
 import pytest
 import torch
 import zstandard
+from safetensors.torch import save_file as st_save_file
 
 import szformat
 from szformat.cli.main import main as szconvert
@@ -26,7 +27,7 @@ from szformat.errors import (ChecksumMismatchError, ConversionError, DecodeRoute
 from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
-from szformat.format.writer import SztWriter
+from szformat.format.writer import SztWriter, tensor_bytes, write_tensor, writer_form
 from support import Forge, assert_same_tensors, peak_memory, refused, write_at_rest
 from tools.make_vectors import Parts, restage_zeros
 
@@ -488,3 +489,37 @@ def test_the_writer_refuses_what_a_reader_would(tmp_path, options, message):
 def test_an_at_rest_option_that_names_no_stage_is_refused(option, message):
     with pytest.raises(ValueError, match=message):
         at_rest.parse_at_rest_option(option)
+
+
+def test_the_tensors_that_end_a_file_are_stored_in_small_frames(tmp_path, monkeypatch):
+    """A GPU load's last inflation lasts one frame's decode, so the tensors reaching into a file's last
+    ``TAIL_BYTES`` (no larger than that, larger than one small frame) get frames of ``TAIL_FRAME_SIZE``: written so
+    by ``save_file``, ``convert`` and ``repack``, which know the file's size; the others keep the frame size, and
+    every tensor reads back bit for bit."""
+    monkeypatch.setattr(at_rest, "TAIL_BYTES", 3 << 20)
+    monkeypatch.setattr(at_rest, "TAIL_FRAME_SIZE", 256 << 10)
+    g = torch.Generator().manual_seed(5)
+    tensors = {
+        "first.weight": torch.randn(1 << 18, generator=g) * 0.02,  # 1 MiB, ends before the last 3 MiB
+        "large.weight": torch.randn(1 << 20, generator=g) * 0.02,  # 4 MiB, larger than them
+        "into_the_tail.weight": (torch.randn(600_000, generator=g) * 0.02).to(torch.bfloat16),
+        "one_frame.weight": (torch.randn(50_000, generator=g) * 0.1).half(),  # 100 KB: one frame either way
+        "last.weight": torch.randn(300_000, generator=g) * 0.02,
+    }
+    default, tail = at_rest.DEFAULT_FRAME_SIZE, 256 << 10
+    expected = {"first.weight": default, "large.weight": default, "into_the_tail.weight": tail,
+                "one_frame.weight": default, "last.weight": tail}
+    saved, repacked, converted = tmp_path / "saved.szt", tmp_path / "repacked.szt", tmp_path / "converted.szt"
+    szformat.save_file(tensors, saved, at_rest="zstd")
+    repack(saved, repacked, at_rest=1)
+    st_save_file(tensors, tmp_path / "model.safetensors")
+    assert szconvert([str(tmp_path / "model.safetensors"), str(converted), "--at-rest", "zstd", "--quiet"]) == 0
+    for path in (saved, repacked, converted):
+        with SztFile(path) as f:
+            assert {name: e.at_rest.frame_size for name, e in f.entries.items()} == expected, path.name
+        assert_same_tensors(szformat.load_file(path), tensors)
+    with SztWriter(tmp_path / "unknown.szt", **writer_form(1)) as writer:  # the file's size not given
+        for name, t in tensors.items():
+            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
+    with SztFile(tmp_path / "unknown.szt") as f:
+        assert {e.at_rest.frame_size for e in f.entries.values()} == {default}
