@@ -405,7 +405,7 @@ class DeviceDecodeRoute:
         dest, errors = dests[piece.item], checks.escapes([piece.item])
         stream, label = self.loop.decode_stream, "decode"
         if inflation is not None:
-            lane = self._next_lane % len(self._lane_streams)
+            lane = self._next_lane % len(self._lane_payloads)  # the lanes of this load (streams may be more)
             self._next_lane += 1
             stream, scratch, label = self._lane_streams[lane], self._lane_payloads[lane], "inflate"
         if entry.byte_planes:
