@@ -671,9 +671,7 @@ class PayloadDecoder:
         ``streams``: the range's ``pk`` and ``sm`` bytes (uint8, as :meth:`streams` cuts them) where the caller has
         them elsewhere than in the payload, say read into a cache-sized buffer just before (escapes still come from
         the payload's escape streams)."""
-        if not 0 <= start <= stop <= self.layout.n:
-            raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
-        _check_out(out, stop - start)
+        self._check_range(start, stop, out)
         pk, sm = self.streams(start, stop) if streams is None else streams
         if pk.numel() != (stop + 1) // 2 - start // 2 or sm.numel() != stop - start:
             raise ValueError(f"streams of {pk.numel()} pk and {sm.numel()} sm bytes do not cover [{start}, {stop})")
@@ -690,6 +688,12 @@ class PayloadDecoder:
                               self.lut, self.table,
                               bits if (first, last) == (start, stop) else bits[first - start: last - start])
         _patch_escapes(self.position, self.esc_val, start, stop, bits)
+
+    def _check_range(self, start: int, stop: int, out: torch.Tensor) -> None:
+        """Raise ValueError unless ``[start, stop)`` lies in the tensor and ``out`` can hold it."""
+        if not 0 <= start <= stop <= self.layout.n:
+            raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
+        _check_out(out, stop - start)
 
     def decode_columns(self, rows: tuple[int, int], width: int, cols: tuple[int, int], out: torch.Tensor) -> None:
         """Decode columns ``cols`` of rows ``rows`` of the elements seen as rows of ``width`` into ``out``, a
@@ -731,9 +735,7 @@ class PayloadDecoder:
             raise ValueError(f"a checked range starts at an even element, not {start}")
         pk, sm = self.streams(start, stop) if streams is None else streams
         if _native is not None and cpu_kernel.checksums_in_kernel():
-            if not 0 <= start <= stop <= self.layout.n:
-                raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
-            _check_out(out, stop - start)
+            self._check_range(start, stop, out)
             lo, hi = np.searchsorted(self.position, (start, stop))
             return RangeChecksums(*_native.decode_range_checked(
                 pk.numpy(), sm.numpy(), self.lut, out.view(torch.int16).numpy(), self.position[lo:hi] - start,

@@ -913,3 +913,14 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
     expected_isa = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"]}.get(isa, ["avx2+avx512bw", "avx2", "scalar"])
     lines = done.stdout.split("\n")
     assert lines[0] in expected_isa and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_without_zlib_ngs_crc32_function_the_kernels_take_no_checksums(monkeypatch):
+    """Where zlib-ng's module exports no ``zng_crc32`` (or no C kernels are built), the hand-over says no, so checked
+    ranges keep their separate checksum passes (the "checksums apart" cases above) instead of calling a null pointer."""
+    from szformat import checksum
+
+    monkeypatch.setattr(checksum, "crc32_function_address", lambda: None)
+    assert cpu.cpu_kernel._hand_over_crc32(cpu._native) is False
+    assert cpu.cpu_kernel._hand_over_crc32(None) is False
