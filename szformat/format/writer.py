@@ -50,8 +50,8 @@ class SztWriter:
             it makes them smaller. :func:`writer_form` gives the options of each form.
         frame_size (`int`, *optional*): in-memory bytes per zstd frame of the at-rest stage (1 MiB by default).
         raw_bytes (`int`, *optional*): the raw bytes of all the tensors the file will hold, when known: the tensors
-            in its last ``at_rest.TAIL_BYTES`` get frames of ``at_rest.TAIL_FRAME_SIZE`` (a GPU load's last inflation
-            is then short), when that is smaller than ``frame_size``.
+            in the last ``at_rest.TAIL_BYTES`` of a file larger than them get frames of ``at_rest.TAIL_FRAME_SIZE``
+            (a GPU load's last inflation is then short), when that is smaller than ``frame_size``.
         small_alignment (`int`, *optional*): 1.1: where payloads under 1 MiB start (16 in the at-rest form).
         compress_header (`bool`, *optional*): 1.1: store the header through zstd when that makes it smaller.
 
@@ -159,9 +159,10 @@ class SztWriter:
 
     def _frame_size(self, raw_length: int) -> int:
         """The frame size of the next tensor, of ``raw_length`` raw bytes: :data:`at_rest.TAIL_FRAME_SIZE` where
-        it reaches into the file's last :data:`at_rest.TAIL_BYTES`, is no larger than them and larger than one such
-        frame (a tensor of one frame keeps its header as it was), else ``frame_size``."""
-        if self.raw_bytes is None or not at_rest_stage.TAIL_FRAME_SIZE < raw_length <= at_rest_stage.TAIL_BYTES:
+        it reaches into the last :data:`at_rest.TAIL_BYTES` of a file larger than them, is no larger than them and
+        larger than one such frame (a tensor of one frame keeps its header as it was), else ``frame_size``."""
+        tail = at_rest_stage.TAIL_BYTES
+        if self.raw_bytes is None or self.raw_bytes <= tail or not at_rest_stage.TAIL_FRAME_SIZE < raw_length <= tail:
             return self.frame_size
         if self._raw_written + raw_length <= self.raw_bytes - at_rest_stage.TAIL_BYTES:
             return self.frame_size

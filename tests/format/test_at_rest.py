@@ -523,3 +523,8 @@ def test_the_tensors_that_end_a_file_are_stored_in_small_frames(tmp_path, monkey
             write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], t.shape, tensor_bytes(t))
     with SztFile(tmp_path / "unknown.szt") as f:
         assert {e.at_rest.frame_size for e in f.entries.values()} == {default}
+    small = {name: tensors[name] for name in ("into_the_tail.weight", "last.weight")}  # 2.4 MiB: all of it "tail"
+    szformat.save_file(small, tmp_path / "small.szt", at_rest="zstd")
+    with SztFile(tmp_path / "small.szt") as f:
+        assert {e.at_rest.frame_size for e in f.entries.values()} == {default}
+    assert_same_tensors(szformat.load_file(tmp_path / "small.szt"), small)
