@@ -22,7 +22,7 @@ from .cast import CAST_TARGETS, cast_dtypes, cast_metadata, cast_to_bf16
 from .device import codec_for
 from .driver import TensorDone, run_pass
 from .report import ConversionReport
-from .sources import SUFFIX, SafetensorsSource, read_safetensors_header
+from .sources import SUFFIX, SafetensorsHeader, SafetensorsSource, read_safetensors_header
 
 
 def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, *,
@@ -74,17 +74,20 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     codec, device = (backend, torch.device(device)) if backend is not None else codec_for(device)
     cast_counts: Counter[str] = Counter()
 
-    def read_sizes(path: Path) -> dict[str, int]:
+    def stored_sizes(header: SafetensorsHeader) -> dict[str, int]:
         """Raw bytes of each tensor as it will be stored (a BF16 cast halves an F32 tensor)."""
-        tensors = read_safetensors_header(path).tensors
-        cast_from = cast_dtypes(tensors) if cast else set()
-        return {t.name: t.nbytes // C.itemsize(t.dtype) * 2 if t.dtype in cast_from else t.nbytes for t in tensors}
+        cast_from = cast_dtypes(header.tensors) if cast else set()
+        return {t.name: t.nbytes // C.itemsize(t.dtype) * 2 if t.dtype in cast_from else t.nbytes
+                for t in header.tensors}
+
+    def read_sizes(path: Path) -> dict[str, int]:
+        return stored_sizes(read_safetensors_header(path))
 
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
         with SafetensorsSource(src) as reader:
             cast_from = cast_dtypes(reader.header.tensors) if cast else set()
             with SztWriter(dst, metadata=cast_metadata(reader.metadata, sorted(cast_from)), alignment=alignment,
-                           overwrite=overwrite, raw_bytes=sum(read_sizes(src).values()),
+                           overwrite=overwrite, raw_bytes=sum(stored_sizes(reader.header).values()),
                            **writer_form(at_rest)) as writer:
                 for tensor, raw in reader.tensors():
                     dtype = tensor.dtype
