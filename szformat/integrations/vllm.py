@@ -25,11 +25,11 @@ from pathlib import Path
 
 import torch
 
-from ..errors import ModelFolderError
+from ..errors import InvalidArgumentError, ModelFolderError
 from ..format import constants as C
 from .deferred import DecodeCounter, DeferredTensor
 
-__all__ = ["LOAD_FORMAT", "BATCH_BYTES", "register", "szt_weights"]
+__all__ = ["LOAD_FORMAT", "BATCH_BYTES", "EXTRA_CONFIG_KEYS", "register", "szt_weights", "verify_option"]
 
 LOAD_FORMAT = "szt"
 logger = logging.getLogger("vllm.model_executor.model_loader.szt")
@@ -37,6 +37,12 @@ logger = logging.getLogger("vllm.model_executor.model_loader.szt")
 BATCH_BYTES = 512 << 20
 """Raw bytes of tensors decoded together on a CUDA rank before they are handed to ``load_weights`` (one batched
 load through the staging ring); the device holds at most this much beside the model while it loads."""
+
+
+EXTRA_CONFIG_KEYS = ("verify",)
+"""What ``--model-loader-extra-config`` may hold for this loader: ``{"verify": false}`` skips the CRC-32 checks of
+the stored and decoded bytes (for files you trust: a rank of a tensor-parallel engine then reads only what it
+decodes); the structural checks stay."""
 
 
 def register() -> None:
@@ -83,6 +89,24 @@ def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool =
         loader.close()
 
 
+def verify_option(extra_config: object) -> bool:
+    """The ``verify`` setting of vLLM's ``model_loader_extra_config`` (default on), refusing any other key or value
+    by name, as vLLM's own loaders do."""
+    if extra_config is None:
+        return True
+    if not isinstance(extra_config, dict):
+        raise InvalidArgumentError(f"model_loader_extra_config must be a dict for load format {LOAD_FORMAT!r}, got "
+                                   f"{type(extra_config).__name__}")
+    unexpected = sorted(set(extra_config) - set(EXTRA_CONFIG_KEYS))
+    if unexpected:
+        raise InvalidArgumentError(f"unexpected model_loader_extra_config keys for load format {LOAD_FORMAT!r}: "
+                                   f"{', '.join(map(str, unexpected))} (it takes {', '.join(EXTRA_CONFIG_KEYS)})")
+    verify = extra_config.get("verify", True)
+    if not isinstance(verify, bool):
+        raise InvalidArgumentError(f"model_loader_extra_config 'verify' must be true or false, got {verify!r}")
+    return verify
+
+
 def _batches(file, names: list[str], budget: int) -> Iterator[list[str]]:
     """``names`` in runs of at most ``budget`` raw bytes (at least one name per run)."""
     batch, size = [], 0
@@ -121,6 +145,10 @@ def _loader_class():
     class SztModelLoader(BaseModelLoader):
         """vLLM model loader for .szt checkpoints (``load_format="szt"``)."""
 
+        def __init__(self, load_config) -> None:
+            super().__init__(load_config)
+            self.verify = verify_option(load_config.model_loader_extra_config)
+
         def download_model(self, model_config) -> None:
             local_checkpoint(model_config.model, model_config.revision, self.load_config.download_dir)
 
@@ -130,7 +158,8 @@ def _loader_class():
             device = next((p.device for p in model.parameters()), torch.device("cpu"))
             counter = DecodeCounter()
             with contextlib.ExitStack() as files:  # open until the model has done with every tensor
-                loaded = model.load_weights(szt_weights(folder, device, counter=counter, files=files))
+                loaded = model.load_weights(szt_weights(folder, device, verify=self.verify, counter=counter,
+                                                        files=files))
             logger.info("Loading weights took %.2f seconds", time.perf_counter() - started)  # as vLLM's loaders
             if device.type != "cuda":
                 logger.info("szt: this rank decoded %.1f MB of the checkpoint's %.1f MB", counter.decoded / 1e6,

@@ -27,9 +27,10 @@ ENGINE = """
 import json, os, sys
 def main():
     from vllm import LLM, SamplingParams
-    model, load_format, tp = sys.argv[1], sys.argv[2], int(sys.argv[3])
+    model, load_format, tp, extra = sys.argv[1], sys.argv[2], int(sys.argv[3]), json.loads(sys.argv[4])
     llm = LLM(model=model, load_format=load_format, skip_tokenizer_init=True, dtype="bfloat16",
-              tensor_parallel_size=tp, max_model_len=64, enforce_eager=True, seed=0)
+              tensor_parallel_size=tp, max_model_len=64, enforce_eager=True, seed=0,
+              model_loader_extra_config=extra)
     outputs = llm.generate([{"prompt_token_ids": [1, 5, 9, 77, 3]}, {"prompt_token_ids": [42, 7]}],
                            SamplingParams(temperature=0, max_tokens=8, logprobs=3))
     result = [{"tokens": list(o.outputs[0].token_ids),
@@ -42,12 +43,13 @@ if __name__ == "__main__":
 HEAD_DIM = dict(hidden_size=128, num_attention_heads=2, num_key_value_heads=1)  # vLLM's CPU attention: head_dim 64
 
 
-def engine(tmp_path: Path, model: Path, load_format: str, tp: int = 1) -> subprocess.CompletedProcess:
+def engine(tmp_path: Path, model: Path, load_format: str, tp: int = 1, extra: dict | None = None
+           ) -> subprocess.CompletedProcess:
     script = tmp_path / "engine.py"
     script.write_text(ENGINE)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1" if tp == 2 else "auto"}
-    return subprocess.run([sys.executable, str(script), str(model), load_format, str(tp)], capture_output=True,
-                          text=True, timeout=600, env=env, cwd=tmp_path)
+    return subprocess.run([sys.executable, str(script), str(model), load_format, str(tp), json.dumps(extra or {})],
+                          capture_output=True, text=True, timeout=600, env=env, cwd=tmp_path)
 
 
 def result_of(done: subprocess.CompletedProcess) -> list:
@@ -108,13 +110,14 @@ def test_a_safetensors_folder_is_refused_naming_szconvert(llama, tmp_path):
            f"it with `szconvert {llama[0]} {llama[0]}-szt`" in done.stdout + done.stderr  # the engine's log
 
 
-def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tmp_path):
+def _with_a_byte_altered(folder: Path, tmp_path: Path) -> tuple[Path, Path, str]:
+    """A copy of ``folder`` with one stored byte of a SplitZip tensor's packed codes flipped: its shard and name."""
     import shutil
 
     from szformat.format.reader import SztFile
 
     broken = tmp_path / "broken"
-    shutil.copytree(llama[1], broken)
+    shutil.copytree(folder, broken)
     shard = sorted(broken.glob("*.szt"))[0]
     with SztFile(shard) as f:
         name = next(n for n in f.entries if f.entry(n).encoding == "splitzip")
@@ -122,9 +125,25 @@ def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tm
     data = bytearray(shard.read_bytes())
     data[offset + 3] ^= 0x10
     shard.write_bytes(bytes(data))
+    return broken, shard, name
+
+
+def test_altered_stored_bytes_fail_the_start_up_naming_file_and_tensor(llama, tmp_path):
+    broken, shard, name = _with_a_byte_altered(llama[1], tmp_path)
     done = engine(tmp_path, broken, "szt")
     assert done.returncode != 0 and "RESULT" not in done.stdout
     assert f"file '{shard}', tensor '{name}': CRC-32 of the stored bytes" in done.stdout + done.stderr
+
+
+def test_verify_off_in_the_loader_config_skips_the_checksums_only(llama, tmp_path):
+    """``--model-loader-extra-config '{"verify": false}'``: tensor parallel ranks give the same outputs as
+    safetensors', and the altered file, refused above, now starts (its CRC-32s were not checked)."""
+    expected = result_of(engine(tmp_path, llama[0], "safetensors", tp=2))
+    assert result_of(engine(tmp_path, llama[1], "szt", tp=2, extra={"verify": False})) == expected
+    broken, _, _ = _with_a_byte_altered(llama[1], tmp_path)
+    done = engine(tmp_path, broken, "szt", extra={"verify": False})
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert "RESULT" in done.stdout
 
 
 def serve(tmp_path: Path, model: Path, load_format: str) -> dict:
