@@ -1,6 +1,6 @@
 """vLLM's load time for ``--load-format szt`` against ``safetensors`` on the same checkpoint, in one run.
 
-    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2]
+    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off]
 
 A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``randn * 0.02``), saved with
 ``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
@@ -14,6 +14,7 @@ Medians are printed as a table.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import re
 import statistics
@@ -24,11 +25,12 @@ import time
 from pathlib import Path
 
 ENGINE = """
-import sys
+import json, sys
 def main():
     from vllm import LLM, SamplingParams
     llm = LLM(model=sys.argv[1], load_format=sys.argv[2], skip_tokenizer_init=True, dtype="bfloat16",
-              tensor_parallel_size=int(sys.argv[3]), max_model_len=128, enforce_eager=True)
+              tensor_parallel_size=int(sys.argv[3]), max_model_len=128, enforce_eager=True,
+              model_loader_extra_config=json.loads(sys.argv[4]))
     llm.generate([{"prompt_token_ids": [1, 2, 3]}], SamplingParams(temperature=0, max_tokens=1))
     print("READY", flush=True)
 if __name__ == "__main__":
@@ -95,15 +97,15 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def start_engine(work: Path, model: Path, load_format: str, tp: int) -> dict[str, float]:
+def start_engine(work: Path, model: Path, load_format: str, tp: int, extra: dict) -> dict[str, float]:
     script = work / "engine.py"
     script.write_text(ENGINE)
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     started = time.perf_counter()
-    child = subprocess.Popen([sys.executable, str(script), str(model), load_format, str(tp)], stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, text=True, env=env)
+    child = subprocess.Popen([sys.executable, str(script), str(model), load_format, str(tp), json.dumps(extra)],
+                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     stop, peaks = threading.Event(), []
     sampler = threading.Thread(target=peak_rss, args=(child.pid, stop, peaks))
     sampler.start()
@@ -125,25 +127,32 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--size-mb", type=int, default=600)
     parser.add_argument("--tp", default="1,2")
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--verify-off", action="store_true", help="also szt with the loader's checksums off "
+                        "(--model-loader-extra-config '{\"verify\": false}')")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     original, converted = prepare(work, args.size_mb)
-    runs = [(fmt, int(tp)) for tp in args.tp.split(",") for fmt in ("safetensors", "szt")]
+    variants = {"safetensors": ("safetensors", {}), "szt": ("szt", {})}
+    if args.verify_off:
+        variants["szt, verify off"] = ("szt", {"verify": False})
+    runs = [(label, int(tp)) for tp in args.tp.split(",") for label in variants]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
     for r in range(args.rounds):
-        for fmt, tp in runs[r % len(runs):] + runs[: r % len(runs)]:
-            samples[(fmt, tp)].append(start_engine(work, converted if fmt == "szt" else original, fmt, tp))
-            print(f"round {r + 1}: {fmt} tp={tp}: {samples[(fmt, tp)][-1]}", flush=True)
+        for label, tp in runs[r % len(runs):] + runs[: r % len(runs)]:
+            fmt, extra = variants[label]
+            model = converted if fmt == "szt" else original
+            samples[(label, tp)].append(start_engine(work, model, fmt, tp, extra))
+            print(f"round {r + 1}: {label} tp={tp}: {samples[(label, tp)][-1]}", flush=True)
     print(f"\ncheckpoint: {original.name}, median of {args.rounds} rounds")
-    print(f"{'format':<12} {'tp':>3} {'load weights (s)':>17} {'start to ready (s)':>19} {'peak RSS (GB)':>14} "
+    print(f"{'format':<16} {'tp':>3} {'load weights (s)':>17} {'start to ready (s)':>19} {'peak RSS (GB)':>14} "
           f"{'load / safetensors':>19} {'decoded / rank':>15}")
-    for fmt, tp in runs:
-        med = {k: statistics.median(s[k] for s in samples[(fmt, tp)])
+    for label, tp in runs:
+        med = {k: statistics.median(s[k] for s in samples[(label, tp)])
                for k in ("load_s", "ready_s", "peak_rss", "decoded_share")}
         base = statistics.median(s["load_s"] for s in samples[("safetensors", tp)])
         share = "" if med["decoded_share"] != med["decoded_share"] else f"{med['decoded_share']:.2f}"
-        print(f"{fmt:<12} {tp:>3} {med['load_s']:>17.2f} {med['ready_s']:>19.1f} {med['peak_rss'] / 1e9:>14.2f} "
+        print(f"{label:<16} {tp:>3} {med['load_s']:>17.2f} {med['ready_s']:>19.1f} {med['peak_rss'] / 1e9:>14.2f} "
               f"{med['load_s'] / base:>19.2f} {share:>15}")
     return 0
 
