@@ -164,7 +164,7 @@ class SztWriter:
         tail = at_rest_stage.TAIL_BYTES
         if self.raw_bytes is None or self.raw_bytes <= tail or not at_rest_stage.TAIL_FRAME_SIZE < raw_length <= tail:
             return self.frame_size
-        if self._raw_written + raw_length <= self.raw_bytes - at_rest_stage.TAIL_BYTES:
+        if self._raw_written + raw_length <= self.raw_bytes - tail:
             return self.frame_size
         return min(self.frame_size, at_rest_stage.TAIL_FRAME_SIZE)
 
