@@ -98,24 +98,21 @@ def plan_transfers(extents: Iterable[Extent], slot_bytes: int) -> list[Transfer]
 
 
 def trailing_stream_first(transfers: Sequence[Transfer]) -> list[Transfer]:
-    """``transfers`` with the pieces of the last tensor streamed moved to the front, when at most one packed
-    transfer follows them (a checkpoint's LM head, then its final norm); else as they are.
+    """``transfers`` with the pieces of a tensor streamed at the very end moved to the front.
 
-    A tensor too large for a slot is expanded (inflated, decoded) once its last piece is across. Near the end of
-    the line little is left to read while that runs, and the load ends that long after its last copy (7.8 ms for a
+    A tensor too large for a slot is expanded (inflated, decoded) once its last piece is across. Where it ends the
+    line nothing is left to read while that runs, and the load ends that long after its last copy (7.8 ms for a
     262 MB FP16 LM head stored at rest, inflated by nvCOMP on the H200); read first, its expansion runs beside the
     reads of everything else. Reading one tensor out of file order costs a page-cached file nothing and a cold one
     a seek.
     """
-    streamed = [k for k, transfer in enumerate(transfers) if not transfer.packed]
-    if not streamed or len(transfers) - streamed[-1] > 2:
+    if not transfers or transfers[-1].packed:
         return list(transfers)
-    last = streamed[-1]
-    item = transfers[last].pieces[0].item
-    first = last
+    item = transfers[-1].pieces[0].item
+    first = len(transfers) - 1
     while first > 0 and not transfers[first - 1].packed and transfers[first - 1].pieces[0].item == item:
         first -= 1
-    return [*transfers[first: last + 1], *transfers[:first], *transfers[last + 1:]]
+    return [*transfers[first:], *transfers[:first]]
 
 
 def streamed_piece_bytes(length: int, slot_bytes: int) -> int:
