@@ -19,7 +19,7 @@ from .device_codec import DeviceCodec
 from .gpu_inflate import FrameInflater, FramePlan, frames_of, plan_frames, plane_frames_of
 from .hostio import Staged
 from .ops import DeviceOps
-from .plan import Extent, Transfer, plan_transfers, trailing_stream_first
+from .plan import Extent, Transfer, plan_transfers
 from .ring import Slot
 from .sources import HostSource
 from .stored_crc import StoredCrcCheck
@@ -159,8 +159,8 @@ class DeviceDecodeRoute:
             raise ValueError("entries stored at rest are inflated on the device only with an inflater and the "
                              "CRC-32 of their stored bytes checked first")
         order = sorted(range(len(entries)), key=lambda i: entries[i].offset)
-        transfers = trailing_stream_first(plan_transfers(
-            [Extent(i, entries[i].offset, entries[i].length) for i in order], self.loop.ring.slot_bytes))
+        transfers = plan_transfers([Extent(i, entries[i].offset, entries[i].length) for i in order],
+                                   self.loop.ring.slot_bytes)
         dests, arenas = self._allocate(transfers, entries)
         planned: list[_Expansions] = []  # made while the first reads run (see ``TransferLoop.run``'s ``prepare``)
 

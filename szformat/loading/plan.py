@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Iterable, Sequence
 
-__all__ = ["Extent", "Piece", "Transfer", "plan_transfers", "raw_extents", "streamed_piece_bytes",
-           "trailing_stream_first"]
+__all__ = ["Extent", "Piece", "Transfer", "plan_transfers", "raw_extents", "streamed_piece_bytes"]
 
 PAGE = 4096
 
@@ -95,24 +94,6 @@ def plan_transfers(extents: Iterable[Extent], slot_bytes: int) -> list[Transfer]
         batch_end = extent.start + extent.length
     flush()
     return transfers
-
-
-def trailing_stream_first(transfers: Sequence[Transfer]) -> list[Transfer]:
-    """``transfers`` with the pieces of a tensor streamed at the very end moved to the front.
-
-    A tensor too large for a slot is expanded (inflated, decoded) once its last piece is across. Where it ends the
-    line nothing is left to read while that runs, and the load ends that long after its last copy (7.8 ms for a
-    262 MB FP16 LM head stored at rest, inflated by nvCOMP on the H200); read first, its expansion runs beside the
-    reads of everything else. Reading one tensor out of file order costs a page-cached file nothing and a cold one
-    a seek.
-    """
-    if not transfers or transfers[-1].packed:
-        return list(transfers)
-    item = transfers[-1].pieces[0].item
-    first = len(transfers) - 1
-    while first > 0 and not transfers[first - 1].packed and transfers[first - 1].pieces[0].item == item:
-        first -= 1
-    return [*transfers[first:], *transfers[:first]]
 
 
 def streamed_piece_bytes(length: int, slot_bytes: int) -> int:

@@ -49,8 +49,7 @@ from szformat.loading.host_route import HostDecodeRoute
 from szformat.loading.sources import MappedSource, ReadSource
 from szformat.loading.transfer import TransferLoop
 from szformat.loading import sources
-from szformat.loading.plan import (Extent, Piece, Transfer, plan_transfers, raw_extents, streamed_piece_bytes,
-                                   trailing_stream_first)
+from szformat.loading.plan import Extent, Piece, Transfer, plan_transfers, raw_extents, streamed_piece_bytes
 from szformat.loading.ring import StagingRing
 from szformat.loading.slot_decoder import Placement
 from szformat.loading.stored_crc import StoredCrcCheck
@@ -185,22 +184,6 @@ def test_plan_covers_every_byte_once():
             spans = covered[e.item]
             assert sum(length for _, length, _ in spans) == e.length
             assert [last for *_, last in spans] == [False] * (len(spans) - 1) + [True] * bool(spans)
-
-
-def test_a_tensor_streamed_at_the_end_of_the_line_moves_to_the_front():
-    """Its pieces lead, in their own order; every other transfer keeps its place behind them. A line ending with a
-    packed transfer, or holding one streamed tensor only, is left as it is."""
-    extents = [Extent(0, 0, 100), Extent(1, 512, 1000), Extent(2, 1600, 50), Extent(3, 2048, 900)]
-    plan = plan_transfers(extents, 400)
-    moved = trailing_stream_first(plan)
-    assert [p.item for p in moved[0].pieces] == [3] and plan.index(moved[0]) > 0
-    assert [t.start for t in moved] == [2048, 2348, 2648, 0, 512, 846, 1180, 1600]
-    assert [(p.offset, p.last) for t in moved[:3] for p in t.pieces] == [(0, False), (300, False), (600, True)]
-    assert sorted(moved, key=lambda t: t.start) == plan
-    packed_last = plan_transfers(extents[:3], 400)
-    assert trailing_stream_first(packed_last) == packed_last
-    alone = plan_transfers([Extent(0, 0, 1000)], 400)
-    assert trailing_stream_first(alone) == alone and trailing_stream_first([]) == []
 
 
 def test_plan_rejects_overlaps_and_empty_slots():
@@ -1277,38 +1260,6 @@ def test_large_tensors_at_rest_inflate_on_lanes_of_their_own_that_the_load_waits
     assert len(inflated_on) == len(tensors) and inflated_on[0] != inflated_on[1]
     assert inflated_on == [inflated_on[i % 2] for i in range(len(tensors))]  # the two lanes in turn
     assert not {step[1] for step in ops.log if step[0] == "decode"} & set(inflated_on)
-
-
-@pytest.mark.parametrize("stored_at_rest", [False, True])
-def test_the_device_route_reads_a_tensor_streamed_at_the_end_of_the_file_first(tmp_path, monkeypatch,
-                                                                              stored_at_rest):
-    """Expanded once its last piece is across, a large tensor ending the file would be expanded after every read;
-    its pieces are read first instead, and every tensor still comes back bit for bit, in either file form."""
-    gen = torch.Generator().manual_seed(random.randrange(1 << 30))
-    tensors = {"a.weight": _bf16_with_escapes(1200, gen, 3), "b.bias": torch.randn(100, generator=gen),
-               "z.weight": (torch.randn(9000, generator=gen) * 0.02).to(torch.bfloat16)}
-    path = tmp_path / "model.szt"
-    if stored_at_rest:
-        write_at_rest(tensors, path)
-    else:
-        szformat.save_file(tensors, path)
-    staged: list[int] = []
-    original = ReadSource.stage
-
-    def recording(self, transfer, slot, **kwargs):
-        staged.append(transfer.start)
-        return original(self, transfer, slot, **kwargs)
-
-    monkeypatch.setattr(ReadSource, "stage", recording)
-    with DeviceLoader("cpu", staging=StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged"),
-                      ops=FakeOps(), codec=ReferenceCodec(), inflater=ZstdInflater()) as loader, SztFile(path) as f:
-        last = max(f.entries.values(), key=lambda e: e.offset)
-        assert last.name == "z.weight" and last.length > 2 * 4096
-        _assert_same(loader.load(f), tensors)
-    pieces = -(-last.length // 4096)
-    assert staged[0] == last.offset and len(staged) > pieces
-    assert all(last.offset <= start < last.offset + last.length for start in staged[:pieces])
-    assert all(start < last.offset for start in staged[pieces:])
 
 
 @pytest.mark.parametrize("verify", [True, False])
