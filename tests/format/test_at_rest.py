@@ -495,7 +495,7 @@ def test_the_tensors_that_end_a_file_are_stored_in_small_frames(tmp_path, monkey
     """A GPU load's last inflation lasts one frame's decode, so the tensors reaching into a file's last
     ``TAIL_BYTES`` (no larger than that, larger than one small frame) get frames of ``TAIL_FRAME_SIZE``: written so
     by ``save_file``, ``convert`` and ``repack``, which know the file's size; the others keep the frame size, and
-    every tensor reads back bit for bit."""
+    every tensor reads back bit for bit. A file no larger than ``TAIL_BYTES``, or of unknown size, gets none."""
     monkeypatch.setattr(at_rest, "TAIL_BYTES", 3 << 20)
     monkeypatch.setattr(at_rest, "TAIL_FRAME_SIZE", 256 << 10)
     g = torch.Generator().manual_seed(5)
