@@ -17,6 +17,7 @@ __all__ = [
     "HeaderError",
     "HeaderTooLargeError",
     "TruncatedFileError",
+    "ReadError",
     "InvalidOffsetError",
     "UnsupportedVersionError",
     "UnknownEncodingError",
@@ -153,6 +154,11 @@ class HeaderTooLargeError(HeaderError):
 
 class TruncatedFileError(FormatError):
     """Raised when the file ends before the bytes the preamble or the header promise."""
+
+
+class ReadError(SzformatError, OSError):
+    """Raised when a file's bytes cannot be read through its mapping although the file still holds them: its disk
+    failed to deliver a page."""
 
 
 class InvalidOffsetError(FormatError):

@@ -461,6 +461,83 @@ def test_a_file_truncated_while_it_is_read_is_an_error_not_a_signal(tmp_path, ho
     assert (run.returncode, run.stdout) == (0, "TruncatedFileError weight\n"), run.stderr  # SIGBUS: -7
 
 
+TRUNCATE_UNDER_A_MAPPED_DECODE = """
+import os, sys
+import szformat
+from szformat.codec.cpu import PayloadDecoder
+from szformat.errors import ReadError, TruncatedFileError
+
+path, verify, cut = sys.argv[1], sys.argv[2] == "verify", sys.argv[3] == "cut"
+real = PayloadDecoder.decode_range
+
+
+def decode_range(self, *args, **kwargs):  # the file cut short by another process once the ranges start
+    if cut:
+        os.truncate(path, 4096)
+        return real(self, *args, **kwargs)
+    raise EOFError("a page could not be read")  # what the C call raises where the disk fails
+
+
+PayloadDecoder.decode_range = decode_range
+try:
+    szformat.load_file(path, verify=verify)
+except (TruncatedFileError, ReadError) as e:
+    print(type(e).__name__, e.tensor, os.path.basename(e.path))
+"""
+
+
+@pytest.mark.parametrize("verify", ["verify", "no verify"])
+@pytest.mark.parametrize("cut", ["cut", "disk error"])
+def test_ranges_decoded_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_path, verify, cut):
+    """A tensor of several ranges is decoded straight from the file's mapping by a C call that catches SIGBUS: a
+    file truncated meanwhile is a TruncatedFileError, a page the disk fails to deliver a ReadError (an OSError)."""
+    if not host_decode.mapped_reads(verify == "verify"):
+        pytest.skip("ranges are copied out with pread here")
+    path = tmp_path / "model.szt"
+    save_file({"weight": bf16_weight(2048, 1536, seed=6)}, path)  # 3 Mi elements: two ranges
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_A_MAPPED_DECODE, str(path), verify, cut], env=env,
+                         capture_output=True, text=True, timeout=300)
+    error = "TruncatedFileError" if cut == "cut" else "ReadError"
+    assert (run.returncode, run.stdout) == (0, f"{error} weight model.szt\n"), run.stderr  # SIGBUS: -7
+
+
+A_FAULT_OUTSIDE_THE_GUARD = """
+import faulthandler, mmap, os, sys
+import numpy as np
+from szformat.codec import _native
+
+if sys.argv[1] == "faulthandler":
+    faulthandler.enable()
+path = sys.argv[2]
+with open(path, "wb") as f:
+    f.write(bytes(3 << 20))
+mapping = memoryview(mmap.mmap(os.open(path, os.O_RDONLY), 0, access=mmap.ACCESS_READ))
+out, no_escapes = np.empty(1 << 20, np.int16), (np.zeros(0, np.int64), b"")
+os.truncate(path, 4096)
+for _ in range(2):
+    try:
+        _native.decode_range(mapping[: 1 << 19], mapping[1 << 20: 2 << 20], bytes(16), out, *no_escapes, False)
+    except EOFError:
+        print("caught", flush=True)
+print(np.frombuffer(mapping[1 << 20:], np.uint8).sum())  # read outside a guarded call: the process ends
+"""
+
+
+@pytest.mark.parametrize("handler", ["faulthandler", "default"])
+def test_the_fault_guard_catches_its_own_reads_only(tmp_path, handler):
+    """The SIGBUS handler the guarded calls install catches faults inside them, and hands any other to what handled
+    SIGBUS before (Python's faulthandler, or the default action): a crash stays a crash, and never loops."""
+    pytest.importorskip("szformat.codec._native")
+    if not cpu_codec._native or not cpu_codec._native.guards_mapped_reads():
+        pytest.skip("no fault guard on this platform")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", A_FAULT_OUTSIDE_THE_GUARD, handler, str(tmp_path / "cut.bin")],
+                         env=env, capture_output=True, text=True, timeout=120)
+    assert run.stdout == "caught\ncaught\n" and run.returncode == -7, (run.returncode, run.stdout, run.stderr)
+    assert ("Fatal Python error: Bus error" in run.stderr) == (handler == "faulthandler")
+
+
 def test_common_mistakes_raise_the_package_errors_callers_already_catch(tmp_path):
     """Each also subclasses the builtin a caller would catch (FileNotFoundError, ValueError, KeyError)."""
     from szformat.errors import CheckpointNotFoundError, ClosedFileError, InvalidArgumentError

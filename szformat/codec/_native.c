@@ -21,9 +21,12 @@
  *                                        the inverse, a whole payload (escape streams and padding included) in
  *                                        one call; the caller checks it by decoding it with decode_payload.
  *   use_crc32(address)                   zlib-ng's zng_crc32 for the call below (checked against a bitwise CRC-32).
- *   decode_range_checked(pk, sm, dec_lut, out, positions, exponents) -> (pk_crc, sm_crc, out_crc)
+ *   decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) -> (pk_crc, sm_crc, out_crc) or None
  *                                        a range of a load with its escapes, block by block, each block's stored
- *                                        and decoded bytes checksummed while in the L1 cache.
+ *                                        and decoded bytes checksummed while in the L1 cache when asked; pk and sm
+ *                                        may be views of a file's mapping: a page the file no longer holds (it
+ *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
+ *   guards_mapped_reads() -> bool        whether decode_range catches such faults on this platform.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -39,6 +42,13 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+
+#if defined(__unix__) || defined(__APPLE__)
+#define SZ_GUARD 1
+#include <pthread.h>
+#include <setjmp.h>
+#include <signal.h>
+#endif
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SZ_X86 1
@@ -415,16 +425,16 @@ static uint32_t crc32_bitwise(uint32_t crc, const uint8_t *buf, size_t len)
     return ~crc;
 }
 
-/* Pairs per block of decode_range_checked: 8 KiB of pk, 16 KiB of sm and 32 KiB out, so each block's checksums
+/* Pairs per block of decode_range: 8 KiB of pk, 16 KiB of sm and 32 KiB out, so each block's checksums
  * read it from the L1 or L2 cache right after the decode touched it. */
 #define CHECKED_BLOCK_PAIRS 8192
 
 /* Elements [0, n) of a range that starts at an even element: pk holds (n + 1) / 2 bytes, sm n bytes; ``positions``
  * (ascending, inside [0, n), checked by the caller) and ``exponents`` are the range's escapes. Block by block: the
- * pk and sm bytes' CRC-32s taken, the block decoded, its escapes patched, its output's CRC-32 taken. */
-static void decode_range_checked(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out,
-                                 Py_ssize_t n, const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc,
-                                 uint32_t crcs[3])
+ * pk and sm bytes' CRC-32s taken (when ``crcs`` is not NULL), the block decoded, its escapes patched, its output's
+ * CRC-32 taken. */
+static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
+                         const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
 {
     uint32_t pk_crc = 0, sm_crc = 0, out_crc = 0;
     Py_ssize_t k = 0;
@@ -432,19 +442,100 @@ static void decode_range_checked(const uint8_t *pk, const uint8_t *sm, const uin
         Py_ssize_t count = n - first < 2 * CHECKED_BLOCK_PAIRS ? n - first : 2 * CHECKED_BLOCK_PAIRS;
         const uint8_t *block_pk = pk + first / 2, *block_sm = sm + first;
         uint16_t *block_out = out + first;
-        pk_crc = crc32_of(pk_crc, block_pk, (uint32_t)((count + 1) / 2));
-        sm_crc = crc32_of(sm_crc, block_sm, (uint32_t)count);
+        if (crcs != NULL) {
+            pk_crc = crc32_of(pk_crc, block_pk, (uint32_t)((count + 1) / 2));
+            sm_crc = crc32_of(sm_crc, block_sm, (uint32_t)count);
+        }
         decode(block_pk, block_sm, lut, block_out, count / 2);
         if (count % 2)
             block_out[count - 1] = (uint16_t)(sm_field(block_sm[count - 1]) | (uint32_t)lut[block_pk[count / 2] >> 4] << 7);
         for (; k < n_esc && positions[k] < first + count; k++)
             out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
-        out_crc = crc32_of(out_crc, (const uint8_t *)block_out, (uint32_t)(2 * count));
+        if (crcs != NULL)
+            out_crc = crc32_of(out_crc, (const uint8_t *)block_out, (uint32_t)(2 * count));
     }
-    crcs[0] = pk_crc;
-    crcs[1] = sm_crc;
-    crcs[2] = out_crc;
+    if (crcs != NULL) {
+        crcs[0] = pk_crc;
+        crcs[1] = sm_crc;
+        crcs[2] = out_crc;
+    }
 }
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Reads through a file's mapping
+ *
+ * Reading a mapped page the file no longer holds (another process truncated it) or that the disk cannot deliver
+ * raises SIGBUS, which ends the process. Copying the bytes out with pread first avoids that, at the price of a
+ * copy that costs a load a sixth of its time. Instead, decode_range runs with a SIGBUS handler of this module
+ * installed: a fault on a thread inside a guarded call jumps back out of it (siglongjmp) and the call raises
+ * EOFError; a fault anywhere else is handed to whatever handled SIGBUS before (faulthandler, the default action),
+ * once, so a crash outside a guarded call stays a crash and a cycle of handlers cannot loop.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#ifdef SZ_GUARD
+static __thread sigjmp_buf *guard_target; /* set while this thread is inside a guarded call */
+static struct sigaction previous_bus_action;
+static volatile sig_atomic_t passed_on;
+static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
+
+static void on_bus_fault(int signum, siginfo_t *info, void *context)
+{
+    (void)context;
+    sigjmp_buf *target = guard_target;
+    if (target != NULL && info->si_code > 0) { /* a fault (si_code > 0), not a signal some process sent */
+        guard_target = NULL;
+        siglongjmp(*target, 1);
+    }
+    /* Not a guarded read: give the signal back and return, so the faulting instruction runs again and meets the
+     * previous handler (a signal sent by a process is sent again, to be delivered once this handler returns); a
+     * second one outside a guarded call gets the default action (the process ends). */
+    struct sigaction action = previous_bus_action;
+    if (passed_on) {
+        memset(&action, 0, sizeof action);
+        action.sa_handler = SIG_DFL;
+    }
+    passed_on = 1;
+    sigaction(signum, &action, NULL);
+    if (info->si_code <= 0)
+        raise(signum);
+}
+
+/* Make on_bus_fault SIGBUS's handler unless it is already (someone, faulthandler say, may have installed theirs
+ * since the last call): theirs becomes the one a fault outside a guarded call is handed to. */
+static int install_bus_guard(void)
+{
+    struct sigaction current, ours;
+    int status = 0;
+    pthread_mutex_lock(&guard_lock);
+    if (sigaction(SIGBUS, NULL, &current) != 0) {
+        status = -1;
+    } else if (!((current.sa_flags & SA_SIGINFO) && current.sa_sigaction == on_bus_fault)) {
+        memset(&ours, 0, sizeof ours);
+        ours.sa_sigaction = on_bus_fault;
+        ours.sa_flags = SA_SIGINFO;
+        sigemptyset(&ours.sa_mask);
+        previous_bus_action = current;
+        passed_on = 0;
+        status = sigaction(SIGBUS, &ours, NULL);
+    }
+    pthread_mutex_unlock(&guard_lock);
+    return status;
+}
+
+/* decode_range with this thread's faults caught: 0, or -1 where a page could not be read (out is then partly
+ * written). */
+static int guarded_decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
+                                const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
+{
+    sigjmp_buf target;
+    if (sigsetjmp(target, 1) != 0)
+        return -1; /* guard_target was cleared by the handler */
+    guard_target = &target;
+    decode_range(pk, sm, lut, out, n, positions, exponents, n_esc, crcs);
+    guard_target = NULL;
+    return 0;
+}
+#endif
 
 /* The escape streams being written: escapes past ``n_esc`` are counted, not written. */
 typedef struct {
@@ -849,21 +940,28 @@ static PyObject *py_use_crc32(PyObject *self, PyObject *address)
     Py_RETURN_NONE;
 }
 
-static PyObject *py_decode_range_checked(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {"pk", "sm", "dec_lut", "out", "positions", "exponents"};
     Buffers b;
     PyObject *result = NULL;
-    if (crc32_of == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "decode_range_checked(): no CRC-32 function (use_crc32)");
+    if (nargs != 7) {
+        PyErr_Format(PyExc_TypeError, "decode_range() takes 7 arguments (%zd given)", nargs);
         return NULL;
     }
-    if (take("decode_range_checked", args, nargs, 6, names, 0x8, &b) < 0)
+    int checksums = PyObject_IsTrue(args[6]);
+    if (checksums < 0)
+        return NULL;
+    if (checksums && crc32_of == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_range(): no CRC-32 function (use_crc32)");
+        return NULL;
+    }
+    if (take("decode_range", args, 6, 6, names, 0x8, &b) < 0)
         goto done;
     const Py_buffer *v = b.views;
     Py_ssize_t n = v[1].len, n_esc = v[5].len;
     if (v[0].len != (n + 1) / 2 || v[2].len != 16 || v[3].len != 2 * n || v[4].len != 8 * n_esc) {
-        PyErr_Format(PyExc_ValueError, "decode_range_checked(): %zd sm bytes need %zd pk bytes, a 16-byte codebook, "
+        PyErr_Format(PyExc_ValueError, "decode_range(): %zd sm bytes need %zd pk bytes, a 16-byte codebook, "
                      "%zd output bytes and 8 position bytes per escape exponent (got %zd, %zd, %zd, %zd for %zd)", n,
                      (n + 1) / 2, 2 * n, v[0].len, v[2].len, v[3].len, v[4].len, n_esc);
         goto done;
@@ -871,18 +969,45 @@ static PyObject *py_decode_range_checked(PyObject *self, PyObject *const *args, 
     const int64_t *positions = v[4].buf;
     for (Py_ssize_t k = 0; k < n_esc; k++) {
         if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
-            PyErr_Format(PyExc_ValueError, "decode_range_checked(): escape positions must ascend inside [0, %zd)", n);
+            PyErr_Format(PyExc_ValueError, "decode_range(): escape positions must ascend inside [0, %zd)", n);
             goto done;
         }
     }
     uint32_t crcs[3];
+    int faulted = 0;
+#ifdef SZ_GUARD
+    if (install_bus_guard() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        goto done;
+    }
     Py_BEGIN_ALLOW_THREADS
-    decode_range_checked(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc, crcs);
+    faulted = guarded_decode_range(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc,
+                                   checksums ? crcs : NULL) != 0;
     Py_END_ALLOW_THREADS
-    result = Py_BuildValue("(kkk)", (unsigned long)crcs[0], (unsigned long)crcs[1], (unsigned long)crcs[2]);
+#else
+    Py_BEGIN_ALLOW_THREADS
+    decode_range(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc, checksums ? crcs : NULL);
+    Py_END_ALLOW_THREADS
+#endif
+    if (faulted)
+        PyErr_SetString(PyExc_EOFError, "decode_range(): a page of pk or sm could not be read (SIGBUS: a mapped "
+                        "file was truncated, or its disk failed)");
+    else if (checksums)
+        result = Py_BuildValue("(kkk)", (unsigned long)crcs[0], (unsigned long)crcs[1], (unsigned long)crcs[2]);
+    else
+        result = Py_NewRef(Py_None);
 done:
     release(&b);
     return result;
+}
+
+static PyObject *py_guards_mapped_reads(PyObject *self, PyObject *noargs)
+{
+#ifdef SZ_GUARD
+    Py_RETURN_TRUE;
+#else
+    Py_RETURN_FALSE;
+#endif
 }
 
 static int planes_args(const char *function, PyObject *const *args, Py_ssize_t nargs, Py_ssize_t *itemsize,
@@ -996,10 +1121,13 @@ static PyMethodDef methods[] = {
      "payload, escapes checked and patched"},
     {"encode_payload", FASTCALL(py_encode_payload), "encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> "
      "escapes: a whole payload, escape streams and padding included"},
-    {"use_crc32", py_use_crc32, METH_O, "use_crc32(address): zlib-ng's zng_crc32 for decode_range_checked, checked "
+    {"use_crc32", py_use_crc32, METH_O, "use_crc32(address): zlib-ng's zng_crc32 for decode_range, checked "
      "against a bitwise CRC-32 first"},
-    {"decode_range_checked", FASTCALL(py_decode_range_checked), "decode_range_checked(pk, sm, dec_lut, out, "
-     "positions, exponents) -> (pk_crc, sm_crc, out_crc): a range decoded block by block with its checksums"},
+    {"decode_range", FASTCALL(py_decode_range), "decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) "
+     "-> (pk_crc, sm_crc, out_crc) or None: a range decoded block by block, with its checksums when asked; a page "
+     "of pk or sm that cannot be read is an EOFError"},
+    {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range turns a fault on a mapped "
+     "page into EOFError here"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "

@@ -49,7 +49,7 @@ import functools
 import threading
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator, Sequence
+from typing import Iterator, Sequence, Tuple, Union
 
 import numpy as np
 import torch
@@ -627,6 +627,13 @@ def one_intra_op_thread() -> Iterator[None]:
         torch.set_num_threads(threads)
 
 
+Buffer = Union[memoryview, np.ndarray]
+"""Bytes a C call reads: a NumPy array, or a memoryview (of a file's mapping, say)."""
+
+Streams = Tuple[Union[torch.Tensor, Buffer], Union[torch.Tensor, Buffer]]
+"""A range's ``pk`` and ``sm`` bytes: uint8 tensors, or buffers (the C kernels only)."""
+
+
 @dataclass(frozen=True)
 class RangeChecksums:
     """CRC-32s of what decoding one range of elements read and wrote: its ``pk`` bytes, its ``sm`` bytes, and the
@@ -664,13 +671,21 @@ class PayloadDecoder:
         return (self.payload[layout.off_pk + start // 2: layout.off_pk + (stop + 1) // 2],
                 self.payload[layout.off_sm + start: layout.off_sm + stop])
 
-    def decode(self, start: int, stop: int, out: torch.Tensor, *,
-               streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> None:
+    def decode(self, start: int, stop: int, out: torch.Tensor, *, streams: Streams | None = None) -> None:
         """Decode elements ``[start, stop)`` into ``out``, a contiguous bfloat16 tensor of ``stop - start``.
 
-        ``streams``: the range's ``pk`` and ``sm`` bytes (uint8, as :meth:`streams` cuts them) where the caller has
-        them elsewhere than in the payload, say read into a cache-sized buffer just before (escapes still come from
-        the payload's escape streams)."""
+        ``streams``: the range's ``pk`` and ``sm`` bytes (uint8 tensors or byte buffers, as :meth:`streams` cuts
+        them) where the caller has them elsewhere than in the payload: read into a cache-sized buffer just before,
+        or views of the file's mapping, read only by the C kernels' guarded call (:meth:`decode_range`), which a
+        range starting at an even element takes wherever they are built. Escapes still come from the payload's
+        escape streams.
+
+        Raises:
+            EOFError: a page of mapped streams could not be read (:meth:`decode_range`).
+        """
+        if _native is not None and start % 2 == 0:
+            self.decode_range(start, stop, out, self._stream_buffers(start, stop, streams), checksums=False)
+            return
         self._check_range(start, stop, out)
         pk, sm = self.streams(start, stop) if streams is None else streams
         if pk.numel() != (stop + 1) // 2 - start // 2 or sm.numel() != stop - start:
@@ -688,6 +703,12 @@ class PayloadDecoder:
                               self.lut, self.table,
                               bits if (first, last) == (start, stop) else bits[first - start: last - start])
         _patch_escapes(self.position, self.esc_val, start, stop, bits)
+
+    def _stream_buffers(self, start: int, stop: int, streams: Streams | None) -> tuple[Buffer, Buffer]:
+        """The ``pk`` and ``sm`` bytes of ``[start, stop)`` as buffers for a C call."""
+        if streams is None:
+            streams = self.streams(start, stop)
+        return tuple(s.numpy() if isinstance(s, torch.Tensor) else s for s in streams)
 
     def _check_range(self, start: int, stop: int, out: torch.Tensor) -> None:
         """Raise ValueError unless ``[start, stop)`` lies in the tensor and ``out`` can hold it."""
@@ -722,27 +743,48 @@ class PayloadDecoder:
         values[index] = _with_exponents(values[index], esc_val[kept])
 
     def decode_checked(self, start: int, stop: int, out: torch.Tensor, *,
-                       streams: tuple[torch.Tensor, torch.Tensor] | None = None) -> RangeChecksums:
+                       streams: Streams | None = None) -> RangeChecksums:
         """:meth:`decode`, and the CRC-32s of the stored bytes it reads and of the bytes it writes.
 
         The stored bytes are checksummed just before they are decoded and the decoded ones just after, while each
         is in cache: with the C kernels, by one call that does so for every block of 8,192 pairs while it is in the
         L1 cache (zlib-ng's CRC-32 called from C); a range of 4 MiB checksummed after its decode has left the L2
         cache, which cost a load as much as the decode. ``start`` is even, so consecutive ranges read consecutive
-        ``pk`` bytes.
+        ``pk`` bytes. Streams that are views of a file's mapping are read by that call only (the C kernels with
+        their CRC-32 function).
+
+        Raises:
+            EOFError: a page of mapped streams could not be read (:meth:`decode_range`).
         """
         if start % 2:
             raise ValueError(f"a checked range starts at an even element, not {start}")
-        pk, sm = self.streams(start, stop) if streams is None else streams
         if _native is not None and cpu_kernel.checksums_in_kernel():
-            self._check_range(start, stop, out)
-            lo, hi = np.searchsorted(self.position, (start, stop))
-            return RangeChecksums(*_native.decode_range_checked(
-                pk.numpy(), sm.numpy(), self.lut, out.view(torch.int16).numpy(), self.position[lo:hi] - start,
-                self.esc_val[lo:hi]))
+            return self.decode_range(start, stop, out, self._stream_buffers(start, stop, streams), checksums=True)
+        pk, sm = self.streams(start, stop) if streams is None else streams
         pk_crc, sm_crc = crc32(pk.numpy()), crc32(sm.numpy())
         self.decode(start, stop, out, streams=(pk, sm))
         return RangeChecksums(pk_crc, sm_crc, crc32(out.view(torch.uint8).numpy()))
+
+    def decode_range(self, start: int, stop: int, out: torch.Tensor, streams: tuple[Buffer, Buffer], *,
+                     checksums: bool) -> RangeChecksums | None:
+        """Decode elements ``[start, stop)`` (``start`` even) from ``streams``, their ``pk`` and ``sm`` bytes, by
+        one C call (the C kernels only), with the CRC-32s of :meth:`decode_checked` when ``checksums``.
+
+        The streams may be views of a file's mapping (:meth:`SztFile.mapped`): the call catches the fault of a page
+        the file no longer holds, where reading it anywhere else would end the process with SIGBUS.
+
+        Raises:
+            EOFError: a page of the streams could not be read (the mapped file was truncated, or its disk failed).
+        """
+        if _native is None or (checksums and not cpu_kernel.checksums_in_kernel()):
+            raise RuntimeError("decode_range needs the C kernels (and their CRC-32 function for checksums)")
+        if start % 2:
+            raise ValueError(f"a range decoded by one call starts at an even element, not {start}")
+        self._check_range(start, stop, out)
+        lo, hi = np.searchsorted(self.position, (start, stop))
+        sums = _native.decode_range(streams[0], streams[1], self.lut, out.view(torch.int16).numpy(),
+                                    self.position[lo:hi] - start, self.esc_val[lo:hi], checksums)
+        return RangeChecksums(*sums) if checksums else None
 
     def stored_crc(self, ranges: Sequence[tuple[int, int, RangeChecksums]]) -> int:
         """The CRC-32 of the whole payload from the checksums of ranges ``(start, stop, checksums)`` that cover

@@ -33,7 +33,7 @@ from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, ClosedFileError, DecodeRouteError, FormatError,
                       HeaderError, HeaderTooLargeError, InvalidOffsetError, PayloadError, TensorNotFoundError,
-                      TruncatedFileError, UnsupportedVersionError)
+                      ReadError, TruncatedFileError, UnsupportedVersionError)
 from . import at_rest
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
@@ -266,6 +266,31 @@ class SztFile:
                 torch.frombuffer(out, dtype=torch.uint8).copy_(self._slice(offset, len(out), tensor=tensor))
             return
         pread_exactly(self._reads.fileno(), out, offset, path=self.path, tensor=tensor)
+
+    def mapped(self, name: str, start: int, stop: int) -> memoryview:
+        """Stored bytes ``[start, stop)`` of tensor ``name`` as a view of the file's mapping: no copy, for the C
+        kernels' guarded calls only (``codec.cpu.PayloadDecoder.decode_range``), which turn the fault of a page the
+        file no longer holds into EOFError; read anywhere else, such a page ends the process with SIGBUS.
+
+        Raises:
+            TruncatedFileError: the file is already shorter than when it was opened.
+        """
+        e = self.entry(name)
+        if not 0 <= start <= stop <= e.length:
+            raise ValueError(f"byte range [{start}, {stop}) is outside the {e.length} stored bytes of {name!r}")
+        mm = self.buffer
+        if mm.size() < self.file_length:
+            raise self.mapped_read_error(name)
+        return memoryview(mm)[e.offset + start: e.offset + stop]
+
+    def mapped_read_error(self, name: str | None = None) -> TruncatedFileError | ReadError:
+        """The error for bytes that could not be read through the mapping (a guarded call's EOFError): the file
+        shrank after it was opened, or, where it did not, its disk failed to deliver them."""
+        size = os.fstat(self._reads.fileno()).st_size
+        if size < self.file_length:
+            return TruncatedFileError(f"file shrank to {size} bytes after it was opened ({self.file_length})",
+                                      path=self.path, tensor=name)
+        return ReadError("a page of the file could not be read (an I/O error)", path=self.path, tensor=name)
 
     def memory_payload(self, name: str, *, verify: bool = False, ranges: Sequence[tuple[int, int]] | None = None,
                        out: torch.Tensor | None = None) -> torch.Tensor:

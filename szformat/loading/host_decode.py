@@ -14,12 +14,14 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   just after (:meth:`PayloadDecoder.decode_checked`; with the C kernels block by block inside the decode call, while
   in the L1 cache), and the pieces' CRC-32s are joined at the end: separate passes over the stored and the decoded
   bytes read both from memory again (0.37 against 0.26 CPU-seconds per 2.2 GB; in the kernel, 0.16).
-- **Reads by the threads, range by range.** Each range's stored bytes are read (``pread``, through
-  :meth:`SztFile.read`) by the thread that decodes them, just before, into the tensor's payload buffer: the reads run
-  in parallel, land in cache, and a file truncated meanwhile is a TruncatedFileError, never SIGBUS. A tensor stored
-  raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is read whole and inflated
-  first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by the threads, straight
-  into its output.
+- **Reads by the threads, range by range.** Each range of a SplitZip tensor in the in-memory form is decoded
+  straight from the file's mapping by one C call that catches the fault of a page the file no longer holds (another
+  process truncated it), so that is a TruncatedFileError, never SIGBUS (:func:`mapped_reads`; copying the bytes out
+  with ``pread`` first cost a load a sixth of its time). Where the C kernels cannot catch it, each range's stored
+  bytes are read (``pread``, through :meth:`SztFile.read`) by the thread that decodes them, just before, into its
+  scratch. A tensor stored raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is
+  read whole and inflated first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by
+  the threads, straight into its output.
 - **A small tensor in one read and one call.** Where the C kernels are built, a SplitZip tensor of one range in the
   in-memory form is read whole into the thread's scratch (one ``pread``), checksummed whole, and decoded by one
   call that also checks and patches its escapes (``format.payloads.decode_entry``): per tensor, the Python around the four
@@ -44,6 +46,7 @@ import torch
 
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, native_kernels, one_intra_op_thread
+from ..codec.cpu_kernel import checksums_in_kernel, native
 from ..errors import PayloadError
 from ..format import at_rest
 from ..format.constants import ENCODING_RAW
@@ -105,17 +108,32 @@ class _Job:
             self.sums[k] = crc32(out.numpy()) if self.checked else None
             return
         streams = None
-        if self.reads:  # this range's pk and sm bytes, read into this thread's scratch: decoded from the cache
-            layout = self.entry.layout
-            pk_bytes, sm_bytes = (stop + 1) // 2 - start // 2, stop - start
-            scratch = _range_scratch(pk_bytes + sm_bytes)
-            streams = (scratch[:pk_bytes], scratch[pk_bytes: pk_bytes + sm_bytes])
-            self.file.read(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2, out=streams[0])
-            self.file.read(name, layout.off_sm + start, layout.off_sm + stop, out=streams[1])
-        if self.checked:
-            self.sums[k] = self.decoder.decode_checked(start, stop, out, streams=streams)
-        else:
-            self.decoder.decode(start, stop, out, streams=streams)
+        if self.reads:
+            streams = self._mapped_streams(start, stop) if mapped_reads(self.checked) else self._read_streams(start, stop)
+        try:
+            if self.checked:
+                self.sums[k] = self.decoder.decode_checked(start, stop, out, streams=streams)
+            else:
+                self.decoder.decode(start, stop, out, streams=streams)
+        except EOFError:  # a guarded C call could not read a page of the mapping
+            raise self.file.mapped_read_error(name) from None
+
+    def _mapped_streams(self, start: int, stop: int) -> tuple[memoryview, memoryview]:
+        """A range's ``pk`` and ``sm`` bytes as views of the file's mapping, for the C call that catches a fault on
+        a page the file no longer holds."""
+        layout, name = self.entry.layout, self.entry.name
+        return (self.file.mapped(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
+                self.file.mapped(name, layout.off_sm + start, layout.off_sm + stop))
+
+    def _read_streams(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """A range's ``pk`` and ``sm`` bytes read into this thread's scratch, to be decoded from the cache."""
+        layout, name = self.entry.layout, self.entry.name
+        pk_bytes, sm_bytes = (stop + 1) // 2 - start // 2, stop - start
+        scratch = _range_scratch(pk_bytes + sm_bytes)
+        streams = (scratch[:pk_bytes], scratch[pk_bytes: pk_bytes + sm_bytes])
+        self.file.read(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2, out=streams[0])
+        self.file.read(name, layout.off_sm + start, layout.off_sm + stop, out=streams[1])
+        return streams
 
 
 @dataclass
@@ -144,6 +162,14 @@ class _WholeJob:
 
 
 _thread_scratch = threading.local()
+
+
+def mapped_reads(checked: bool) -> bool:
+    """Whether ranges of the in-memory form are decoded straight from the file's mapping: where the C kernels catch
+    a fault on a mapped page (POSIX) and, for checked ranges, take the checksums themselves. Elsewhere each range is
+    first copied out with ``pread``, the copy a load spends a sixth of its time on (``bench/RESULTS.md``, "CPU
+    loading")."""
+    return native_kernels() and native.guards_mapped_reads() and (not checked or checksums_in_kernel())
 
 
 def _range_scratch(nbytes: int) -> torch.Tensor:

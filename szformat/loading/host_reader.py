@@ -2,9 +2,10 @@
 
 Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
 (:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are kept,
-for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored
-bytes are copied out of the file (``pread``), never touched through the mapping, so a file truncated meanwhile is
-an error, not SIGBUS; each stored payload's CRC-32 is checked once per open file, also by a slice's first read (its
+for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. A slice's
+stored bytes are copied out of the file (``pread``), never touched through the mapping, so a file truncated
+meanwhile is an error, not SIGBUS (whole tensors: the same, or the guarded mapped reads of ``host_decode``); each
+stored payload's CRC-32 is checked once per open file, also by a slice's first read (its
 bytes checksummed as they land, the rest of the payload read through a small buffer only to be checksummed).
 """
 

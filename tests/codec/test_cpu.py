@@ -605,20 +605,57 @@ def test_a_whole_payload_decoded_with_its_crc(n, rng, checksums_in_kernel):
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
-def test_the_checksumming_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
+@pytest.mark.parametrize("n", [1, 2, 9001, 4 * 8192 + 1, 70_003])
+def test_ranges_decoded_by_one_call_from_a_mapping_give_the_reference_bits(n, rng, tmp_path):
+    """What a load runs on the in-memory form: ranges cut at random even elements, their pk and sm bytes views of
+    the file's mapping, decoded with and without checksums."""
+    import mmap
+
+    x = weight_like(rng, n, scale=0.5)
+    specials = from_bits(special_values())
+    for _ in range(n // 400 + 1):
+        x[rng.randrange(n)] = specials[rng.randrange(specials.numel())]
+    payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
+    assert layout.n_esc > 0
+    path = tmp_path / "payload.bin"
+    path.write_bytes(b"\0" * 4096 + payload.numpy().tobytes())
+    decoder = cpu.PayloadDecoder(payload, layout, codebook)
+    cuts = sorted({0, n} | {2 * rng.randrange(n // 2 + 1) for _ in range(4)})
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        view = memoryview(mapping)[4096:]
+        for checksums in [False] + [True] * cpu.cpu_kernel.checksums_in_kernel():
+            out = torch.full((n,), 7.0, dtype=torch.bfloat16)
+            ranges = []
+            for a, b in zip(cuts, cuts[1:]):
+                streams = (view[layout.off_pk + a // 2: layout.off_pk + (b + 1) // 2],
+                           view[layout.off_sm + a: layout.off_sm + b])
+                ranges.append((a, b, decoder.decode_range(a, b, out[a:b], streams, checksums=checksums)))
+            assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+            if checksums:
+                assert decoder.stored_crc(ranges) == zlib.crc32(payload.numpy().tobytes())
+            else:
+                assert all(sums is None for _, _, sums in ranges)
+        del view, streams
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_the_range_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
     native = cpu._native
     pk, sm, lut, out = bytes(4), bytes(8), bytes(range(16)), bytearray(16)
+    no_escapes = np.zeros(0, dtype=np.int64), b""
+    assert native.decode_range(pk, sm, lut, out, *no_escapes, False) is None
+    with pytest.raises(TypeError, match="takes 7 arguments"):
+        native.decode_range(pk, sm, lut, out, *no_escapes)
+    with pytest.raises(ValueError, match="need 4 pk bytes"):
+        native.decode_range(bytes(3), sm, lut, out, *no_escapes, False)
     if cpu.cpu_kernel.checksums_in_kernel():
-        no_escapes = np.zeros(0, dtype=np.int64), b""
-        assert native.decode_range_checked(pk, sm, lut, out, *no_escapes) == \
+        assert native.decode_range(pk, sm, lut, out, *no_escapes, True) == \
             (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(bytes(out)))
         with pytest.raises(ValueError, match="need 4 pk bytes"):
-            native.decode_range_checked(bytes(3), sm, lut, out, *no_escapes)
-        with pytest.raises(ValueError, match="need 4 pk bytes"):
-            native.decode_range_checked(pk, sm, lut, bytearray(14), *no_escapes)
+            native.decode_range(pk, sm, lut, bytearray(14), *no_escapes, True)
         for positions in ([3, 3], [5, 2], [-1, 2], [2, 8]):
             with pytest.raises(ValueError, match="ascend inside"):
-                native.decode_range_checked(pk, sm, lut, out, np.array(positions, dtype=np.int64), bytes(2))
+                native.decode_range(pk, sm, lut, out, np.array(positions, dtype=np.int64), bytes(2), True)
     constant = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)(lambda c, b, n: 0)
     try:
         with pytest.raises(ValueError, match="does not compute CRC-32"):

@@ -56,8 +56,19 @@ def two_threads():
 
 @pytest.mark.parametrize("at_rest", [None, "zstd"])
 @pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("reads", ["mapped", "pread"])
 def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_ranges, two_threads, monkeypatch,
-                                                                 verify, at_rest):
+                                                                 verify, at_rest, reads):
+    """Ranges of the in-memory form decoded straight from the mapping (the C kernels' guarded call) or copied out
+    with ``pread`` first (where that call is not available)."""
+    if reads == "mapped" and not host_decode.mapped_reads(verify):
+        pytest.skip("ranges are copied out with pread here")
+    if reads == "pread":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    mapped_streams = []
+    real_mapped = host_decode._Job._mapped_streams
+    monkeypatch.setattr(host_decode._Job, "_mapped_streams",
+                        lambda self, a, b: mapped_streams.append(a) or real_mapped(self, a, b))
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path, at_rest=at_rest)
@@ -76,6 +87,7 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
     assert {threads for _, threads in calls} == {1}
     assert len({thread for thread, _ in calls}) == 2
     assert len(calls) > 20 + 13  # "big" alone spans 20 ranges, "wide" 33
+    assert len(mapped_streams) == (20 + 33 if reads == "mapped" and at_rest is None else 0)
     if at_rest:
         with safe_open(path, framework="pt") as f:
             assert f.entry("big").at_rest is not None
