@@ -1,8 +1,8 @@
 """``safe_open``, ``load_file``, ``save_file``: the safetensors-shaped API over .szt files.
 
 Reading is lazy: the file is mapped, the header validated, and a tensor is decoded only when asked for, into its
-destination, from its stored bytes copied out of the file (``pread``: a file truncated meanwhile is an error, where
-touching the mapping would be SIGBUS).
+destination, from its stored bytes copied out of the file (``pread``) or read through the mapping by C calls that
+catch the fault of a lost page: a file truncated meanwhile is an error, never SIGBUS.
 """
 
 from __future__ import annotations

@@ -282,13 +282,13 @@ def test_get_slice_of_scalars_and_empty_tensors(model_file):
 
 def test_get_slice_decodes_only_the_rows_it_needs(model_file, monkeypatch):
     ranges = []
-    real = cpu_codec.decode
+    real = cpu_codec.PayloadDecoder.decode
 
-    def spy(*args, **kwargs):
-        ranges.append((kwargs["start"], kwargs["stop"]))
-        return real(*args, **kwargs)
+    def spy(self, start, stop, out, **kwargs):
+        ranges.append((start, stop))
+        return real(self, start, stop, out, **kwargs)
 
-    monkeypatch.setattr(cpu_codec, "decode", spy)
+    monkeypatch.setattr(cpu_codec.PayloadDecoder, "decode", spy)
     with safe_open(model_file, framework="pt") as f:
         rows = f.get_slice("weight")
         assert same_bits(rows[10:13], MODEL["weight"][10:13])
@@ -297,23 +297,37 @@ def test_get_slice_decodes_only_the_rows_it_needs(model_file, monkeypatch):
     assert ranges == [(10 * 301, 13 * 301), (299 * 301, 300 * 301), (4 * 301, 40 * 301)]
 
 
-def test_get_slice_without_verify_reads_only_the_bytes_of_its_rows(model_file, monkeypatch):
-    reads = []
-    real = SztFile.read
+@pytest.mark.parametrize("route", ["mapped", "pread"])
+def test_get_slice_without_verify_reads_only_the_bytes_of_its_rows(model_file, monkeypatch, route):
+    """Copied out with ``pread``: the rows' ``pk`` and ``sm`` bytes and the escape streams. Through the mapping
+    (the C kernels' guarded decode): the bytes around the streams are read, the rows' streams viewed."""
+    if route == "mapped" and not host_decode.mapped_reads(False):
+        pytest.skip("stored bytes are copied out with pread here")
+    if route == "pread":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    reads, views = [], []
+    real_read, real_mapped = SztFile.read, SztFile.mapped
 
-    def spy(self, name, start=0, stop=None, **kwargs):
+    def read(self, name, start=0, stop=None, **kwargs):
         reads.append((name, start, stop))
-        return real(self, name, start, stop, **kwargs)
+        return real_read(self, name, start, stop, **kwargs)
 
-    monkeypatch.setattr(SztFile, "read", spy)
+    monkeypatch.setattr(SztFile, "read", read)
+    monkeypatch.setattr(SztFile, "mapped", lambda self, name, a, b: views.append((name, a, b))
+                        or real_mapped(self, name, a, b))
     with safe_open(model_file, framework="pt", verify=False) as f:
         e = f.entry("weight")
         assert same_bits(f.get_slice("weight")[10:13], MODEL["weight"][10:13])
         assert same_bits(f.get_slice("bias")[7:9], MODEL["bias"][7:9])
     layout = e.layout
-    assert reads == [("weight", 10 * 301 // 2, (13 * 301 + 1) // 2),
-                     ("weight", layout.off_sm + 10 * 301, layout.off_sm + 13 * 301),
-                     ("weight", layout.off_cid, layout.comp_bytes), ("bias", 7 * 4, 9 * 4)]
+    rows = [("weight", 10 * 301 // 2, (13 * 301 + 1) // 2),
+            ("weight", layout.off_sm + 10 * 301, layout.off_sm + 13 * 301)]
+    if route == "pread":
+        assert (reads, views) == (rows + [("weight", layout.off_cid, layout.comp_bytes), ("bias", 7 * 4, 9 * 4)], [])
+    else:
+        assert reads == [("weight", layout.off_pk + layout.n_pairs, layout.off_sm),
+                         ("weight", layout.off_sm + layout.n, e.length), ("bias", 7 * 4, 9 * 4)]
+        assert views == rows
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -464,40 +478,49 @@ def test_a_file_truncated_while_it_is_read_is_an_error_not_a_signal(tmp_path, ho
 TRUNCATE_UNDER_A_MAPPED_DECODE = """
 import os, sys
 import szformat
+import szformat.loading.host_reader as host_reader
 from szformat.codec.cpu import PayloadDecoder
 from szformat.errors import ReadError, TruncatedFileError
 
-path, verify, cut = sys.argv[1], sys.argv[2] == "verify", sys.argv[3] == "cut"
-real = PayloadDecoder.decode_range
+path, how, verify, cut = sys.argv[1], sys.argv[2], sys.argv[3] == "verify", sys.argv[4] == "cut"
 
 
-def decode_range(self, *args, **kwargs):  # the file cut short by another process once the ranges start
-    if cut:
-        os.truncate(path, 4096)
-        return real(self, *args, **kwargs)
-    raise EOFError("a page could not be read")  # what the C call raises where the disk fails
+def failing_first(real):
+    def call(*args, **kwargs):  # the file cut short by another process once the mapped reads start
+        if cut:
+            os.truncate(path, 4096)
+            return real(*args, **kwargs)
+        raise EOFError("a page could not be read")  # what the C calls raise where the disk fails
+    return call
 
 
-PayloadDecoder.decode_range = decode_range
+PayloadDecoder.decode_range = failing_first(PayloadDecoder.decode_range)
+host_reader.guarded_crc32 = failing_first(host_reader.guarded_crc32)
 try:
-    szformat.load_file(path, verify=verify)
+    if how == "load_file":
+        szformat.load_file(path, verify=verify)
+    else:
+        with szformat.safe_open(path, framework="pt", verify=verify) as f:
+            f.get_slice("weight")[1000:1500]
 except (TruncatedFileError, ReadError) as e:
     print(type(e).__name__, e.tensor, os.path.basename(e.path))
 """
 
 
+@pytest.mark.parametrize("how", ["load_file", "get_slice"])
 @pytest.mark.parametrize("verify", ["verify", "no verify"])
 @pytest.mark.parametrize("cut", ["cut", "disk error"])
-def test_ranges_decoded_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_path, verify, cut):
-    """A tensor of several ranges is decoded straight from the file's mapping by a C call that catches SIGBUS: a
-    file truncated meanwhile is a TruncatedFileError, a page the disk fails to deliver a ReadError (an OSError)."""
+def test_reads_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_path, how, verify, cut):
+    """A tensor of several ranges (load_file) or rows of a tensor (get_slice, as a tensor-parallel rank reads them)
+    are decoded, and checksummed, straight from the file's mapping by C calls that catch SIGBUS: a file truncated
+    meanwhile is a TruncatedFileError, a page the disk fails to deliver a ReadError (an OSError)."""
     if not host_decode.mapped_reads(verify == "verify"):
-        pytest.skip("ranges are copied out with pread here")
+        pytest.skip("stored bytes are copied out with pread here")
     path = tmp_path / "model.szt"
     save_file({"weight": bf16_weight(2048, 1536, seed=6)}, path)  # 3 Mi elements: two ranges
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
-    run = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_A_MAPPED_DECODE, str(path), verify, cut], env=env,
-                         capture_output=True, text=True, timeout=300)
+    run = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_A_MAPPED_DECODE, str(path), how, verify, cut],
+                         env=env, capture_output=True, text=True, timeout=300)
     error = "TruncatedFileError" if cut == "cut" else "ReadError"
     assert (run.returncode, run.stdout) == (0, f"{error} weight model.szt\n"), run.stderr  # SIGBUS: -7
 

@@ -26,7 +26,8 @@
  *                                        and decoded bytes checksummed while in the L1 cache when asked; pk and sm
  *                                        may be views of a file's mapping: a page the file no longer holds (it
  *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
- *   guards_mapped_reads() -> bool        whether decode_range catches such faults on this platform.
+ *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
+ *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -522,16 +523,15 @@ static int install_bus_guard(void)
     return status;
 }
 
-/* decode_range with this thread's faults caught: 0, or -1 where a page could not be read (out is then partly
- * written). */
-static int guarded_decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
-                                const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
+/* work(arg) with this thread's SIGBUS faults caught: 0, or -1 where a page could not be read (whatever work
+ * wrote is then partly written). */
+static int run_guarded(void (*work)(void *), void *arg)
 {
     sigjmp_buf target;
     if (sigsetjmp(target, 1) != 0)
         return -1; /* guard_target was cleared by the handler */
     guard_target = &target;
-    decode_range(pk, sm, lut, out, n, positions, exponents, n_esc, crcs);
+    work(arg);
     guard_target = NULL;
     return 0;
 }
@@ -940,6 +940,96 @@ static PyObject *py_use_crc32(PyObject *self, PyObject *address)
     Py_RETURN_NONE;
 }
 
+/* A call that reads views of a file's mapping: ``work(arg)`` with the GIL released and, where the platform allows,
+ * SIGBUS caught (``run_guarded``). 0, or -1 with EOFError set where a page could not be read. */
+static int guarded(const char *function, void (*work)(void *), void *arg)
+{
+    int faulted = 0;
+#ifdef SZ_GUARD
+    if (install_bus_guard() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
+        return -1;
+    }
+    Py_BEGIN_ALLOW_THREADS
+    faulted = run_guarded(work, arg) != 0;
+    Py_END_ALLOW_THREADS
+#else
+    Py_BEGIN_ALLOW_THREADS
+    work(arg);
+    Py_END_ALLOW_THREADS
+#endif
+    if (faulted) {
+        PyErr_Format(PyExc_EOFError, "%s(): a page could not be read (SIGBUS: a mapped file was truncated, or its "
+                     "disk failed)", function);
+        return -1;
+    }
+    return 0;
+}
+
+typedef struct {
+    const uint8_t *pk, *sm, *lut;
+    uint16_t *out;
+    Py_ssize_t n;
+    const int64_t *positions;
+    const uint8_t *exponents;
+    Py_ssize_t n_esc;
+    uint32_t *crcs;
+} DecodeRangeCall;
+
+static void run_decode_range(void *arg)
+{
+    DecodeRangeCall *c = arg;
+    decode_range(c->pk, c->sm, c->lut, c->out, c->n, c->positions, c->exponents, c->n_esc, c->crcs);
+}
+
+typedef struct {
+    const uint8_t *data;
+    Py_ssize_t len;
+    uint32_t crc;
+} Crc32Call;
+
+static void run_crc32(void *arg)
+{
+    Crc32Call *c = arg;
+    for (Py_ssize_t done = 0; done < c->len;) {
+        uint32_t piece = c->len - done < (1 << 30) ? (uint32_t)(c->len - done) : (1u << 30);
+        c->crc = crc32_of(c->crc, c->data + done, piece);
+        done += piece;
+    }
+}
+
+/* crc32(data, crc) -> crc: zlib-ng's CRC-32 of a buffer (a view of a file's mapping, say) continuing ``crc``, with
+ * a page that cannot be read an EOFError, as in decode_range. */
+static PyObject *py_crc32(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"data"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "crc32() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    unsigned long crc = PyLong_AsUnsignedLong(args[1]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (crc > 0xFFFFFFFFul) {
+        PyErr_SetString(PyExc_ValueError, "crc32(): crc must be in [0, 2**32)");
+        return NULL;
+    }
+    if (crc32_of == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "crc32(): no CRC-32 function (use_crc32)");
+        return NULL;
+    }
+    if (take("crc32", args, 1, 1, names, 0, &b) < 0)
+        goto done;
+    Crc32Call call = {b.views[0].buf, b.views[0].len, (uint32_t)crc};
+    if (guarded("crc32", run_crc32, &call) == 0)
+        result = PyLong_FromUnsignedLong(call.crc);
+done:
+    release(&b);
+    return result;
+}
+
 static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {"pk", "sm", "dec_lut", "out", "positions", "exponents"};
@@ -974,25 +1064,11 @@ static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize
         }
     }
     uint32_t crcs[3];
-    int faulted = 0;
-#ifdef SZ_GUARD
-    if (install_bus_guard() != 0) {
-        PyErr_SetFromErrno(PyExc_OSError);
+    DecodeRangeCall call = {v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc,
+                            checksums ? crcs : NULL};
+    if (guarded("decode_range", run_decode_range, &call) < 0)
         goto done;
-    }
-    Py_BEGIN_ALLOW_THREADS
-    faulted = guarded_decode_range(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc,
-                                   checksums ? crcs : NULL) != 0;
-    Py_END_ALLOW_THREADS
-#else
-    Py_BEGIN_ALLOW_THREADS
-    decode_range(v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc, checksums ? crcs : NULL);
-    Py_END_ALLOW_THREADS
-#endif
-    if (faulted)
-        PyErr_SetString(PyExc_EOFError, "decode_range(): a page of pk or sm could not be read (SIGBUS: a mapped "
-                        "file was truncated, or its disk failed)");
-    else if (checksums)
+    if (checksums)
         result = Py_BuildValue("(kkk)", (unsigned long)crcs[0], (unsigned long)crcs[1], (unsigned long)crcs[2]);
     else
         result = Py_NewRef(Py_None);
@@ -1126,8 +1202,10 @@ static PyMethodDef methods[] = {
     {"decode_range", FASTCALL(py_decode_range), "decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) "
      "-> (pk_crc, sm_crc, out_crc) or None: a range decoded block by block, with its checksums when asked; a page "
      "of pk or sm that cannot be read is an EOFError"},
-    {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range turns a fault on a mapped "
-     "page into EOFError here"},
+    {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
+     "cannot be read is an EOFError"},
+    {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range and crc32 turn a fault on a "
+     "mapped page into EOFError here"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "

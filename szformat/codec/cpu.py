@@ -803,6 +803,19 @@ class PayloadDecoder:
         return crc32(data[layout.off_sm + layout.n:], crc)
 
 
+def guarded_crc32(data: Buffer, crc: int = 0) -> int:
+    """The CRC-32 of ``data`` continuing ``crc``, by the C kernels' guarded call (zlib-ng's function): ``data`` may
+    be a view of a file's mapping (``SztFile.mapped``), and a page the file no longer holds is an EOFError, not
+    SIGBUS. Where the kernels have it (``cpu_kernel.checksums_in_kernel()``).
+
+    Raises:
+        EOFError: a page of ``data`` could not be read.
+    """
+    if _native is None or not cpu_kernel.checksums_in_kernel():
+        raise RuntimeError("guarded_crc32 needs the C kernels and their CRC-32 function")
+    return _native.crc32(data, crc)
+
+
 def decode(
     payload: torch.Tensor,
     layout: PayloadLayout,

@@ -7,9 +7,11 @@ serves every payload through one bounds-checked slice helper. Payloads are expos
 decoding is the caller's choice of route.
 
 A mapped file that another process truncates while it is open makes the next access to a lost page raise SIGBUS,
-which no Python code can catch. So ``safe_open`` and ``load_file`` on the CPU copy the bytes out with ``pread``
-(:meth:`SztFile.read`): a file that shrank gives a short read, reported as :class:`TruncatedFileError`; the copy
-costs 3-31 % more CPU time than decoding from the mapping (``bench/RESULTS.md``). Zero-copy views of the
+which no Python code can catch. So ``safe_open`` and ``load_file`` on the CPU either copy the bytes out with
+``pread`` (:meth:`SztFile.read`: a file that shrank gives a short read, reported as :class:`TruncatedFileError`) or
+hand views of the mapping (:meth:`SztFile.mapped`) to C calls that catch the fault themselves and say so
+(:meth:`SztFile.mapped_read_error` names the error): the copy costs a large load 15-25 % of its time
+(``bench/RESULTS.md``). Zero-copy views of the
 mapping (:meth:`SztFile.payload`, :attr:`SztFile.buffer`) remain for the routes that stream or hand bytes to a
 device: the file size is re-checked before each view is handed out, but a view kept while the file is truncated
 stays exposed. Replacing a

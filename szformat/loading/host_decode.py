@@ -54,7 +54,7 @@ from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, compare_crc
 
-__all__ = ["RANGE_ELEMENTS", "decode_entries"]
+__all__ = ["RANGE_ELEMENTS", "decode_entries", "mapped_reads", "mapped_streams", "read_around_streams"]
 
 RANGE_ELEMENTS = 1 << 21
 """Elements decoded per range: two decode slices (``codec.cpu.DECODE_SLICES``), 4 MiB of BF16 out and 3 MiB in,
@@ -109,7 +109,8 @@ class _Job:
             return
         streams = None
         if self.reads:
-            streams = self._mapped_streams(start, stop) if mapped_reads(self.checked) else self._read_streams(start, stop)
+            streams = (mapped_streams(self.file, self.entry, start, stop) if mapped_reads(self.checked)
+                       else self._read_streams(start, stop))
         try:
             if self.checked:
                 self.sums[k] = self.decoder.decode_checked(start, stop, out, streams=streams)
@@ -117,13 +118,6 @@ class _Job:
                 self.decoder.decode(start, stop, out, streams=streams)
         except EOFError:  # a guarded C call could not read a page of the mapping
             raise self.file.mapped_read_error(name) from None
-
-    def _mapped_streams(self, start: int, stop: int) -> tuple[memoryview, memoryview]:
-        """A range's ``pk`` and ``sm`` bytes as views of the file's mapping, for the C call that catches a fault on
-        a page the file no longer holds."""
-        layout, name = self.entry.layout, self.entry.name
-        return (self.file.mapped(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
-                self.file.mapped(name, layout.off_sm + start, layout.off_sm + stop))
 
     def _read_streams(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A range's ``pk`` and ``sm`` bytes read into this thread's scratch, to be decoded from the cache."""
@@ -170,6 +164,23 @@ def mapped_reads(checked: bool) -> bool:
     first copied out with ``pread``, the copy a load spends a sixth of its time on (``bench/RESULTS.md``, "CPU
     loading")."""
     return native_kernels() and native.guards_mapped_reads() and (not checked or checksums_in_kernel())
+
+
+def mapped_streams(file: SztFile, entry: TensorEntry, start: int, stop: int) -> tuple[memoryview, memoryview]:
+    """The ``pk`` and ``sm`` bytes of elements ``[start, stop)`` of a SplitZip tensor in the in-memory form, as
+    views of the file's mapping: for the C kernels' guarded calls only (:func:`mapped_reads`)."""
+    layout = entry.layout
+    return (file.mapped(entry.name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
+            file.mapped(entry.name, layout.off_sm + start, layout.off_sm + stop))
+
+
+def read_around_streams(file: SztFile, entry: TensorEntry, payload: torch.Tensor) -> None:
+    """Read the stored bytes of a SplitZip tensor in the in-memory form that are not its ``pk`` and ``sm`` streams
+    (the padding between them, the escape streams) into ``payload`` (flat uint8 of its stored size), at their
+    offsets: what a decoder checks and patches escapes from, while the streams are read range by range."""
+    layout = entry.layout
+    for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
+        file.read(entry.name, lo, hi, out=payload[lo:hi])
 
 
 def _range_scratch(nbytes: int) -> torch.Tensor:
@@ -284,8 +295,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
                     (at_rest.StoredView(stored), entry.segments()))
     layout, reads = entry.layout, entry.at_rest is None
     if reads:
-        for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
-            file.read(entry.name, lo, hi, out=payload[lo:hi])
+        read_around_streams(file, entry, payload)
     else:
         stored = file.read(entry.name)
         if check_stored:

@@ -20,13 +20,15 @@ import numpy as np
 import torch
 
 from ..checksum import crc32
+from ..codec.cpu import PayloadDecoder, guarded_crc32
+from ..errors import PayloadError
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import (allocation_errors, decode_entry, decode_entry_columns, decode_entry_with_crc,
                                inflate_entry)
 from ..format.reader import SztFile, check_crc, compare_crc
-from .host_decode import decode_entries
+from . import host_decode
 
 __all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
 
@@ -62,7 +64,7 @@ class HostReader:
         name a contiguous tensor of its raw size, or ``None``) where given."""
         entries = [self.file.entry(name) for name in names]
         check_stored = [self.verify and name not in self.verified for name in names]
-        tensors = decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify,
+        tensors = host_decode.decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify,
                                  outs=outs)
         if self.verify:
             self.verified.update(names)
@@ -154,14 +156,39 @@ class HostReader:
             if self.verify and whole:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
-        payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out.reshape(-1)
+        if not whole and entry.at_rest is None and start % 2 == 0 and host_decode.mapped_reads(self._unchecked(entry)):
+            return self._mapped_rows(entry, start, stop, out).reshape(shape)
+        payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         if self.verify and whole:
             compare_crc(decode_entry_with_crc(self.file.path, entry, payload, out), entry.raw_crc32,
                         what="decoded bytes", path=self.file.path, tensor=entry.name)
         else:
             decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
         return out.reshape(shape)
+
+    def _mapped_rows(self, entry: TensorEntry, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
+        """Elements ``[start, stop)`` (``start`` even) of a SplitZip tensor in the in-memory form, decoded straight
+        from the file's mapping by the C kernels' guarded calls (``host_decode.mapped_reads``): only the bytes
+        around the streams are read, the first time with ``verify`` the whole stored payload's CRC-32 is taken
+        through the mapping, and only these elements' ``pk`` and ``sm`` bytes are decoded. A rank of a
+        tensor-parallel load so copies nothing it does not keep."""
+        file, name = self.file, entry.name
+        payload = self._buffer(entry.length)
+        host_decode.read_around_streams(file, entry, payload)
+        try:
+            if self._unchecked(entry):
+                compare_crc(guarded_crc32(file.mapped(name, 0, entry.length)), entry.crc32, what="stored bytes",
+                            path=file.path, tensor=name)
+                self.verified.add(name)
+            try:
+                decoder = PayloadDecoder(payload, entry.layout, entry.codebook)
+            except ValueError as e:
+                raise PayloadError(str(e), path=file.path, tensor=name) from None
+            decoder.decode(start, stop, out, streams=host_decode.mapped_streams(file, entry, start, stop))
+        except EOFError:  # a guarded call could not read a page of the mapping
+            raise file.mapped_read_error(name) from None
+        return out
 
     def columns(self, entry: TensorEntry, rows: tuple[int, int], cols: tuple[int, int], out: torch.Tensor
                 ) -> torch.Tensor:

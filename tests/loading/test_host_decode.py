@@ -65,10 +65,10 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
         pytest.skip("ranges are copied out with pread here")
     if reads == "pread":
         monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
-    mapped_streams = []
-    real_mapped = host_decode._Job._mapped_streams
-    monkeypatch.setattr(host_decode._Job, "_mapped_streams",
-                        lambda self, a, b: mapped_streams.append(a) or real_mapped(self, a, b))
+    mapped = []
+    real_mapped = host_decode.mapped_streams
+    monkeypatch.setattr(host_decode, "mapped_streams",
+                        lambda file, entry, a, b: mapped.append(a) or real_mapped(file, entry, a, b))
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path, at_rest=at_rest)
@@ -87,7 +87,7 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
     assert {threads for _, threads in calls} == {1}
     assert len({thread for thread, _ in calls}) == 2
     assert len(calls) > 20 + 13  # "big" alone spans 20 ranges, "wide" 33
-    assert len(mapped_streams) == (20 + 33 if reads == "mapped" and at_rest is None else 0)
+    assert len(mapped) == (20 + 33 if reads == "mapped" and at_rest is None else 0)
     if at_rest:
         with safe_open(path, framework="pt") as f:
             assert f.entry("big").at_rest is not None
@@ -196,3 +196,38 @@ def test_a_small_tensor_with_corrupt_bytes_is_refused_by_name(tmp_path, verify):
     with pytest.raises(error, match="stored bytes" if verify else "outside its chunk") as info:
         load_file(path, verify=verify)
     assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("reads", ["mapped", "pread"])
+def test_rows_decode_to_the_source_bits_from_the_mapping_or_copied_out(tmp_path, monkeypatch, verify, reads):
+    """Rows of a SplitZip tensor (what a tensor-parallel rank keeps) starting at an even element are decoded straight
+    from the mapping where the C kernels guard it; rows starting at an odd element, and every row where they do
+    not, from bytes copied out with ``pread``. A corrupt payload is refused by its checksum either way."""
+    if reads == "mapped" and not host_decode.mapped_reads(verify):
+        pytest.skip("stored bytes are copied out with pread here")
+    if reads == "pread":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    mapped = []
+    real_mapped = host_decode.mapped_streams
+    monkeypatch.setattr(host_decode, "mapped_streams",
+                        lambda file, entry, a, b: mapped.append((entry.name, a, b)) or real_mapped(file, entry, a, b))
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    cases = [("wide", 2, 6), ("wide", 1, 3), ("wide", 63, 64), ("big", 0, 1), ("big", 1, 3)]
+    with safe_open(path, framework="pt", verify=verify) as f:
+        for name, a, b in cases:
+            assert torch.equal(_bits(f.get_slice(name)[a:b]), _bits(source[name][a:b])), (name, a, b)
+    even = [("wide", 513 * a, 513 * b) for name, a, b in cases if name == "wide" and a % 2 == 0] + [("big", 0, 6667)]
+    assert sorted(mapped) == (sorted(even) if reads == "mapped" else [])
+    if verify:
+        with SztFile(path) as f:
+            e = f.entry("wide")
+            at = e.offset + e.layout.off_sm + 513 * 40  # outside the rows read
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0x10
+        path.write_bytes(bytes(data))
+        with safe_open(path, framework="pt") as f, pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
+            f.get_slice("wide")[2:6]
+        assert info.value.tensor == "wide"
