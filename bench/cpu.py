@@ -55,7 +55,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator
+from typing import Callable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -151,7 +151,8 @@ def with_kernel(kernel: str, fn: Callable[[], object]) -> Callable[[], object]:
     return run
 
 
-def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int) -> list[Row]:
+def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, repeats: int,
+                  kernels: Sequence[str] = KERNELS) -> list[Row]:
     """Check every method's output against the source, then time all of them round-robin, so that a change in
     the machine's load hits every method alike."""
     bf16 = {name: t for name, t in tensors.items() if t.dtype == torch.bfloat16}
@@ -196,7 +197,7 @@ def bench_dataset(label: str, tensors: dict[str, torch.Tensor], workdir: Path, r
 
     methods = [("memory copy (raw bytes -> preallocated)", 1.0, memory_copy),
                ("memory copy (raw bytes -> new)", 1.0, lambda: [t.clone() for t in bf16.values()])]
-    for kernel in KERNELS:
+    for kernel in kernels:
         methods += [
             (f"splitzip decode [{kernel}] (mmap -> new)", splitzip_ratio, with_kernel(kernel, splitzip_decode)),
             (f"splitzip decode [{kernel}] (mmap -> prealloc.)", splitzip_ratio,
@@ -304,7 +305,8 @@ class BusyProcess:
         self.process.wait()
 
 
-def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
+                  kernels: Sequence[str] = KERNELS) -> list[dict]:
     """Time each loading method round-robin under each condition; check szformat's tensors first."""
     anchor = {k: v.clone() for k, v in load_file(st_path).items()}
     loaded = szformat.load_file(szt_path)
@@ -315,7 +317,7 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int) -> li
     assert verify(szt_path).ok
     methods: list[tuple[str, Callable[[], object]]] = [
         ("safetensors load_file + clone (anchor)", lambda: {k: v.clone() for k, v in load_file(st_path).items()})]
-    for kernel in KERNELS:
+    for kernel in kernels:
         methods += [
             (f"szformat load_file [{kernel}] (verify on)", with_kernel(kernel, lambda: szformat.load_file(szt_path))),
             (f"szformat load_file [{kernel}] (verify off)",
@@ -368,7 +370,12 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--sections", default="codec,load", help="codec, load, or both (default)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
+    parser.add_argument("--kernels", default=",".join(KERNELS),
+                        help=f"CPU kernels timed, comma-separated (default {','.join(KERNELS)})")
     args = parser.parse_args(argv)
+    kernels = [k for k in args.kernels.split(",") if k]
+    if not set(kernels) <= set(KERNELS):
+        parser.error(f"--kernels: choose among {', '.join(KERNELS)}")
     model = args.model or fetch(default_dest()) / "model.safetensors"
     sections = set(args.sections.split(","))
 
@@ -378,13 +385,13 @@ def main(argv: list[str] | None = None) -> int:
         rows = []
         with tempfile.TemporaryDirectory(prefix="szformat-bench-") as tmp:
             for label, tensors in datasets(model, args.tile_mb):
-                rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats))
+                rows.extend(bench_dataset(label, tensors, Path(tmp), args.repeats, kernels))
                 del tensors
         print_table(rows)
     if "load" in sections:
         rows = []
         for label, st_path, szt_path in load_checkpoints(model, args.work):
-            rows.extend(bench_loading(label, st_path, szt_path, args.repeats))
+            rows.extend(bench_loading(label, st_path, szt_path, args.repeats, kernels))
         print_loading_table(rows)
     return 0
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .._lazy import cpu_codec
 from ..format import constants as C
 from ..format.reader import SztFile
 from .driver import TensorDone, run_pass
@@ -46,7 +47,8 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
         with SztFile(src) as szt:
             entries = list(szt.entries.values())
             specs = [(e.name, e.dtype, e.shape) for e in entries]
-            with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
+            with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer, \
+                    cpu_codec.one_intra_op_thread():  # as verify's pass (verify.py)
                 for entry in entries:
                     for chunk in iter_raw_bytes(szt, entry):
                         writer.write(chunk)

@@ -5,8 +5,8 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
 ``bench/cpu.py`` (``bench/RESULTS.md``):
 
 - **Ranges on independent threads.** Every tensor is cut into ranges of :data:`RANGE_ELEMENTS` (a small tensor is
-  one range); up to ``threads`` threads, the caller's included, each take the next range until none is left, and
-  each runs its PyTorch ops on one intra-op thread. PyTorch's own intra-op threads fork and join around every op,
+  one range); up to ``threads`` threads (at most one per :data:`THREAD_BYTES` of output), the caller's included,
+  each take the next range until none is left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own intra-op threads fork and join around every op,
   and when another process holds a core every join waits for a descheduled thread: a 2 GB decode went from 2.1 s
   to 11.7 s with two busy processes on 2 cores. Here a descheduled thread only holds back the range it is on, so a
   load never runs slower than on one thread, whatever else runs.
@@ -28,8 +28,9 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
   ``bench/RESULTS.md``, "CPU loading").
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
-  Tensors are taken in groups of about :data:`GROUP_BYTES` of payload, so payload buffers never hold a whole
-  checkpoint.
+  Tensors are taken in groups whose jobs fill about :data:`GROUP_BYTES` besides their outputs (inflated at-rest
+  payloads, say), so those buffers never hold a whole checkpoint; the in-memory form is one group (each group ends
+  with every thread waiting for its last range: seven groups of 2.2 GB took 188 ms on 16 threads, one 138 ms).
 
 A tensor's CRC-32s are compared once all its ranges are decoded; a mismatch raises and no tensor is returned.
 """
@@ -56,19 +57,31 @@ from ..format.reader import SztFile, check_crc, compare_crc
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries", "mapped_reads", "mapped_streams", "read_around_streams"]
 
-RANGE_ELEMENTS = 1 << 21
-"""Elements decoded per range: two decode slices (``codec.cpu.DECODE_SLICES``), 4 MiB of BF16 out and 3 MiB in,
-checksummed right before and after they are decoded, while in the L2 or L3 cache; about 2 ms of work, so the last
-range a thread takes holds the others back little."""
+RANGE_ELEMENTS = 1 << 23
+"""Elements decoded per range: 16 MiB of BF16 out, 12 MiB in, a few ms of work, checksummed block by block inside
+the decode call. Each range costs some Python holding the GIL, which the threads wait for one another to take: on
+16 threads a 2.2 GB load took 192 ms in ranges of 2 Mi elements, 144 ms in 4 Mi, 131 ms in 8 Mi
+(``bench/RESULTS.md``, "CPU loading")."""
+
+WHOLE_ELEMENTS = 1 << 21
+"""A SplitZip tensor of at most this many elements (and one range) is read whole into a thread's scratch and decoded
+by one call (:class:`_WholeJob`); a larger one is decoded range by range from the file's mapping."""
 
 RAW_RANGE_BYTES = 2 * RANGE_ELEMENTS
 """Bytes read per range of a tensor stored raw."""
 
-SCRATCH_BYTES = RANGE_ELEMENTS * 3 // 2 + 1
-"""Bytes of each thread's scratch: a range's ``pk`` and ``sm`` bytes, or a small tensor's whole payload."""
+SCRATCH_BYTES = WHOLE_ELEMENTS * 3 // 2 + 1
+"""Bytes of each thread's scratch at first: a small tensor's whole payload (or, where ranges are copied out with
+``pread``, a range's ``pk`` and ``sm`` bytes: it grows to hold them)."""
+
+THREAD_BYTES = 16 << 20
+"""Raw bytes a decoding thread is given at least: a load of fewer bytes runs on fewer threads. Each small tensor
+costs Python holding the GIL: MiniLM (45 MB) loaded in 39 ms on one thread of a 16-core host, 28 ms on four and
+42 ms on sixteen."""
 
 GROUP_BYTES = 256 << 20
-"""Payload bytes (in memory) of the tensors decoded together: the payload buffers alive at once."""
+"""Bytes the jobs of the tensors decoded together may fill besides their outputs (:func:`_held_bytes`): at-rest
+payloads inflated, and the like."""
 
 
 @dataclass
@@ -204,7 +217,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         check_stored (sequence of `bool`): per entry, whether to check the CRC-32 of its stored bytes.
         check_decoded (`bool`): whether to check the CRC-32 of every SplitZip tensor's decoded bytes.
         threads (`int`, *optional*): threads to decode on, the caller's included; by default PyTorch's intra-op
-            thread count (``torch.get_num_threads()``), at most the host's cores.
+            thread count (``torch.get_num_threads()``), at most the host's cores and one per :data:`THREAD_BYTES`
+            of raw bytes.
         outs (sequence of `torch.Tensor` or `None`, *optional*): per entry, a contiguous CPU tensor of its raw
             size to decode into (the parameter it is loaded into), or ``None`` for a new one.
 
@@ -214,6 +228,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     """
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
+    threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1,
+                  -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
     for group in _groups(entries):
         sizes = [_read_length(entries[i]) for i in group]
         needed = sum(sizes)
@@ -225,7 +241,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
                      None if outs is None else outs[i]) for i in group]
         units = [(job, k) for job in jobs for k in range(len(job.ranges))]
-        _run(units, max(1, min(threads or torch.get_num_threads(), os.cpu_count() or 1, len(units))))
+        _run(units, max(1, min(threads, len(units))))
         for job, i in zip(jobs, group):
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
                 _check(file.path, job, check_stored[i], check_decoded)
@@ -234,16 +250,31 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
 
 
 def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
-    """Indices of ``entries`` in order, cut where the payloads of a group pass :data:`GROUP_BYTES`."""
+    """Indices of ``entries`` in order, cut where the bytes their jobs hold (:func:`_held_bytes`) pass
+    :data:`GROUP_BYTES`: each group ends with every thread waiting for the last of its ranges, so a checkpoint in the
+    in-memory form, whose jobs hold next to nothing, is one group."""
     groups: list[list[int]] = [[]]
     size = 0
     for i, entry in enumerate(entries):
-        if groups[-1] and size + entry.memory_length > GROUP_BYTES:
+        held = _held_bytes(entry)
+        if groups[-1] and size + held > GROUP_BYTES:
             groups.append([])
             size = 0
         groups[-1].append(i)
-        size += entry.memory_length
+        size += held
     return groups if groups[0] else []
+
+
+def _held_bytes(entry: TensorEntry) -> int:
+    """Memory a tensor's job fills besides its output while its group runs: the stored bytes of a tensor stored at
+    rest (read whole) and what they inflate to; of a SplitZip tensor in the in-memory form read range by range,
+    the bytes around its streams (padding, escape streams: its payload buffer's other pages are never touched);
+    nothing for a tensor stored raw (read into its output) or read whole into a thread's scratch."""
+    if entry.at_rest is not None:
+        return entry.length + (entry.memory_length if entry.encoding != ENCODING_RAW else 0)
+    if entry.encoding == ENCODING_RAW or _whole(entry):
+        return 0
+    return entry.length - entry.layout.n_pairs - entry.layout.n
 
 
 def _read_length(entry: TensorEntry) -> int:
@@ -256,7 +287,7 @@ def _whole(entry: TensorEntry) -> bool:
     """Whether a tensor is decoded by one :class:`_WholeJob`: a SplitZip payload of one range in the in-memory form
     that fits a thread's scratch, where the C kernels are built."""
     return (native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None
-            and entry.layout.n <= RANGE_ELEMENTS and entry.length <= SCRATCH_BYTES)
+            and entry.layout.n <= min(RANGE_ELEMENTS, WHOLE_ELEMENTS) and entry.length <= SCRATCH_BYTES)
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,

@@ -41,9 +41,11 @@ def _tensors() -> dict[str, torch.Tensor]:
 
 @pytest.fixture
 def small_ranges(monkeypatch):
-    """Ranges of 1,024 elements (and 1,000 raw bytes), so a small file has dozens of them."""
+    """Ranges of 1,024 elements (and 1,000 raw bytes), so a small file has dozens of them, and as many threads as
+    asked for, however few bytes they decode."""
     monkeypatch.setattr(host_decode, "RANGE_ELEMENTS", 1024)
     monkeypatch.setattr(host_decode, "RAW_RANGE_BYTES", 1000)
+    monkeypatch.setattr(host_decode, "THREAD_BYTES", 1)
 
 
 @pytest.fixture
@@ -231,3 +233,40 @@ def test_rows_decode_to_the_source_bits_from_the_mapping_or_copied_out(tmp_path,
         with safe_open(path, framework="pt") as f, pytest.raises(ChecksumMismatchError, match="stored bytes") as info:
             f.get_slice("wide")[2:6]
         assert info.value.tensor == "wide"
+
+
+def test_groups_are_cut_by_the_bytes_jobs_fill_besides_their_outputs(tmp_path, small_ranges, monkeypatch):
+    """Each group ends with the threads waiting for its last range: the in-memory form, whose range-by-range jobs
+    fill only the bytes around their streams, is one group; payloads stored at rest (read whole, then inflated) are
+    cut into groups of about GROUP_BYTES."""
+    source = {f"w{i}": (torch.randn(4000) * 0.02).to(torch.bfloat16) for i in range(6)}
+    monkeypatch.setattr(host_decode, "GROUP_BYTES", 20_000)
+    for at_rest, expected in ((None, [[0, 1, 2, 3, 4, 5]]), ("zstd", [[0], [1], [2], [3], [4], [5]])):
+        path = tmp_path / f"{at_rest}.szt"
+        save_file(source, path, at_rest=at_rest)
+        with SztFile(path) as f:
+            entries = [f.entry(name) for name in source]
+        held = [host_decode._held_bytes(e) for e in entries]
+        assert all(h < 100 for h in held) if at_rest is None else all(h > 10_000 for h in held)
+        assert host_decode._groups(entries) == expected
+        assert all(torch.equal(_bits(t), _bits(source[k])) for k, t in load_file(path).items())
+
+
+@pytest.mark.parametrize("thread_bytes, threads", [(1, 2), (10**9, 1)])
+def test_a_load_takes_one_thread_per_thread_bytes_of_output(tmp_path, small_ranges, two_threads, monkeypatch,
+                                                            thread_bytes, threads):
+    """Every range costs Python holding the GIL: a small load on many threads ran slower than on one."""
+    monkeypatch.setattr(host_decode, "THREAD_BYTES", thread_bytes)
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path)
+    seen = set()
+    real = cpu.PayloadDecoder.decode_checked
+
+    def spy(self, *args, **kwargs):
+        seen.add(threading.get_ident())
+        time.sleep(0.001)  # lets the other thread take ranges too
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", spy)
+    load_file(path)
+    assert len(seen) == threads
