@@ -56,6 +56,21 @@ def two_threads():
     torch.set_num_threads(before)
 
 
+def _reads_through(monkeypatch, reads: str, verify: bool) -> list[tuple[str, int, int]]:
+    """Make SplitZip streams of the in-memory form read through the mapping (``"mapped"``: skipped where the C
+    kernels cannot guard it) or copied out with ``pread``; returns the ``(tensor, start, stop)`` of every element
+    range the mapping then serves."""
+    if reads == "mapped" and not host_decode.mapped_reads(verify):
+        pytest.skip("stored bytes are copied out with pread here")
+    if reads == "pread":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    mapped: list[tuple[str, int, int]] = []
+    real = host_decode.mapped_streams
+    monkeypatch.setattr(host_decode, "mapped_streams",
+                        lambda file, entry, a, b: mapped.append((entry.name, a, b)) or real(file, entry, a, b))
+    return mapped
+
+
 @pytest.mark.parametrize("at_rest", [None, "zstd"])
 @pytest.mark.parametrize("verify", [True, False])
 @pytest.mark.parametrize("reads", ["mapped", "pread"])
@@ -63,14 +78,7 @@ def test_parallel_ranges_match_the_reference_decode_bit_for_bit(tmp_path, small_
                                                                  verify, at_rest, reads):
     """Ranges of the in-memory form decoded straight from the mapping (the C kernels' guarded call) or copied out
     with ``pread`` first (where that call is not available)."""
-    if reads == "mapped" and not host_decode.mapped_reads(verify):
-        pytest.skip("ranges are copied out with pread here")
-    if reads == "pread":
-        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
-    mapped = []
-    real_mapped = host_decode.mapped_streams
-    monkeypatch.setattr(host_decode, "mapped_streams",
-                        lambda file, entry, a, b: mapped.append(a) or real_mapped(file, entry, a, b))
+    mapped = _reads_through(monkeypatch, reads, verify)
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path, at_rest=at_rest)
@@ -206,14 +214,7 @@ def test_rows_decode_to_the_source_bits_from_the_mapping_or_copied_out(tmp_path,
     """Rows of a SplitZip tensor (what a tensor-parallel rank keeps) starting at an even element are decoded straight
     from the mapping where the C kernels guard it; rows starting at an odd element, and every row where they do
     not, from bytes copied out with ``pread``. A corrupt payload is refused by its checksum either way."""
-    if reads == "mapped" and not host_decode.mapped_reads(verify):
-        pytest.skip("stored bytes are copied out with pread here")
-    if reads == "pread":
-        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
-    mapped = []
-    real_mapped = host_decode.mapped_streams
-    monkeypatch.setattr(host_decode, "mapped_streams",
-                        lambda file, entry, a, b: mapped.append((entry.name, a, b)) or real_mapped(file, entry, a, b))
+    mapped = _reads_through(monkeypatch, reads, verify)
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path)
