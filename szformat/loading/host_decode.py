@@ -6,10 +6,11 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
 
 - **Ranges on independent threads.** Every tensor is cut into ranges of :data:`RANGE_ELEMENTS` (a small tensor is
   one range); up to ``threads`` threads (at most one per :data:`THREAD_BYTES` of output), the caller's included,
-  each take the next range until none is left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own intra-op threads fork and join around every op,
-  and when another process holds a core every join waits for a descheduled thread: a 2 GB decode went from 2.1 s
-  to 11.7 s with two busy processes on 2 cores. Here a descheduled thread only holds back the range it is on, so a
-  load never runs slower than on one thread, whatever else runs.
+  each take the next range until none is left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own
+  intra-op threads fork and join around every op, and when another process holds a core every join waits for a
+  descheduled thread: a 2 GB decode went from 2.1 s to 11.7 s with two busy processes on 2 cores. Here a
+  descheduled thread only holds back the range it is on, so a load never runs slower than on one thread, whatever
+  else runs.
 - **Checksums in cache.** Each range's stored bytes are checksummed just before they are decoded, its decoded bytes
   just after (:meth:`PayloadDecoder.decode_checked`; with the C kernels block by block inside the decode call, while
   in the L1 cache), and the pieces' CRC-32s are joined at the end: separate passes over the stored and the decoded

@@ -2,11 +2,12 @@
 
 Whole tensors go through :func:`.host_decode.decode_entries` (several threads, checksums in cache). A slice
 (:class:`TensorSlice`) decodes only the rows it covers: for the in-memory form only the bytes of those rows are kept,
-for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. A slice's
-stored bytes are copied out of the file (``pread``), never touched through the mapping, so a file truncated
-meanwhile is an error, not SIGBUS (whole tensors: the same, or the guarded mapped reads of ``host_decode``); each
-stored payload's CRC-32 is checked once per open file, also by a slice's first read (its
-bytes checksummed as they land, the rest of the payload read through a small buffer only to be checksummed).
+for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored
+bytes are copied out of the file (``pread``) or, for SplitZip streams of the in-memory form where the C kernels
+guard it (``host_decode.mapped_reads``), read through the mapping by calls that catch the fault of a lost page: a
+file truncated meanwhile is an error, never SIGBUS. Each stored payload's CRC-32 is checked once per open file, also
+by a slice's first read (its bytes checksummed as they land, the rest of the payload read through a small buffer
+only to be checksummed, or the whole payload checksummed through the mapping).
 """
 
 from __future__ import annotations
@@ -64,8 +65,8 @@ class HostReader:
         name a contiguous tensor of its raw size, or ``None``) where given."""
         entries = [self.file.entry(name) for name in names]
         check_stored = [self.verify and name not in self.verified for name in names]
-        tensors = host_decode.decode_entries(self.file, entries, check_stored=check_stored, check_decoded=self.verify,
-                                 outs=outs)
+        tensors = host_decode.decode_entries(self.file, entries, check_stored=check_stored,
+                                             check_decoded=self.verify, outs=outs)
         if self.verify:
             self.verified.update(names)
         return tensors
@@ -157,7 +158,8 @@ class HostReader:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
         out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out.reshape(-1)
-        if not whole and entry.at_rest is None and start % 2 == 0 and host_decode.mapped_reads(self._unchecked(entry)):
+        mapped = host_decode.mapped_reads(self._unchecked(entry))
+        if mapped and not whole and entry.at_rest is None and start % 2 == 0:
             return self._mapped_rows(entry, start, stop, out).reshape(shape)
         payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         if self.verify and whole:
