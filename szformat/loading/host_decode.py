@@ -135,12 +135,11 @@ class _Job:
 
     def _read_streams(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """A range's ``pk`` and ``sm`` bytes read into this thread's scratch, to be decoded from the cache."""
-        layout, name = self.entry.layout, self.entry.name
-        pk_bytes, sm_bytes = (stop + 1) // 2 - start // 2, stop - start
-        scratch = _range_scratch(pk_bytes + sm_bytes)
-        streams = (scratch[:pk_bytes], scratch[pk_bytes: pk_bytes + sm_bytes])
-        self.file.read(name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2, out=streams[0])
-        self.file.read(name, layout.off_sm + start, layout.off_sm + stop, out=streams[1])
+        (pk_lo, pk_hi), (sm_lo, sm_hi) = _stream_bytes(self.entry, start, stop)
+        scratch = _range_scratch(pk_hi - pk_lo + sm_hi - sm_lo)
+        streams = (scratch[: pk_hi - pk_lo], scratch[pk_hi - pk_lo: pk_hi - pk_lo + sm_hi - sm_lo])
+        self.file.read(self.entry.name, pk_lo, pk_hi, out=streams[0])
+        self.file.read(self.entry.name, sm_lo, sm_hi, out=streams[1])
         return streams
 
 
@@ -183,9 +182,15 @@ def mapped_reads(checked: bool) -> bool:
 def mapped_streams(file: SztFile, entry: TensorEntry, start: int, stop: int) -> tuple[memoryview, memoryview]:
     """The ``pk`` and ``sm`` bytes of elements ``[start, stop)`` of a SplitZip tensor in the in-memory form, as
     views of the file's mapping: for the C kernels' guarded calls only (:func:`mapped_reads`)."""
+    (pk_lo, pk_hi), (sm_lo, sm_hi) = _stream_bytes(entry, start, stop)
+    return file.mapped(entry.name, pk_lo, pk_hi), file.mapped(entry.name, sm_lo, sm_hi)
+
+
+def _stream_bytes(entry: TensorEntry, start: int, stop: int) -> tuple[tuple[int, int], tuple[int, int]]:
+    """The stored byte ranges of the ``pk`` and ``sm`` bytes that decoding elements ``[start, stop)`` reads."""
     layout = entry.layout
-    return (file.mapped(entry.name, layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
-            file.mapped(entry.name, layout.off_sm + start, layout.off_sm + stop))
+    return ((layout.off_pk + start // 2, layout.off_pk + (stop + 1) // 2),
+            (layout.off_sm + start, layout.off_sm + stop))
 
 
 def read_around_streams(file: SztFile, entry: TensorEntry, payload: torch.Tensor) -> None:

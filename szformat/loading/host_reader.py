@@ -22,12 +22,11 @@ import torch
 
 from ..checksum import crc32
 from ..codec.cpu import PayloadDecoder, guarded_crc32
-from ..errors import PayloadError
 from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import (allocation_errors, decode_entry, decode_entry_columns, decode_entry_with_crc,
-                               inflate_entry)
+                               inflate_entry, payload_errors)
 from ..format.reader import SztFile, check_crc, compare_crc
 from . import host_decode
 
@@ -183,10 +182,8 @@ class HostReader:
                 compare_crc(guarded_crc32(file.mapped(name, 0, entry.length)), entry.crc32, what="stored bytes",
                             path=file.path, tensor=name)
                 self.verified.add(name)
-            try:
+            with payload_errors(file.path, name):
                 decoder = PayloadDecoder(payload, entry.layout, entry.codebook)
-            except ValueError as e:
-                raise PayloadError(str(e), path=file.path, tensor=name) from None
             decoder.decode(start, stop, out, streams=host_decode.mapped_streams(file, entry, start, stop))
         except EOFError:  # a guarded call could not read a page of the mapping
             raise file.mapped_read_error(name) from None

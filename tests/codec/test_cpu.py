@@ -649,6 +649,11 @@ def test_the_range_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32
     with pytest.raises(ValueError, match="need 4 pk bytes"):
         native.decode_range(bytes(3), sm, lut, out, *no_escapes, False)
     if cpu.cpu_kernel.checksums_in_kernel():
+        assert native.crc32(sm, zlib.crc32(pk)) == cpu.guarded_crc32(sm, zlib.crc32(pk)) == zlib.crc32(pk + sm)
+        with pytest.raises(ValueError, match=r"crc must be in \[0, 2\*\*32\)"):
+            native.crc32(sm, 1 << 32)
+        with pytest.raises(TypeError, match="takes 2 arguments"):
+            native.crc32(sm)
         assert native.decode_range(pk, sm, lut, out, *no_escapes, True) == \
             (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(bytes(out)))
         with pytest.raises(ValueError, match="need 4 pk bytes"):

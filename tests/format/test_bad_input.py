@@ -786,3 +786,17 @@ def test_a_bin_map_key_is_refused_even_beside_its_str_twin(forge, bad):
 def test_a_required_feature_listed_twice_is_refused(forge, bad):
     forge.header["required_features"] = ["small_alignment", "small_alignment"]
     refused(forge.write(bad), HeaderError, "'required_features' lists 'small_alignment' twice")
+
+
+def test_mapped_views_are_held_to_the_tensor_and_refused_once_the_file_shrank(valid_file, tmp_path):
+    path = tmp_path / "shrinks.szt"
+    path.write_bytes(valid_file.read_bytes())
+    with SztFile(path) as f:
+        length = f.entry("w").length
+        assert bytes(f.mapped("w", 3, length)) == f.read("w", 3).numpy().tobytes()
+        with pytest.raises(ValueError, match="outside the"):
+            f.mapped("w", 0, length + 1)
+        os.truncate(path, 100)
+        with pytest.raises(TruncatedFileError, match="shrank to 100 bytes") as info:
+            f.mapped("w", 0, length)
+        assert info.value.tensor == "w"
