@@ -1,6 +1,6 @@
 """vLLM's load time for ``--load-format szt`` against ``safetensors`` on the same checkpoint, in one run.
 
-    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off]
+    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off] [--pages-4k]
 
 A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``randn * 0.02``), saved with
 ``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
@@ -97,10 +97,11 @@ def _descends(pid: int, ancestor: int) -> bool:
     return False
 
 
-def start_engine(work: Path, model: Path, load_format: str, tp: int, extra: dict) -> dict[str, float]:
+def start_engine(work: Path, model: Path, load_format: str, tp: int, extra: dict, env: dict[str, str]
+                 ) -> dict[str, float]:
     script = work / "engine.py"
     script.write_text(ENGINE)
-    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1"}
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "1", **env}
     if tp == 2:
         env["VLLM_CPU_OMP_THREADS_BIND"] = "0|1"
     started = time.perf_counter()
@@ -129,20 +130,24 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--verify-off", action="store_true", help="also szt with the loader's checksums off "
                         "(--model-loader-extra-config '{\"verify\": false}')")
+    parser.add_argument("--pages-4k", action="store_true", help="also szt with the huge-page advice for the "
+                        "parameters it decodes into turned off (SZFORMAT_HUGE_PAGES=0)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
     original, converted = prepare(work, args.size_mb)
-    variants = {"safetensors": ("safetensors", {}), "szt": ("szt", {})}
+    variants = {"safetensors": ("safetensors", {}, {}), "szt": ("szt", {}, {})}
     if args.verify_off:
-        variants["szt, verify off"] = ("szt", {"verify": False})
+        variants["szt, verify off"] = ("szt", {"verify": False}, {})
+    if args.pages_4k:
+        variants["szt, 4K pages"] = ("szt", {}, {"SZFORMAT_HUGE_PAGES": "0"})
     runs = [(label, int(tp)) for tp in args.tp.split(",") for label in variants]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
     for r in range(args.rounds):
         for label, tp in runs[r % len(runs):] + runs[: r % len(runs)]:
-            fmt, extra = variants[label]
+            fmt, extra, env = variants[label]
             model = converted if fmt == "szt" else original
-            samples[(label, tp)].append(start_engine(work, model, fmt, tp, extra))
+            samples[(label, tp)].append(start_engine(work, model, fmt, tp, extra, env))
             print(f"round {r + 1}: {label} tp={tp}: {samples[(label, tp)][-1]}", flush=True)
     print(f"\ncheckpoint: {original.name}, median of {args.rounds} rounds")
     print(f"{'format':<16} {'tp':>3} {'load weights (s)':>17} {'start to ready (s)':>19} {'peak RSS (GB)':>14} "

@@ -24,6 +24,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..format.header import TensorEntry
+from ..loading import host_pages
 from ..loading.host_reader import HostReader
 
 __all__ = ["DeferredTensor", "DecodeCounter"]
@@ -133,7 +134,11 @@ class DeferredTensor(torch.Tensor):
         """These rows (and columns) decoded, into ``out`` when given (else a new tensor)."""
         entry, (start, stop) = self._entry, self._rows
         if self._cols is not None:
-            return self._decode_columns(torch.empty(self.shape, dtype=self.dtype) if out is None else out)
+            if out is None:
+                out = host_pages.empty(self.shape, self.dtype)
+            else:
+                host_pages.advise_huge_pages(out)
+            return self._decode_columns(out)
         if not entry.shape or (start, stop) == (0, entry.shape[0]):
             (value,) = self._reader.tensors([entry.name], None if out is None else [out])
         else:

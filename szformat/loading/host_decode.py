@@ -28,7 +28,8 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   call that also checks and patches its escapes (``format.payloads.decode_entry``): per tensor, the Python around the four
   reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
   ``bench/RESULTS.md``, "CPU loading").
-- **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too.
+- **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too,
+  and faulted in as huge pages where the kernel offers them (:mod:`.host_pages`).
   Tensors are taken in groups whose jobs fill about :data:`GROUP_BYTES` besides their outputs (inflated at-rest
   payloads, say), so those buffers never hold a whole checkpoint; the in-memory form is one group (each group ends
   with every thread waiting for its last range: seven groups of 2.2 GB took 188 ms on 16 threads, one 138 ms).
@@ -55,6 +56,7 @@ from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, compare_crc
+from . import host_pages
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries", "mapped_reads", "mapped_streams", "read_around_streams"]
 
@@ -307,6 +309,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
             raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
                              f"{entry.raw_length} bytes, got {tuple(out.shape)} {out.dtype} on {out.device}")
         out = out.reshape(-1).view(torch.uint8)
+        host_pages.advise_huge_pages(out)
     with allocation_errors(file.path, entry.name):
         return _new_job(file, entry, check_stored, check_decoded, payload, out)
 
@@ -316,17 +319,17 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
     """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given."""
     dtype = entry.torch_dtype(file.path)
     if _whole(entry):
-        out = into.view(torch.bfloat16) if into is not None else torch.empty(entry.layout.n, dtype=torch.bfloat16)
+        out = into.view(torch.bfloat16) if into is not None else host_pages.empty(entry.layout.n, torch.bfloat16)
         return _WholeJob(file, entry, dtype, out, check_stored, check_decoded)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
-        out = into if into is not None else torch.empty(entry.length, dtype=torch.uint8)
+        out = into if into is not None else host_pages.empty(entry.length, torch.uint8)
         return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
     if entry.byte_planes:  # stored bytes checked whole, frames inflated range by range
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         frame = entry.at_rest.frame_size
-        out = into if into is not None else torch.empty(entry.raw_length, dtype=torch.uint8)
+        out = into if into is not None else host_pages.empty(entry.raw_length, torch.uint8)
         return _Job(file, entry, dtype, out, None, False, check_decoded,
                     _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
                     (at_rest.StoredView(stored), entry.segments()))
@@ -345,7 +348,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
         if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke
             check_crc(file.read(entry.name), entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
-    out = into.view(torch.bfloat16) if into is not None else torch.empty(layout.n, dtype=torch.bfloat16)
+    out = into.view(torch.bfloat16) if into is not None else host_pages.empty(layout.n, torch.bfloat16)
     return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
                 _ranges(layout.n, RANGE_ELEMENTS))
 

@@ -28,7 +28,7 @@ from ..format.header import TensorEntry
 from ..format.payloads import (allocation_errors, decode_entry, decode_entry_columns, decode_entry_with_crc,
                                inflate_entry, payload_errors)
 from ..format.reader import SztFile, check_crc, compare_crc
-from . import host_decode
+from . import host_decode, host_pages
 
 __all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
 
@@ -142,10 +142,12 @@ class HostReader:
         start, stop = row_start * row_numel, row_stop * row_numel
         shape = (row_stop - row_start, *row_shape) if entry.shape else ()
         target = None if out is None else out.reshape(-1).view(torch.uint8)  # the raw bytes land there
+        if target is not None:
+            host_pages.advise_huge_pages(target)
         if entry.encoding == C.ENCODING_RAW and entry.at_rest is None:  # the stored bytes are the tensor's bytes
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
-            raw = target if target is not None else torch.empty(end - begin, dtype=torch.uint8)
+            raw = target if target is not None else host_pages.empty(end - begin, torch.uint8)
             self._read_spans(entry, [(begin, end)], raw, base=begin)
             return raw.view(dtype).reshape(shape)
         whole = (start, stop) == (0, entry.numel)
@@ -156,7 +158,7 @@ class HostReader:
             if self.verify and whole:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
-        out = torch.empty(stop - start, dtype=torch.bfloat16) if out is None else out.reshape(-1)
+        out = host_pages.empty(stop - start, torch.bfloat16) if out is None else out.reshape(-1)
         mapped = host_decode.mapped_reads(self._unchecked(entry))
         if mapped and not whole and entry.at_rest is None and start % 2 == 0:
             return self._mapped_rows(entry, start, stop, out).reshape(shape)
@@ -208,7 +210,7 @@ class HostReader:
 
 def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     """``source`` (bytes in a read buffer) copied into ``target``, or into a tensor of its own."""
-    return source.clone() if target is None else target.copy_(source)
+    return (target if target is not None else host_pages.empty(source.numel(), source.dtype)).copy_(source)
 
 
 class TensorSlice:

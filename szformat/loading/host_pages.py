@@ -1,0 +1,67 @@
+"""Fresh CPU memory for decoded tensors, faulted in as transparent huge pages where the kernel offers them.
+
+Every byte a CPU load returns lands in memory nobody wrote before, and the kernel hands it out a page at a time on
+first write: a fault and a zeroed page per 4 KiB. On a page-cached checkpoint that is the largest cost of a load
+(on the 2-core VM, 262,160 faults and a median 0.95 s per GiB written, against 8,704 faults and 0.55 s with the
+range advised; ``bench/RESULTS.md``, "CPU loading"). Linux maps 2 MiB pages for a range advised
+``MADV_HUGEPAGE`` where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (most distributions' default)
+or ``always``; PyTorch offers the same for all its CPU allocations behind ``THP_MEM_ALLOC_ENABLE=1``.
+
+Only the 2 MiB-aligned pages inside a tensor about to be written whole are advised, so no memory is mapped that
+would not be written anyway; the advice never changes a byte, and where it is refused (another OS, THP compiled
+out, memory the kernel will not advise) the pages stay 4 KiB. ``SZFORMAT_HUGE_PAGES=0`` turns it off (where
+``defrag`` lets a huge page fault compact memory and that stalls more than the faults it saves).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+import sys
+from functools import cache
+from typing import Callable, Sequence
+
+import torch
+
+__all__ = ["HUGE_PAGE_BYTES", "advise_huge_pages", "empty"]
+
+HUGE_PAGE_BYTES = 2 << 20
+"""The transparent huge page size of x86-64 and of arm64 with 4 KiB base pages."""
+
+
+@cache
+def _madvise() -> Callable[[int, int, int], int] | None:
+    """libc's ``madvise``, where there is a ``MADV_HUGEPAGE`` to give it (Linux) and the advice is not turned off."""
+    if (not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
+            or os.environ.get("SZFORMAT_HUGE_PAGES", "1") == "0"):
+        return None
+    try:
+        function = ctypes.CDLL(None, use_errno=True).madvise
+    except (OSError, AttributeError):
+        return None
+    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+    function.restype = ctypes.c_int
+    return function
+
+
+def advise_huge_pages(tensor: torch.Tensor) -> int:
+    """Advise huge pages for the 2 MiB-aligned pages inside a contiguous CPU tensor's bytes, before they are first
+    written; returns the bytes advised (0 where nothing was: too small, another OS, the advice refused)."""
+    madvise = _madvise()
+    if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return 0
+    begin = tensor.data_ptr()
+    first = -(-begin // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
+    last = (begin + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    if last <= first or madvise(first, last - first, mmap.MADV_HUGEPAGE) != 0:
+        return 0
+    return last - first
+
+
+def empty(size: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:
+    """A new CPU tensor (as ``torch.empty(size, dtype=dtype)``) that the caller writes whole, its pages advised huge
+    (:func:`advise_huge_pages`)."""
+    tensor = torch.empty(size, dtype=dtype)
+    advise_huge_pages(tensor)
+    return tensor

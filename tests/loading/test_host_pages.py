@@ -1,0 +1,111 @@
+"""Huge pages for decoded tensors: exactly the 2 MiB pages inside a tensor are advised, nothing outside it, and the
+tensors a CPU load returns (new, or the caller's ``out``) are advised before they are written."""
+
+from __future__ import annotations
+
+import mmap
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from szformat import load_file, safe_open, save_file
+from szformat.loading import host_pages
+
+HUGE = host_pages.HUGE_PAGE_BYTES
+
+
+def _flags(address: int) -> set[str] | None:
+    """The VmFlags of the mapping of this process that holds ``address`` (``None``: no /proc/self/smaps)."""
+    try:
+        lines = Path("/proc/self/smaps").read_text().splitlines()
+    except OSError:
+        return None
+    inside = False
+    for line in lines:
+        head = line.split(" ", 1)[0]
+        if "-" in head and all(c in "0123456789abcdef-" for c in head):
+            lo, hi = (int(x, 16) for x in head.split("-"))
+            inside = lo <= address < hi
+        elif inside and line.startswith("VmFlags:"):
+            return set(line.split()[1:])
+    return None
+
+
+def _advised(address: int) -> bool:
+    flags = _flags(address)
+    if flags is None:
+        pytest.skip("no /proc/self/smaps")
+    return "hg" in flags
+
+
+@pytest.fixture
+def advice_works() -> None:
+    probe = torch.empty(3 * HUGE, dtype=torch.uint8)
+    if host_pages.advise_huge_pages(probe) == 0:
+        pytest.skip(f"no MADV_HUGEPAGE here ({sys.platform}, or transparent huge pages compiled out)")
+
+
+def test_advises_exactly_the_aligned_pages_inside(advice_works: None) -> None:
+    whole = torch.empty(8 * HUGE, dtype=torch.uint8)
+    base = -(-whole.data_ptr() // HUGE) * HUGE - whole.data_ptr()  # offset of the first aligned page
+    inner = whole[base + 100: base + 100 + 3 * HUGE]  # starts past an aligned page, ends before one
+    assert host_pages.advise_huge_pages(inner) == 2 * HUGE
+    first = whole.data_ptr() + base + HUGE
+    assert _advised(first) and _advised(first + 2 * HUGE - 1)
+    assert not _advised(first - 1) and not _advised(first + 2 * HUGE)  # the bytes around are not the tensor's
+
+
+def test_turned_off(monkeypatch: pytest.MonkeyPatch, advice_works: None) -> None:
+    monkeypatch.setenv("SZFORMAT_HUGE_PAGES", "0")
+    monkeypatch.setattr(host_pages, "_madvise", host_pages._madvise.__wrapped__)  # read the setting again
+    assert host_pages.advise_huge_pages(torch.empty(4 * HUGE, dtype=torch.uint8)) == 0
+
+
+def test_nothing_to_advise() -> None:
+    assert host_pages.advise_huge_pages(torch.empty(HUGE // 2, dtype=torch.uint8)) == 0  # no whole aligned page
+    assert host_pages.advise_huge_pages(torch.empty(4, HUGE, dtype=torch.uint8)[:, : HUGE // 2]) == 0  # strided
+    assert host_pages.advise_huge_pages(torch.empty(4 * HUGE, dtype=torch.uint8, device="meta")) == 0
+
+
+def test_empty_is_torch_empty_advised(advice_works: None) -> None:
+    tensor = host_pages.empty((3, HUGE), torch.bfloat16)
+    assert tensor.shape == (3, HUGE) and tensor.dtype == torch.bfloat16 and tensor.is_contiguous()
+    assert _advised(-(-tensor.data_ptr() // HUGE) * HUGE)
+
+
+def _checkpoint(tmp_path: Path) -> tuple[Path, dict[str, torch.Tensor]]:
+    gen = torch.Generator().manual_seed(3)
+    tensors = {"big": (torch.randn(3 * HUGE // 2 + 7, generator=gen) * 0.02).to(torch.bfloat16),
+               "raw": torch.randn(HUGE, generator=gen)}  # stored raw: 8 MiB of float32
+    path = tmp_path / "model.szt"
+    save_file(tensors, path)
+    return path, tensors
+
+
+def test_loaded_tensors_are_advised(tmp_path: Path, advice_works: None) -> None:
+    path, tensors = _checkpoint(tmp_path)
+    loaded = load_file(path)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor.view(torch.uint8), tensors[name].view(torch.uint8)), name
+        assert _advised(-(-tensor.data_ptr() // HUGE) * HUGE), name
+    with safe_open(path, framework="pt") as f:
+        rows = f.get_slice("big")[HUGE // 4: HUGE]
+        assert torch.equal(rows.view(torch.int16), tensors["big"][HUGE // 4: HUGE].view(torch.int16))
+        assert _advised(-(-rows.data_ptr() // HUGE) * HUGE)
+
+
+def test_caller_outputs_are_advised(tmp_path: Path, advice_works: None) -> None:
+    from szformat.format.reader import SztFile
+    from szformat.loading.host_reader import HostReader
+
+    path, tensors = _checkpoint(tmp_path)
+    maps = [mmap.mmap(-1, t.numel() * t.element_size()) for t in tensors.values()]  # mappings never advised
+    outs = [torch.frombuffer(m, dtype=t.dtype).view(t.shape) for m, t in zip(maps, tensors.values())]
+    assert not any(_advised(-(-t.data_ptr() // HUGE) * HUGE) for t in outs)
+    with SztFile(path) as file:
+        HostReader(file, verify=True).tensors(["big", "raw"], outs)
+    for out, name in zip(outs, ("big", "raw")):
+        assert torch.equal(out.view(torch.uint8), tensors[name].view(torch.uint8))
+        assert _advised(-(-out.data_ptr() // HUGE) * HUGE), name
