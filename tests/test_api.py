@@ -438,7 +438,7 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
 
 TRUNCATE_WHILE_READING = """
 import os, sys
-import szformat, szformat.loading.host_reader as host_reader
+import szformat, szformat.loading.host_decode as host_decode, szformat.loading.host_reader as host_reader
 from szformat.errors import TruncatedFileError
 
 path, how = sys.argv[1], sys.argv[2]
@@ -452,6 +452,7 @@ def truncating_first(real):
 
 
 host_reader.check_crc = truncating_first(host_reader.check_crc)  # reads the bytes it checks
+host_decode.decode_payloads = truncating_first(host_decode.decode_payloads)  # small tensors read through the mapping
 if hasattr(os, "preadv"):
     os.preadv = truncating_first(os.preadv)
 try:
@@ -523,6 +524,51 @@ def test_reads_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_
                          env=env, capture_output=True, text=True, timeout=300)
     error = "TruncatedFileError" if cut == "cut" else "ReadError"
     assert (run.returncode, run.stdout) == (0, f"{error} weight model.szt\n"), run.stderr  # SIGBUS: -7
+
+
+TRUNCATE_UNDER_A_BATCHED_DECODE = """
+import os, sys
+import szformat
+import szformat.loading.host_decode as host_decode
+from szformat.errors import ReadError, TruncatedFileError
+from szformat.format.reader import SztFile
+
+path, cut = sys.argv[1], sys.argv[2] == "cut"
+with SztFile(path) as f:
+    third = f.entry("w2")
+real = host_decode.decode_payloads
+
+
+def failing(payloads, **kwargs):
+    if cut:  # another process cuts the file inside the third tensor's payload once the call has its views
+        os.truncate(path, third.offset + 4096)
+        return real(payloads, **kwargs)
+    error = EOFError("a page could not be read")  # what the C call raises where the disk fails, on the second
+    error.item = 1
+    raise error
+
+
+host_decode.decode_payloads = failing
+try:
+    szformat.load_file(path)
+except (TruncatedFileError, ReadError) as e:
+    print(type(e).__name__, e.tensor, os.path.basename(e.path))
+"""
+
+
+@pytest.mark.parametrize("cut", ["cut", "disk error"])
+def test_a_page_lost_under_a_batch_of_small_tensors_names_its_tensor(tmp_path, cut):
+    """Small tensors decoded together by one guarded C call: a page the file lost meanwhile is TruncatedFileError,
+    one the disk fails to deliver ReadError, each naming the tensor whose page it was, not the batch's first."""
+    if not host_decode.mapped_reads(True):
+        pytest.skip("stored bytes are copied out with pread here")
+    path = tmp_path / "model.szt"
+    save_file({f"w{k}": bf16_weight(256, 512, seed=k) for k in range(4)}, path)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run([sys.executable, "-c", TRUNCATE_UNDER_A_BATCHED_DECODE, str(path), cut],
+                         env=env, capture_output=True, text=True, timeout=300)
+    expected = "TruncatedFileError w2" if cut == "cut" else "ReadError w1"
+    assert (run.returncode, run.stdout) == (0, f"{expected} model.szt\n"), run.stderr  # SIGBUS: -7
 
 
 A_FAULT_OUTSIDE_THE_GUARD = """

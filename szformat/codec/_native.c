@@ -26,6 +26,10 @@
  *                                        and decoded bytes checksummed while in the L1 cache when asked; pk and sm
  *                                        may be views of a file's mapping: a page the file no longer holds (it
  *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
+ *   decode_payloads(items, checksums, progress) -> [(stored_crc, decoded_crc, error), ...]
+ *                                        small payloads (decode_payload's arguments each, views of a file's
+ *                                        mapping too) by one guarded call: per payload its stored bytes' CRC-32,
+ *                                        its escape checks, its decode and its output's CRC-32; no Python between.
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
@@ -988,13 +992,55 @@ typedef struct {
     uint32_t crc;
 } Crc32Call;
 
+/* crc32_of over any length (it takes 32-bit lengths): in pieces of 1 GiB. */
+static uint32_t crc32_long(uint32_t crc, const uint8_t *data, Py_ssize_t len)
+{
+    for (Py_ssize_t done = 0; done < len;) {
+        uint32_t piece = len - done < (1 << 30) ? (uint32_t)(len - done) : (1u << 30);
+        crc = crc32_of(crc, data + done, piece);
+        done += piece;
+    }
+    return crc;
+}
+
 static void run_crc32(void *arg)
 {
     Crc32Call *c = arg;
-    for (Py_ssize_t done = 0; done < c->len;) {
-        uint32_t piece = c->len - done < (1 << 30) ? (uint32_t)(c->len - done) : (1u << 30);
-        c->crc = crc32_of(c->crc, c->data + done, piece);
-        done += piece;
+    c->crc = crc32_long(c->crc, c->data, c->len);
+}
+
+#define MESSAGE_BYTES 160
+
+/* Small payloads decoded one after another by one guarded call (decode_payloads): per item its stored bytes'
+ * CRC-32 (when asked), its escape checks, and where they hold its decode and its output's CRC-32. ``progress``
+ * holds the item under way, so a caller whose call faulted knows which tensor's page could not be read. */
+typedef struct {
+    PayloadArgs *items;
+    Py_ssize_t count;
+    int checksums;
+    int64_t *progress;
+    uint32_t *crcs;          /* stored and decoded, two per item */
+    const char **errors;     /* per item: NULL, or its escape streams' message */
+    char *messages;          /* MESSAGE_BYTES per item */
+} PayloadsCall;
+
+static void run_decode_payloads(void *arg)
+{
+    PayloadsCall *c = arg;
+    for (Py_ssize_t i = 0; i < c->count; i++) {
+        const PayloadArgs *a = &c->items[i];
+        const uint8_t *payload = a->b.views[0].buf, *lut = a->b.views[1].buf;
+        uint16_t *out = a->b.views[2].buf;
+        *c->progress = i;
+        if (c->checksums)
+            c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
+        c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size, c->messages + i * MESSAGE_BYTES,
+                                     MESSAGE_BYTES);
+        if (c->errors[i] == NULL) {
+            decode_whole(payload, a->o, lut, out, a->n, a->n_esc, a->chunk_size);
+            if (c->checksums)
+                c->crcs[2 * i + 1] = crc32_long(0, (const uint8_t *)out, 2 * a->n);
+        }
     }
 }
 
@@ -1027,6 +1073,85 @@ static PyObject *py_crc32(PyObject *self, PyObject *const *args, Py_ssize_t narg
         result = PyLong_FromUnsignedLong(call.crc);
 done:
     release(&b);
+    return result;
+}
+
+/* decode_payloads(items, checksums, progress) -> [(stored_crc, decoded_crc, error), ...]: ``items`` a list of
+ * decode_payload's arguments ``(payload, dec_lut, out, n_esc, chunk_size)``, each checked as decode_payload checks
+ * them; one guarded call decodes them all (payloads may be views of a file's mapping). Per item: the CRC-32s (0 when
+ * ``checksums`` is false, the decoded one also where the escapes were refused) and None, or the escape streams'
+ * message (that item's ``out`` left unwritten). A page that could not be read is an EOFError, the index of its item
+ * in ``progress[0]`` (an int64 buffer). */
+static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"payload", "dec_lut", "out"};
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "decode_payloads() takes 3 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int checksums = PyObject_IsTrue(args[1]);
+    if (checksums < 0)
+        return NULL;
+    if (checksums && crc32_of == NULL) {
+        PyErr_SetString(PyExc_RuntimeError, "decode_payloads(): no CRC-32 function (use_crc32)");
+        return NULL;
+    }
+    PyObject *items = PySequence_Fast(args[0], "decode_payloads(): items must be a list or a tuple");
+    if (items == NULL)
+        return NULL;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0;
+    PyObject *result = NULL;
+    Py_buffer progress = {0};
+    int have_progress = 0;
+    PayloadsCall call = {PyMem_Calloc(count + 1, sizeof(PayloadArgs)), count, checksums, NULL,
+                         PyMem_Calloc(2 * count + 2, sizeof(uint32_t)), PyMem_Calloc(count + 1, sizeof(char *)),
+                         PyMem_Calloc(count + 1, MESSAGE_BYTES)};
+    if (call.items == NULL || call.crcs == NULL || call.errors == NULL || call.messages == NULL) {
+        PyErr_NoMemory();
+        goto done;
+    }
+    if (PyObject_GetBuffer(args[2], &progress, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+        goto done;
+    have_progress = 1;
+    if (progress.len < (Py_ssize_t)sizeof(int64_t)) {
+        PyErr_SetString(PyExc_ValueError, "decode_payloads(): progress must hold an int64");
+        goto done;
+    }
+    call.progress = progress.buf;
+    for (; taken < count; taken++) {
+        PyObject *item = PySequence_Fast_GET_ITEM(items, taken);
+        if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
+            PyErr_Format(PyExc_TypeError, "decode_payloads(): item %zd must be a tuple of 5", taken);
+            goto done;
+        }
+        if (payload_args("decode_payloads", PySequence_Fast_ITEMS(item), 5, names, 0x4, 0, 2, 16,
+                         &call.items[taken]) < 0) {
+            taken++; /* its buffers taken so far are released below */
+            goto done;
+        }
+    }
+    if (guarded("decode_payloads", run_decode_payloads, &call) < 0)
+        goto done;
+    result = PyList_New(count);
+    for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
+        PyObject *entry = call.errors[i] == NULL
+            ? Py_BuildValue("(kkO)", (unsigned long)call.crcs[2 * i], (unsigned long)call.crcs[2 * i + 1], Py_None)
+            : Py_BuildValue("(kks)", (unsigned long)call.crcs[2 * i], 0ul, call.errors[i]);
+        if (entry == NULL)
+            Py_CLEAR(result);
+        else
+            PyList_SET_ITEM(result, i, entry);
+    }
+done:
+    for (Py_ssize_t i = 0; i < taken; i++)
+        release(&call.items[i].b);
+    if (have_progress)
+        PyBuffer_Release(&progress);
+    PyMem_Free(call.items);
+    PyMem_Free(call.crcs);
+    PyMem_Free(call.errors);
+    PyMem_Free(call.messages);
+    Py_DECREF(items);
     return result;
 }
 
@@ -1202,6 +1327,9 @@ static PyMethodDef methods[] = {
     {"decode_range", FASTCALL(py_decode_range), "decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) "
      "-> (pk_crc, sm_crc, out_crc) or None: a range decoded block by block, with its checksums when asked; a page "
      "of pk or sm that cannot be read is an EOFError"},
+    {"decode_payloads", FASTCALL(py_decode_payloads), "decode_payloads(items, checksums, progress) -> [(stored_crc, "
+     "decoded_crc, error), ...]: small payloads (decode_payload's arguments each) decoded by one call, with their "
+     "checksums when asked; a page that could not be read an EOFError, its item's index in progress[0]"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range and crc32 turn a fault on a "

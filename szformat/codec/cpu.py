@@ -803,6 +803,35 @@ class PayloadDecoder:
         return crc32(data[layout.off_sm + layout.n:], crc)
 
 
+def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, torch.Tensor]], *, checksums: bool
+                    ) -> list[tuple[int, int, str | None]]:
+    """Whole payloads ``(payload, layout, codebook, out)`` decoded one after another by one C call (the C kernels
+    only), with no Python between them: what a checkpoint of many small tensors otherwise spends more on than on
+    their decode. Per payload ``(stored_crc, decoded_crc, error)``: the CRC-32s of its bytes and of its output (0
+    where ``checksums`` is false), and ``None``, or the message refusing its escape streams (its ``out`` then left
+    unwritten, its decoded CRC-32 0).
+
+    The payloads may be views of a file's mapping (:meth:`SztFile.mapped`): the call catches the fault of a page
+    the file no longer holds.
+
+    Raises:
+        EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
+    """
+    if _native is None or (checksums and not cpu_kernel.checksums_in_kernel()):
+        raise RuntimeError("decode_payloads needs the C kernels (and their CRC-32 function for checksums)")
+    items = []
+    for payload, layout, codebook, out in payloads:
+        _check_out(out, layout.n)
+        items.append((payload, bytes(codebook.dec_lut), out.view(torch.int16).numpy(), layout.n_esc,
+                      layout.chunk_size))
+    progress = np.zeros(1, dtype=np.int64)
+    try:
+        return _native.decode_payloads(items, checksums, progress)
+    except EOFError as e:
+        e.item = int(progress[0])
+        raise
+
+
 def guarded_crc32(data: Buffer, crc: int = 0) -> int:
     """The CRC-32 of ``data`` continuing ``crc``, by the C kernels' guarded call (zlib-ng's function): ``data`` may
     be a view of a file's mapping (``SztFile.mapped``), and a page the file no longer holds is an EOFError, not

@@ -48,7 +48,7 @@ from typing import Sequence
 import torch
 
 from ..checksum import crc32, crc32_join
-from ..codec.cpu import PayloadDecoder, RangeChecksums, native_kernels, one_intra_op_thread
+from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
 from ..codec.cpu_kernel import checksums_in_kernel, native
 from ..errors import PayloadError
 from ..format import at_rest
@@ -81,6 +81,10 @@ THREAD_BYTES = 16 << 20
 """Raw bytes a decoding thread is given at least: a load of fewer bytes runs on fewer threads. Each small tensor
 costs Python holding the GIL: MiniLM (45 MB) loaded in 39 ms on one thread of a 16-core host, 28 ms on four and
 42 ms on sixteen."""
+
+BATCH_BYTES = 4 << 20
+"""Raw bytes of the small tensors decoded by one C call (:class:`_WholeBatch`): enough to leave a few microseconds
+of Python per call, few enough that a checkpoint's small tensors still spread over the threads."""
 
 GROUP_BYTES = 256 << 20
 """Bytes the jobs of the tensors decoded together may fill besides their outputs (:func:`_held_bytes`): at-rest
@@ -170,6 +174,54 @@ class _WholeJob:
             check_crc(self.out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=path, tensor=entry.name)
 
 
+@dataclass
+class _WholeBatch:
+    """Small SplitZip tensors of the in-memory form (:class:`_WholeJob` jobs) decoded straight from the file's mapping
+    by one guarded C call (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its
+    escape checks, its decode and its output's CRC-32, with no read into a scratch and no Python between them."""
+
+    jobs: list[_WholeJob]
+    ranges: tuple[tuple[int, int], ...] = ((0, 0),)  # one unit of work
+
+    def run(self, k: int) -> None:
+        file = self.jobs[0].file
+        payloads = [(file.mapped(job.entry.name, 0, job.entry.length), job.entry.layout, job.entry.codebook,
+                     job.out) for job in self.jobs]
+        checksums = any(job.check_stored or job.check_decoded for job in self.jobs)
+        try:
+            results = decode_payloads(payloads, checksums=checksums)
+        except EOFError as e:
+            raise file.mapped_read_error(self.jobs[e.item].entry.name) from None
+        for job, (stored, decoded, error) in zip(self.jobs, results):
+            entry = job.entry
+            if job.check_stored:  # corrupt bytes are reported as such, whatever they broke
+                compare_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
+            if error is not None:
+                raise PayloadError(error, path=file.path, tensor=entry.name)
+            if job.check_decoded:
+                compare_crc(decoded, entry.raw_crc32, what="decoded bytes", path=file.path, tensor=entry.name)
+
+
+def _units(jobs: Sequence[_Job | _WholeJob]) -> list[tuple[_Job | _WholeJob | _WholeBatch, int]]:
+    """The units of work of a group: each range of a job; small tensors that can be decoded from the mapping
+    (:func:`mapped_reads`) taken together, :data:`BATCH_BYTES` of output per batch."""
+    units: list[tuple[_Job | _WholeJob | _WholeBatch, int]] = []
+    batch: list[_WholeJob] = []
+    size = 0
+    for job in jobs:
+        if not isinstance(job, _WholeJob) or not mapped_reads(job.check_stored or job.check_decoded):
+            units += [(job, k) for k in range(len(job.ranges))]
+            continue
+        if batch and size + job.entry.raw_length > BATCH_BYTES:
+            units.append((_WholeBatch(batch), 0))
+            batch, size = [], 0
+        batch.append(job)
+        size += job.entry.raw_length
+    if batch:
+        units.append((_WholeBatch(batch), 0))
+    return units
+
+
 _thread_scratch = threading.local()
 
 
@@ -248,7 +300,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         payloads = iter(buffer[:needed].split(sizes))
         jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
                      None if outs is None else outs[i]) for i in group]
-        units = [(job, k) for job in jobs for k in range(len(job.ranges))]
+        units = _units(jobs)
         _run(units, max(1, min(threads, len(units))))
         for job, i in zip(jobs, group):
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran

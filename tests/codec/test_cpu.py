@@ -639,6 +639,78 @@ def test_ranges_decoded_by_one_call_from_a_mapping_give_the_reference_bits(n, rn
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and_errors(rng, tmp_path):
+    """What a load runs on small tensors: whole payloads, views of a file's mapping, decoded one after another by one
+    call with and without checksums; a payload whose escape streams break a rule gets the reference's message and
+    leaves the others decoded."""
+    import mmap
+
+    specials = from_bits(special_values())
+    tensors = [weight_like(rng, n, scale=0.5) for n in (0, 1, 7, 2 * CHUNK_SIZE + 1, 9001, 4 * 8192 + 3)]
+    for x in tensors[2:]:
+        for _ in range(x.numel() // 300 + 1):
+            x[rng.randrange(x.numel())] = specials[rng.randrange(specials.numel())]
+    foreign = Codebook(dec_lut=(250,) + (0,) * 15, n_used=1, coverage=0.0)  # every element escapes
+    encoded = [cpu.encode(x) for x in tensors] + [cpu.encode(weight_like(rng, 3001), foreign)]
+    tensors.append(cpu.decode(*encoded[-1]))
+    broken = bytearray(encoded[4][0].numpy().tobytes())  # its first escape's local position past its chunk
+    assert encoded[4][1].n_esc > 0
+    broken[encoded[4][1].off_cid + 4 * encoded[4][1].n_esc: encoded[4][1].off_cid + 4 * encoded[4][1].n_esc + 2] = \
+        struct.pack("<H", CHUNK_SIZE)
+    with pytest.raises(ValueError) as refused:
+        cpu.decode(torch.frombuffer(bytearray(broken), dtype=torch.uint8), *encoded[4][1:])
+    blobs = [payload.numpy().tobytes() for payload, _, _ in encoded] + [bytes(broken)]
+    offsets = [4096 * (1 + sum(-(-len(b) // 4096) for b in blobs[:k])) for k in range(len(blobs))]
+    path = tmp_path / "payloads.bin"
+    with open(path, "wb") as f:
+        for offset, blob in zip(offsets, blobs):
+            f.seek(offset)
+            f.write(blob)
+    layouts = [(layout, codebook) for _, layout, codebook in encoded] + [encoded[4][1:]]
+    expected = tensors + [None]
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        views = [memoryview(mapping)[o: o + len(b)] for o, b in zip(offsets, blobs)]
+        for checksums in [False] + [True] * cpu.cpu_kernel.checksums_in_kernel():
+            outs = [torch.full((layout.n,), 7.0, dtype=torch.bfloat16) for layout, _ in layouts]
+            results = cpu.decode_payloads([(v, layout, codebook, out) for v, (layout, codebook), out
+                                           in zip(views, layouts, outs)], checksums=checksums)
+            for x, out, blob, (stored, decoded, error) in zip(expected, outs, blobs, results):
+                assert stored == (zlib.crc32(blob) if checksums else 0)
+                if x is None:
+                    assert (decoded, error) == (0, str(refused.value))
+                    assert torch.equal(out, torch.full_like(out, 7.0))  # left unwritten
+                    continue
+                assert error is None
+                assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+                assert decoded == (zlib.crc32(x.view(torch.uint8).numpy().tobytes()) if checksums else 0)
+        del views
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_the_payloads_kernel_refuses_bad_arguments():
+    native = cpu._native
+    lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)
+    item = (bytes(8), lut, bytearray(8), 0, 1024)  # 4 elements: 2 pk bytes, padded to 4, then 4 sm bytes
+    assert native.decode_payloads([item, item], False, progress) == [(0, 0, None), (0, 0, None)]
+    assert native.decode_payloads([], False, progress) == []
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        native.decode_payloads([item], False)
+    with pytest.raises(TypeError, match="item 1 must be a tuple of 5"):
+        native.decode_payloads([item, item[:4]], False, progress)
+    with pytest.raises(ValueError, match="decode_payloads"):
+        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress)  # a payload too short
+    with pytest.raises(ValueError, match="decode_payloads"):
+        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress)  # a codebook of 15
+    with pytest.raises(ValueError, match="progress must hold an int64"):
+        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32))
+    with pytest.raises(TypeError, match="a list or a tuple"):
+        native.decode_payloads(5, False, progress)
+    with pytest.raises(ValueError, match="contiguous bfloat16"):
+        cpu.decode_payloads([(bytes(8), PayloadLayout(n=4, n_esc=0), Codebook(dec_lut=lut, n_used=16, coverage=1.0),
+                              torch.empty(3, dtype=torch.bfloat16))], checksums=False)
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_the_range_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32():
     native = cpu._native
     pk, sm, lut, out = bytes(4), bytes(8), bytes(range(16)), bytearray(16)

@@ -160,33 +160,58 @@ def test_a_corrupt_range_is_reported_after_a_parallel_decode(tmp_path, small_ran
     assert torch.equal(_bits(load_file(path, verify=False)["wide"]), _bits(_tensors()["wide"]))
 
 
-@pytest.mark.parametrize("kernel", ["native", "reference"])
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
 def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(tmp_path, two_threads, monkeypatch,
                                                                                  kernel):
-    """With the C kernels a small tensor is one read and one decode call (escapes checked and patched in C); with
-    the reference it goes range by range; both give the source's bits."""
-    if kernel == "native" and cpu._native is None:
+    """With the C kernels the small tensors are decoded together from the file's mapping by one call (``mapped``),
+    or where the kernels cannot catch a fault on a mapped page, each by one read and one decode call (escapes
+    checked and patched in C); with the reference they go range by range; all give the source's bits."""
+    if kernel != "reference" and cpu._native is None:
         pytest.skip("the C extension was not built here")
-    monkeypatch.setattr(cpu, "_native", cpu._native if kernel == "native" else None)
+    if kernel == "mapped" and not host_decode.mapped_reads(True):
+        pytest.skip("the C kernels do not read through the mapping here")
+    monkeypatch.setattr(cpu, "_native", cpu._native if kernel != "reference" else None)
+    if kernel == "native":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path)
-    whole, ranges = [], []
-    real_decode, real_checked = cpu.decode, cpu.PayloadDecoder.decode_checked
+    whole, ranges, batches = [], [], []
+    real_decode, real_checked, real_batch = cpu.decode, cpu.PayloadDecoder.decode_checked, cpu.decode_payloads
     monkeypatch.setattr(cpu, "decode", lambda payload, layout, *a, **kw: whole.append(layout.n)
                         or real_decode(payload, layout, *a, **kw))
     monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", lambda self, start, stop, out, **kw:
                         ranges.append(self.layout.n) or real_checked(self, start, stop, out, **kw))
+    monkeypatch.setattr(host_decode, "decode_payloads", lambda payloads, **kw:
+                        batches.append(sorted(p[1].n for p in payloads)) or real_batch(payloads, **kw))
     loaded = load_file(path)
     for name, tensor in source.items():
         assert torch.equal(_bits(loaded[name]), _bits(tensor)), name
     with SztFile(path) as f:
         splitzip = sorted(f.entry(name).layout.n for name in f.entries if f.entry(name).encoding == "splitzip")
     assert splitzip == [20_001, 64 * 513]
-    if kernel == "native":
-        assert (sorted(whole), ranges) == (splitzip, [])
-    else:
-        assert (whole, sorted(ranges)) == ([], splitzip)
+    expected = {"mapped": ([], [], [splitzip]), "native": (splitzip, [], []), "reference": ([], splitzip, [])}
+    assert (sorted(whole), sorted(ranges), batches) == expected[kernel]
+
+
+def test_small_tensors_are_batched_by_bytes(monkeypatch):
+    """Small tensors are cut into batches of at most BATCH_BYTES of output, in order; larger tensors' ranges and
+    tensors stored raw stay units of their own."""
+    monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: True)
+    entry = type("Entry", (), {})
+
+    def whole(raw_length):
+        e = entry()
+        e.raw_length = raw_length
+        return host_decode._WholeJob(None, e, torch.bfloat16, None, True, True)
+
+    third = host_decode.BATCH_BYTES // 3
+    small = [whole(third) for _ in range(5)]
+    ranged = host_decode._Job(None, entry(), torch.bfloat16, None, None, True, True, [(0, 4), (4, 8)])
+    units = host_decode._units([small[0], small[1], ranged, small[2], small[3], small[4]])
+    assert [(type(u).__name__, k) for u, k in units] == [("_Job", 0), ("_Job", 1), ("_WholeBatch", 0),
+                                                         ("_WholeBatch", 0)]
+    assert [u.jobs for u, _ in units[2:]] == [small[:3], small[3:]]
 
 
 @pytest.mark.parametrize("verify", [True, False])

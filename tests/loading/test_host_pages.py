@@ -48,7 +48,7 @@ def advice_works() -> None:
 
 
 def test_advises_exactly_the_aligned_pages_inside(advice_works: None) -> None:
-    whole = torch.empty(8 * HUGE, dtype=torch.uint8)
+    whole = torch.frombuffer(mmap.mmap(-1, 8 * HUGE), dtype=torch.uint8)  # a mapping of its own, never advised
     base = -(-whole.data_ptr() // HUGE) * HUGE - whole.data_ptr()  # offset of the first aligned page
     inner = whole[base + 100: base + 100 + 3 * HUGE]  # starts past an aligned page, ends before one
     assert host_pages.advise_huge_pages(inner) == 2 * HUGE
@@ -91,8 +91,8 @@ def test_loaded_tensors_are_advised(tmp_path: Path, advice_works: None) -> None:
         assert torch.equal(tensor.view(torch.uint8), tensors[name].view(torch.uint8)), name
         assert _advised(-(-tensor.data_ptr() // HUGE) * HUGE), name
     with safe_open(path, framework="pt") as f:
-        rows = f.get_slice("big")[HUGE // 4: HUGE]
-        assert torch.equal(rows.view(torch.int16), tensors["big"][HUGE // 4: HUGE].view(torch.int16))
+        rows = f.get_slice("big")[6: 3 * HUGE // 2]  # over 4 MiB: a whole aligned 2 MiB page inside, always
+        assert torch.equal(rows.view(torch.int16), tensors["big"][6: 3 * HUGE // 2].view(torch.int16))
         assert _advised(-(-rows.data_ptr() // HUGE) * HUGE)
 
 
