@@ -23,11 +23,12 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   scratch. A tensor stored raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is
   read whole and inflated first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by
   the threads, straight into its output.
-- **A small tensor in one read and one call.** Where the C kernels are built, a SplitZip tensor of one range in the
-  in-memory form is read whole into the thread's scratch (one ``pread``), checksummed whole, and decoded by one
-  call that also checks and patches its escapes (``format.payloads.decode_entry``): per tensor, the Python around the four
+- **Small tensors in one call.** Where the C kernels are built, a SplitZip tensor of one range in the in-memory
+  form is decoded whole by a call that also checks and patches its escapes: per tensor, the Python around the four
   reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
-  ``bench/RESULTS.md``, "CPU loading").
+  ``bench/RESULTS.md``, "CPU loading"). Where the kernels read through the mapping, the small tensors are taken
+  :data:`BATCH_BYTES` at a time by one guarded call that checksums, checks and decodes each in turn
+  (:class:`_WholeBatch`); elsewhere each is read whole into the thread's scratch (one ``pread``) first.
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too,
   and faulted in as huge pages where the kernel offers them (:mod:`.host_pages`).
   Tensors are taken in groups whose jobs fill about :data:`GROUP_BYTES` besides their outputs (inflated at-rest
