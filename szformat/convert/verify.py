@@ -14,13 +14,15 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._lazy import cpu_codec
+from .._lazy import cpu_codec, torch
 from ..errors import ShardIndexError, SzformatError
 from ..format import constants as C
 from ..format.index import SEVERAL_INDEXES, index_problems, read_index
+from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from .checkpoint import find_files
 from .expand import iter_raw_bytes
+from .pages import drop_pages
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -108,21 +110,71 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
-    # The decode's few torch ops on one intra-op thread, as conversion runs them (convert.py): with 16 intra-op
-    # threads, forking and joining a team around each made a 2.2 GB pass slower than on one thread.
-    with cpu_codec.one_intra_op_thread(), progress_bar(total, enabled=progress, description="verifying") as bar:
+    buffer = torch.empty(min(total, GROUP_BYTES), dtype=torch.uint8) if readable else None  # pages: when written
+    with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
             with SztFile(files.root / rel) as szt:
-                for entry in szt.entries.values():
-                    report.tensors += 1
-                    report.raw_bytes += entry.raw_length
-                    try:
-                        for chunk in iter_raw_bytes(szt, entry):
-                            bar.update(chunk.numel())
-                    except SzformatError as e:
-                        report.problems.append(Problem(rel, entry.name, e.reason))
+                entries = list(szt.entries.values())
+                report.tensors += len(entries)
+                report.raw_bytes += sum(e.raw_length for e in entries)
+                for group in _groups(entries):
+                    size = sum(e.raw_length for e in group)
+                    if size > GROUP_BYTES or not _passes_together(szt, group, buffer[:size]):
+                        report.problems += [Problem(rel, e.name, reason) for e in group
+                                            if (reason := _checked_alone(szt, e)) is not None]
+                    bar.update(size)
     report.seconds = time.perf_counter() - started
     return report
+
+
+GROUP_BYTES = 64 << 20
+"""Raw bytes of the tensors checked together by the CPU loader on its threads, into one buffer reused from group
+to group (:func:`_passes_together`); a larger tensor is checked slice by slice (:func:`_checked_alone`), so memory
+stays bounded whatever the tensors' sizes."""
+
+
+def _groups(entries: list[TensorEntry]) -> list[list[TensorEntry]]:
+    """``entries`` in order, cut into groups of at most :data:`GROUP_BYTES` of raw bytes; a larger tensor alone."""
+    groups: list[list[TensorEntry]] = []
+    size = 0
+    for entry in entries:
+        if not groups or size + entry.raw_length > GROUP_BYTES:
+            groups.append([])
+            size = 0
+        groups[-1].append(entry)
+        size += entry.raw_length
+    return groups
+
+
+def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:
+    """Decode a group of tensors as ``load_file`` does, on its threads, every checksum checked, into ``buffer`` (flat
+    uint8 of their raw size): whether every one passed (where one did not, the caller checks each alone to say
+    what is wrong)."""
+    from ..loading.host_decode import decode_entries
+
+    try:
+        decode_entries(szt, group, check_stored=[True] * len(group), check_decoded=True,
+                       outs=list(buffer.split([e.raw_length for e in group])))
+    except SzformatError:
+        return False
+    finally:
+        for entry in group:
+            drop_pages(szt.buffer, entry.offset, entry.length)
+    return True
+
+
+def _checked_alone(szt: SztFile, entry: TensorEntry) -> str | None:
+    """Check one tensor slice by slice on one thread (its stored and decoded checksums, its escape streams): the
+    reason it fails, or None."""
+    # The decode's few torch ops on one intra-op thread, as conversion runs them (convert.py): with 16 intra-op
+    # threads, forking and joining a team around each made a 2.2 GB pass slower than on one thread.
+    with cpu_codec.one_intra_op_thread():
+        try:
+            for _ in iter_raw_bytes(szt, entry):
+                pass
+        except SzformatError as e:
+            return e.reason
+    return None
 
 
 def _reason(error: Exception) -> str:

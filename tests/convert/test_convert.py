@@ -718,6 +718,39 @@ def test_verify_names_every_bad_tensor_and_file(tmp_path):
     assert all(repr(t) in problems[(index, None)] for t in ("position_ids", "noise", "scale", "empty"))
 
 
+def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(tmp_path, monkeypatch):
+    """Tensors are decoded in groups of GROUP_BYTES on the loader's threads; a tensor larger than that, and each
+    tensor of a group that failed, are checked alone, so every bad tensor is still named and nothing else."""
+    from szformat.loading import host_decode
+
+    verify_module = importlib.import_module("szformat.convert.verify")  # the package exports the function by its name
+    monkeypatch.setattr(verify_module, "GROUP_BYTES", 3000)
+    tensors = {f"t{k}": bf16_weights((20, 25), seed=k) for k in range(6)}  # 1,000 bytes each
+    tensors["large"] = bf16_weights((80, 25), seed=9)  # 4,000 bytes: alone
+    tensors["raw"] = torch.arange(200, dtype=torch.int32)  # stored raw, 800 bytes
+    path = tmp_path / "model.szt"
+    szformat.save_file(tensors, path)
+    with SztFile(path) as f:
+        order = list(f.entries)
+        groups = [[e.name for e in g] for g in verify_module._groups(list(f.entries.values()))]
+    together, alone = [], []
+    real_decode, real_alone = host_decode.decode_entries, verify_module._checked_alone
+    monkeypatch.setattr(host_decode, "decode_entries", lambda file, entries, **kw: together.append(
+        [e.name for e in entries]) or real_decode(file, entries, **kw))
+    monkeypatch.setattr(verify_module, "_checked_alone", lambda szt, entry: alone.append(entry.name)
+                        or real_alone(szt, entry))
+    assert [n for g in groups for n in g] == order and all(len(g) <= 3 for g in groups) and ["large"] in groups
+    assert verify(path).ok
+    assert together == [g for g in groups if g != ["large"]] and alone == ["large"]
+
+    bad = next(g for g in groups if len(g) > 1)
+    flip_payload_byte(path, bad[-1])
+    together.clear(), alone.clear()
+    report = verify(path)
+    assert [(p.tensor, "CRC-32 of the stored bytes" in p.message) for p in report.problems] == [(bad[-1], True)]
+    assert alone == [n for g in groups if g in (bad, ["large"]) for n in g]  # the failed group's tensors, each alone
+
+
 def test_verify_of_a_single_file_and_of_an_index(tmp_path, model_file):
     convert(model_file, tmp_path / "model.szt")
     assert verify(tmp_path / "model.szt").ok
