@@ -10,11 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .._lazy import cpu_codec
+from .._lazy import cpu_codec, torch
 from ..format import constants as C
 from ..format.reader import SztFile
 from .driver import TensorDone, run_pass
-from .expand import iter_raw_bytes
+from .expand import GROUP_BYTES, decode_group, decoded_together, iter_raw_bytes, tensor_groups
 from .report import ConversionReport
 from .safetensors_writer import SafetensorsWriter
 from .sources import SUFFIX
@@ -47,11 +47,18 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
         with SztFile(src) as szt:
             entries = list(szt.entries.values())
             specs = [(e.name, e.dtype, e.shape) for e in entries]
-            with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer, \
-                    cpu_codec.one_intra_op_thread():  # as verify's pass (verify.py)
-                for entry in entries:
-                    for chunk in iter_raw_bytes(szt, entry):
-                        writer.write(chunk)
+            buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8)  # its pages taken when written
+            with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
+                for group in tensor_groups(entries):  # decoded together on the loader's threads, or alone
+                    if decoded_together(group):
+                        for entry, raw in zip(group, decode_group(szt, group, buffer)):
+                            writer.write(raw)
+                            tensor_done(entry)
+                        continue
+                    (entry,) = group
+                    with cpu_codec.one_intra_op_thread():  # as verify's slices (verify.py)
+                        for chunk in iter_raw_bytes(szt, entry):
+                            writer.write(chunk)
                     tensor_done(entry)
 
     return run_pass(source, target, old_suffix=C.FILE_SUFFIX, old_magic=C.MAGIC, new_suffix=SUFFIX,

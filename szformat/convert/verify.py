@@ -21,8 +21,7 @@ from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from .checkpoint import find_files
-from .expand import iter_raw_bytes
-from .pages import drop_pages
+from .expand import GROUP_BYTES, decode_group, decoded_together, iter_raw_bytes, tensor_groups
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -110,56 +109,29 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
-    buffer = torch.empty(min(total, GROUP_BYTES), dtype=torch.uint8) if readable else None  # pages: when written
+    buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8) if total else None  # its pages taken when written
     with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
             with SztFile(files.root / rel) as szt:
                 entries = list(szt.entries.values())
                 report.tensors += len(entries)
                 report.raw_bytes += sum(e.raw_length for e in entries)
-                for group in _groups(entries):
-                    size = sum(e.raw_length for e in group)
-                    if size > GROUP_BYTES or not _passes_together(szt, group, buffer[:size]):
+                for group in tensor_groups(entries):
+                    if not decoded_together(group) or not _passes_together(szt, group, buffer):
                         report.problems += [Problem(rel, e.name, reason) for e in group
                                             if (reason := _checked_alone(szt, e)) is not None]
-                    bar.update(size)
+                    bar.update(sum(e.raw_length for e in group))
     report.seconds = time.perf_counter() - started
     return report
 
 
-GROUP_BYTES = 64 << 20
-"""Raw bytes of the tensors checked together by the CPU loader on its threads, into one buffer reused from group
-to group (:func:`_passes_together`); a larger tensor is checked slice by slice (:func:`_checked_alone`), so memory
-stays bounded whatever the tensors' sizes."""
-
-
-def _groups(entries: list[TensorEntry]) -> list[list[TensorEntry]]:
-    """``entries`` in order, cut into groups of at most :data:`GROUP_BYTES` of raw bytes; a larger tensor alone."""
-    groups: list[list[TensorEntry]] = []
-    size = 0
-    for entry in entries:
-        if not groups or size + entry.raw_length > GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += entry.raw_length
-    return groups
-
-
 def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:
-    """Decode a group of tensors as ``load_file`` does, on its threads, every checksum checked, into ``buffer`` (flat
-    uint8 of their raw size): whether every one passed (where one did not, the caller checks each alone to say
-    what is wrong)."""
-    from ..loading.host_decode import decode_entries
-
+    """Whether every tensor of a group passes every check, decoded together (:func:`decode_group`); where one does
+    not, the caller checks each alone to say what is wrong."""
     try:
-        decode_entries(szt, group, check_stored=[True] * len(group), check_decoded=True,
-                       outs=list(buffer.split([e.raw_length for e in group])))
+        decode_group(szt, group, buffer)
     except SzformatError:
         return False
-    finally:
-        for entry in group:
-            drop_pages(szt.buffer, entry.offset, entry.length)
     return True
 
 

@@ -724,7 +724,7 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     from szformat.loading import host_decode
 
     verify_module = importlib.import_module("szformat.convert.verify")  # the package exports the function by its name
-    monkeypatch.setattr(verify_module, "GROUP_BYTES", 3000)
+    monkeypatch.setattr(expand, "GROUP_BYTES", 3072)
     tensors = {f"t{k}": bf16_weights((20, 25), seed=k) for k in range(6)}  # 1,000 bytes each
     tensors["large"] = bf16_weights((80, 25), seed=9)  # 4,000 bytes: alone
     tensors["raw"] = torch.arange(200, dtype=torch.int32)  # stored raw, 800 bytes
@@ -732,7 +732,7 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     szformat.save_file(tensors, path)
     with SztFile(path) as f:
         order = list(f.entries)
-        groups = [[e.name for e in g] for g in verify_module._groups(list(f.entries.values()))]
+        groups = [[e.name for e in g] for g in expand.tensor_groups(list(f.entries.values()))]
     together, alone = [], []
     real_decode, real_alone = host_decode.decode_entries, verify_module._checked_alone
     monkeypatch.setattr(host_decode, "decode_entries", lambda file, entries, **kw: together.append(
