@@ -109,7 +109,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
-    buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8) if total else None  # its pages taken when written
+    buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8) if readable else None  # its pages taken when written
     with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
             with SztFile(files.root / rel) as szt:

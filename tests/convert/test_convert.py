@@ -751,6 +751,16 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     assert alone == [n for g in groups if g in (bad, ["large"]) for n in g]  # the failed group's tensors, each alone
 
 
+def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path):
+    path = tmp_path / "empty.szt"
+    szformat.save_file({"e": torch.zeros(0, 3, dtype=torch.bfloat16), "f": torch.zeros(0)}, path)
+    report = verify(path)
+    assert report.ok and report.tensors == 2 and report.raw_bytes == 0
+    decompress(path, tmp_path / "back.safetensors")
+    assert {k: tuple(v.shape) for k, v in load_safetensors(tmp_path / "back.safetensors").items()} == \
+        {"e": (0, 3), "f": (0,)}
+
+
 def test_verify_of_a_single_file_and_of_an_index(tmp_path, model_file):
     convert(model_file, tmp_path / "model.szt")
     assert verify(tmp_path / "model.szt").ok
