@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Iterator, Sequence
 
 from .._lazy import torch
+from .._runs import runs_within
 from ..checksum import crc32
 from ..errors import ChecksumMismatchError
 from ..format import constants as C
@@ -39,15 +40,7 @@ def slot_bytes(entry: TensorEntry) -> int:
 def tensor_groups(entries: Sequence[TensorEntry]) -> list[list[TensorEntry]]:
     """``entries`` in order, cut into groups whose slots (:func:`slot_bytes`) fill at most :data:`GROUP_BYTES`; a
     larger tensor alone (:func:`decoded_together` says which)."""
-    groups: list[list[TensorEntry]] = []
-    size = 0
-    for entry in entries:
-        if not groups or size + slot_bytes(entry) > GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(entry)
-        size += slot_bytes(entry)
-    return groups
+    return runs_within(entries, slot_bytes, GROUP_BYTES)
 
 
 def decoded_together(group: Sequence[TensorEntry]) -> bool:

@@ -134,11 +134,7 @@ class DeferredTensor(torch.Tensor):
         """These rows (and columns) decoded, into ``out`` when given (else a new tensor)."""
         entry, (start, stop) = self._entry, self._rows
         if self._cols is not None:
-            if out is None:
-                out = host_pages.empty(self.shape, self.dtype)
-            else:
-                host_pages.advise_huge_pages(out)
-            return self._decode_columns(out)
+            return self._decode_columns(torch.empty(self.shape, dtype=self.dtype) if out is None else out)
         if not entry.shape or (start, stop) == (0, entry.shape[0]):
             (value,) = self._reader.tensors([entry.name], None if out is None else [out])
         else:
@@ -150,6 +146,7 @@ class DeferredTensor(torch.Tensor):
         """Columns ``cols`` of these rows into ``out``, a block of rows at a time (no tensor of the whole matrix is
         made): only those columns decoded where the codec can (:meth:`HostReader.columns_decodable`), else whole
         rows decoded into a scratch that stays in cache and the columns copied out of it."""
+        host_pages.advise_huge_pages(out)  # written whole, block by block
         (start, stop), (first, last) = self._rows, self._cols
         width = self._entry.shape[1]
         step = max(1, BLOCK_BYTES // max(1, width * out.element_size()))

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from .._runs import runs_within
 from ..errors import InvalidArgumentError, ModelFolderError
 from ..format import constants as C
 from .deferred import DecodeCounter, DeferredTensor
@@ -82,7 +83,7 @@ def szt_weights(path: str | os.PathLike, device: torch.device, *, verify: bool =
         for shard in checkpoint_shards(path):
             with open_shard(shard) as file:
                 names = list(file.entries) if shard.names is None else shard.names
-                for batch in _batches(file, names, batch_bytes):
+                for batch in runs_within(names, lambda name: file.entry(name).raw_length, batch_bytes):
                     yield from loader.load(file, batch).items()
                 loader.release(file)
     finally:
@@ -105,20 +106,6 @@ def verify_option(extra_config: object) -> bool:
     if not isinstance(verify, bool):
         raise InvalidArgumentError(f"model_loader_extra_config 'verify' must be true or false, got {verify!r}")
     return verify
-
-
-def _batches(file, names: list[str], budget: int) -> Iterator[list[str]]:
-    """``names`` in runs of at most ``budget`` raw bytes (at least one name per run)."""
-    batch, size = [], 0
-    for name in names:
-        raw = file.entry(name).raw_length
-        if batch and size + raw > budget:
-            yield batch
-            batch, size = [], 0
-        batch.append(name)
-        size += raw
-    if batch:
-        yield batch
 
 
 def local_checkpoint(model: str, revision: str | None = None, download_dir: str | None = None) -> Path:

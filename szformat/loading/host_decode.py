@@ -48,6 +48,7 @@ from typing import Sequence
 
 import torch
 
+from .._runs import runs_within
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
 from ..codec.cpu_kernel import checksums_in_kernel, native
@@ -182,9 +183,8 @@ class _WholeBatch:
     escape checks, its decode and its output's CRC-32, with no read into a scratch and no Python between them."""
 
     jobs: list[_WholeJob]
-    ranges: tuple[tuple[int, int], ...] = ((0, 0),)  # one unit of work
 
-    def run(self, k: int) -> None:
+    def run(self, k: int) -> None:  # one unit of work: k is 0
         file = self.jobs[0].file
         payloads = [(file.mapped(job.entry.name, 0, job.entry.length), job.entry.layout, job.entry.codebook,
                      job.out) for job in self.jobs]
@@ -204,23 +204,17 @@ class _WholeBatch:
 
 
 def _units(jobs: Sequence[_Job | _WholeJob]) -> list[tuple[_Job | _WholeJob | _WholeBatch, int]]:
-    """The units of work of a group: each range of a job; small tensors that can be decoded from the mapping
-    (:func:`mapped_reads`) taken together, :data:`BATCH_BYTES` of output per batch."""
+    """The units of work of a group: each range of a job; then the small tensors that can be decoded from the
+    mapping (:func:`mapped_reads`) taken together, :data:`BATCH_BYTES` of output per batch."""
     units: list[tuple[_Job | _WholeJob | _WholeBatch, int]] = []
-    batch: list[_WholeJob] = []
-    size = 0
+    batched: list[_WholeJob] = []
     for job in jobs:
-        if not isinstance(job, _WholeJob) or not mapped_reads(job.check_stored or job.check_decoded):
+        if isinstance(job, _WholeJob) and mapped_reads(job.check_stored or job.check_decoded):
+            batched.append(job)
+        else:
             units += [(job, k) for k in range(len(job.ranges))]
-            continue
-        if batch and size + job.entry.raw_length > BATCH_BYTES:
-            units.append((_WholeBatch(batch), 0))
-            batch, size = [], 0
-        batch.append(job)
-        size += job.entry.raw_length
-    if batch:
-        units.append((_WholeBatch(batch), 0))
-    return units
+    return units + [(_WholeBatch(run), 0) for run in runs_within(batched, lambda job: job.entry.raw_length,
+                                                                   BATCH_BYTES)]
 
 
 _thread_scratch = threading.local()
@@ -314,16 +308,7 @@ def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
     """Indices of ``entries`` in order, cut where the bytes their jobs hold (:func:`_held_bytes`) pass
     :data:`GROUP_BYTES`: each group ends with every thread waiting for the last of its ranges, so a checkpoint in the
     in-memory form, whose jobs hold next to nothing, is one group."""
-    groups: list[list[int]] = [[]]
-    size = 0
-    for i, entry in enumerate(entries):
-        held = _held_bytes(entry)
-        if groups[-1] and size + held > GROUP_BYTES:
-            groups.append([])
-            size = 0
-        groups[-1].append(i)
-        size += held
-    return groups if groups[0] else []
+    return runs_within(range(len(entries)), lambda i: _held_bytes(entries[i]), GROUP_BYTES)
 
 
 def _held_bytes(entry: TensorEntry) -> int:

@@ -42,6 +42,8 @@ from support import (METADATA, RecordingBackend, assert_same_tensors, bf16_weigh
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
 checkpoint_module = importlib.import_module("szformat.convert.checkpoint")
 sources_module = importlib.import_module("szformat.convert.sources")
+verify_module = importlib.import_module("szformat.convert.verify")
+decompress_module = importlib.import_module("szformat.convert.decompress")
 MINILM_DIR = Path(os.environ.get("SZFORMAT_MINILM_DIR", "~/.cache/szformat/minilm")).expanduser() / "minilm-bf16"
 """Where tools/fetch_minilm.py puts the BF16 model folder."""
 
@@ -723,7 +725,6 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     tensor of a group that failed, are checked alone, so every bad tensor is still named and nothing else."""
     from szformat.loading import host_decode
 
-    verify_module = importlib.import_module("szformat.convert.verify")  # the package exports the function by its name
     monkeypatch.setattr(expand, "GROUP_BYTES", 3072)
     tensors = {f"t{k}": bf16_weights((20, 25), seed=k) for k in range(6)}  # 1,000 bytes each
     tensors["large"] = bf16_weights((80, 25), seed=9)  # 4,000 bytes: alone
@@ -749,6 +750,25 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     report = verify(path)
     assert [(p.tensor, "CRC-32 of the stored bytes" in p.message) for p in report.problems] == [(bad[-1], True)]
     assert alone == [n for g in groups if g in (bad, ["large"]) for n in g]  # the failed group's tensors, each alone
+
+
+def test_decompress_writes_grouped_and_large_tensors_in_order(tmp_path, monkeypatch):
+    """Tensors decoded together on the loader's threads and a tensor too large for a group (slice by slice) land
+    in the safetensors file in order, byte for byte."""
+    monkeypatch.setattr(expand, "GROUP_BYTES", 3072)
+    tensors = {f"t{k}": bf16_weights((20, 25), seed=k) for k in range(4)}
+    tensors["large"] = bf16_weights((80, 25), seed=9)
+    tensors["raw"] = torch.arange(200, dtype=torch.int32)
+    source = tmp_path / "model.safetensors"
+    save_safetensors(tensors, source)
+    convert(source, tmp_path / "model.szt")
+    alone = []
+    real = expand.iter_raw_bytes
+    monkeypatch.setattr(decompress_module, "iter_raw_bytes", lambda szt, entry: alone.append(entry.name)
+                        or real(szt, entry))
+    decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
+    assert alone == ["large"]
+    assert (tmp_path / "back.safetensors").read_bytes() == source.read_bytes()
 
 
 def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path):
