@@ -42,10 +42,11 @@ def crc32_join(parts: Iterable[tuple[int, int]]) -> int:
     return crc
 
 
-def crc32_function_address() -> int | None:
-    """The address of zlib-ng's C function ``zng_crc32`` (what :func:`crc32` runs), for the C kernels to checksum
-    each block they decode while it is in cache; ``None`` where zlib-ng's module does not export it."""
+def crc32_function_address(name: str = "zng_crc32") -> int | None:
+    """The address of zlib-ng's C function ``name`` (``zng_crc32``, what :func:`crc32` runs, or
+    ``zng_crc32_combine``), for the C kernels to checksum each block they decode while it is in cache; ``None``
+    where zlib-ng's module does not export it."""
     try:
-        return ctypes.cast(ctypes.CDLL(zlib_ng.__file__).zng_crc32, ctypes.c_void_p).value
+        return ctypes.cast(getattr(ctypes.CDLL(zlib_ng.__file__), name), ctypes.c_void_p).value
     except (OSError, AttributeError):
         return None

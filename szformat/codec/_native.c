@@ -20,7 +20,8 @@
  *   encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> escapes
  *                                        the inverse, a whole payload (escape streams and padding included) in
  *                                        one call; the caller checks it by decoding it with decode_payload.
- *   use_crc32(address)                   zlib-ng's zng_crc32 for the call below (checked against a bitwise CRC-32).
+ *   use_crc32(crc32, combine)            zlib-ng's zng_crc32 and zng_crc32_combine (their addresses) for the calls
+ *                                        below, checked against a bitwise CRC-32 first.
  *   decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) -> (pk_crc, sm_crc, out_crc) or None
  *                                        a range of a load with its escapes, block by block, each block's stored
  *                                        and decoded bytes checksummed while in the L1 cache when asked; pk and sm
@@ -28,8 +29,9 @@
  *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
  *   decode_payloads(items, checksums, progress) -> [(stored_crc, decoded_crc, error), ...]
  *                                        small payloads (decode_payload's arguments each, views of a file's
- *                                        mapping too) by one guarded call: per payload its stored bytes' CRC-32,
- *                                        its escape checks, its decode and its output's CRC-32; no Python between.
+ *                                        mapping too) by one guarded call: per payload its escape checks, its
+ *                                        decode and both CRC-32s, taken block by block as decode_range takes them;
+ *                                        no Python between.
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
@@ -417,6 +419,11 @@ static void decode_whole(const uint8_t *payload, Offsets o, const uint8_t *lut, 
  * over ranges that have left it (which cost as much as the decode). NULL until it is handed over. */
 typedef uint32_t (*crc32_function)(uint32_t crc, const uint8_t *buf, uint32_t len);
 static crc32_function crc32_of = NULL;
+
+/* zlib-ng's ``zng_crc32_combine``: the CRC-32 of a + b from those of a and b and b's length, so a payload's stored
+ * CRC-32 can be taken stream by stream inside the decode. Handed over with crc32_of. */
+typedef uint32_t (*crc32_combine_function)(uint32_t crc_a, uint32_t crc_b, int64_t length_b);
+static crc32_combine_function crc32_joined = NULL;
 
 /* CRC-32 bit by bit: only to check the function ``use_crc32`` is handed before trusting it. */
 static uint32_t crc32_bitwise(uint32_t crc, const uint8_t *buf, size_t len)
@@ -924,23 +931,34 @@ static PyObject *py_encode_payload(PyObject *self, PyObject *const *args, Py_ssi
     return result;
 }
 
-static PyObject *py_use_crc32(PyObject *self, PyObject *address)
+static PyObject *py_use_crc32(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    void *pointer = PyLong_AsVoidPtr(address);
-    if (pointer == NULL) {
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "use_crc32() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    void *crc_pointer = PyLong_AsVoidPtr(args[0]), *combine_pointer = PyLong_AsVoidPtr(args[1]);
+    if (crc_pointer == NULL || combine_pointer == NULL) {
         if (!PyErr_Occurred())
             PyErr_SetString(PyExc_ValueError, "use_crc32(): a null address");
         return NULL;
     }
-    crc32_function candidate = (crc32_function)pointer;
+    crc32_function crc = (crc32_function)crc_pointer;
+    crc32_combine_function combine = (crc32_combine_function)combine_pointer;
     uint8_t probe[257];
     for (int i = 0; i < 257; i++)
         probe[i] = (uint8_t)(i * 167 + 13);
-    if (candidate(0x12345678u, probe, sizeof probe) != crc32_bitwise(0x12345678u, probe, sizeof probe)) {
+    if (crc(0x12345678u, probe, sizeof probe) != crc32_bitwise(0x12345678u, probe, sizeof probe)) {
         PyErr_SetString(PyExc_ValueError, "use_crc32(): the function does not compute CRC-32");
         return NULL;
     }
-    crc32_of = candidate;
+    if (combine(crc32_bitwise(0, probe, 100), crc32_bitwise(0, probe + 100, 157), 157) !=
+        crc32_bitwise(0, probe, sizeof probe)) {
+        PyErr_SetString(PyExc_ValueError, "use_crc32(): the second function does not join CRC-32s");
+        return NULL;
+    }
+    crc32_of = crc;
+    crc32_joined = combine;
     Py_RETURN_NONE;
 }
 
@@ -1022,7 +1040,27 @@ typedef struct {
     uint32_t *crcs;          /* stored and decoded, two per item */
     const char **errors;     /* per item: NULL, or its escape streams' message */
     char *messages;          /* MESSAGE_BYTES per item */
+    int64_t *positions;      /* room for the most escapes of an item, for decode_checked */
 } PayloadsCall;
+
+/* A payload of ``length`` bytes whose escapes were checked, decoded by decode_range with its checksums: the stored
+ * CRC-32 joins those of the pk stream, the bytes up to sm, and the sm stream with everything after it. */
+static void decode_checked(const uint8_t *payload, Py_ssize_t length, Offsets o, const uint8_t *lut, uint16_t *out,
+                           Py_ssize_t n, Py_ssize_t n_esc, Py_ssize_t chunk_size, int64_t *positions, uint32_t *crcs)
+{
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        int64_t chunk, local;
+        escape_at(payload, o, k, &chunk, &local);
+        positions[k] = chunk * chunk_size + local;
+    }
+    uint32_t streams[3];
+    decode_range(payload, payload + o.sm, lut, out, n, positions, payload + o.ev, n_esc, streams);
+    Py_ssize_t pk_end = (n + 1) / 2, sm_end = o.sm + n;
+    uint32_t head = crc32_long(streams[0], payload + pk_end, o.sm - pk_end);
+    uint32_t tail = crc32_long(streams[1], payload + sm_end, length - sm_end);
+    crcs[0] = crc32_joined(head, tail, length - o.sm);
+    crcs[1] = streams[2];
+}
 
 static void run_decode_payloads(void *arg)
 {
@@ -1032,14 +1070,16 @@ static void run_decode_payloads(void *arg)
         const uint8_t *payload = a->b.views[0].buf, *lut = a->b.views[1].buf;
         uint16_t *out = a->b.views[2].buf;
         *c->progress = i;
-        if (c->checksums)
-            c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
         c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size, c->messages + i * MESSAGE_BYTES,
                                      MESSAGE_BYTES);
-        if (c->errors[i] == NULL) {
-            decode_whole(payload, a->o, lut, out, a->n, a->n_esc, a->chunk_size);
+        if (c->errors[i] != NULL) {
             if (c->checksums)
-                c->crcs[2 * i + 1] = crc32_long(0, (const uint8_t *)out, 2 * a->n);
+                c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
+        } else if (c->checksums) {
+            decode_checked(payload, a->b.views[0].len, a->o, lut, out, a->n, a->n_esc, a->chunk_size, c->positions,
+                           c->crcs + 2 * i);
+        } else {
+            decode_whole(payload, a->o, lut, out, a->n, a->n_esc, a->chunk_size);
         }
     }
 }
@@ -1099,7 +1139,7 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
     PyObject *items = PySequence_Fast(args[0], "decode_payloads(): items must be a list or a tuple");
     if (items == NULL)
         return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0, most_escapes = 0;
     PyObject *result = NULL;
     Py_buffer progress = {0};
     int have_progress = 0;
@@ -1129,6 +1169,11 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
             taken++; /* its buffers taken so far are released below */
             goto done;
         }
+        most_escapes = call.items[taken].n_esc > most_escapes ? call.items[taken].n_esc : most_escapes;
+    }
+    if (checksums && (call.positions = PyMem_Malloc((most_escapes + 1) * sizeof(int64_t))) == NULL) {
+        PyErr_NoMemory();
+        goto done;
     }
     if (guarded("decode_payloads", run_decode_payloads, &call) < 0)
         goto done;
@@ -1151,6 +1196,7 @@ done:
     PyMem_Free(call.crcs);
     PyMem_Free(call.errors);
     PyMem_Free(call.messages);
+    PyMem_Free(call.positions);
     Py_DECREF(items);
     return result;
 }
@@ -1322,8 +1368,8 @@ static PyMethodDef methods[] = {
      "payload, escapes checked and patched"},
     {"encode_payload", FASTCALL(py_encode_payload), "encode_payload(bits, enc_lut, payload, n_esc, chunk_size) -> "
      "escapes: a whole payload, escape streams and padding included"},
-    {"use_crc32", py_use_crc32, METH_O, "use_crc32(address): zlib-ng's zng_crc32 for decode_range, checked "
-     "against a bitwise CRC-32 first"},
+    {"use_crc32", FASTCALL(py_use_crc32), "use_crc32(crc32, combine): the addresses of zlib-ng's zng_crc32 and "
+     "zng_crc32_combine for the checked decodes, checked against a bitwise CRC-32 first"},
     {"decode_range", FASTCALL(py_decode_range), "decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) "
      "-> (pk_crc, sm_crc, out_crc) or None: a range decoded block by block, with its checksums when asked; a page "
      "of pk or sm that cannot be read is an EOFError"},

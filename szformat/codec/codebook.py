@@ -25,7 +25,7 @@ class Codebook:
     coverage: float
 
     def __post_init__(self) -> None:
-        if len(self.dec_lut) != N_CODES or any(not 0 <= v <= 255 for v in self.dec_lut):
+        if len(self.dec_lut) != N_CODES or not 0 <= min(self.dec_lut) <= max(self.dec_lut) <= 255:
             raise ValueError(f"a codebook holds {N_CODES} exponent bytes in 0..255, got {self.dec_lut!r}")
         if not 0 <= self.n_used <= N_CODES:
             raise ValueError(f"n_used must be in 0..{N_CODES}, got {self.n_used}")

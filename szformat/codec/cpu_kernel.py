@@ -33,16 +33,17 @@ def checksums_in_kernel() -> bool:
 
 
 def _hand_over_crc32(kernels: ModuleType | None) -> bool:
-    """Give the C kernels zlib-ng's CRC-32 function, which they check before taking it; whether they took it."""
+    """Give the C kernels zlib-ng's CRC-32 function and the one that joins two CRC-32s, which they check before
+    taking them; whether they took them."""
     if kernels is None:
         return False
     from ..checksum import crc32_function_address
 
-    address = crc32_function_address()
-    if address is None:
+    addresses = crc32_function_address("zng_crc32"), crc32_function_address("zng_crc32_combine")
+    if None in addresses:
         return False
     try:
-        kernels.use_crc32(address)
+        kernels.use_crc32(*addresses)
     except ValueError:
         return False
     return True

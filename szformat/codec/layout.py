@@ -41,7 +41,8 @@ def align4(x: int) -> int:
 
 @dataclass(frozen=True)
 class PayloadLayout:
-    """Byte offsets of the five streams of one SplitZip payload."""
+    """Byte offsets of the five streams of one SplitZip payload, computed once when it is made: every header entry
+    and every decode asks for them."""
 
     n: int
     n_esc: int
@@ -55,6 +56,11 @@ class PayloadLayout:
         if self.n > self.max_elements(self.chunk_size):
             raise ValueError(f"n={self.n} elements need chunk ids past the int32 range: a SplitZip payload holds at "
                              f"most 2^31 chunks of {self.chunk_size} ({self.max_elements(self.chunk_size)} elements)")
+        off_sm = align4(self.n_pairs)
+        off_cid = align4(off_sm + self.n)
+        off_lpos = off_cid + 4 * self.n_esc
+        off_ev = align4(off_lpos + 2 * self.n_esc)
+        object.__setattr__(self, "_offsets", (off_sm, off_cid, off_lpos, off_ev, off_ev + self.n_esc))
 
     @staticmethod
     def max_elements(chunk_size: int = CHUNK_SIZE) -> int:
@@ -71,23 +77,23 @@ class PayloadLayout:
 
     @property
     def off_sm(self) -> int:
-        return align4(self.n_pairs)
+        return self._offsets[0]
 
     @property
     def off_cid(self) -> int:
-        return align4(self.off_sm + self.n)
+        return self._offsets[1]
 
     @property
     def off_lpos(self) -> int:
-        return self.off_cid + 4 * self.n_esc
+        return self._offsets[2]
 
     @property
     def off_ev(self) -> int:
-        return align4(self.off_lpos + 2 * self.n_esc)
+        return self._offsets[3]
 
     @property
     def comp_bytes(self) -> int:
-        return self.off_ev + self.n_esc
+        return self._offsets[4]
 
     @property
     def raw_bytes(self) -> int:

@@ -733,15 +733,21 @@ def test_the_range_kernel_refuses_bad_arguments_and_a_function_that_is_not_crc32
         for positions in ([3, 3], [5, 2], [-1, 2], [2, 8]):
             with pytest.raises(ValueError, match="ascend inside"):
                 native.decode_range(pk, sm, lut, out, np.array(positions, dtype=np.int64), bytes(2), True)
+    real = crc32_function_address("zng_crc32"), crc32_function_address("zng_crc32_combine")
     constant = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32)(lambda c, b, n: 0)
+    xor = ctypes.CFUNCTYPE(ctypes.c_uint32, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_int64)(lambda a, b, n: a ^ b)
     try:
         with pytest.raises(ValueError, match="does not compute CRC-32"):
-            native.use_crc32(ctypes.cast(constant, ctypes.c_void_p).value)
+            native.use_crc32(ctypes.cast(constant, ctypes.c_void_p).value, real[1])
+        with pytest.raises(ValueError, match="does not join CRC-32s"):
+            native.use_crc32(real[0], ctypes.cast(xor, ctypes.c_void_p).value)
         with pytest.raises(ValueError, match="null address"):
-            native.use_crc32(0)
+            native.use_crc32(0, real[1])
+        with pytest.raises(TypeError, match="takes 2 arguments"):
+            native.use_crc32(real[0])
     finally:
-        if cpu.cpu_kernel.checksums_in_kernel():  # whatever happened, the real one again
-            native.use_crc32(crc32_function_address())
+        if cpu.cpu_kernel.checksums_in_kernel():  # whatever happened, the real ones again
+            native.use_crc32(*real)
 
 
 @pytest.mark.parametrize("rows, width", [(1, 2), (7, 40), (33, 1030), (3, 2 * CHUNK_SIZE + 6), (0, 8)])
@@ -1035,6 +1041,8 @@ def test_without_zlib_ngs_crc32_function_the_kernels_take_no_checksums(monkeypat
     ranges keep their separate checksum passes (the "checksums apart" cases above) instead of calling a null pointer."""
     from szformat import checksum
 
-    monkeypatch.setattr(checksum, "crc32_function_address", lambda: None)
+    monkeypatch.setattr(checksum, "crc32_function_address", lambda name: None)
+    assert cpu.cpu_kernel._hand_over_crc32(cpu._native) is False
+    monkeypatch.setattr(checksum, "crc32_function_address", lambda name: None if name == "zng_crc32_combine" else 1)
     assert cpu.cpu_kernel._hand_over_crc32(cpu._native) is False
     assert cpu.cpu_kernel._hand_over_crc32(None) is False
