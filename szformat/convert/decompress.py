@@ -14,7 +14,7 @@ from .._lazy import cpu_codec, torch
 from ..format import constants as C
 from ..format.reader import SztFile
 from .driver import TensorDone, run_pass
-from .expand import GROUP_BYTES, decode_group, decoded_together, iter_raw_bytes, tensor_groups
+from .expand import decode_group, decoded_together, group_buffer, iter_raw_bytes, tensor_groups
 from .report import ConversionReport
 from .safetensors_writer import SafetensorsWriter
 from .sources import SUFFIX
@@ -47,7 +47,7 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
         with SztFile(src) as szt:
             entries = list(szt.entries.values())
             specs = [(e.name, e.dtype, e.shape) for e in entries]
-            buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8)  # its pages taken when written
+            buffer = group_buffer()
             with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
                 for group in tensor_groups(entries):  # decoded together on the loader's threads, or alone
                     if decoded_together(group):

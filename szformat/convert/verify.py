@@ -21,7 +21,7 @@ from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from .checkpoint import find_files
-from .expand import GROUP_BYTES, decode_group, decoded_together, iter_raw_bytes, tensor_groups
+from .expand import decode_group, decoded_together, group_buffer, iter_raw_bytes, tensor_groups
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -109,7 +109,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
-    buffer = torch.empty(GROUP_BYTES, dtype=torch.uint8) if readable else None  # its pages taken when written
+    buffer = group_buffer() if readable else None
     with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
             with SztFile(files.root / rel) as szt:
