@@ -3,15 +3,15 @@
 Decompression and verification both need every raw byte of every tensor exactly once, never the whole file at
 once. Tensors are taken in groups of at most :data:`GROUP_BYTES` (:func:`tensor_groups`): a group is decoded by the
 CPU loader on its threads into one buffer reused from group to group (:func:`decode_group`), a tensor larger than
-that alone, slice by slice (:func:`iter_raw_bytes`); the file's pages are released after each tensor, so memory
-stays flat however large the file and its tensors are.
+that alone, in windows of that buffer, also on the loader's threads (:func:`raw_windows`); the file's pages are
+released after each group and tensor, so memory stays flat however large the file and its tensors are.
 """
 
 from __future__ import annotations
 
 from typing import Iterator, Sequence
 
-from .._lazy import torch
+from .._lazy import cpu_codec, torch
 from .._runs import runs_within
 from ..checksum import crc32
 from ..errors import ChecksumMismatchError
@@ -74,6 +74,28 @@ def group_buffer() -> torch.Tensor:
     from ..loading import host_pages
 
     return host_pages.empty(GROUP_BYTES, torch.uint8)
+
+
+def raw_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor) -> Iterator[torch.Tensor]:
+    """The raw bytes of one tensor, in order, every checksum checked, as flat uint8 views valid until the next is
+    asked for: decoded in windows of ``buffer`` (:func:`group_buffer`) on the loader's threads where
+    :func:`~szformat.loading.host_decode.decode_windows` takes the tensor (the in-memory form: a 2.2 GB file's two
+    131 MB tensors had been most of its ``verify``, slice by slice on one thread), else slice by slice
+    (:func:`iter_raw_bytes`, one intra-op thread).
+
+    Raises:
+        ChecksumMismatchError, PayloadError: as :func:`iter_raw_bytes`.
+    """
+    from ..loading.host_decode import decode_windows, windowed
+
+    if not windowed(entry):
+        with cpu_codec.one_intra_op_thread():  # as conversion runs the decode's torch ops (verify.py)
+            yield from iter_raw_bytes(file, entry)
+        return
+    try:
+        yield from decode_windows(file, entry, buffer)
+    finally:
+        drop_pages(file.buffer, entry.offset, entry.length)
 
 
 def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int | None = None) -> Iterator[torch.Tensor]:

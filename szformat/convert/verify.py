@@ -14,14 +14,14 @@ from collections import defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from .._lazy import cpu_codec, torch
+from .._lazy import torch
 from ..errors import ShardIndexError, SzformatError
 from ..format import constants as C
 from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.header import TensorEntry
 from ..format.reader import SztFile
 from .checkpoint import find_files
-from .expand import decode_group, decoded_together, group_buffer, iter_raw_bytes, tensor_groups
+from .expand import decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -119,7 +119,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
                 for group in tensor_groups(entries):
                     if not decoded_together(group) or not _passes_together(szt, group, buffer):
                         report.problems += [Problem(rel, e.name, reason) for e in group
-                                            if (reason := _checked_alone(szt, e)) is not None]
+                                            if (reason := _checked_alone(szt, e, buffer)) is not None]
                     bar.update(sum(e.raw_length for e in group))
     report.seconds = time.perf_counter() - started
     return report
@@ -135,17 +135,14 @@ def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tenso
     return True
 
 
-def _checked_alone(szt: SztFile, entry: TensorEntry) -> str | None:
-    """Check one tensor slice by slice on one thread (its stored and decoded checksums, its escape streams): the
-    reason it fails, or None."""
-    # The decode's few torch ops on one intra-op thread, as conversion runs them (convert.py): with 16 intra-op
-    # threads, forking and joining a team around each made a 2.2 GB pass slower than on one thread.
-    with cpu_codec.one_intra_op_thread():
-        try:
-            for _ in iter_raw_bytes(szt, entry):
-                pass
-        except SzformatError as e:
-            return e.reason
+def _checked_alone(szt: SztFile, entry: TensorEntry, buffer: torch.Tensor) -> str | None:
+    """Check one tensor (its stored and decoded checksums, its escape streams) through ``buffer``
+    (:func:`raw_windows`): the reason it fails, or None."""
+    try:
+        for _ in raw_windows(szt, entry, buffer):
+            pass
+    except SzformatError as e:
+        return e.reason
     return None
 
 

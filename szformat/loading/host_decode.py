@@ -36,15 +36,17 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   with every thread waiting for its last range: seven groups of 2.2 GB took 188 ms on 16 threads, one 138 ms).
 
 A tensor's CRC-32s are compared once all its ranges are decoded; a mismatch raises and no tensor is returned.
+:func:`decode_windows` decodes one tensor the same way a window at a time into a buffer the caller reuses: what
+``szconvert verify`` and ``decompress`` run on tensors too large to hold whole.
 """
 
 from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Sequence
+from typing import Iterator, Sequence
 
 import torch
 
@@ -60,7 +62,8 @@ from ..format.payloads import allocation_errors, decode_entry, inflate_entry, pa
 from ..format.reader import SztFile, check_crc, compare_crc
 from . import host_pages
 
-__all__ = ["RANGE_ELEMENTS", "decode_entries", "mapped_reads", "mapped_streams", "read_around_streams"]
+__all__ = ["RANGE_ELEMENTS", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
+           "read_around_streams", "windowed"]
 
 RANGE_ELEMENTS = 1 << 23
 """Elements decoded per range: 16 MiB of BF16 out, 12 MiB in, a few ms of work, checksummed block by block inside
@@ -88,6 +91,10 @@ BATCH_BYTES = 4 << 20
 """Raw bytes of the small tensors decoded by one C call (:class:`_WholeBatch`): enough to leave a few microseconds
 of Python per call, few enough that a checkpoint's small tensors still spread over the threads."""
 
+WINDOW_RANGE_ELEMENTS = 1 << 21
+"""Elements per range of :func:`decode_windows` (4 MiB of BF16 out), and a window one range per thread: the window
+is written and read back (checked, written out) while it is in the cache."""
+
 GROUP_BYTES = 256 << 20
 """Bytes the jobs of the tensors decoded together may fill besides their outputs (:func:`_held_bytes`): at-rest
 payloads inflated, and the like."""
@@ -106,6 +113,7 @@ class _Job:
     checked: bool  # take checksums while decoding
     ranges: list[tuple[int, int]]
     planes: tuple[at_rest.StoredView, list[at_rest.Segment]] | None = None  # a raw tensor stored as byte planes
+    origin: int = 0  # the element (byte, stored raw) out[0] holds: a window's first (decode_windows)
     sums: list[RangeChecksums | int | None] = field(init=False)  # per range, once it is done
 
     def __post_init__(self) -> None:
@@ -117,7 +125,7 @@ class _Job:
 
     def _run(self, k: int) -> None:
         start, stop = self.ranges[k]
-        out = self.out[start:stop]
+        out = self.out[start - self.origin: stop - self.origin]
         name = self.entry.name
         if self.decoder is None:
             if self.planes is None:
@@ -304,6 +312,47 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     return tensors
 
 
+def windowed(entry: TensorEntry) -> bool:
+    """Whether :func:`decode_windows` decodes a tensor: a SplitZip tensor in the in-memory form, whose ranges read
+    their own stored bytes (one stored at rest is inflated whole first, which a window does not bound; the bytes of
+    a raw tensor need no decode, only their checksum)."""
+    return entry.encoding != ENCODING_RAW and entry.at_rest is None
+
+
+def decode_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor, *,
+                   threads: int | None = None) -> Iterator[torch.Tensor]:
+    """Yield the raw bytes of a tensor :func:`windowed` says this takes, in order, a window at a time: each window
+    decoded into ``buffer`` (flat uint8, at least 4 bytes) by its ranges on the threads, as :func:`decode_entries`
+    decodes a tensor, and yielded as a flat uint8 view, valid until the next is asked for. Both CRC-32s are compared
+    after the last window (the generator raises then, so a consumer writing an atomic output discards it); an
+    escape stream that breaks a rule raises before the first.
+
+    Raises:
+        ChecksumMismatchError: stored or decoded bytes differ from their checksums.
+        PayloadError: an escape stream is inconsistent (and the stored bytes match their checksum).
+    """
+    if not windowed(entry):
+        raise ValueError(f"{entry.name}: only a SplitZip tensor in the in-memory form is decoded in windows")
+    splitzip = entry.encoding != ENCODING_RAW
+    unit = 2 if splitzip else 1  # bytes per element of the ranges
+    total = entry.raw_length // unit
+    threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1)
+    step = max(2, min(WINDOW_RANGE_ELEMENTS, buffer.numel() // unit) // 2 * 2)  # even: SplitZip ranges start even
+    per_window = min(buffer.numel() // unit // step, threads) * step  # a range per thread: the window stays in cache
+    if per_window == 0:
+        raise ValueError(f"a window needs a buffer of at least {2 * unit} bytes, got {buffer.numel()}")
+    payload = torch.empty(entry.length if splitzip else 0, dtype=torch.uint8)  # only around the streams touched
+    with allocation_errors(file.path, entry.name):
+        job = replace(_new_job(file, entry, True, True, payload, buffer[: per_window * unit], ranged=True),
+                      ranges=_ranges(total, step))
+    for first in range(0, max(total, 1), per_window):  # an empty tensor: one empty window, its checksums taken
+        job.origin = first
+        units = [(job, k) for k, (start, _) in enumerate(job.ranges) if first <= start < first + per_window]
+        _run(units, max(1, min(threads, len(units))))
+        yield buffer[: (min(first + per_window, total) - first) * unit]
+    _check(file.path, job, True, True)
+
+
 def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
     """Indices of ``entries`` in order, cut where the bytes their jobs hold (:func:`_held_bytes`) pass
     :data:`GROUP_BYTES`: each group ends with every thread waiting for the last of its ranges, so a checkpoint in the
@@ -353,10 +402,11 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
-             payload: torch.Tensor, into: torch.Tensor | None) -> _Job | _WholeJob:
-    """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given."""
+             payload: torch.Tensor, into: torch.Tensor | None, *, ranged: bool = False) -> _Job | _WholeJob:
+    """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given; with ``ranged`` a :class:`_Job`
+    even for a tensor :func:`_whole` would take whole (:func:`decode_windows` cuts its ranges)."""
     dtype = entry.torch_dtype(file.path)
-    if _whole(entry):
+    if _whole(entry) and not ranged:
         out = into.view(torch.bfloat16) if into is not None else host_pages.empty(entry.layout.n, torch.bfloat16)
         return _WholeJob(file, entry, dtype, out, check_stored, check_decoded)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:

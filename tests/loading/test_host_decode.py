@@ -3,6 +3,7 @@ op runs on one intra-op thread, the caller's setting survives, and an error on a
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -296,3 +297,83 @@ def test_a_load_takes_one_thread_per_thread_bytes_of_output(tmp_path, small_rang
     monkeypatch.setattr(cpu.PayloadDecoder, "decode_checked", spy)
     load_file(path)
     assert len(seen) == threads
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Windows: a tensor decoded a window of a reused buffer at a time (verify and decompress of large tensors)
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _windows(path, name: str, buffer_bytes: int, threads: int = 2) -> tuple[bytes, list[int]]:
+    """The bytes ``decode_windows`` yields for tensor ``name``, joined, and each window's size."""
+    with SztFile(path) as f:
+        buffer = torch.full((buffer_bytes,), 0xAB, dtype=torch.uint8)  # nothing of it may leak into a window
+        sizes, data = [], b""
+        for window in host_decode.decode_windows(f, f.entry(name), buffer, threads=threads):
+            sizes.append(window.numel())
+            data += window.numpy().tobytes()
+    return data, sizes
+
+
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("buffer_bytes", [64, 1002, 8192, 100_000])
+@pytest.mark.parametrize("reads", ["mapped", "pread"])
+def test_windows_give_the_tensor_bit_for_bit(tmp_path, monkeypatch, buffer_bytes, threads, reads):
+    """Escapes (subnormals, NaN and Inf payloads) in many windows, an odd element count (the last window ends mid
+    pair), windows smaller than a range, a buffer larger than the tensor; read through the mapping or copied out
+    with ``pread``."""
+    _reads_through(monkeypatch, reads, True)
+    monkeypatch.setattr(host_decode, "WINDOW_RANGE_ELEMENTS", 1000)
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    with SztFile(path) as f:
+        names = [name for name, entry in f.entries.items() if host_decode.windowed(entry)]
+    assert {"big", "wide"} <= set(names)
+    for name in names:
+        data, sizes = _windows(path, name, buffer_bytes, threads)
+        assert data == _bits(source[name]).numpy().tobytes(), name
+        assert all(size <= buffer_bytes for size in sizes) and len(sizes) >= 1
+    _, sizes = _windows(path, "big", 8192, threads)
+    assert sizes[0] == 2000 * min(threads, os.cpu_count(), 4) and len(sizes) == -(-20_001 * 2 // sizes[0])
+
+
+def test_windows_refuse_what_they_do_not_decode(tmp_path):
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path, at_rest="zstd")
+    with SztFile(path) as f:
+        assert not host_decode.windowed(f.entry("raw_f32")) and not host_decode.windowed(f.entry("big"))
+        with pytest.raises(ValueError, match="in-memory form"):
+            next(host_decode.decode_windows(f, f.entry("big"), torch.empty(1 << 20, dtype=torch.uint8)))
+    save_file(_tensors(), path)
+    with SztFile(path) as f:
+        assert host_decode.windowed(f.entry("big")) and not host_decode.windowed(f.entry("raw_f32"))
+        with pytest.raises(ValueError, match="at least 4 bytes"):
+            next(host_decode.decode_windows(f, f.entry("big"), torch.empty(3, dtype=torch.uint8)))
+
+
+@pytest.mark.parametrize("where, error, reason", [
+    ("sm", ChecksumMismatchError, "stored bytes"),  # a byte of a window's stored bytes
+    ("escape", ChecksumMismatchError, "stored bytes"),  # an escape stream broken, and so its checksum
+    ("codebook", ChecksumMismatchError, "decoded bytes"),  # the header's codebook edited, its checksum recomputed
+])
+def test_a_bad_window_is_refused_by_name_after_the_last(tmp_path, two_threads, where, error, reason):
+    from support import Forge
+
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path)
+    if where == "codebook":
+        forge = Forge.load(path)
+        lut = forge.entry("big")["encoding"]["configuration"]["codebook"]
+        lut[0], lut[1] = lut[1], lut[0]
+        forge.write(path)
+    else:
+        with SztFile(path) as f:
+            e = f.entry("big")
+            at = e.offset + (e.layout.off_sm + 15_001 if where == "sm" else e.layout.off_lpos + 1)
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0xF0
+        path.write_bytes(bytes(data))
+    with pytest.raises(error, match=reason) as info:
+        _windows(path, "big", 8192)
+    assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
