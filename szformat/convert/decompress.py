@@ -10,10 +10,11 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
+from .._lazy import cpu_codec
 from ..format import constants as C
 from ..format.reader import SztFile
 from .driver import TensorDone, run_pass
-from .expand import decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
+from .expand import decode_group, decoded_together, group_buffer, iter_raw_bytes, tensor_groups
 from .report import ConversionReport
 from .safetensors_writer import SafetensorsWriter
 from .sources import SUFFIX
@@ -54,9 +55,10 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
                             writer.write(raw)
                             tensor_done(entry)
                         continue
-                    (entry,) = group
-                    for chunk in raw_windows(szt, entry, buffer):
-                        writer.write(chunk)
+                    (entry,) = group  # slice by slice: writing bounds it, not the decode (see raw_windows)
+                    with cpu_codec.one_intra_op_thread():  # as conversion runs the decode's torch ops
+                        for chunk in iter_raw_bytes(szt, entry):
+                            writer.write(chunk)
                     tensor_done(entry)
 
     return run_pass(source, target, old_suffix=C.FILE_SUFFIX, old_magic=C.MAGIC, new_suffix=SUFFIX,

@@ -752,33 +752,49 @@ def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(t
     assert alone == [n for g in groups if g in (bad, ["large"]) for n in g]  # the failed group's tensors, each alone
 
 
-@pytest.mark.parametrize("at_rest", [None, 3])
-def test_decompress_writes_grouped_and_large_tensors_in_order(tmp_path, monkeypatch, at_rest):
-    """Tensors decoded together on the loader's threads and tensors too large for a group (a SplitZip one in windows
-    of the group's buffer on those threads, in the in-memory form; slice by slice otherwise) land in the
-    safetensors file in order, byte for byte."""
-    from szformat.loading import host_decode
-
+def test_decompress_writes_grouped_and_large_tensors_in_order(tmp_path, monkeypatch):
+    """Tensors decoded together on the loader's threads and a tensor too large for a group (slice by slice) land
+    in the safetensors file in order, byte for byte."""
     monkeypatch.setattr(expand, "GROUP_BYTES", 3072)
     tensors = {f"t{k}": bf16_weights((20, 25), seed=k) for k in range(4)}
     tensors["large"] = bf16_weights((80, 25), seed=9)
-    tensors["large_raw"] = torch.arange(1000, dtype=torch.int32)
+    tensors["raw"] = torch.arange(200, dtype=torch.int32)
     source = tmp_path / "model.safetensors"
     save_safetensors(tensors, source)
-    convert(source, tmp_path / "model.szt", at_rest=at_rest)
-    alone, windows, slices = [], [], []
-    real_alone, real_windows, real_slices = expand.raw_windows, host_decode.decode_windows, expand.iter_raw_bytes
-    monkeypatch.setattr(decompress_module, "raw_windows", lambda szt, entry, buffer: alone.append(entry.name)
-                        or real_alone(szt, entry, buffer))
+    convert(source, tmp_path / "model.szt")
+    alone = []
+    real = expand.iter_raw_bytes
+    monkeypatch.setattr(decompress_module, "iter_raw_bytes", lambda szt, entry: alone.append(entry.name)
+                        or real(szt, entry))
+    decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
+    assert alone == ["large"]
+    assert (tmp_path / "back.safetensors").read_bytes() == source.read_bytes()
+
+
+@pytest.mark.parametrize("at_rest", [None, 3])
+def test_verify_checks_large_tensors_in_windows_where_it_can(tmp_path, monkeypatch, at_rest):
+    """A SplitZip tensor too large for a group in the in-memory form is checked in windows of the group's buffer on
+    the loader's threads, others slice by slice; a bad one is named either way."""
+    from szformat.loading import host_decode
+
+    monkeypatch.setattr(expand, "GROUP_BYTES", 3072)
+    tensors = {"t": bf16_weights((20, 25), seed=1), "large": bf16_weights((80, 25), seed=9),
+               "large_raw": torch.arange(1000, dtype=torch.int32)}
+    source = tmp_path / "model.safetensors"
+    save_safetensors(tensors, source)
+    path = tmp_path / "model.szt"
+    convert(source, path, at_rest=at_rest)
+    windows, slices = [], []
+    real_windows, real_slices = host_decode.decode_windows, expand.iter_raw_bytes
     monkeypatch.setattr(host_decode, "decode_windows", lambda szt, entry, buffer: windows.append(entry.name)
                         or real_windows(szt, entry, buffer))
     monkeypatch.setattr(expand, "iter_raw_bytes", lambda szt, entry: slices.append(entry.name)
                         or real_slices(szt, entry))
-    decompress(tmp_path / "model.szt", tmp_path / "back.safetensors")
-    assert sorted(alone) == ["large", "large_raw"]
+    assert verify(path).ok
     assert (windows, sorted(slices)) == ((["large"], ["large_raw"]) if at_rest is None else
                                          ([], ["large", "large_raw"]))
-    assert (tmp_path / "back.safetensors").read_bytes() == source.read_bytes()
+    flip_payload_byte(path, "large")
+    assert [(p.tensor, "stored bytes" in p.message) for p in verify(path).problems] == [("large", True)]
 
 
 def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path):
