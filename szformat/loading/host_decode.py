@@ -113,7 +113,7 @@ class _Job:
     checked: bool  # take checksums while decoding
     ranges: list[tuple[int, int]]
     planes: tuple[at_rest.StoredView, list[at_rest.Segment]] | None = None  # a raw tensor stored as byte planes
-    origin: int = 0  # the element (byte, stored raw) out[0] holds: a window's first (decode_windows)
+    origin: int = 0  # the element out[0] holds: a window's first (decode_windows), else 0
     sums: list[RangeChecksums | int | None] = field(init=False)  # per range, once it is done
 
     def __post_init__(self) -> None:
@@ -333,23 +333,21 @@ def decode_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor, *,
     """
     if not windowed(entry):
         raise ValueError(f"{entry.name}: only a SplitZip tensor in the in-memory form is decoded in windows")
-    splitzip = entry.encoding != ENCODING_RAW
-    unit = 2 if splitzip else 1  # bytes per element of the ranges
-    total = entry.raw_length // unit
+    elements, room = entry.layout.n, buffer.numel() // 2
     threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1)
-    step = max(2, min(WINDOW_RANGE_ELEMENTS, buffer.numel() // unit) // 2 * 2)  # even: SplitZip ranges start even
-    per_window = min(buffer.numel() // unit // step, threads) * step  # a range per thread: the window stays in cache
+    step = min(WINDOW_RANGE_ELEMENTS, room) // 2 * 2  # even: a range of SplitZip pairs starts on a pair
+    per_window = min(room // step, threads) * step if step else 0  # a range per thread: the window stays in cache
     if per_window == 0:
-        raise ValueError(f"a window needs a buffer of at least {2 * unit} bytes, got {buffer.numel()}")
-    payload = torch.empty(entry.length if splitzip else 0, dtype=torch.uint8)  # only around the streams touched
+        raise ValueError(f"a window needs a buffer of at least 4 bytes, got {buffer.numel()}")
+    payload = torch.empty(entry.length, dtype=torch.uint8)  # only the bytes around the streams are touched
     with allocation_errors(file.path, entry.name):
-        job = replace(_new_job(file, entry, True, True, payload, buffer[: per_window * unit], ranged=True),
-                      ranges=_ranges(total, step))
-    for first in range(0, max(total, 1), per_window):  # an empty tensor: one empty window, its checksums taken
+        job = replace(_new_job(file, entry, True, True, payload, buffer[: 2 * per_window], ranged=True),
+                      ranges=_ranges(elements, step))
+    for first in range(0, max(elements, 1), per_window):  # an empty tensor: one empty window, its checksums taken
         job.origin = first
         units = [(job, k) for k, (start, _) in enumerate(job.ranges) if first <= start < first + per_window]
         _run(units, max(1, min(threads, len(units))))
-        yield buffer[: (min(first + per_window, total) - first) * unit]
+        yield buffer[: 2 * (min(first + per_window, elements) - first)]
     _check(file.path, job, True, True)
 
 
