@@ -1116,6 +1116,18 @@ done:
     return result;
 }
 
+/* The ``checksums`` argument of a checked decode: 1 or 0, or -1 with an error set (not a truth value, or checksums
+ * asked for before use_crc32 handed the CRC-32 functions over). */
+static int checksums_wanted(const char *function, PyObject *flag)
+{
+    int wanted = PyObject_IsTrue(flag);
+    if (wanted > 0 && (crc32_of == NULL || crc32_joined == NULL)) {
+        PyErr_Format(PyExc_RuntimeError, "%s(): no CRC-32 function (use_crc32)", function);
+        return -1;
+    }
+    return wanted;
+}
+
 /* decode_payloads(items, checksums, progress) -> [(stored_crc, decoded_crc, error), ...]: ``items`` a list of
  * decode_payload's arguments ``(payload, dec_lut, out, n_esc, chunk_size)``, each checked as decode_payload checks
  * them; one guarded call decodes them all (payloads may be views of a file's mapping). Per item: the CRC-32s (0 when
@@ -1129,13 +1141,9 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
         PyErr_Format(PyExc_TypeError, "decode_payloads() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
-    int checksums = PyObject_IsTrue(args[1]);
+    int checksums = checksums_wanted("decode_payloads", args[1]);
     if (checksums < 0)
         return NULL;
-    if (checksums && crc32_of == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "decode_payloads(): no CRC-32 function (use_crc32)");
-        return NULL;
-    }
     PyObject *items = PySequence_Fast(args[0], "decode_payloads(): items must be a list or a tuple");
     if (items == NULL)
         return NULL;
@@ -1210,13 +1218,9 @@ static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize
         PyErr_Format(PyExc_TypeError, "decode_range() takes 7 arguments (%zd given)", nargs);
         return NULL;
     }
-    int checksums = PyObject_IsTrue(args[6]);
+    int checksums = checksums_wanted("decode_range", args[6]);
     if (checksums < 0)
         return NULL;
-    if (checksums && crc32_of == NULL) {
-        PyErr_SetString(PyExc_RuntimeError, "decode_range(): no CRC-32 function (use_crc32)");
-        return NULL;
-    }
     if (take("decode_range", args, 6, 6, names, 0x8, &b) < 0)
         goto done;
     const Py_buffer *v = b.views;

@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from .._lazy import cpu_codec
 from ..format import constants as C
 from ..format.reader import SztFile
 from .driver import TensorDone, run_pass
@@ -43,11 +42,12 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
     Example:
         >>> decompress("model.szt")  # writes model.safetensors  # doctest: +SKIP
     """
+    buffer = group_buffer()  # one for every shard: its pages are taken once
+
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
         with SztFile(src) as szt:
             entries = list(szt.entries.values())
             specs = [(e.name, e.dtype, e.shape) for e in entries]
-            buffer = group_buffer()
             with SafetensorsWriter(dst, specs, szt.metadata, overwrite=overwrite) as writer:
                 for group in tensor_groups(entries):  # decoded together on the loader's threads, or alone
                     if decoded_together(group):
@@ -56,9 +56,8 @@ def decompress(source: str | os.PathLike, target: str | os.PathLike | None = Non
                             tensor_done(entry)
                         continue
                     (entry,) = group  # slice by slice: writing bounds it, not the decode (see raw_windows)
-                    with cpu_codec.one_intra_op_thread():  # as conversion runs the decode's torch ops
-                        for chunk in iter_raw_bytes(szt, entry):
-                            writer.write(chunk)
+                    for chunk in iter_raw_bytes(szt, entry):
+                        writer.write(chunk)
                     tensor_done(entry)
 
     return run_pass(source, target, old_suffix=C.FILE_SUFFIX, old_magic=C.MAGIC, new_suffix=SUFFIX,

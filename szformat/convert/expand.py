@@ -81,7 +81,7 @@ def raw_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor) -> Iter
     """The raw bytes of one tensor, in order, every checksum checked, as flat uint8 views valid until the next is
     asked for: decoded in windows of ``buffer`` (:func:`group_buffer`) on the loader's threads where
     :func:`~szformat.loading.host_decode.decode_windows` takes the tensor (a SplitZip tensor in the in-memory form),
-    else slice by slice (:func:`iter_raw_bytes`, one intra-op thread). ``verify`` of a 1.9 GB file of 117 MB
+    else slice by slice (:func:`iter_raw_bytes`). ``verify`` of a 1.9 GB file of 117 MB
     tensors on 16 cores: 0.21 s against 0.56 s slice by slice; ``decompress``, which its writes bound, took 1.58 s
     against 1.41 s (the disk idle while a window decodes), so it keeps the slices (``bench/RESULTS.md``, run 111).
 
@@ -91,8 +91,7 @@ def raw_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor) -> Iter
     from ..loading.host_decode import decode_windows, windowed
 
     if not windowed(entry):
-        with cpu_codec.one_intra_op_thread():  # as conversion runs the decode's torch ops (verify.py)
-            yield from iter_raw_bytes(file, entry)
+        yield from iter_raw_bytes(file, entry)
         return
     try:
         yield from decode_windows(file, entry, buffer)
@@ -121,7 +120,10 @@ def iter_raw_bytes(file: SztFile, entry: TensorEntry, *, slice_bytes: int | None
             for start in range(0, entry.raw_length, slice_bytes):
                 yield payload[start: start + slice_bytes]
             return
-        yield from _decoded_slices(file, entry, payload, max(1, slice_bytes // 2))
+        # The decode's few torch ops on one intra-op thread, as conversion runs them (convert.py): with 16 intra-op
+        # threads, forking and joining a team around each made a 2.2 GB pass slower than on one thread.
+        with cpu_codec.one_intra_op_thread():
+            yield from _decoded_slices(file, entry, payload, max(1, slice_bytes // 2))
     finally:
         del payload
         drop_pages(file.buffer, entry.offset, entry.length)

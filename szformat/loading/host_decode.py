@@ -44,7 +44,7 @@ from __future__ import annotations
 
 import os
 import threading
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Iterator, Sequence
 
@@ -341,12 +341,12 @@ def decode_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor, *,
         raise ValueError(f"a window needs a buffer of at least 4 bytes, got {buffer.numel()}")
     payload = torch.empty(entry.length, dtype=torch.uint8)  # only the bytes around the streams are touched
     with allocation_errors(file.path, entry.name):
-        job = replace(_new_job(file, entry, True, True, payload, buffer[: 2 * per_window], ranged=True),
-                      ranges=_ranges(elements, step))
-    for first in range(0, max(elements, 1), per_window):  # an empty tensor: one empty window, its checksums taken
+        job = _new_job(file, entry, True, True, payload, buffer[: 2 * per_window], range_elements=step)
+    per_range = per_window // step
+    for window, first in enumerate(range(0, max(elements, 1), per_window)):  # an empty tensor: one empty window
         job.origin = first
-        units = [(job, k) for k, (start, _) in enumerate(job.ranges) if first <= start < first + per_window]
-        _run(units, max(1, min(threads, len(units))))
+        units = [(job, k) for k in range(window * per_range, min(len(job.ranges), (window + 1) * per_range))]
+        _run(units, len(units))
         yield buffer[: 2 * (min(first + per_window, elements) - first)]
     _check(file.path, job, True, True)
 
@@ -400,11 +400,13 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
-             payload: torch.Tensor, into: torch.Tensor | None, *, ranged: bool = False) -> _Job | _WholeJob:
-    """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given; with ``ranged`` a :class:`_Job`
-    even for a tensor :func:`_whole` would take whole (:func:`decode_windows` cuts its ranges)."""
+             payload: torch.Tensor, into: torch.Tensor | None, *,
+             range_elements: int | None = None) -> _Job | _WholeJob:
+    """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given. ``range_elements`` (a SplitZip
+    tensor in the in-memory form, :func:`decode_windows`): ranges of that many elements instead of
+    :data:`RANGE_ELEMENTS`, and a :class:`_Job` even for a tensor :func:`_whole` would take whole."""
     dtype = entry.torch_dtype(file.path)
-    if _whole(entry) and not ranged:
+    if _whole(entry) and range_elements is None:
         out = into.view(torch.bfloat16) if into is not None else host_pages.empty(entry.layout.n, torch.bfloat16)
         return _WholeJob(file, entry, dtype, out, check_stored, check_decoded)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
@@ -436,7 +438,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
         raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
     out = into.view(torch.bfloat16) if into is not None else host_pages.empty(layout.n, torch.bfloat16)
     return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
-                _ranges(layout.n, RANGE_ELEMENTS))
+                _ranges(layout.n, range_elements or RANGE_ELEMENTS))
 
 
 def _ranges(size: int, step: int) -> list[tuple[int, int]]:

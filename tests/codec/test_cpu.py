@@ -687,6 +687,28 @@ def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_checked_decodes_refuse_to_run_before_the_crc32_functions_are_handed_over():
+    """In a fresh process nothing has handed zlib-ng's functions to the kernels yet: a checked call says so instead of
+    calling a null pointer; an unchecked one runs."""
+    script = ("import numpy as np\n"
+              "from szformat.codec import _native\n"
+              "lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)\n"
+              "item = (bytes(8), lut, bytearray(8), 0, 1024)\n"
+              "print(_native.decode_payloads([item], False, progress))\n"
+              "for call in (lambda: _native.decode_payloads([item], True, progress),\n"
+              "             lambda: _native.decode_range(bytes(2), bytes(4), lut, bytearray(8),\n"
+              "                                          np.zeros(0, dtype=np.int64), b'', True)):\n"
+              "    try:\n"
+              "        call()\n"
+              "    except RuntimeError as e:\n"
+              "        print(e)\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=120)
+    assert done.stdout.splitlines() == ["[(0, 0, None)]", "decode_payloads(): no CRC-32 function (use_crc32)",
+                                        "decode_range(): no CRC-32 function (use_crc32)"], done.stderr
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_the_payloads_kernel_refuses_bad_arguments():
     native = cpu._native
     lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)

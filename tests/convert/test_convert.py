@@ -797,6 +797,25 @@ def test_verify_checks_large_tensors_in_windows_where_it_can(tmp_path, monkeypat
     assert [(p.tensor, "stored bytes" in p.message) for p in verify(path).problems] == [("large", True)]
 
 
+def test_verify_and_decompress_take_one_buffer_advised_huge_for_every_shard(tmp_path, monkeypatch):
+    """The group buffer is made once per call, however many shards, and its pages advised huge before they are
+    first written."""
+    from szformat.loading import host_pages
+
+    advised, made = [], []
+    real_advise, real_buffer = host_pages.advise_huge_pages, expand.group_buffer
+    monkeypatch.setattr(host_pages, "advise_huge_pages", lambda t: advised.append(t.numel()) or real_advise(t))
+    monkeypatch.setattr(decompress_module, "group_buffer", lambda: made.append("decompress") or real_buffer())
+    monkeypatch.setattr(verify_module, "group_buffer", lambda: made.append("verify") or real_buffer())
+    write_sharded(tmp_path / "src")
+    convert(tmp_path / "src", tmp_path / "out")
+    advised.clear()
+    assert verify(tmp_path / "out").ok
+    decompress(tmp_path / "out", tmp_path / "back")
+    assert made == ["verify", "decompress"] and advised.count(expand.GROUP_BYTES) == 2
+    assert len(list((tmp_path / "back").glob("*.safetensors"))) == 2
+
+
 def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path):
     path = tmp_path / "empty.szt"
     szformat.save_file({"e": torch.zeros(0, 3, dtype=torch.bfloat16), "f": torch.zeros(0)}, path)
