@@ -25,7 +25,7 @@ Usage:
 
 It prints, per target, the cases run and the findings (each with Hypothesis's smallest failing example and its
 round's seed: ``--seed SEED --examples N --targets TARGET`` runs that round again) and exits 1 if there is any.
-``tests/test_fuzz.py`` runs every default target for a few derandomized examples in the test suite.
+``tests/tools/test_fuzz.py`` runs every default target for a few derandomized examples in the test suite.
 """
 
 from __future__ import annotations

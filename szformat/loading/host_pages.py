@@ -48,12 +48,15 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 def advise_huge_pages(tensor: torch.Tensor) -> int:
     """Advise huge pages for the 2 MiB-aligned pages inside a contiguous CPU tensor's bytes, before they are first
     written; returns the bytes advised (0 where nothing was: too small, another OS, the advice refused)."""
+    size = tensor.numel() * tensor.element_size()
+    if size < HUGE_PAGE_BYTES:  # holds no whole huge page: most of a model's tensors, asked first as the cheapest
+        return 0
     madvise = _madvise()
     if madvise is None or tensor.device.type != "cpu" or not tensor.is_contiguous():
         return 0
     begin = tensor.data_ptr()
     first = -(-begin // HUGE_PAGE_BYTES) * HUGE_PAGE_BYTES
-    last = (begin + tensor.numel() * tensor.element_size()) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
+    last = (begin + size) // HUGE_PAGE_BYTES * HUGE_PAGE_BYTES
     if last <= first or madvise(first, last - first, mmap.MADV_HUGEPAGE) != 0:
         return 0
     return last - first
