@@ -5,12 +5,12 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
 ``bench/cpu.py`` (``bench/RESULTS.md``):
 
 - **Ranges on independent threads.** Every tensor is cut into ranges of :data:`RANGE_ELEMENTS` (a small tensor is
-  one range); up to ``threads`` threads (at most one per :data:`THREAD_BYTES` of output), the caller's included,
-  each take the next range until none is left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own
-  intra-op threads fork and join around every op, and when another process holds a core every join waits for a
-  descheduled thread: a 2 GB decode went from 2.1 s to 11.7 s with two busy processes on 2 cores. Here a
-  descheduled thread only holds back the range it is on, so a load never runs slower than on one thread, whatever
-  else runs.
+  one range); up to ``threads`` threads (at most one per :data:`THREAD_BYTES` of output), the caller's included
+  (the others kept between calls for a moment: :mod:`.helper_threads`), each take the next range until none is
+  left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own intra-op threads fork and join around
+  every op, and when another process holds a core every join waits for a descheduled thread: a 2 GB decode went
+  from 2.1 s to 11.7 s with two busy processes on 2 cores. Here a descheduled thread only holds back the range it
+  is on, so a load never runs slower than on one thread, whatever else runs.
 - **Checksums in cache.** Each range's stored bytes are checksummed just before they are decoded, its decoded bytes
   just after (:meth:`PayloadDecoder.decode_checked`; with the C kernels block by block inside the decode call, while
   in the L1 cache), and the pieces' CRC-32s are joined at the end: separate passes over the stored and the decoded
@@ -52,7 +52,7 @@ import torch
 
 from .._runs import runs_within
 from ..checksum import crc32, crc32_join
-from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
+from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels
 from ..codec.cpu_kernel import checksums_in_kernel, native
 from ..errors import PayloadError
 from ..format import at_rest
@@ -61,6 +61,7 @@ from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, compare_crc
 from . import host_pages
+from .helper_threads import run_items
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
            "read_around_streams", "windowed"]
@@ -446,38 +447,9 @@ def _ranges(size: int, step: int) -> list[tuple[int, int]]:
 
 
 def _run(units: list[tuple[_Job, int]], threads: int) -> None:
-    """Run every unit on ``threads`` threads (the caller's and ``threads - 1`` started here), each taking the next
-    unit until none is left; the first error stops them all and is raised here.
-
-    The caller's thread drops to one intra-op thread before the others start, so they start with one too (with
-    OpenMP a new thread takes the last value set) and nothing they do changes the caller's setting.
-    """
-    lock = threading.Lock()
-    cursor = iter(range(len(units)))
-    errors: list[BaseException] = []
-
-    def work() -> None:
-        try:
-            with one_intra_op_thread():
-                while not errors:
-                    with lock:
-                        i = next(cursor, None)
-                    if i is None:
-                        return
-                    job, k = units[i]
-                    job.run(k)
-        except BaseException as e:  # noqa: BLE001 - handed to the caller, which raises it
-            errors.append(e)
-
-    with one_intra_op_thread():
-        helpers = [threading.Thread(target=work, name="szformat-decode", daemon=True) for _ in range(threads - 1)]
-        for helper in helpers:
-            helper.start()
-        work()
-        for helper in helpers:
-            helper.join()
-    if errors:
-        raise errors[0]
+    """Run every unit on ``threads`` threads (the caller's and helpers, :mod:`.helper_threads`), each taking the next
+    unit until none is left; the first error stops them all and is raised here."""
+    run_items(len(units), lambda i: units[i][0].run(units[i][1]), threads)
 
 
 def _check(path: Path, job: _Job, check_stored: bool, check_decoded: bool) -> None:
