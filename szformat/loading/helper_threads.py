@@ -127,9 +127,8 @@ def run_items(count: int, run_item: Callable[[int], None], threads: int) -> None
     ``threads - 1`` helpers, each on one intra-op thread; the first error stops every thread after its current item
     and is raised here once none is running an item.
 
-    The caller's thread drops to one intra-op thread before any helper joins: with a backend whose setting is
-    process-wide that is every thread's, and with OpenMP (per thread) a helper, started under it, keeps the one it
-    started with.
+    Every thread works under :func:`~szformat.codec.cpu.one_intra_op_thread`, the caller's from before any helper
+    joins, so with a backend whose setting is process-wide no helper changes it under the caller.
     """
     call = _Call(count, run_item)
     with one_intra_op_thread():
