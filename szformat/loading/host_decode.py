@@ -292,8 +292,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     """
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
-    threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1,
-                  -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
+    threads = min(_thread_count(threads), -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
     for group in _groups(entries):
         sizes = [_read_length(entries[i]) for i in group]
         needed = sum(sizes)
@@ -311,6 +310,12 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
                 _check(file.path, job, check_stored[i], check_decoded)
             tensors.append(job.out.view(job.dtype).reshape(job.entry.shape))
     return tensors
+
+
+def _thread_count(asked: int | None) -> int:
+    """The threads a decode runs on, the caller's included: ``asked``, by default PyTorch's intra-op thread count,
+    at most the host's cores."""
+    return min(asked or torch.get_num_threads(), os.cpu_count() or 1)
 
 
 def windowed(entry: TensorEntry) -> bool:
@@ -335,7 +340,7 @@ def decode_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor, *,
     if not windowed(entry):
         raise ValueError(f"{entry.name}: only a SplitZip tensor in the in-memory form is decoded in windows")
     elements, room = entry.layout.n, buffer.numel() // 2
-    threads = min(threads or torch.get_num_threads(), os.cpu_count() or 1)
+    threads = _thread_count(threads)
     step = min(WINDOW_RANGE_ELEMENTS, room) // 2 * 2  # even: a range of SplitZip pairs starts on a pair
     per_window = min(room // step, threads) * step if step else 0  # a range per thread: the window stays in cache
     if per_window == 0:
