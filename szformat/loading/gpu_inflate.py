@@ -16,13 +16,15 @@ by the route after that check). The frames' sizes come from the header, already 
 layout; each frame's status and inflated size are checked once the load has finished.
 
 nvCOMP is optional: ``pip install "szformat[nvcomp-cu12]"`` (or ``nvcomp-cu13``, matching PyTorch's CUDA). Without it,
-:func:`nvcomp_inflater` returns ``None`` and the readers inflate on the host.
+or with a release older than 6 (whose zstd calls have other names and arguments), :func:`nvcomp_inflater` returns
+``None`` and the readers inflate on the host.
 """
 
 from __future__ import annotations
 
 import ctypes
 import glob
+import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -33,6 +35,8 @@ import torch
 
 from ..errors import DecodeRouteError
 from ..format.at_rest import PlanesStage, Segment
+
+logger = logging.getLogger(__name__)
 
 __all__ = ["FramePlan", "FrameInflater", "NvcompInflater", "DecompressOptions", "nvcomp_library",
            "nvcomp_inflater", "plan_frames", "frames_of", "plane_frames_of"]
@@ -178,8 +182,8 @@ _NVCOMP: Any = False
 
 
 def nvcomp_library() -> ctypes.CDLL | None:
-    """nvCOMP's library (``nvidia-libnvcomp-cu12`` / ``-cu13``), its batched zstd calls typed, or ``None`` when it
-    is not installed or does not load."""
+    """nvCOMP's library (``nvidia-libnvcomp-cu12`` / ``-cu13``, release 6 or later), its batched zstd calls typed,
+    or ``None`` when no such library is installed or loads (an older release is passed over with a warning)."""
     global _NVCOMP
     if _NVCOMP is False:
         _NVCOMP = None
@@ -187,6 +191,10 @@ def nvcomp_library() -> ctypes.CDLL | None:
             try:
                 lib = ctypes.CDLL(path)
             except OSError:
+                continue
+            if not all(hasattr(lib, call) for call in _CALLS):
+                logger.warning("%s lacks nvCOMP 6's batched zstd calls (an older release?): at-rest frames are "
+                               "inflated on the host; nvCOMP >= 6 inflates them on the device", path)
                 continue
             size, pointer = ctypes.c_size_t, ctypes.c_void_p
             lib.nvcompBatchedZstdDecompressGetTempSize.argtypes = [size, size, DecompressOptions,
@@ -198,6 +206,11 @@ def nvcomp_library() -> ctypes.CDLL | None:
             _NVCOMP = lib
             break
     return _NVCOMP
+
+
+_CALLS = ("nvcompBatchedZstdDecompressGetTempSize", "nvcompBatchedZstdDecompressAsync")
+"""The calls this module makes, as nvCOMP 6 names and types them (release 5 names the first ``...GetTempSizeAsync``
+and takes other arguments)."""
 
 
 def nvcomp_inflater() -> NvcompInflater | None:

@@ -7,6 +7,7 @@ real library is asked to fail (an option out of range), and must be reported as 
 
 import ctypes
 import random
+import sys
 from collections import namedtuple
 
 import pytest
@@ -168,3 +169,20 @@ def test_nvcomp_itself_inflates_and_its_refusals_raise(monkeypatch):
     inflater._options = gpu_inflate.DecompressOptions(99)  # no such backend: an out-of-range option
     with pytest.raises(DecodeRouteError, match=r"nvCOMP .* \(status 1\d\)"):
         inflater.inflate(source, plan, out, statuses)
+
+
+def test_an_nvcomp_older_than_6_is_passed_over_with_a_warning(tmp_path, monkeypatch, caplog):
+    """nvCOMP 5 names and types its zstd calls otherwise: its library is passed over (the readers inflate on the
+    host) with a warning naming it, instead of an AttributeError when a load first asks for nvCOMP. Stand-in: a
+    shared library that loads but has none of nvCOMP 6's calls (this package's C extension), where nvCOMP's wheel
+    puts its library."""
+    native = pytest.importorskip("szformat.codec._native")
+    old = tmp_path / "nvidia" / "libnvcomp" / "lib64" / "libnvcomp.so.5"
+    old.parent.mkdir(parents=True)
+    old.symlink_to(native.__file__)
+    monkeypatch.setattr(sys, "path", [str(tmp_path)])
+    monkeypatch.setattr(gpu_inflate, "_NVCOMP", False)
+    with caplog.at_level("WARNING", logger=gpu_inflate.__name__):
+        lib = gpu_inflate.nvcomp_library()
+    assert lib is None or lib._name != str(old)  # a real nvCOMP 6 on the loader's path may still be found
+    assert str(old) in caplog.text and "nvCOMP >= 6" in caplog.text
