@@ -19,8 +19,7 @@ if not torch.cuda.is_available():
 
 import szformat
 from szformat.integrations.model_folder import Prefetch
-from support import ALICE, BOB, point_client_at
-import huggingface_hub
+from support import ALICE, BOB, close_hub_sessions, point_client_at
 from huggingface_hub import constants
 
 from hub_server import LoopbackHub
@@ -69,14 +68,14 @@ def hub(tmp_path, monkeypatch):
     for var in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_OIDC_RESOURCE"):
         monkeypatch.delenv(var, raising=False)
     home = tmp_path / "hf_home"
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True, raising=False)  # huggingface_hub < 0.32: no Xet
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
     monkeypatch.setattr(constants, "HF_HOME", str(home))
     monkeypatch.setattr(constants, "HF_HUB_CACHE", str(home / "hub"))
     monkeypatch.setattr(constants, "HF_TOKEN_PATH", str(home / "token"))
-    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"))
+    monkeypatch.setattr(constants, "HF_STORED_TOKENS_PATH", str(home / "stored_tokens"), raising=False)  # < 0.26
     server = LoopbackHub(tokens={ALICE: "alice", BOB: "bob"}).start()
     point_client_at(monkeypatch, server.endpoint)
     yield server
     server.stop()
-    huggingface_hub.close_session()  # drop kept-alive connections to this server
+    close_hub_sessions()  # drop kept-alive connections to this server

@@ -16,7 +16,7 @@ import msgpack
 import pytest
 import torch
 from hub_server import LoopbackHub
-from huggingface_hub import ModelCard, constants
+from huggingface_hub import ModelCard, constants, file_download
 from safetensors.torch import save_file as save_safetensors
 
 from szformat import SzformatError, load_file
@@ -288,6 +288,19 @@ def secret_outside(root: Path, monkeypatch, token: str) -> Path:
     return outside
 
 
+def close_hub_sessions() -> None:
+    """Drop the Hub client's kept-alive connections (to a loopback Hub that stops): ``close_session`` in
+    huggingface_hub 1.x, ``reset_sessions`` in the 0.x releases szformat also supports."""
+    import huggingface_hub
+    from huggingface_hub import utils
+
+    close = getattr(huggingface_hub, "close_session", None) or utils.reset_sessions
+    close()
+
+
 def point_client_at(monkeypatch, endpoint: str) -> None:
+    template = endpoint + "/{repo_id}/resolve/{revision}/{filename}"
     monkeypatch.setattr(constants, "ENDPOINT", endpoint)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", endpoint + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+    # huggingface_hub 0.x builds download URLs from its own copy of the template
+    monkeypatch.setattr(file_download, "HUGGINGFACE_CO_URL_TEMPLATE", template, raising=False)

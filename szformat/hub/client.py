@@ -3,6 +3,7 @@ for the command line."""
 
 from __future__ import annotations
 
+import re
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -36,6 +37,8 @@ def one_line_errors() -> Iterator[None]:
     except HfHubHTTPError as e:
         raise HubRequestError(describe_http_error(e)) from e
     except _transport_errors() as e:
+        if _answered(e):  # huggingface_hub 0.x re-raises some refusals as requests' own HTTPError
+            raise HubRequestError(describe_http_error(e)) from e
         raise HubRequestError(_unreachable(e)) from e
     except LocalEntryNotFoundError as e:  # a download that found neither the Hub nor a cached copy
         if isinstance(e.__cause__, _transport_errors()):
@@ -43,17 +46,30 @@ def one_line_errors() -> Iterator[None]:
         raise HubRequestError(" ".join(str(e).split())) from e
 
 
-def describe_http_error(error: HfHubHTTPError) -> str:
+def describe_http_error(error: BaseException) -> str:
     """``the Hub refused the request (403 Forbidden): You don't have the rights to write to bob/x``."""
-    response = error.response
+    response = getattr(error, "response", None)
     reason = getattr(response, "reason_phrase", None) or getattr(response, "reason", None)  # httpx, requests
     status = " ".join(str(part) for part in (getattr(response, "status_code", None), reason) if part)
-    message = error.server_message or first_line(error)
+    message = (getattr(error, "server_message", None) or getattr(error.__cause__, "server_message", None)
+               or first_line(error))  # the cause: huggingface_hub 0.x re-raises some with its own words
     return f"the Hub refused the request{f' ({status})' if status else ''}: {' '.join(message.split())}"
 
 
+def _answered(error: BaseException) -> bool:
+    """Whether the Hub answered the request that raised ``error`` (with a status code): a refusal, not a failed
+    connection."""
+    return getattr(getattr(error, "response", None), "status_code", None) is not None
+
+
+_OS_ERROR = re.compile(r"\[Errno -?\d+\] [^'\"()\\]+")
+
+
 def _unreachable(error: BaseException) -> str:
-    return f"cannot reach the Hub at {constants.ENDPOINT}: {error}"
+    """``cannot reach the Hub at URL: [Errno 111] Connection refused``: the operating system's reason where the
+    HTTP client's message holds one (requests nests it in the reprs of two exceptions), else that message."""
+    found = _OS_ERROR.search(str(error))
+    return f"cannot reach the Hub at {constants.ENDPOINT}: {found.group().strip() if found else error}"
 
 
 def _transport_errors() -> tuple[type[BaseException], ...]:

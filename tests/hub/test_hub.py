@@ -28,7 +28,7 @@ from szformat.hub import HubRef, hub_ref_from_arguments, parse_hub_ref, push_to_
 from szformat.hub.card import checkpoint_stats
 from szformat.hub.resolve import download_model_repo, download_safetensors_repo
 
-from support import ALICE, BOB, card_of, point_client_at, secret_outside
+from support import ALICE, BOB, card_of, close_hub_sessions, point_client_at, secret_outside
 
 
 # -- test data ---------------------------------------------------------------------------------------------------
@@ -423,13 +423,14 @@ def test_cached_checkpoints_load_without_the_hub(hub, tmp_path, monkeypatch, go_
     options = {}
     if go_offline == "HF_HUB_OFFLINE":
         monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+        close_hub_sessions()  # huggingface_hub 0.x reads it when it makes a session
     elif go_offline == "local_files_only":
         options["local_files_only"] = True
     else:
         hub.stop()
     assert resolve("hf://alice/tiny/model.szt", **options) == online_file
     assert resolve("hf://alice/sharded", **options) == online_index
-    assert len(hub.requests) == requests_before
+    assert hub.requests[requests_before:] == []
     assert_same_tensors(szformat.load_file(online_file), single)
     assert szformat.load_file(online_index.parent / "model-00002-of-00002.szt").keys() <= tensors.keys()
 
@@ -492,6 +493,9 @@ def test_malformed_index_on_the_hub_is_refused(hub):
         resolve("hf://alice/evil")
 
 
+@pytest.mark.xfail(int(huggingface_hub.__version__.split(".")[0]) < 1, raises=ValueError, strict=True,
+                   reason="huggingface_hub 0.x (0.25-0.36 checked) parses a commit's URL against the default endpoint "
+                          "once the commit has landed")
 def test_explicit_endpoint_reaches_a_hub_other_than_the_default(hub, tmp_path, monkeypatch):
     point_client_at(monkeypatch, "http://127.0.0.1:9")  # nothing listens there
     tensors = write_szt(tmp_path / "model.szt", seed=14)
@@ -627,3 +631,46 @@ def test_push_uploads_links_that_stay_inside_the_folder(hub, tmp_path):
     os.symlink("config.json", folder / "config-copy.json")
     push_to_hub(folder, "alice/inside", token=ALICE)
     assert hub.files("alice/inside")["config-copy.json"] == (folder / "config.json").read_bytes()
+
+
+# -- one-line errors whatever the HTTP client --------------------------------------------------------------------
+
+
+class _TransportError(Exception):
+    """Stands for the HTTP client's connection error class (requests' ``RequestException``, httpx's
+    ``TransportError``), which huggingface_hub 0.x also raises for some refusals, a response attached."""
+
+    def __init__(self, message: str, response=None):
+        super().__init__(message)
+        self.response = response
+
+
+def test_a_refusal_raised_as_a_transport_error_is_reported_as_a_refusal(monkeypatch):
+    from szformat.hub import client
+
+    monkeypatch.setattr(client, "_transport_errors", lambda: (_TransportError,))
+    refused = _TransportError("Invalid user token. If you didn't pass a user token, make sure you are properly "
+                              "logged in", types.SimpleNamespace(status_code=401, reason="Unauthorized"))
+    cause = Exception("401 Client Error")
+    cause.server_message = "Invalid credentials in Authorization header"  # as HfHubHTTPError carries it
+    refused.__cause__ = cause
+    with pytest.raises(HubRequestError) as caught, client.one_line_errors():
+        raise refused
+    assert str(caught.value) == ("the Hub refused the request (401 Unauthorized): Invalid credentials in "
+                                 "Authorization header")
+
+
+def test_a_failed_connection_is_reported_with_the_operating_system_s_reason(monkeypatch):
+    from szformat.hub import client
+
+    monkeypatch.setattr(client, "_transport_errors", lambda: (_TransportError,))
+    nested = ("(MaxRetryError(\"HTTPConnectionPool(host='127.0.0.1', port=9): Max retries exceeded with url: "
+              "/api/whoami-v2 (Caused by NewConnectionError('<urllib3.connection.HTTPConnection object>: Failed to "
+              "establish a new connection: [Errno 111] Connection refused'))\"), '(Request ID: 1a2b)')")
+    for message, reason in [(nested, "[Errno 111] Connection refused"),
+                            ("[Errno -3] Temporary failure in name resolution",
+                             "[Errno -3] Temporary failure in name resolution"),
+                            ("timed out", "timed out")]:
+        with pytest.raises(HubRequestError) as caught, client.one_line_errors():
+            raise _TransportError(message)
+        assert str(caught.value) == f"cannot reach the Hub at {constants.ENDPOINT}: {reason}"

@@ -14,9 +14,6 @@ from szformat.loading import host_decode, host_reader
 from tools import fuzz
 
 
-
-
-
 @pytest.mark.parametrize("target", fuzz.DEFAULT_TARGETS)
 def test_a_short_fuzz_run_finds_nothing(target, tmp_path):
     before = fuzz.OUTCOMES.copy()
