@@ -6,26 +6,21 @@ the speed. The GPU module is imported only when asked for, so conversion on the 
 
 from __future__ import annotations
 
-import importlib
-import importlib.util
 from types import ModuleType
 
-from .._install import install_hint
 from .._lazy import cpu_codec as cpu
 from .._lazy import torch
+from ..codec import gpu as gpu_codec
 from ..codec.gate import CodecBackend
 from ..errors import DecodeRouteError
-
-GPU_CODEC_MODULES = ("szformat.codec.gpu", "szformat.codec.triton_kernels")
-"""Where the Triton codec may live; the first that exists is used."""
 
 
 def codec_for(device: str | torch.device) -> tuple[CodecBackend | ModuleType, torch.device]:
     """The codec backend that encodes on ``device`` (``"cpu"`` or ``"cuda[:N]"``), and the device.
 
     Raises:
-        DecodeRouteError: the device is neither CPU nor CUDA, CUDA is not available, or Triton or the GPU codec is
-            not installed.
+        DecodeRouteError: the device is neither CPU nor CUDA, CUDA is not available, or Triton is not installed or
+            too old (:func:`~szformat.codec.gpu.triton_missing`).
     """
     try:
         device = torch.device(device)
@@ -39,13 +34,7 @@ def codec_for(device: str | torch.device) -> tuple[CodecBackend | ModuleType, to
         build = "a CPU-only build" if torch.version.cuda is None else f"built for CUDA {torch.version.cuda}"
         raise DecodeRouteError(f"converting on {device} needs a CUDA GPU, and torch {torch.__version__} "
                                f"({build}) sees none; convert on the CPU instead (same bytes)")
-    if importlib.util.find_spec("triton") is None:
-        raise DecodeRouteError(f"converting on {device} needs Triton: {install_hint('gpu')}")
-    for name in GPU_CODEC_MODULES:
-        try:
-            return importlib.import_module(name), device
-        except ModuleNotFoundError as e:
-            if e.name != name:
-                raise
-    raise DecodeRouteError(f"this szformat has no GPU codec (looked for {', '.join(GPU_CODEC_MODULES)}); "
-                           "convert on the CPU instead (same bytes)")
+    problem = gpu_codec.triton_missing()
+    if problem is not None:
+        raise DecodeRouteError(f"converting on {device} needs Triton: {problem}")
+    return gpu_codec, device

@@ -62,7 +62,7 @@ def decode_group(file: SztFile, group: Sequence[TensorEntry], buffer: torch.Tens
     slots = [slot_bytes(e) for e in group]
     outs = [slot[: e.raw_length] for slot, e in zip(buffer[: sum(slots)].split(slots), group)]
     try:
-        decode_entries(file, group, check_stored=[True] * len(group), check_decoded=True, outs=outs)
+        decode_entries(file, group, check_stored=[True] * len(group), check_decoded=True, outs=outs, as_bytes=True)
     finally:  # a group's payloads follow one another in the file: one call releases them
         drop_pages(file.buffer, group[0].offset, group[-1].offset + group[-1].length - group[0].offset)
     return outs

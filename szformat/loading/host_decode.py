@@ -107,7 +107,6 @@ class _Job:
 
     file: SztFile
     entry: TensorEntry
-    dtype: torch.dtype
     out: torch.Tensor  # flat: bfloat16 for SplitZip, uint8 for raw
     decoder: PayloadDecoder | None  # None: stored raw
     reads: bool  # each range reads its own stored bytes (raw, or SplitZip in the in-memory form)
@@ -168,7 +167,6 @@ class _WholeJob:
 
     file: SztFile
     entry: TensorEntry
-    dtype: torch.dtype
     out: torch.Tensor  # flat bfloat16
     check_stored: bool
     check_decoded: bool
@@ -272,7 +270,7 @@ def _range_scratch(nbytes: int) -> torch.Tensor:
 
 def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_stored: Sequence[bool],
                    check_decoded: bool, threads: int | None = None,
-                   outs: Sequence[torch.Tensor | None] | None = None) -> list[torch.Tensor]:
+                   outs: Sequence[torch.Tensor | None] | None = None, as_bytes: bool = False) -> list[torch.Tensor]:
     """The tensors ``entries`` of ``file``, decoded into new CPU tensors of their dtype and shape (or into ``outs``).
 
     Args:
@@ -285,11 +283,15 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
             of raw bytes.
         outs (sequence of `torch.Tensor` or `None`, *optional*): per entry, a contiguous CPU tensor of its raw
             size to decode into (the parameter it is loaded into), or ``None`` for a new one.
+        as_bytes (`bool`): return each tensor's raw bytes (flat uint8) instead, for a caller that writes or checks
+            them: every dtype of the format then decodes, those this torch has no type for included.
 
     Raises:
+        DecodeRouteError: this torch has no type for a tensor's dtype (unless ``as_bytes``), before any decode.
         ChecksumMismatchError: stored or decoded bytes differ from their checksums.
         PayloadError: an escape stream is inconsistent (and the stored bytes match their checksum, if checked).
     """
+    dtypes = None if as_bytes else [entry.torch_dtype(file.path) for entry in entries]
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
     threads = min(_thread_count(threads), -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
@@ -308,7 +310,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         for job, i in zip(jobs, group):
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
                 _check(file.path, job, check_stored[i], check_decoded)
-            tensors.append(job.out.view(job.dtype).reshape(job.entry.shape))
+            tensors.append(job.out.view(torch.uint8) if dtypes is None
+                           else job.out.view(dtypes[i]).reshape(job.entry.shape))
     return tensors
 
 
@@ -411,20 +414,19 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
     """The job of :func:`_job`, decoding into ``into`` (flat uint8) when it is given. ``range_elements`` (a SplitZip
     tensor in the in-memory form, :func:`decode_windows`): ranges of that many elements instead of
     :data:`RANGE_ELEMENTS`, and a :class:`_Job` even for a tensor :func:`_whole` would take whole."""
-    dtype = entry.torch_dtype(file.path)
     if _whole(entry) and range_elements is None:
         out = into.view(torch.bfloat16) if into is not None else host_pages.empty(entry.layout.n, torch.bfloat16)
-        return _WholeJob(file, entry, dtype, out, check_stored, check_decoded)
+        return _WholeJob(file, entry, out, check_stored, check_decoded)
     if entry.encoding == ENCODING_RAW and entry.at_rest is None:
         out = into if into is not None else host_pages.empty(entry.length, torch.uint8)
-        return _Job(file, entry, dtype, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
+        return _Job(file, entry, out, None, True, check_stored, _ranges(entry.length, RAW_RANGE_BYTES))
     if entry.byte_planes:  # stored bytes checked whole, frames inflated range by range
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         frame = entry.at_rest.frame_size
         out = into if into is not None else host_pages.empty(entry.raw_length, torch.uint8)
-        return _Job(file, entry, dtype, out, None, False, check_decoded,
+        return _Job(file, entry, out, None, False, check_decoded,
                     _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
                     (at_rest.StoredView(stored), entry.segments()))
     layout, reads = entry.layout, entry.at_rest is None
@@ -443,7 +445,7 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
             check_crc(file.read(entry.name), entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         raise PayloadError(str(e), path=file.path, tensor=entry.name) from None
     out = into.view(torch.bfloat16) if into is not None else host_pages.empty(layout.n, torch.bfloat16)
-    return _Job(file, entry, dtype, out, decoder, reads, (check_stored and reads) or check_decoded,
+    return _Job(file, entry, out, decoder, reads, (check_stored and reads) or check_decoded,
                 _ranges(layout.n, range_elements or RANGE_ELEMENTS))
 
 

@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._install import install_hint
+from ..codec.gpu import MIN_TRITON, triton_missing
 from ..errors import DecodeRouteError, InvalidArgumentError
 
 __all__ = [
@@ -89,6 +90,7 @@ class OffloadEnvironment:
     platform: str = sys.platform
     cuda_available: bool = False
     triton_available: bool = False
+    """Whether a Triton the GPU codec runs on is installed (:func:`~szformat.codec.gpu.triton_missing`)."""
     versions: Mapping[str, str | None] = field(default_factory=dict)
     """Installed version of each distribution in :data:`DISTRIBUTIONS` (None: not installed)."""
     native_library: str | None = None
@@ -104,7 +106,7 @@ def detect_environment() -> OffloadEnvironment:
     return OffloadEnvironment(
         platform=sys.platform,
         cuda_available=torch.cuda.is_available(),
-        triton_available=importlib.util.find_spec("triton") is not None,
+        triton_available=triton_missing() is None,
         versions={name: _installed_version(name) for name in DISTRIBUTIONS},
         native_library=_find_native_library(),
         native_allocator_installed=_native_allocator_installed(),
@@ -164,7 +166,7 @@ def _decoder(name: str, env: OffloadEnvironment) -> str:
 
 
 def _summary(name: str, env: OffloadEnvironment) -> str:
-    decode = "GPU decode" if _decoder(name, env) == "triton" else "CPU decode (Triton is not installed)"
+    decode = "GPU decode" if _decoder(name, env) == "triton" else f"CPU decode ({_NO_TRITON})"
     engine = {
         NATIVE: f"DDO {env.versions.get(DDO_DISTRIBUTION)} vmm_fast native transport",
         STAGING: f"DDO {env.versions.get(DDO_DISTRIBUTION)} vmm_runtime staging pool",
@@ -181,8 +183,11 @@ def _needs_cuda(env: OffloadEnvironment) -> str | None:
     return None if env.cuda_available else "no CUDA device (torch.cuda.is_available() is False)"
 
 
+_NO_TRITON = f"Triton is not installed or older than {'.'.join(map(str, MIN_TRITON))}"
+
+
 def _needs_triton(env: OffloadEnvironment) -> str | None:
-    return None if env.triton_available else "Triton is not installed (the arena decode runs on the GPU)"
+    return None if env.triton_available else f"{_NO_TRITON} (the arena decode runs on the GPU)"
 
 
 def _needs_native_allocator(env: OffloadEnvironment) -> str | None:

@@ -13,9 +13,11 @@ import pytest
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
-pytest.importorskip("triton")
 
 from szformat.codec import cpu, gpu, planes  # noqa: E402
+
+if gpu.triton_missing() is not None:
+    pytest.skip(gpu.triton_missing(), allow_module_level=True)
 from szformat.codec.codebook import Codebook  # noqa: E402
 from szformat.codec.layout import PayloadLayout  # noqa: E402
 

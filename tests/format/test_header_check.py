@@ -31,10 +31,11 @@ def plain(raw: bytes, max_containers: int = 1 << 30) -> bool:
 
 
 def outcome(raw: bytes, *, checked: bool, monkeypatch) -> object:
-    """What the header parser makes of ``raw``: the object, or the error's type and message."""
+    """What the header parser makes of ``raw``: the object's repr (a NaN equals itself there, and -0.0 differs
+    from 0.0), or the error's type and message."""
     monkeypatch.setattr(header_module, "_msgpack_check", check if checked else None)
     try:
-        return header_module._unpack(raw, path="h.szt")
+        return repr(header_module._unpack(raw, path="h.szt"))
     except HeaderError as e:
         return type(e), str(e)
 

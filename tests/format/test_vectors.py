@@ -23,6 +23,7 @@ import zstandard
 from safetensors.torch import load_file as st_load_file
 
 from szformat import SzformatError, load_file, safe_open
+from szformat.format import constants as C
 from szformat.format.at_rest import DEFAULT_FRAME_SIZE
 from szformat.format.writer import tensor_bytes
 
@@ -34,6 +35,14 @@ LISTING = json.loads((VECTORS / "vectors.json").read_text(encoding="utf-8"))
 CASES = {case["name"]: case for case in LISTING["cases"]}
 READS = {case["name"]: case for case in LISTING["read_cases"]}
 REFUSALS = {case["name"]: case for case in LISTING["refuse_cases"]}
+NO_TORCH_TYPE = {name for name, (dtype, _) in C.DTYPES.items() if dtype is None}
+"""Dtypes this torch has no type for (torch 2.4: F8_E8M0): the cases holding one cannot be loaded as tensors here."""
+
+
+def _skip_without_torch_types(dtypes) -> None:
+    lacking = sorted(set(dtypes) & NO_TORCH_TYPE)
+    if lacking:
+        pytest.skip(f"torch {torch.__version__} has no type for {', '.join(lacking)}")
 
 
 GENERATED = {case.name: case for case in make_vectors.cases()}
@@ -188,6 +197,7 @@ def test_the_converter_reproduces_each_szt_file_byte_for_byte(name, tmp_path):
 @pytest.mark.parametrize("name", CASES)
 def test_reader_decodes_each_szt_file_to_its_source(name):
     listed = CASES[name]
+    _skip_without_torch_types(t["dtype"] for t in listed["tensors"])
     source = st_load_file(VECTORS / listed["source"]["file"])
     decoded = load_file(VECTORS / listed["szt"]["file"])
     assert list(decoded) == [t["name"] for t in listed["tensors"]]
@@ -507,11 +517,13 @@ def test_a_reader_written_from_the_spec_refuses_each_refuse_case_at_its_stage(na
 
 
 def test_check_mode_passes_on_the_committed_vectors(capsys):
+    _skip_without_torch_types(t["dtype"] for case in LISTING["cases"] for t in case["tensors"])
     assert make_vectors.main(["--check"]) == 0
     assert "all match" in capsys.readouterr().out
 
 
 def test_check_mode_reports_changed_missing_and_extra_files(tmp_path, capsys):
+    _skip_without_torch_types(t["dtype"] for case in LISTING["cases"] for t in case["tensors"])
     folder = tmp_path / "vectors"
     shutil.copytree(VECTORS, folder)
     data = bytearray((folder / "bf16_escapes.szt").read_bytes())

@@ -206,11 +206,11 @@ def test_small_tensors_are_batched_by_bytes(monkeypatch):
     def whole(raw_length):
         e = entry()
         e.raw_length = raw_length
-        return host_decode._WholeJob(None, e, torch.bfloat16, None, True, True)
+        return host_decode._WholeJob(None, e, None, True, True)
 
     third = host_decode.BATCH_BYTES // 3
     small = [whole(third) for _ in range(5)]
-    ranged = host_decode._Job(None, entry(), torch.bfloat16, None, None, True, True, [(0, 4), (4, 8)])
+    ranged = host_decode._Job(None, entry(), None, None, True, True, [(0, 4), (4, 8)])
     units = host_decode._units([small[0], small[1], ranged, small[2], small[3], small[4]])
     assert [(type(u).__name__, k) for u, k in units] == [("_Job", 0), ("_Job", 1), ("_WholeBatch", 0),
                                                          ("_WholeBatch", 0)]

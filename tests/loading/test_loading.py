@@ -31,6 +31,7 @@ if not torch.cuda.is_available():
 import szformat
 from szformat.format.writer import tensor_bytes, write_tensor
 from szformat.codec import cpu as cpu_codec
+from szformat.codec import gpu as gpu_codec
 from szformat.codec.gate import EncodedTensor
 from szformat.errors import (ChecksumMismatchError, DecodeRouteError, FormatError, PayloadError, ShardIndexError,
                              TruncatedFileError)
@@ -982,6 +983,8 @@ def test_a_load_announces_when_its_reads_are_under_way(checkpoint, monkeypatch):
 def test_triton_kernels_through_every_component(checkpoint):
     if torch.cuda.is_available():
         pytest.skip("the GPU run (bench/checks/load_gpu.py) covers the kernels on a device")
+    if gpu_codec.triton_missing() is not None:
+        pytest.skip(gpu_codec.triton_missing())
     path, tensors = checkpoint
     codec = device_codec.triton_codec()
     staging = StagingConfig(slot_bytes=4096, slots=2, threads=2, transport="staged")

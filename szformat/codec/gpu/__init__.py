@@ -1,7 +1,8 @@
 """SplitZip on the GPU: Triton kernels that decode and encode bit for bit as :mod:`szformat.codec.cpu`.
 
 Importing this package needs neither Triton nor a GPU; the first use of a function below imports Triton and raises
-:class:`~szformat.errors.DecodeRouteError` if it is missing. :func:`is_available` says beforehand.
+:class:`~szformat.errors.DecodeRouteError` if it is missing or older than :data:`MIN_TRITON`. :func:`is_available`
+says beforehand, :func:`triton_missing` why not.
 
 Decode (nothing waits on the host; everything is enqueued on ``stream``, the current stream by default):
 
@@ -40,14 +41,23 @@ CPU tensors, which is how the tests check them without a GPU.
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import importlib.util
 import os
+import re
 from typing import Any
 
+from ..._install import install_hint
+
 __all__ = [
-    "BatchTable", "DecodeScratch", "build_batch_table", "decode", "decode_batch", "decode_batch_at", "decode_in_place",
-    "encode", "encode_to_host", "is_available", "join_planes", "copy_ranges",
+    "BatchTable", "DecodeScratch", "MIN_TRITON", "build_batch_table", "decode", "decode_batch", "decode_batch_at",
+    "decode_in_place", "encode", "encode_to_host", "is_available", "join_planes", "copy_ranges", "triton_missing",
 ]
+
+MIN_TRITON = (3, 2)
+"""The oldest Triton the kernels run on (the ``gpu`` extra asks for it). torch 2.4 and 2.5 pin Triton 3.0 and 3.1,
+whose interpreter loses a ``tl.constexpr`` argument on its way into the helpers the kernels call: with those the GPU
+codec refuses, and the loaders' automatic routes decode on the CPU."""
 
 _HOMES = {
     "decode": "_decode", "decode_in_place": "_decode", "DecodeScratch": "_decode",
@@ -61,9 +71,27 @@ def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
-def is_available() -> bool:
-    """True when Triton is installed and either a CUDA device is visible or the Triton interpreter is on."""
+def triton_missing() -> str | None:
+    """Why the kernels cannot run in this environment (Triton not installed, or older than :data:`MIN_TRITON`), or
+    ``None``. Reads the installed version without importing Triton."""
     if importlib.util.find_spec("triton") is None:
+        return f"Triton is not installed ({install_hint('gpu')})"
+    try:
+        version = importlib.metadata.version("triton")
+    except importlib.metadata.PackageNotFoundError:  # another distribution provides the module: its version is unknown
+        return None
+    release = re.match(r"(\d+)\.(\d+)", version)
+    if release is not None and tuple(map(int, release.groups())) < MIN_TRITON:
+        oldest = ".".join(map(str, MIN_TRITON))
+        return (f"Triton {version} is older than {oldest}, the oldest the GPU codec runs on (torch 2.6 and later "
+                f"install a newer one; {install_hint('gpu')})")
+    return None
+
+
+def is_available() -> bool:
+    """True when a Triton the kernels run on is installed (:func:`triton_missing`) and either a CUDA device is
+    visible or the Triton interpreter is on."""
+    if triton_missing() is not None:
         return False
     import torch
 

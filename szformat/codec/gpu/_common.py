@@ -14,13 +14,15 @@ import torch
 from ..._install import install_hint
 from ...errors import DecodeRouteError
 from ..codebook import Codebook
-from . import interpreting
+from . import interpreting, triton_missing
 
 try:
     import triton
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only where Triton is absent
     raise DecodeRouteError(f"the GPU codec needs Triton: {install_hint('gpu')}") from exc
+if triton_missing() is not None:
+    raise DecodeRouteError(f"the GPU codec cannot run: {triton_missing()}")
 
 __all__ = ["triton", "tl", "interpreting", "check_device", "check_aligned", "on_stream", "codebook_words",
            "program_slots"]
