@@ -62,3 +62,14 @@ def test_install_hints_name_the_packages_of_the_extra():
     assert install_hint("gpu").startswith("pip install 'triton>=3.2' (szformat's gpu extra: pip install -e")
     assert "'diffusers-dynamic-offloader[vmm]==0.1.0rc2'" in install_hint("ddo")
     assert install_hint("no-such-extra") == "pip install -e \".[no-such-extra]\" in szformat's source tree"
+
+
+def test_every_python_file_parses_as_python_3_10():
+    """The oldest Python szformat supports (pyproject.toml's requires-python): no syntax a 3.10 interpreter lacks
+    (the machines that run the tests have a newer one)."""
+    import ast
+
+    files = [p for folder in ("szformat", "tests", "tools", "bench") for p in (ROOT / folder).rglob("*.py")]
+    assert len(files) > 100
+    for path in files:
+        ast.parse(path.read_text(encoding="utf-8"), filename=str(path), feature_version=(3, 10))
