@@ -12,7 +12,6 @@ from typing import Any, Protocol, Sequence
 
 import torch
 
-from .._install import install_hint
 from ..codec import cpu as cpu_codec
 from ..codec import planes as byte_planes
 from ..codec.codebook import Codebook
@@ -170,13 +169,17 @@ def unpack_arrays(packed: torch.Tensor, like: Sequence[torch.Tensor], offsets: S
 
 
 def triton_codec() -> TritonCodec:
-    """The Triton codec, or a :class:`DecodeRouteError` that says how to get it or how to do without."""
+    """The Triton codec, or a :class:`DecodeRouteError` that says why not (Triton missing or too old:
+    :func:`~szformat.codec.gpu.triton_missing`) and how to do without."""
     from ..codec import gpu as kernels
 
-    try:
-        kernels.decode_in_place  # noqa: B018 - the first use imports Triton
-    except (ImportError, DecodeRouteError) as e:
-        raise DecodeRouteError(
-            f"decoding on the device needs Triton ({e}); install it with {install_hint('gpu')}, or pass "
-            "route='cpu' to decode on the CPU and copy the tensors") from None
+    problem = kernels.triton_missing()
+    if problem is None:
+        try:
+            kernels.decode_in_place  # noqa: B018 - the first use imports Triton
+        except (ImportError, DecodeRouteError) as e:
+            problem = str(e)
+    if problem is not None:
+        raise DecodeRouteError(f"decoding on the device cannot use Triton: {problem}; or pass route='cpu' to decode "
+                               "on the CPU and copy the tensors")
     return TritonCodec(kernels)

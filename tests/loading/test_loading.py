@@ -12,6 +12,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import random
 import threading
 import time
@@ -762,6 +763,18 @@ def test_device_without_cuda_or_triton_says_what_to_do(monkeypatch):
     assert StagingPoolDecoder(4096, ops=FakeOps()).route == "cpu"  # "auto" falls back to the host
     with pytest.raises(DecodeRouteError, match="Triton"):
         StagingPoolDecoder(4096, route="gpu", ops=FakeOps())
+
+
+def test_a_triton_too_old_for_the_kernels_is_named_before_they_run(monkeypatch):
+    """torch 2.4 and 2.5 install Triton 3.0 and 3.1: the device route refuses with that reason and the way around
+    it, before a kernel is compiled; the staging pool's "auto" decodes on the host."""
+    from szformat.codec import gpu
+
+    old = "Triton 3.0.0 is older than 3.2, the oldest the GPU codec runs on"
+    monkeypatch.setattr(gpu, "triton_missing", lambda: old)
+    with pytest.raises(DecodeRouteError, match=re.escape(f"cannot use Triton: {old}; or pass route='cpu'")):
+        DeviceLoader("cpu", route="gpu", ops=FakeOps())
+    assert StagingPoolDecoder(4096, ops=FakeOps()).route == "cpu"
 
 
 def test_file_reader_reads_in_parallel_pieces_and_refuses_short_files(tmp_path, monkeypatch):
