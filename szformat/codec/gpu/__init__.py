@@ -57,7 +57,7 @@ __all__ = [
 MIN_TRITON = (3, 2)
 """The oldest Triton the kernels run on (the ``gpu`` extra asks for it). torch 2.4 and 2.5 pin Triton 3.0 and 3.1,
 whose interpreter loses a ``tl.constexpr`` argument on its way into the helpers the kernels call: with those the GPU
-codec refuses, and the loaders' automatic routes decode on the CPU."""
+codec refuses, naming the version (the staging pool's and the offload routes' ``"auto"`` decode on the CPU)."""
 
 _HOMES = {
     "decode": "_decode", "decode_in_place": "_decode", "DecodeScratch": "_decode",

@@ -21,8 +21,9 @@ try:
     import triton.language as tl
 except ImportError as exc:  # pragma: no cover - exercised only where Triton is absent
     raise DecodeRouteError(f"the GPU codec needs Triton: {install_hint('gpu')}") from exc
-if triton_missing() is not None:
-    raise DecodeRouteError(f"the GPU codec cannot run: {triton_missing()}")
+_problem = triton_missing()
+if _problem is not None:
+    raise DecodeRouteError(f"the GPU codec cannot run: {_problem}")
 
 __all__ = ["triton", "tl", "interpreting", "check_device", "check_aligned", "on_stream", "codebook_words",
            "program_slots"]
