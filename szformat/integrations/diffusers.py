@@ -172,10 +172,13 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
     if library == "transformers":
         from . import transformers as szt
 
-        model_class = getattr(require("transformers", "transformers"), class_name, None)
+        transformers = require("transformers", "transformers")
+        model_class = getattr(transformers, class_name, None)
         if model_class is None:
             raise UnknownArchitectureError(f"transformers has no class {class_name!r}", path=folder)
-        return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or "auto",
+        # without a dtype, as transformers' own from_pretrained: the config's (5), float32 (4)
+        default = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+        return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or default,
                                                         variant=variant, offload=offload, prefetch=prefetch))
     model_class = getattr(diffusers, class_name, None)
     if model_class is None or not issubclass(model_class, diffusers.ModelMixin):

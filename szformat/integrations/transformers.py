@@ -110,7 +110,8 @@ def prepare_model(folder: Path, auto_class: Any = None, *, dtype: str | torch.dt
     require_converted(folder, CONFIG_NAME, "transformers model folder")
     checkpoint = weights_in(folder, variant)
     with prefetched(prefetch, checkpoint, offload) as loading:
-        config, model_kwargs = _load_config(transformers, folder, trust_remote_code, kwargs)
+        auto_class = _named_class(transformers, auto_class, folder)
+        config, model_kwargs = _load_config(transformers, auto_class, folder, trust_remote_code, kwargs)
         entries = checkpoint_entries(checkpoint)
         model = _build(transformers, auto_class, config, _resolve_dtype(dtype, config, entries), model_kwargs,
                        folder)
@@ -151,9 +152,26 @@ def finish_model(prepared: PreparedModel, *, device: str | torch.device = "cpu",
     return model, info
 
 
-def _load_config(transformers, folder: Path, trust_remote_code: bool, kwargs: dict[str, Any]):
-    """The folder's config with the overrides in ``kwargs`` applied; the rest of ``kwargs`` is for the model."""
+def _named_class(transformers, auto_class: Any, folder: Path) -> Any:
+    """``auto_class`` itself, or the transformers class it names (``"AutoModelForMaskedLM"``)."""
+    if not isinstance(auto_class, str):
+        return auto_class
+    found = getattr(transformers, auto_class, None)
+    if found is None:
+        raise UnknownArchitectureError(f"transformers {transformers.__version__} has no class {auto_class!r}",
+                                       path=folder)
+    return found
+
+
+def _load_config(transformers, model_class: Any, folder: Path, trust_remote_code: bool, kwargs: dict[str, Any]):
+    """The folder's config with the overrides in ``kwargs`` applied; the rest of ``kwargs`` is for the model. Read
+    by the model class's own config class where a model class is given, as its ``from_pretrained`` reads it (a
+    pipeline's text encoder: an older ``AutoConfig`` does not know every model type a class reads), else by
+    ``AutoConfig``."""
+    config_class = getattr(model_class, "config_class", None)
     try:
+        if config_class is not None:
+            return config_class.from_pretrained(folder, return_unused_kwargs=True, **kwargs)
         return transformers.AutoConfig.from_pretrained(folder, trust_remote_code=trust_remote_code,
                                                        return_unused_kwargs=True, **kwargs)
     except (ValueError, KeyError) as e:
@@ -184,12 +202,6 @@ def _resolve_dtype(dtype: str | torch.dtype, config, entries) -> torch.dtype:
 
 def _build(transformers, auto_class, config, dtype: torch.dtype, model_kwargs: dict[str, Any], folder: Path):
     """The model class built from ``config`` with parameters on ``meta``, in ``dtype``."""
-    if isinstance(auto_class, str):  # by name, as "AutoModelForMaskedLM"
-        found = getattr(transformers, auto_class, None)
-        if found is None:
-            raise UnknownArchitectureError(f"transformers {transformers.__version__} has no class {auto_class!r}",
-                                           path=folder)
-        auto_class = found
     model_class = auto_class if auto_class is not None else _config_class(transformers, config, folder)
     _set_config_dtype(config, dtype)
     build = model_class._from_config if hasattr(model_class, "_from_config") else model_class.from_config
@@ -210,11 +222,13 @@ def _meta_parameters_left_uninitialized() -> Iterator[None]:
     modules' own ``reset_parameters`` nor the model's ``_init_weights`` draws random values into tensors that hold
     none, which cost about a millisecond a tensor, most of the build. Buffers and every tensor without the flag are
     initialized as before; a tensor that later replaces a marked one (decoded, or initialized because the checkpoint
-    lacks it) carries no flag. Older transformers ignore the flag and initialize as before."""
+    lacks it) carries no flag. Older transformers have no such guard: nothing is marked (accelerate 1.0's
+    ``init_empty_weights`` remakes a parameter from its ``__dict__``, where the flag would be an unknown argument)."""
     try:
         from transformers.initialization import guard_torch_init_functions as guard
     except ImportError:  # transformers < 5
-        guard = contextlib.nullcontext
+        yield
+        return
     register = torch.nn.Module.register_parameter
 
     def register_marked(module: torch.nn.Module, name: str, param: torch.nn.Parameter | None) -> None:

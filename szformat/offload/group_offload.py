@@ -12,6 +12,7 @@ overlap with this route.
 
 from __future__ import annotations
 
+import inspect
 from typing import Any
 
 import torch
@@ -38,7 +39,7 @@ def install_group_offloading(installation: Installation) -> OffloadedModel:
     if unknown:
         raise ValueError(f"unknown diffusers group offloading options: {', '.join(unknown)} "
                          f"(known: {', '.join(OPTIONS)})")
-    options = {**OPTIONS, **installation.options}
+    options = _supported({**OPTIONS, **installation.options})
     module, binding, device = installation.module, installation.binding, installation.device
     restore = snapshot_tensors(module, [name for tensor in binding for name in tensor.names])
     placeholders = Placeholders(binding)
@@ -63,6 +64,22 @@ def install_group_offloading(installation: Installation) -> OffloadedModel:
 
     return OffloadedModel(module, installation.route, installation.checkpoint,
                           counters=lambda: {"h2d_bytes": decoder.bytes_moved}, release=release)
+
+
+def _supported(options: dict[str, Any]) -> dict[str, Any]:
+    """``options`` as this diffusers' ``apply_group_offloading`` takes them: one left at ``None`` (its default) is
+    not passed, so a diffusers that predates it (0.35 has no ``block_modules``) works; one set is refused by name
+    when this diffusers lacks it."""
+    parameters = inspect.signature(apply_group_offloading).parameters
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in parameters.values()):
+        return options
+    lacking = sorted(name for name, value in options.items() if name not in parameters and value is not None)
+    if lacking:
+        import diffusers
+
+        raise ValueError(f"diffusers {diffusers.__version__} group offloading has no option "
+                         f"{', '.join(map(repr, lacking))}: a newer diffusers has")
+    return {name: value for name, value in options.items() if name in parameters}
 
 
 def _groups(module: torch.nn.Module) -> list[Any]:

@@ -180,6 +180,29 @@ def test_group_offloading_names_unknown_options(stored):
         install(group_offload.install_group_offloading, path, fresh_module(), "diffusers_group", bogus=1)
 
 
+def test_group_offloading_takes_the_options_the_installed_diffusers_has(stored, monkeypatch):
+    """diffusers 0.35's ``apply_group_offloading`` has no ``block_modules``: left at its default it is not passed;
+    asked for, it is refused by name before anything is installed."""
+    path, _, _ = stored
+    real, calls = group_offload.apply_group_offloading, []
+
+    def without_block_modules(module, onload_device, offload_device=torch.device("cpu"), offload_type="block_level",
+                              num_blocks_per_group=None, non_blocking=False, use_stream=False, record_stream=False,
+                              low_cpu_mem_usage=False, offload_to_disk_path=None):
+        calls.append(offload_type)
+        return real(module, onload_device, offload_device, offload_type=offload_type,
+                    num_blocks_per_group=num_blocks_per_group, use_stream=use_stream, record_stream=record_stream,
+                    low_cpu_mem_usage=low_cpu_mem_usage)
+
+    monkeypatch.setattr(group_offload, "apply_group_offloading", without_block_modules)
+    install(group_offload.install_group_offloading, path, fresh_module(), "diffusers_group").close()
+    assert calls == ["block_level"]
+    with pytest.raises(ValueError, match=r"group offloading has no option 'block_modules': a newer diffusers has"):
+        install(group_offload.install_group_offloading, path, fresh_module(), "diffusers_group",
+                block_modules=["blocks"])
+    assert calls == ["block_level"]
+
+
 def test_a_failed_install_gives_the_module_its_tensors_back(stored, monkeypatch):
     path, ids, _ = stored
     module = fresh_module()
