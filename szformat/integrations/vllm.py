@@ -47,9 +47,18 @@ decodes); the structural checks stay."""
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``load_format="szt"`` known to this process's vLLM."""
-    from vllm.model_executor.model_loader import register_model_loader
+    """The ``vllm.general_plugins`` entry point: make ``load_format="szt"`` known to this process's vLLM. vLLM
+    calls it in every process it starts, whatever the load format, so under a vLLM older than 0.10.1 (no
+    ``register_model_loader``) it warns and leaves the engine as it is rather than stop it."""
+    from vllm.model_executor import model_loader
 
+    register_model_loader = getattr(model_loader, "register_model_loader", None)
+    if register_model_loader is None:
+        import vllm
+
+        logger.warning("szformat: vLLM %s cannot register a model loader (0.10.1 and later can): load_format=%r "
+                       "is not available", getattr(vllm, "__version__", "?"), LOAD_FORMAT)
+        return
     register_model_loader(LOAD_FORMAT)(_loader_class())
 
 

@@ -1,12 +1,16 @@
 """The vLLM loader's options (``--model-loader-extra-config``), read without vLLM: what is taken, what is refused by
-name. The engine itself runs them in ``test_vllm.py``."""
+name; and its entry point under a vLLM too old to take a loader. The engine itself runs them in ``test_vllm.py``."""
 
 from __future__ import annotations
+
+import logging
+import sys
+import types
 
 import pytest
 
 from szformat.errors import InvalidArgumentError
-from szformat.integrations.vllm import verify_option
+from szformat.integrations.vllm import register, verify_option
 
 
 @pytest.mark.parametrize("extra, expected", [(None, True), ({}, True), ({"verify": True}, True),
@@ -25,3 +29,18 @@ def test_other_keys_and_values_are_refused_by_name(extra, message):
     with pytest.raises(InvalidArgumentError) as info:
         verify_option(extra)
     assert message in str(info.value) and isinstance(info.value, ValueError)
+
+
+def test_the_entry_point_leaves_a_vllm_without_register_model_loader_running(monkeypatch, caplog):
+    """vLLM calls every general plugin in every process, whatever the load format: under vLLM 0.10.0, which has no
+    ``register_model_loader``, the plugin warns instead of stopping the engine."""
+    modules = {"vllm": types.ModuleType("vllm"), "vllm.model_executor": types.ModuleType("vllm.model_executor"),
+               "vllm.model_executor.model_loader": types.ModuleType("vllm.model_executor.model_loader")}
+    modules["vllm"].__version__ = "0.10.0"
+    modules["vllm"].model_executor = modules["vllm.model_executor"]
+    modules["vllm.model_executor"].model_loader = modules["vllm.model_executor.model_loader"]
+    for name, module in modules.items():
+        monkeypatch.setitem(sys.modules, name, module)
+    with caplog.at_level(logging.WARNING):
+        register()
+    assert "vLLM 0.10.0 cannot register a model loader (0.10.1 and later can): load_format='szt'" in caplog.text
