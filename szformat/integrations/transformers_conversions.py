@@ -170,7 +170,7 @@ def _fixed_names(model, expected: Mapping[str, torch.Tensor], key_mapping: Mappi
     if key_mapping is None and _is_vlm(model):
         key_mapping = getattr(model, "_checkpoint_conversion_mapping", None)
     patterns = [(re.compile(pattern), replacement) for pattern, replacement in (key_mapping or {}).items()]
-    fix = getattr(model, "_fix_state_dict_key_on_load", lambda name: (name, False))
+    fix = model._fix_state_dict_key_on_load  # transformers >= 4.50, the floor
 
     def rename(name: str) -> str:
         name = fix(name)[0]
