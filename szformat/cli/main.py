@@ -51,14 +51,43 @@ Run 'szconvert COMMAND --help' for the options of a command; options may come be
 """
 
 
+class _Version(argparse.Action):
+    """``--version``: szformat's version and the codecs this install runs, looked up only when asked (the GPU
+    line reads Triton's installed version: neither Triton nor torch is imported)."""
+
+    def __init__(self, option_strings: list[str], dest: str = argparse.SUPPRESS, **kwargs) -> None:
+        super().__init__(option_strings, dest, nargs=0, default=argparse.SUPPRESS,
+                         help="show the version and the codecs this install runs, and exit")
+
+    def __call__(self, parser, namespace, values, option_string=None) -> None:
+        print(version_text())
+        parser.exit()
+
+
+def version_text() -> str:
+    """``szconvert (szformat) 0.1.0``, then ``CPU codec: native (avx2)`` and ``GPU codec: Triton 3.6.0`` (or why
+    there is none: Triton missing or older than the kernels need)."""
+    from importlib import metadata
+
+    from ..codec import gpu
+
+    problem = gpu.triton_missing()
+    if problem is None:
+        try:
+            triton = f"Triton {metadata.version('triton')}"
+        except metadata.PackageNotFoundError:  # another distribution provides the module
+            triton = "Triton"
+    gpu_line = f"GPU codec: {triton}" if problem is None else f"GPU codec: none ({problem})"
+    return f"szconvert (szformat) {__version__}\nCPU codec: {cpu_kernel.KERNEL}\n{gpu_line}"
+
+
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser (``--help``, ``--version``, the list of commands) and each command's own parser."""
     parser = argparse.ArgumentParser(
         prog="szconvert", formatter_class=argparse.RawDescriptionHelpFormatter, epilog=EXAMPLES,
         description="Convert safetensors checkpoints to szformat (.szt: lossless, smaller BF16) and back, "
                     "inspect and verify them.")
-    parser.add_argument("--version", action="version",
-                        version=f"szconvert (szformat) {__version__}\nCPU codec: {cpu_kernel.KERNEL}")
+    parser.add_argument("--version", action=_Version)
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND")
     for module in COMMANDS.values():
         module.register(subparsers)

@@ -502,6 +502,24 @@ def test_help_and_version_do_not_import_torch(args):
     assert done.stdout.splitlines()[-1] == "[]"
 
 
+def test_version_names_the_codecs_this_install_runs(monkeypatch, capsys):
+    from importlib import metadata
+
+    from szformat.codec import cpu_kernel, gpu
+
+    with pytest.raises(SystemExit) as done:
+        main(["--version"])
+    assert done.value.code == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[:2] == [f"szconvert (szformat) {szformat.__version__}", f"CPU codec: {cpu_kernel.KERNEL}"]
+    if gpu.triton_missing() is None:
+        assert lines[2] == f"GPU codec: Triton {metadata.version('triton')}"
+    monkeypatch.setattr(gpu, "triton_missing", lambda: "Triton 3.0.0 is older than 3.2")
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.splitlines()[2] == "GPU codec: none (Triton 3.0.0 is older than 3.2)"
+
+
 @pytest.mark.parametrize("form", ["in-memory", "at-rest"])
 def test_info_reads_headers_without_torch(tmp_path, form):
     """``szconvert info`` answers from the headers: neither torch nor NumPy is imported (2-3 s and 200 MB)."""
