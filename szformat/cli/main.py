@@ -67,17 +67,14 @@ class _Version(argparse.Action):
 def version_text() -> str:
     """``szconvert (szformat) 0.1.0``, then ``CPU codec: native (avx2)`` and ``GPU codec: Triton 3.6.0`` (or why
     there is none: Triton missing or older than the kernels need)."""
-    from importlib import metadata
-
+    from .._versions import installed_version
     from ..codec import gpu
 
     problem = gpu.triton_missing()
-    if problem is None:
-        try:
-            triton = f"Triton {metadata.version('triton')}"
-        except metadata.PackageNotFoundError:  # another distribution provides the module
-            triton = "Triton"
-    gpu_line = f"GPU codec: {triton}" if problem is None else f"GPU codec: none ({problem})"
+    if problem is None:  # the version is unknown where another distribution provides Triton
+        gpu_line = f"GPU codec: Triton {installed_version('triton') or ''}".rstrip()
+    else:
+        gpu_line = f"GPU codec: none ({problem})"
     return f"szconvert (szformat) {__version__}\nCPU codec: {cpu_kernel.KERNEL}\n{gpu_line}"
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from .._versions import parse_version
 from ..errors import ModelFolderError, UnknownArchitectureError
 from ..format import constants as C
 from .model_folder import (SAFETENSORS_SUFFIX, Prefetch, PreparedModel, checkpoint_entries, has_weights,
@@ -177,7 +178,7 @@ def _prepare(diffusers, folder: Path, library: str, class_name: str, torch_dtype
         if model_class is None:
             raise UnknownArchitectureError(f"transformers has no class {class_name!r}", path=folder)
         # without a dtype, as transformers' own from_pretrained: the config's (5), float32 (4)
-        default = "auto" if int(transformers.__version__.split(".")[0]) >= 5 else torch.float32
+        default = "auto" if parse_version(transformers.__version__) >= parse_version("5.dev0") else torch.float32
         return _TransformersComponent(szt.prepare_model(folder, model_class, dtype=torch_dtype or default,
                                                         variant=variant, offload=offload, prefetch=prefetch))
     model_class = getattr(diffusers, class_name, None)

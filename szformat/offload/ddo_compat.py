@@ -23,6 +23,7 @@ from ddo_vmm_allocator import model_arena_adapter
 from diffusers_dynamic_offloader import vmm_weight_store
 
 from .._install import install_hint
+from .._versions import parse_version
 from ..errors import DecodeRouteError
 from ..format.header import TensorEntry
 from .routes import (
@@ -32,7 +33,6 @@ from .routes import (
     NATIVE,
     SUPPORTED_DDO_VERSIONS,
     OffloadEnvironment,
-    parse_version,
 )
 
 __all__ = ["REFUSED_OPTIONS", "SEAMS", "SztFileSlice", "check_ddo", "check_members", "ddo_config", "native_library",

@@ -15,6 +15,7 @@ from __future__ import annotations
 import inspect
 from typing import Any
 
+import diffusers
 import torch
 from diffusers.hooks import HookRegistry, apply_group_offloading
 
@@ -75,8 +76,6 @@ def _supported(options: dict[str, Any]) -> dict[str, Any]:
         return options
     lacking = sorted(name for name, value in options.items() if name not in parameters and value is not None)
     if lacking:
-        import diffusers
-
         raise ValueError(f"diffusers {diffusers.__version__} group offloading has no option "
                          f"{', '.join(map(repr, lacking))}: a newer diffusers has")
     return {name: value for name, value in options.items() if name in parameters}

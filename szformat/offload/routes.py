@@ -24,16 +24,15 @@ safe before DDO's native allocator is installed.
 
 from __future__ import annotations
 
-import importlib.metadata
 import importlib.util
 import os
-import re
 import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._install import install_hint
+from .._versions import installed_version, parse_version
 from ..codec.gpu import MIN_TRITON, triton_missing
 from ..errors import DecodeRouteError, InvalidArgumentError
 
@@ -107,7 +106,7 @@ def detect_environment() -> OffloadEnvironment:
         platform=sys.platform,
         cuda_available=torch.cuda.is_available(),
         triton_available=triton_missing() is None,
-        versions={name: _installed_version(name) for name in DISTRIBUTIONS},
+        versions={name: installed_version(name) for name in DISTRIBUTIONS},
         native_library=_find_native_library(),
         native_allocator_installed=_native_allocator_installed(),
     )
@@ -183,7 +182,7 @@ def _needs_cuda(env: OffloadEnvironment) -> str | None:
     return None if env.cuda_available else "no CUDA device (torch.cuda.is_available() is False)"
 
 
-_NO_TRITON = f"Triton is not installed or older than {'.'.join(map(str, MIN_TRITON))}"
+_NO_TRITON = f"Triton is not installed or older than {MIN_TRITON}"
 
 
 def _needs_triton(env: OffloadEnvironment) -> str | None:
@@ -250,13 +249,6 @@ def _is_one_of(version: str, supported: tuple[str, ...]) -> bool:
 # -- detection ---------------------------------------------------------------------------------------------------
 
 
-def _installed_version(distribution: str) -> str | None:
-    try:
-        return importlib.metadata.version(distribution)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
 def _find_native_library() -> str | None:
     """The library DDO will load: the environment variable wins, as in DDO; else the allocator package's own."""
     configured = os.environ.get(DDO_LIBRARY_ENV)
@@ -281,37 +273,3 @@ def _native_allocator_installed() -> bool:
     allocator = sys.modules.get("ddo_vmm_allocator.torch_allocator")
     installed = getattr(allocator, "installed_library_path", None)
     return callable(installed) and installed() is not None
-
-
-# -- versions ----------------------------------------------------------------------------------------------------
-
-_VERSION = re.compile(
-    r"^v?(?P<release>\d+(?:\.\d+)*)"
-    r"(?:[-_.]?(?P<pre>a|alpha|b|beta|c|rc|pre|preview)[-_.]?(?P<pre_n>\d*))?"
-    r"(?:[-_.]?(?:post|rev|r)[-_.]?(?P<post>\d*))?"
-    r"(?:[-_.]?dev[-_.]?(?P<dev>\d*))?"
-    r"(?:\+[a-z0-9]+(?:[-_.][a-z0-9]+)*)?$")
-_PRE_RANK = {"a": 0, "alpha": 0, "b": 1, "beta": 1, "c": 2, "rc": 2, "pre": 2, "preview": 2}
-
-
-def parse_version(text: str) -> tuple:
-    """A sort key for a PEP 440 version: ``1.0.dev0 < 1.0a1 < 1.0rc1 < 1.0 == 1.0.0 < 1.0.post1``.
-
-    Local labels (``+cu130``) are ignored. Raises ValueError for text that is not a version.
-    """
-    match = _VERSION.match(text.strip().lower())
-    if match is None:
-        raise ValueError(f"not a version: {text!r}")
-    release = [int(part) for part in match["release"].split(".")]
-    while len(release) > 1 and release[-1] == 0:
-        release.pop()
-    pre, post, dev = match["pre"], match["post"], match["dev"]
-    if pre is not None:
-        pre_key = (_PRE_RANK[pre], int(match["pre_n"] or 0))
-    elif dev is not None and post is None:
-        pre_key = (-1, 0)  # 1.0.dev0 sorts before 1.0a0
-    else:
-        pre_key = (3, 0)
-    post_key = int(post or 0) if post is not None else -1
-    dev_key = (0, int(dev or 0)) if dev is not None else (1, 0)
-    return tuple(release), pre_key, post_key, dev_key

@@ -505,6 +505,7 @@ def test_help_and_version_do_not_import_torch(args):
 def test_version_names_the_codecs_this_install_runs(monkeypatch, capsys):
     from importlib import metadata
 
+    from szformat import _versions as versions
     from szformat.codec import cpu_kernel, gpu
 
     with pytest.raises(SystemExit) as done:
@@ -518,6 +519,11 @@ def test_version_names_the_codecs_this_install_runs(monkeypatch, capsys):
     with pytest.raises(SystemExit):
         main(["--version"])
     assert capsys.readouterr().out.splitlines()[2] == "GPU codec: none (Triton 3.0.0 is older than 3.2)"
+    monkeypatch.setattr(gpu, "triton_missing", lambda: None)  # a Triton another distribution provides
+    monkeypatch.setattr(versions, "installed_version", lambda name: None)
+    with pytest.raises(SystemExit):
+        main(["--version"])
+    assert capsys.readouterr().out.splitlines()[2] == "GPU codec: Triton"
 
 
 @pytest.mark.parametrize("form", ["in-memory", "at-rest"])

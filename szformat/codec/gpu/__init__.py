@@ -41,20 +41,19 @@ CPU tensors, which is how the tests check them without a GPU.
 from __future__ import annotations
 
 import importlib
-import importlib.metadata
 import importlib.util
 import os
-import re
 from typing import Any
 
 from ..._install import install_hint
+from ..._versions import installed_version, parse_version
 
 __all__ = [
     "BatchTable", "DecodeScratch", "MIN_TRITON", "build_batch_table", "decode", "decode_batch", "decode_batch_at",
     "decode_in_place", "encode", "encode_to_host", "is_available", "join_planes", "copy_ranges", "triton_missing",
 ]
 
-MIN_TRITON = (3, 2)
+MIN_TRITON = "3.2"
 """The oldest Triton the kernels run on (the ``gpu`` extra asks for it). torch 2.4 and 2.5 pin Triton 3.0 and 3.1,
 whose interpreter loses a ``tl.constexpr`` argument on its way into the helpers the kernels call: with those the GPU
 codec refuses, naming the version (the staging pool's and the offload routes' ``"auto"`` decode on the CPU)."""
@@ -76,15 +75,14 @@ def triton_missing() -> str | None:
     ``None``. Reads the installed version without importing Triton."""
     if importlib.util.find_spec("triton") is None:
         return f"Triton is not installed ({install_hint('gpu')})"
+    version = installed_version("triton")
     try:
-        version = importlib.metadata.version("triton")
-    except importlib.metadata.PackageNotFoundError:  # another distribution provides the module: its version is unknown
-        return None
-    release = re.match(r"(\d+)\.(\d+)", version)
-    if release is not None and tuple(map(int, release.groups())) < MIN_TRITON:
-        oldest = ".".join(map(str, MIN_TRITON))
-        return (f"Triton {version} is older than {oldest}, the oldest the GPU codec runs on (torch 2.6 and later "
-                f"install a newer one; {install_hint('gpu')})")
+        too_old = version is not None and parse_version(version) < parse_version(MIN_TRITON)
+    except ValueError:  # not a version number: taken as a build of its own
+        too_old = False
+    if too_old:  # (no version: another distribution provides the module, as pytorch-triton does)
+        return (f"Triton {version} is older than {MIN_TRITON}, the oldest the GPU codec runs on (torch 2.6 and "
+                f"later install a newer one; {install_hint('gpu')})")
     return None
 
 
