@@ -29,6 +29,11 @@ each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and
 one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
 ``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor).
 
+First loads (``--sections first``), on MiniLM: what a process that loads a model once pays. Each run is a fresh
+interpreter that imports torch, then times importing the loader (``safetensors.torch``; ``szformat``, whose API
+is imported on first use) and its first load, anchor and ``szformat.load_file`` alternating, ``--repeats`` each
+after an untimed round, with 1 thread and with all; the files are page-cached, the processes' memory is new.
+
 Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
 ``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
 source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
@@ -37,7 +42,7 @@ threads" uses every core for both.
 Usage::
 
     python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
-        [--sections codec,load] [--work /tmp/szbench]
+        [--sections codec,load,first] [--work /tmp/szbench]
 """
 
 from __future__ import annotations
@@ -353,6 +358,60 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
     return rows
 
 
+FIRST_LOAD = """
+import sys, time
+import torch
+torch.set_num_threads(int(sys.argv[3]))
+start = time.perf_counter()
+if sys.argv[1] == "szt":
+    import szformat
+    imported = time.perf_counter()
+    tensors = szformat.load_file(sys.argv[2])
+else:
+    import safetensors.torch
+    imported = time.perf_counter()
+    tensors = {k: v.clone() for k, v in safetensors.torch.load_file(sys.argv[2]).items()}
+done = time.perf_counter()
+print(done - start, done - imported, len(tensors))
+"""
+"""A fresh process's import of a loader and its first load: seconds for both, for the load alone, tensors."""
+
+
+def bench_first_loads(st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+    """Each loader's import and first load in fresh interpreters, alternating, with 1 thread and all threads."""
+    read_through(st_path, szt_path)
+    rows = []
+    for threads in sorted({1, os.cpu_count() or 1}):
+        seconds: dict[str, list[tuple[float, float]]] = {"safetensors": [], "szt": []}
+        counts = set()
+        for run in range(repeats + 1):  # the first round untimed: bytecode compiled and cached, files read
+            for which, path in (("safetensors", st_path), ("szt", szt_path)):
+                done = subprocess.run([sys.executable, "-c", FIRST_LOAD, which, str(path), str(threads)],
+                                      capture_output=True, text=True, check=True)
+                both, load, count = done.stdout.split()
+                counts.add(int(count))
+                if run:
+                    seconds[which].append((float(both), float(load)))
+        assert len(counts) == 1, f"the loaders returned different numbers of tensors: {counts}"
+        anchor = statistics.median(both for both, _ in seconds["safetensors"])
+        for which, runs in seconds.items():
+            median = statistics.median(both for both, _ in runs)
+            rows.append({"threads": threads, "loader": which, "median_s": median, "best_s": min(b for b, _ in runs),
+                         "load_s": statistics.median(load for _, load in runs), "vs_anchor": anchor / median})
+            print(f"  first load, {threads:2d} threads  {which:12s} import + load {median * 1e3:7.1f} ms  "
+                  f"load {rows[-1]['load_s'] * 1e3:7.1f} ms  x{anchor / median:.2f}", flush=True)
+    return rows
+
+
+def print_first_load_table(rows: list[dict]) -> None:
+    print()
+    print("| threads | loader | import + first load, median ms | best ms | first load alone, median ms | x anchor |")
+    print("| ---: | --- | ---: | ---: | ---: | ---: |")
+    for r in rows:
+        print(f"| {r['threads']} | {r['loader']} | {r['median_s'] * 1e3:.1f} | {r['best_s'] * 1e3:.1f} "
+              f"| {r['load_s'] * 1e3:.1f} | {r['vs_anchor']:.2f} |")
+
+
 def print_loading_table(rows: list[dict]) -> None:
     print()
     print("| data | condition | method | median ms | best ms | median GB/s | x anchor | load avg |")
@@ -367,7 +426,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--model", type=Path, help="a BF16 model.safetensors (default: MiniLM, fetched if absent)")
     parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
-    parser.add_argument("--sections", default="codec,load", help="codec, load, or both (default)")
+    parser.add_argument("--sections", default="codec,load",
+                        help="codec, load, first (first loads in fresh processes), comma-separated (default codec,load)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
     parser.add_argument("--kernels", default=",".join(KERNELS),
@@ -393,6 +453,12 @@ def main(argv: list[str] | None = None) -> int:
         for label, st_path, szt_path in load_checkpoints(model, args.work):
             rows.extend(bench_loading(label, st_path, szt_path, args.repeats, kernels))
         print_loading_table(rows)
+    if "first" in sections:
+        minilm = args.work / "minilm.szt"
+        if not minilm.exists():
+            args.work.mkdir(parents=True, exist_ok=True)
+            convert(model, minilm)
+        print_first_load_table(bench_first_loads(model, minilm, args.repeats))
     return 0
 
 

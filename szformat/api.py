@@ -9,20 +9,27 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
+from ._lazy import LazyModule
 from .errors import ConversionError, FormatError, InvalidArgumentError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile
 from .format.at_rest import parse_at_rest_option as at_rest_level
 from .format.writer import SztWriter, tensor_bytes, write_tensor, writer_form
-from .loading import DeviceLoader, StagingConfig, load_to_device
+from .format.index import load_checkpoint
 from .loading.host_decode import decode_entries
 from .loading.host_reader import HostReader, TensorSlice
-from .loading.device_loader import load_checkpoint
 from .paths import resolve_path
+
+if TYPE_CHECKING:
+    from .loading.device_loader import StagingConfig
+
+device_loading = LazyModule("szformat.loading.device_loader")
+"""The device pipeline, imported by the first load onto a GPU: a CPU load never pays for it."""
 
 __all__ = ["safe_open", "load_file", "save_file"]
 
@@ -66,7 +73,7 @@ class safe_open:
             raise FormatError("this is a sharded index; open one of its .szt files, or use load_file", path=filename)
         self.device = torch.device(device)
         self.verify = verify
-        self._device_loader = (DeviceLoader(self.device, route=route, staging=staging, verify=verify)
+        self._device_loader = (device_loading.DeviceLoader(self.device, route=route, staging=staging, verify=verify)
                                if self.device.type != "cpu" else None)
         try:
             self._file = SztFile(filename)
@@ -158,7 +165,7 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
     path = resolve_path(filename, repo_id=repo_id, revision=revision, token=token,
                         local_files_only=local_files_only, cache_dir=cache_dir)
     if torch.device(device).type != "cpu":
-        return load_to_device(path, device, route=route, staging=staging, verify=verify)
+        return device_loading.load_to_device(path, device, route=route, staging=staging, verify=verify)
 
     def load_shard(file: SztFile, names: list[str] | None) -> dict[str, torch.Tensor]:
         names = list(file.entries) if names is None else names

@@ -22,7 +22,7 @@ from .atomic import AtomicFile
 from .reader import SztFile
 
 __all__ = ["INDEX_TAIL", "SEVERAL_INDEXES", "Shard", "ShardIndex", "check_index", "check_shard", "checkpoint_shards",
-           "index_problems", "open_shard", "read_index", "shard_path", "write_index"]
+           "index_problems", "load_checkpoint", "open_shard", "read_index", "shard_path", "write_index"]
 
 INDEX_TAIL = ".index.json"
 """What follows the weight-file suffix in an index's name (``model.szt`` + ``.index.json``)."""
@@ -253,3 +253,26 @@ def check_shard(shard: Shard, held: Collection[str]) -> None:
         if name not in wanted:
             raise ShardIndexError(f"shard {shard.label()!r} holds this tensor, and the index's weight_map does not "
                                   "map it to that shard", path=shard.listed_by, tensor=name)
+
+
+def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, Any]],
+                    path: str | os.PathLike) -> dict[str, Any]:
+    """Every tensor of a checkpoint (file, sharded index or folder), one shard at a time, by name.
+
+    ``load_shard(file, names)`` gives ``names`` (``None``: all) of one open shard: loaded on whatever device it
+    serves, or anything else it makes of them (their entries, say).
+
+    Raises:
+        ShardIndexError: the index is malformed, names a shard that cannot be opened, or does not match what a
+            shard holds.
+        FormatError: a shard is not valid .szt, or two shards hold one tensor.
+    """
+    tensors: dict[str, Any] = {}
+    for shard in checkpoint_shards(path):
+        with open_shard(shard) as file:
+            loaded = load_shard(file, shard.names)
+        for name, tensor in loaded.items():
+            if name in tensors:
+                raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
+            tensors[name] = tensor
+    return tensors

@@ -31,7 +31,7 @@ from ..errors import (
     listing,
 )
 from ..format import constants as C
-from ..format.index import INDEX_TAIL
+from ..format.index import INDEX_TAIL, load_checkpoint
 from ..paths import refuse_hub_options
 
 SAFETENSORS_SUFFIX = ".safetensors"
@@ -222,8 +222,6 @@ def checkpoint_entries(checkpoint: Path) -> dict[str, Any]:
     Raises:
         FormatError, ShardIndexError: a file or the index is not valid, or two shards hold one tensor.
     """
-    from ..loading.device_loader import load_checkpoint
-
     def entries_of(file, names: list[str] | None) -> dict[str, Any]:  # (the shard's, or those its index names)
         return {name: file.entries[name] for name in (file.entries if names is None else names)}
 

@@ -9,10 +9,25 @@
   the copy's stream (native-transport runtimes).
 """
 
-from ..format.index import checkpoint_shards
-from .device_loader import DeviceLoader, StagingConfig, load_to_device
-from .slot_decoder import SlotDecoder
-from .staging_pool import StagedEntry, StagingPoolDecoder, copy_and_expand, stage_entry
+from importlib import import_module
+from typing import Any
 
-__all__ = ["DeviceLoader", "SlotDecoder", "StagedEntry", "StagingConfig", "StagingPoolDecoder", "checkpoint_shards",
-           "copy_and_expand", "load_to_device", "stage_entry"]
+_LAZY = {"DeviceLoader": ".device_loader", "StagingConfig": ".device_loader", "load_to_device": ".device_loader",
+         "SlotDecoder": ".slot_decoder", "StagedEntry": ".staging_pool", "StagingPoolDecoder": ".staging_pool",
+         "copy_and_expand": ".staging_pool", "stage_entry": ".staging_pool", "checkpoint_shards": "..format.index"}
+"""Each name's module, imported on first use: a CPU load imports this package's host modules only, not the device
+pipeline (its modules cost a fresh process about a third of its first ``load_file``)."""
+
+__all__ = sorted(_LAZY)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        value = getattr(import_module(_LAZY[name], __name__), name)
+        globals()[name] = value  # later lookups skip this function
+        return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))

@@ -13,13 +13,13 @@ import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Iterator, Sequence
 
 import torch
 
-from ..errors import DecodeRouteError, FormatError, PayloadError
+from ..errors import DecodeRouteError, PayloadError
 from ..format.header import TensorEntry
-from ..format.index import checkpoint_shards, open_shard
+from ..format.index import load_checkpoint
 from ..format.reader import SztFile, check_crc
 from .device_codec import DeviceCodec, triton_codec
 from .gpu_inflate import FrameInflater, nvcomp_inflater
@@ -32,7 +32,7 @@ from .sources import HostSource, InflatingSource, MappedSource, ReadSource
 from .stored_crc import StoredCrcCheck
 from .transfer import TransferLoop
 
-__all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "load_checkpoint", "announcing_reads"]
+__all__ = ["StagingConfig", "DeviceLoader", "load_to_device", "announcing_reads"]
 
 ROUTES = ("auto", "gpu", "cpu")
 TRANSPORTS = ("staged", "registered")
@@ -289,25 +289,3 @@ def load_to_device(path: str | os.PathLike, device: str | torch.device, *, route
     """Every tensor of a checkpoint (file, sharded index or folder) on ``device``; see :class:`DeviceLoader`."""
     with DeviceLoader(device, route=route, staging=staging, verify=verify) as loader:
         return load_checkpoint(loader.load_shard, path)
-
-
-def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, torch.Tensor]],
-                    path: str | os.PathLike) -> dict[str, torch.Tensor]:
-    """Every tensor of a checkpoint (file, sharded index or folder), one shard at a time.
-
-    ``load_shard(file, names)`` loads ``names`` (``None``: all) of one open shard, on whatever device it serves.
-
-    Raises:
-        ShardIndexError: the index is malformed, names a shard that cannot be opened, or does not match what a
-            shard holds.
-        FormatError: a shard is not valid .szt, or two shards hold one tensor.
-    """
-    tensors: dict[str, torch.Tensor] = {}
-    for shard in checkpoint_shards(path):
-        with open_shard(shard) as file:
-            loaded = load_shard(file, shard.names)
-        for name, tensor in loaded.items():
-            if name in tensors:
-                raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
-            tensors[name] = tensor
-    return tensors

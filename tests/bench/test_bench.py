@@ -306,19 +306,23 @@ def test_the_offload_benchmark_also_runs_by_its_path_as_ddos_bootstrap_starts_it
     assert done.returncode == 0 and done.stdout.startswith("usage:"), done.stderr[-2000:]
 
 
-def test_the_cpu_benchmark_runs_its_codec_section_on_a_small_model(tmp_path):
+def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_model(tmp_path):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(0)
     save_file({"w": (torch.randn(256, 512, generator=g) * 0.02).to(torch.bfloat16),
                "b": torch.randn(512, generator=g).to(torch.bfloat16)}, tmp_path / "model.safetensors")
     done = _run_module("bench.cpu", "--model", str(tmp_path / "model.safetensors"), "--tile-mb", "1",
-                       "--repeats", "1", "--sections", "codec")
+                       "--repeats", "1", "--sections", "codec,first", "--work", str(tmp_path / "work"))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "GB/s" in done.stdout
+    first = [line for line in done.stdout.splitlines() if line.startswith("|") and "| szt |" in line]
+    assert len(first) == len({1, os.cpu_count() or 1}), done.stdout
 
 
 def test_the_resident_benchmark_runs_tiny_models_on_the_cpu_and_checks_their_outputs(tmp_path):
+    pytest.importorskip("transformers")  # the benchmark builds its models with them (the test extra installs both)
+    pytest.importorskip("diffusers")
     done = _run_module("bench.resident", "--tiny", "--device", "cpu", "--reps", "2", "--work", str(tmp_path))
     assert done.returncode == 0, done.stderr[-3000:]
     assert "outputs: bit-identical to the plain model on every row" in done.stdout

@@ -551,6 +551,26 @@ def test_import_szformat_is_light_and_its_functions_still_load():
     assert done.stdout.splitlines() == ["False True", "True True szformat.api"]
 
 
+def test_a_cpu_load_does_not_import_the_device_pipeline(tmp_path):
+    """A load onto the CPU pays for the modules it runs, not the GPU loader's (a third of a fresh process's first
+    ``load_file``); ``szformat.loading``'s names still resolve on first use."""
+    path = tmp_path / "m.szt"
+    szformat.save_file(model_tensors(), path)
+    device = ("szformat.loading.device_loader", "szformat.loading.staging_pool", "szformat.loading.slot_decoder",
+              "szformat.loading.device_route", "triton")
+    done = run_python("import sys, szformat\n"
+                      "with szformat.safe_open(sys.argv[1], 'pt') as f:\n"
+                      "    f.get_tensor(next(iter(f.keys())))\n"
+                      "tensors = szformat.load_file(sys.argv[1])\n"
+                      f"print(len(tensors), sorted(m for m in {device!r} if m in sys.modules))\n"
+                      "import szformat.loading as loading\n"
+                      "print(loading.StagingConfig.__module__, loading.SlotDecoder.__module__, "
+                      "sorted(loading.__all__) == sorted(set(dir(loading)) & set(loading.__all__)))", str(path))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.splitlines() == [f"{len(model_tensors())} []",
+                                        "szformat.loading.device_loader szformat.loading.slot_decoder True"]
+
+
 def test_python_m_szformat_runs_szconvert():
     done = subprocess.run([sys.executable, "-m", "szformat", "--help"], capture_output=True, text=True,
                           env=cli_env(), timeout=300)

@@ -45,7 +45,7 @@ from szformat.loading import (DeviceLoader, SlotDecoder, StagingConfig, StagingP
 from szformat.loading import device_codec, timeline
 from szformat.loading import transfer
 from szformat.loading.hostio import FileReader, Staged
-from szformat.loading.device_loader import load_checkpoint
+from szformat.format.index import load_checkpoint
 from szformat.loading.device_route import DeviceDecodeRoute
 from szformat.loading.host_route import HostDecodeRoute
 from szformat.loading.sources import MappedSource, ReadSource
