@@ -19,9 +19,12 @@ The source file is read once before the runs, and the ``.szt`` outputs before ea
 with direct I/O, past the page cache), so every row starts with what it reads in the page cache; the outputs of a
 row are removed once no later row reads them (:data:`DONE_WITH`).
 
+``--source`` converts another BF16 safetensors file instead (MiniLM's, for its mix of small tensors), and
+``--repeats`` runs each step that many times and reports the medians.
+
 Usage::
 
-    python -m bench.convert [--dir /tmp/szbench] [--keep]
+    python -m bench.convert [--dir /tmp/szbench] [--keep] [--source model.safetensors] [--repeats 1]
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import filecmp
 import json
 import os
 import shutil
+import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -94,12 +98,13 @@ STEPS = {
     "safetensors load+save": "from safetensors.torch import load_file, save_file\n"
                              "save_file(load_file(src), out + '/copy.safetensors', metadata={'format': 'pt'})",
     "file copy": "import shutil; shutil.copyfile(src, out + '/copy.bin')",
-    "convert": "szformat.convert.convert(src, out + '/model.szt')",
+    "convert": "szformat.convert.convert(src, out + '/model.szt', overwrite=True)",
     "verify": "assert szformat.convert.verify(out + '/model.szt').ok",
-    "decompress": "szformat.convert.decompress(out + '/model.szt', out + '/back.safetensors')",
-    "convert --at-rest zstd": "szformat.convert.convert(src, out + '/rest.szt', at_rest=1)",
+    "decompress": "szformat.convert.decompress(out + '/model.szt', out + '/back.safetensors', overwrite=True)",
+    "convert --at-rest zstd": "szformat.convert.convert(src, out + '/rest.szt', at_rest=1, overwrite=True)",
     "verify (at rest)": "assert szformat.convert.verify(out + '/rest.szt').ok",
-    "decompress (at rest)": "szformat.convert.decompress(out + '/rest.szt', out + '/back-rest.safetensors')",
+    "decompress (at rest)": "szformat.convert.decompress(out + '/rest.szt', out + '/back-rest.safetensors', "
+                            "overwrite=True)",
 }
 
 
@@ -147,9 +152,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dir", type=Path, default=Path("/tmp/szbench"))
     parser.add_argument("--keep", action="store_true", help="keep the outputs (the source is always kept)")
+    parser.add_argument("--source", type=Path, help="a BF16 safetensors file to convert instead of the generated one")
+    parser.add_argument("--repeats", type=int, default=1, help="runs of each step, median reported (default 1)")
     args = parser.parse_args()
     args.dir.mkdir(parents=True, exist_ok=True)
-    src = args.dir / "tinyllama-shapes-bf16.safetensors"
+    src = args.source or args.dir / "tinyllama-shapes-bf16.safetensors"
     if not src.exists():
         print(f"generating {src} ...", flush=True)
         generate(src)
@@ -159,14 +166,18 @@ def main() -> None:
     shutil.rmtree(out, ignore_errors=True)
     out.mkdir()
 
-    print(f"source: {src.name}, {size / 1e9:.2f} GB, largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB; "
-          f"torch {torch.__version__}, {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
+    largest = "" if args.source else f", largest tensor {VOCAB * HIDDEN * 2 / 1e6:.0f} MB"
+    print(f"source: {src.name}, {size / 1e9:.2f} GB{largest}; torch {torch.__version__}, {os.cpu_count()} CPUs, "
+          f"load average {os.getloadavg()[0]:.1f}, median of {args.repeats}")
     print(f"{'step':<24}{'seconds':>9}{'MB/s':>9}{'MB/cpu-s':>10}{'peak RSS MB':>13}{'% of file':>11}")
     checks = []
     for name, body in STEPS.items():
-        for stored in out.glob("*.szt"):
-            warm(stored)
-        result = run_step(body, src, out)
+        runs = []
+        for _ in range(args.repeats):
+            for stored in out.glob("*.szt"):
+                warm(stored)
+            runs.append(run_step(body, src, out))
+        result = {key: statistics.median(run[key] for run in runs) for key in runs[0]}
         rate = size / 1e6 / result["seconds"] if name != "import" else float("nan")
         cpu_rate = size / 1e6 / result["cpu_seconds"] if name != "import" else float("nan")
         rss = result["peak_rss"]

@@ -10,6 +10,7 @@ torch, Triton or huggingface_hub until something needs them.
 from importlib import import_module
 from typing import Any
 
+from ._lazy import attributes_on_first_use
 from .errors import SzformatError
 
 __version__ = "0.1.0"
@@ -23,15 +24,14 @@ __all__ = ["SzformatError", "load_file", "load_into_offloader", "push_to_hub", "
            "__version__"]
 
 
+_lazy_attribute, _lazy_names = attributes_on_first_use(__name__, _LAZY)
+
+
 def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
     if name in _INTEGRATIONS:
         return import_module(f".{name}", __name__)  # the import binds it here too
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return _lazy_attribute(name)
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY) | set(_INTEGRATIONS))
+    return sorted(set(_lazy_names()) | set(_INTEGRATIONS))

@@ -6,10 +6,11 @@ those modules name torch through :class:`LazyModule` and pay for it only when th
 from __future__ import annotations
 
 import importlib
+import sys
 from types import ModuleType
-from typing import Any
+from typing import Any, Callable, Mapping
 
-__all__ = ["LazyModule", "torch", "cpu_codec", "byte_planes"]
+__all__ = ["LazyModule", "attributes_on_first_use", "byte_planes", "cpu_codec", "torch", "zstandard"]
 
 
 class LazyModule:
@@ -37,3 +38,24 @@ cpu_codec = LazyModule("szformat.codec.cpu")
 only when asked to."""
 byte_planes = LazyModule("szformat.codec.planes")
 """Byte-plane moves (NumPy, or the C extension), for the at-rest stage of raw tensors."""
+zstandard = LazyModule("zstandard")
+"""zstd, for the at-rest stage: a file in the in-memory form is read without it."""
+
+
+def attributes_on_first_use(package: str, names: Mapping[str, str]
+                            ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
+    """A package's ``__getattr__`` and ``__dir__`` (PEP 562) for ``names`` (attribute: the module defining it,
+    relative to ``package``): each is imported the first time it is looked up, then bound in the package, so later
+    lookups skip the hook and importing the package costs none of those modules."""
+    namespace = sys.modules[package].__dict__
+
+    def __getattr__(name: str) -> Any:
+        if name not in names:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = namespace[name] = getattr(importlib.import_module(names[name], package), name)
+        return value
+
+    def __dir__() -> list[str]:
+        return sorted(set(namespace) | set(names))
+
+    return __getattr__, __dir__

@@ -19,7 +19,6 @@ from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile
 from .format.at_rest import parse_at_rest_option as at_rest_level
-from .format.writer import SztWriter, tensor_bytes, write_tensor, writer_form
 from .format.index import load_checkpoint
 from .loading.host_decode import decode_entries
 from .loading.host_reader import HostReader, TensorSlice
@@ -30,6 +29,8 @@ if TYPE_CHECKING:
 
 device_loading = LazyModule("szformat.loading.device_loader")
 """The device pipeline, imported by the first load onto a GPU: a CPU load never pays for it."""
+writing = LazyModule("szformat.format.writer")
+"""The writer, imported by the first save: a load never pays for it."""
 
 __all__ = ["safe_open", "load_file", "save_file"]
 
@@ -215,7 +216,8 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
         if t.layout is not torch.strided:
             raise ConversionError(f"tensor is {t.layout}; convert it with .to_dense() first", path=filename,
                                   tensor=name)
-    with SztWriter(filename, metadata=metadata, alignment=alignment,
-                   raw_bytes=sum(t.numel() * t.element_size() for _, t in items), **writer_form(level)) as writer:
+    with writing.SztWriter(filename, metadata=metadata, alignment=alignment,
+                           raw_bytes=sum(t.numel() * t.element_size() for _, t in items),
+                           **writing.writer_form(level)) as writer:
         for name, t in items:
-            write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), tensor_bytes(t))
+            writing.write_tensor(writer, name, C.TORCH_TO_DTYPE[t.dtype], tuple(t.shape), writing.tensor_bytes(t))

@@ -1,7 +1,10 @@
 """The .szt container: constants, header schema, the at-rest stage (1.1), streaming writer, mmap reader."""
 
-from .header import Header, TensorEntry
-from .reader import PayloadDescriptor, SztFile
-from .writer import SztWriter
+from .._lazy import attributes_on_first_use
 
-__all__ = ["Header", "PayloadDescriptor", "SztFile", "SztWriter", "TensorEntry"]
+_LAZY = {"Header": ".header", "TensorEntry": ".header", "PayloadDescriptor": ".reader", "SztFile": ".reader",
+         "SztWriter": ".writer"}
+"""Each name's module, imported on first use: a load imports the reader's modules, not the writer's."""
+
+__all__ = sorted(_LAZY)
+__getattr__, __dir__ = attributes_on_first_use(__name__, _LAZY)

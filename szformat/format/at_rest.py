@@ -33,9 +33,7 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, NamedTuple, Protocol, Sequence
 
-import zstandard
-
-from .._lazy import byte_planes, torch
+from .._lazy import byte_planes, torch, zstandard
 from ..codec.layout import PayloadLayout
 
 __all__ = ["AT_REST_ZSTD", "AT_REST_PLANES", "PlanesStage", "parse_planes", "compress_planes", "STREAMS",

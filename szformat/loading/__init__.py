@@ -9,8 +9,7 @@
   the copy's stream (native-transport runtimes).
 """
 
-from importlib import import_module
-from typing import Any
+from .._lazy import attributes_on_first_use
 
 _LAZY = {"DeviceLoader": ".device_loader", "StagingConfig": ".device_loader", "load_to_device": ".device_loader",
          "SlotDecoder": ".slot_decoder", "StagedEntry": ".staging_pool", "StagingPoolDecoder": ".staging_pool",
@@ -19,15 +18,4 @@ _LAZY = {"DeviceLoader": ".device_loader", "StagingConfig": ".device_loader", "l
 pipeline (its modules cost a fresh process about a third of its first ``load_file``)."""
 
 __all__ = sorted(_LAZY)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        value = getattr(import_module(_LAZY[name], __name__), name)
-        globals()[name] = value  # later lookups skip this function
-        return value
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+__getattr__, __dir__ = attributes_on_first_use(__name__, _LAZY)

@@ -320,6 +320,22 @@ def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_mod
     assert len(first) == len({1, os.cpu_count() or 1}), done.stdout
 
 
+def test_the_conversion_benchmark_runs_a_given_source_and_checks_the_round_trips(tmp_path):
+    from safetensors.torch import save_file
+
+    g = torch.Generator().manual_seed(1)
+    source = tmp_path / "model.safetensors"
+    save_file({"w": (torch.randn(300, 257, generator=g) * 0.02).to(torch.bfloat16)}, source)
+    done = _run_module("bench.convert", "--dir", str(tmp_path / "work"), "--source", str(source), "--repeats", "2")
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "median of 2" in done.stdout and "largest tensor" not in done.stdout
+    rows = [line.split()[0] for line in done.stdout.splitlines()[2:11]]
+    assert rows == ["import", "safetensors", "file", "convert", "verify", "decompress", "convert", "verify",
+                    "decompress"], done.stdout
+    assert done.stdout.count("byte-identical to the source: True") == 2, done.stdout
+    assert source.exists() and not (tmp_path / "work" / "out").exists()
+
+
 def test_the_resident_benchmark_runs_tiny_models_on_the_cpu_and_checks_their_outputs(tmp_path):
     pytest.importorskip("transformers")  # the benchmark builds its models with them (the test extra installs both)
     pytest.importorskip("diffusers")
