@@ -52,7 +52,7 @@ import torch
 
 from .._runs import runs_within
 from ..checksum import crc32, crc32_join
-from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels
+from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
 from ..codec.cpu_kernel import checksums_in_kernel, native
 from ..errors import PayloadError
 from ..format import at_rest
@@ -303,8 +303,9 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
                 buffer = None  # the old one goes before the new one is made
                 buffer = torch.empty(needed, dtype=torch.uint8)
         payloads = iter(buffer[:needed].split(sizes))
-        jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
-                     None if outs is None else outs[i]) for i in group]
+        with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
+            jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
+                         None if outs is None else outs[i]) for i in group]
         units = _units(jobs)
         _run(units, max(1, min(threads, len(units))))
         for job, i in zip(jobs, group):

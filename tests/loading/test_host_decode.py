@@ -379,3 +379,23 @@ def test_a_bad_window_is_refused_by_name_after_the_last(tmp_path, two_threads, w
     with pytest.raises(error, match=reason) as info:
         _windows(path, "big", 8192)
     assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
+
+
+@pytest.mark.parametrize("at_rest", [None, "zstd"])
+def test_the_jobs_are_made_on_one_intra_op_thread(tmp_path, two_threads, monkeypatch, at_rest):
+    """A job's own copies (a payload at rest inflated, its verbatim streams copied) run on the caller's thread
+    before the decode: with PyTorch's intra-op pool each woke a team that then spun beside the decoding threads
+    (a 2-thread load of an at-rest file cost 2.5x the CPU of one thread)."""
+    path = tmp_path / "m.szt"
+    save_file(_tensors(), path, at_rest=at_rest)
+    seen = []
+    make_job = host_decode._new_job
+
+    def recording(*args, **kwargs):
+        seen.append(torch.get_num_threads())
+        return make_job(*args, **kwargs)
+
+    monkeypatch.setattr(host_decode, "_new_job", recording)
+    loaded = load_file(path)
+    assert all(torch.equal(_bits(loaded[k]), _bits(v)) for k, v in _tensors().items())
+    assert seen and set(seen) == {1} and torch.get_num_threads() == 2
