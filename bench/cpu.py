@@ -60,7 +60,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors.torch import load_file, save_file
@@ -259,13 +259,20 @@ def zipnn_methods(bf16: dict[str, torch.Tensor], raw_bytes: int) -> list[tuple[s
     return [("zipnn decompress (byte-grouped BF16)", ratio, make)]
 
 
-def print_table(rows: list[Row]) -> None:
+def print_markdown(header: Sequence[str], align: str, rows: Iterable[Sequence[object]]) -> None:
+    """A table as ``bench/RESULTS.md`` holds them: column ``i`` aligned left where ``align[i]`` is ``l``, else
+    right (the figures)."""
     print()
-    print("| data | method | threads | stored/raw | best GB/s | median GB/s |")
-    print("| --- | --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        ratio = f"{r.ratio:.3f}" if r.ratio is not None else "-"
-        print(f"| {r.dataset} | {r.method} | {r.threads} | {ratio} | {r.best_gbps:.2f} | {r.median_gbps:.2f} |")
+    print("| " + " | ".join(header) + " |")
+    print("| " + " | ".join("---" if a == "l" else "---:" for a in align) + " |")
+    for row in rows:
+        print("| " + " | ".join(map(str, row)) + " |")
+
+
+def print_table(rows: list[Row]) -> None:
+    print_markdown(["data", "method", "threads", "stored/raw", "best GB/s", "median GB/s"], "llrrrr",
+                   [[r.dataset, r.method, r.threads, f"{r.ratio:.3f}" if r.ratio is not None else "-",
+                     f"{r.best_gbps:.2f}", f"{r.median_gbps:.2f}"] for r in rows])
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -404,21 +411,17 @@ def bench_first_loads(st_path: Path, szt_path: Path, repeats: int) -> list[dict]
 
 
 def print_first_load_table(rows: list[dict]) -> None:
-    print()
-    print("| threads | loader | import + first load, median ms | best ms | first load alone, median ms | x anchor |")
-    print("| ---: | --- | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['threads']} | {r['loader']} | {r['median_s'] * 1e3:.1f} | {r['best_s'] * 1e3:.1f} "
-              f"| {r['load_s'] * 1e3:.1f} | {r['vs_anchor']:.2f} |")
+    print_markdown(["threads", "loader", "import + first load, median ms", "best ms", "first load alone, median ms",
+                    "x anchor"], "rlrrrr",
+                   [[r["threads"], r["loader"], f"{r['median_s'] * 1e3:.1f}", f"{r['best_s'] * 1e3:.1f}",
+                     f"{r['load_s'] * 1e3:.1f}", f"{r['vs_anchor']:.2f}"] for r in rows])
 
 
 def print_loading_table(rows: list[dict]) -> None:
-    print()
-    print("| data | condition | method | median ms | best ms | median GB/s | x anchor | load avg |")
-    print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
-    for r in rows:
-        print(f"| {r['data']} | {r['condition']} | {r['method']} | {r['median_s'] * 1e3:.1f} | {r['best_s'] * 1e3:.1f} "
-              f"| {r['median_gbps']:.2f} | {r['vs_anchor']:.2f} | {r['load']:.1f} |")
+    print_markdown(["data", "condition", "method", "median ms", "best ms", "median GB/s", "x anchor", "load avg"],
+                   "lllrrrrr",
+                   [[r["data"], r["condition"], r["method"], f"{r['median_s'] * 1e3:.1f}", f"{r['best_s'] * 1e3:.1f}",
+                     f"{r['median_gbps']:.2f}", f"{r['vs_anchor']:.2f}", f"{r['load']:.1f}"] for r in rows])
 
 
 def main(argv: list[str] | None = None) -> int:
