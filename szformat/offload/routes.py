@@ -40,7 +40,7 @@ __all__ = [
     "ROUTES", "RESIDENT", "REQUESTS", "DDO_DISTRIBUTION", "DDO_ALLOCATOR_DISTRIBUTION", "DDO_LIBRARY_ENV",
     "DISTRIBUTIONS",
     "SUPPORTED_DDO_VERSIONS", "MIN_VERSIONS", "Route", "OffloadEnvironment", "detect_environment",
-    "route_availability", "select_route", "parse_version",
+    "route_availability", "select_route",
 ]
 
 NATIVE, STAGING, DIFFUSERS_GROUP, ACCELERATE = "native", "staging", "diffusers_group", "accelerate"

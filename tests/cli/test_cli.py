@@ -571,6 +571,16 @@ def test_a_cpu_load_does_not_import_the_device_pipeline(tmp_path):
                                         "szformat.loading.device_loader szformat.loading.slot_decoder True"]
 
 
+def test_a_name_the_lazy_packages_do_not_define_is_an_attribute_error():
+    import szformat.format
+    import szformat.loading
+
+    for package in (szformat, szformat.format, szformat.loading):
+        assert not hasattr(package, "no_such_name")
+        with pytest.raises(AttributeError, match=f"module '{package.__name__}' has no attribute 'no_such_name'"):
+            package.no_such_name  # noqa: B018
+
+
 def test_python_m_szformat_runs_szconvert():
     done = subprocess.run([sys.executable, "-m", "szformat", "--help"], capture_output=True, text=True,
                           env=cli_env(), timeout=300)

@@ -28,7 +28,8 @@ def installed(monkeypatch):
     return install
 
 
-@pytest.mark.parametrize("version", ["3.2.0", "3.6.0", "3.10.1", "4.0.0", "3.3.0+git5a2f9c", "no metadata"])
+@pytest.mark.parametrize("version", ["3.2.0", "3.6.0", "3.10.1", "4.0.0", "3.3.0+git5a2f9c", "no metadata",
+                                     "custom-build"])  # a version that cannot be read: a build of its own
 def test_a_triton_the_kernels_run_on_is_taken(installed, version):
     installed(version)
     assert gpu.triton_missing() is None
