@@ -34,6 +34,12 @@ interpreter that imports torch, then times importing the loader (``safetensors.t
 is imported on first use) and its first load, anchor and ``szformat.load_file`` alternating, ``--repeats`` each
 after an untimed round, with 1 thread and with all; the files are page-cached, the processes' memory is new.
 
+Slices (``--sections slices``), on the synthetic checkpoint: what a reader of part of each tensor pays, the file
+opened afresh per pass (so each tensor's first read is checked) and page-cached: every tensor's first half of rows
+(a tensor-parallel rank's shard of a column-parallel weight), and its first 16 rows (a probe). safetensors
+(``safe_open`` and ``get_slice``, the rows cloned) against szformat's ``get_slice`` with ``verify`` on (the blocks
+the rows lie in checked, format 1.3, or the whole payload in a file without block checksums) and off.
+
 Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
 ``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
 source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
@@ -42,7 +48,7 @@ threads" uses every core for both.
 Usage::
 
     python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
-        [--sections codec,load,first] [--work /tmp/szbench]
+        [--sections codec,load,first,slices] [--work /tmp/szbench]
 """
 
 from __future__ import annotations
@@ -63,6 +69,7 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator, Sequence
 
 import torch
+from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 import szformat
@@ -410,6 +417,60 @@ def bench_first_loads(st_path: Path, szt_path: Path, repeats: int) -> list[dict]
     return rows
 
 
+def bench_slices(st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+    """Every tensor's first half of rows, and its first 16 rows, read through each reader opened afresh per pass;
+    szformat's rows checked bit for bit against safetensors' first."""
+    def rows_of(shape: Sequence[int], part: str) -> int:
+        return max(1, shape[0] // 2) if part == "half" else min(16, shape[0])
+
+    def safetensors_rows(part: str) -> int:
+        with safe_open(st_path, framework="pt") as f:
+            return sum(f.get_slice(k)[: rows_of(f.get_slice(k).get_shape(), part)].clone().numel()
+                       for k in f.keys() if f.get_slice(k).get_shape())
+
+    def szformat_rows(part: str, verify: bool) -> int:
+        with szformat.safe_open(szt_path, framework="pt", verify=verify) as f:
+            return sum(f.get_slice(k)[: rows_of(f.get_slice(k).get_shape(), part)].numel()
+                       for k in f.keys() if f.get_slice(k).get_shape())
+
+    with safe_open(st_path, framework="pt") as plain, szformat.safe_open(szt_path, framework="pt") as szt:
+        for k in plain.keys():
+            shape = plain.get_slice(k).get_shape()
+            if shape:
+                n = rows_of(shape, "half")
+                assert bits_equal(plain.get_slice(k)[:n], szt.get_slice(k)[:n]), f"get_slice of {k} is not bit-exact"
+    read_through(st_path, szt_path)
+    torch.set_num_threads(1)
+    rows = []
+    for part, label in (("half", "half of each tensor's rows"), ("16", "16 rows of each tensor")):
+        methods = [("safetensors get_slice + clone (anchor)", lambda: safetensors_rows(part)),
+                   ("szformat get_slice (verify on)", lambda: szformat_rows(part, True)),
+                   ("szformat get_slice (verify off)", lambda: szformat_rows(part, False))]
+        seconds: dict[str, list[float]] = {name: [] for name, _ in methods}
+        elements = {fn() for _, fn in methods}  # warm-up; the same rows each
+        assert len(elements) == 1, f"the readers returned different numbers of elements: {elements}"
+        megabytes = 2 * elements.pop() / 1e6  # BF16
+        for _ in range(repeats):
+            for name, fn in methods:
+                start = time.perf_counter()
+                fn()
+                seconds[name].append(time.perf_counter() - start)
+        anchor = statistics.median(seconds[methods[0][0]])
+        for name, _ in methods:
+            median = statistics.median(seconds[name])
+            rows.append({"part": label, "method": name, "median_s": median, "best_s": min(seconds[name]),
+                         "mb": megabytes, "vs_anchor": anchor / median})
+            print(f"  {label:28s} {name:40s} {median * 1e3:9.1f} ms  x{anchor / median:.2f}", flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return rows
+
+
+def print_slices_table(rows: list[dict]) -> None:
+    print_markdown(["rows read (1 thread)", "method", "MB of rows", "median ms", "best ms", "x anchor"], "llrrrr",
+                   [[r["part"], r["method"], f"{r['mb']:.0f}", f"{r['median_s'] * 1e3:.1f}",
+                     f"{r['best_s'] * 1e3:.1f}", f"{r['vs_anchor']:.2f}"] for r in rows])
+
+
 def print_first_load_table(rows: list[dict]) -> None:
     print_markdown(["threads", "loader", "import + first load, median ms", "best ms", "first load alone, median ms",
                     "x anchor"], "rlrrrr",
@@ -430,7 +491,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--sections", default="codec,load",
-                        help="codec, load, first (first loads in fresh processes), comma-separated (default codec,load)")
+                        help="codec, load, first (first loads in fresh processes), slices (get_slice of every "
+                        "tensor), comma-separated (default codec,load)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
     parser.add_argument("--kernels", default=",".join(KERNELS),
@@ -462,6 +524,9 @@ def main(argv: list[str] | None = None) -> int:
             args.work.mkdir(parents=True, exist_ok=True)
             convert(model, minilm)
         print_first_load_table(bench_first_loads(model, minilm, args.repeats))
+    if "slices" in sections:
+        _, st_path, szt_path = load_checkpoints(model, args.work)[1]
+        print_slices_table(bench_slices(st_path, szt_path, args.repeats))
     return 0
 
 

@@ -45,8 +45,9 @@ class safe_open:
         framework (`str`): ``"pt"`` (the only framework).
         device (`str` or `torch.device`, *optional*): where tensors are returned; defaults to ``"cpu"``.
         verify (`bool`, *optional*): check CRC-32s (default). The stored bytes of a tensor are checked once per
-            open file: while a whole tensor is decoded (it is returned only if they match), or in a pass of their
-            own before a slice is decoded; a tensor read whole has its decoded bytes checked too. A slice is not:
+            open file while a whole tensor is decoded (it is returned only if they match); a slice checks the
+            blocks of them it reads (format 1.3), or in a file without block checksums all of them once, before it
+            is decoded. A tensor read whole has its decoded bytes checked too. A slice is not:
             the decoded bytes' CRC-32 covers the whole tensor. Structural checks (offsets, escape streams) always
             run. CRC-32s catch accidental corruption, not deliberate edits (whoever edits a file can recompute them).
         route (`str`, *optional*): for a CUDA ``device``: ``"gpu"`` (default, via ``"auto"``) copies the stored bytes
@@ -139,8 +140,9 @@ class safe_open:
     def get_slice(self, name: str) -> "TensorSlice":
         """A lazy handle on tensor ``name``: indexing its first dimension decodes only the rows it covers.
 
-        With ``verify`` the stored bytes' CRC-32 is checked before the first slice (the whole payload is read once),
-        but the decoded bytes' CRC-32 cannot be: it covers the whole tensor. A payload edited with its stored CRC-32
+        With ``verify`` the stored bytes a slice reads are checked before it is decoded (the blocks holding them,
+        format 1.3; in a file without block checksums the whole payload, read once), but the decoded bytes' CRC-32
+        cannot be: it covers the whole tensor. A payload edited with its stored CRC-32
         recomputed, or a codebook edited with the header's CRC-32 recomputed (no checksum but the decoded bytes'
         covers the codebook), then gives the values it decodes to, where :meth:`get_tensor` refuses it (the spec's
         checksum table says the same).

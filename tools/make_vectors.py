@@ -131,6 +131,10 @@ class Case:
     expect_streams: dict[str, tuple[str, ...]] = field(default_factory=dict)
     """tensor name -> the streams its at-rest stage compresses (``()``: no stage; for byte planes, the transform),
     checked when generating."""
+    block_size: int = C.BLOCK_CRC_SIZE
+    """Stored bytes per block of the 1.3 block checksums (tensors with more stored bytes than one get a table)."""
+    expect_blocks: dict[str, int] = field(default_factory=dict)
+    """tensor name -> the number of blocks in its table (0: none), checked when generating."""
 
 
 FLOAT_FIELDS = {"F32": (np.uint32, 23, 0xFF, (118, 119, 120, 121, 122, 123, 124, 125)),
@@ -238,6 +242,14 @@ def cases() -> list[Case]:
              expect={"f32": "raw", "f16": "raw", "f8": "raw", "ids": "raw", "noise": "raw", "norm": "raw"},
              expect_streams={"f32": ("sign_last",), "f16": ("sign_last",), "f8": ("bytes",), "ids": ("bytes",),
                              "noise": (), "norm": ()}),
+        Case("block_crc32", "1.3 block checksums in blocks of 4 KiB (the smallest size): a SplitZip payload of "
+             "3 blocks (the last one shorter), a raw F32 tensor of 4 blocks, a payload of exactly one block (no "
+             "table: a table is for payloads longer than a block)",
+             [Tensor("w", "BF16", (48, 128), bf16_bits(33, 6144, WEIGHTS, rare=ESCAPES, rare_per_mille=2)),
+              Tensor("f32", "F32", (3200,), float_bits(34, "F32", 3200)),
+              Tensor("one", "U8", (4096,), random_bytes(35, 4096))],
+             block_size=C.MIN_BLOCK_CRC_SIZE, expect={"w": "splitzip", "f32": "raw", "one": "raw"},
+             expect_blocks={"w": 3, "f32": 4, "one": 0}),
         Case("at_rest_zeros", "1.1 at-rest form of an all-zero BF16 tensor: its pk frame shrinks about 180x, and "
              "the payload stays within the 8x expansion bound because sm is stored verbatim",
              [Tensor("zeros", "BF16", (64, 128), bytes(2 * 64 * 128))],
@@ -276,11 +288,12 @@ def read_safetensors(path: Path) -> tuple[list[Tensor], dict[str, str] | None]:
 
 
 def convert(source: Path, target: Path, *, alignment: int = C.DEFAULT_ALIGNMENT, at_rest: int | None = None,
-            frame_size: int = A.DEFAULT_FRAME_SIZE) -> None:
+            frame_size: int = A.DEFAULT_FRAME_SIZE, block_size: int = C.BLOCK_CRC_SIZE) -> None:
     """The .szt file of a safetensors file: its tensors in data order, each through szformat's encoder and gate,
-    in the in-memory form, or in the at-rest form at zstd level ``at_rest`` in frames of ``frame_size``."""
+    in the in-memory form, or in the at-rest form at zstd level ``at_rest`` in frames of ``frame_size``; block
+    checksums (1.3) of ``block_size`` bytes."""
     tensors, metadata = read_safetensors(source)
-    with SztWriter(target, metadata=metadata, alignment=alignment, frame_size=frame_size,
+    with SztWriter(target, metadata=metadata, alignment=alignment, frame_size=frame_size, block_size=block_size,
                    **writer_form(at_rest)) as writer:
         for t in tensors:
             raw = torch.frombuffer(bytearray(t.raw), dtype=torch.uint8) if t.raw else torch.empty(0, dtype=torch.uint8)
@@ -789,6 +802,12 @@ def forged_cases() -> list[Forged]:
                r("HeaderError", "open", "more than the limit")),
         Forged("small_alignment", "1.1: small_alignment 8, under the 16 the batched decoder needs", "at_rest_zstd",
                _top(small_alignment=8), r("HeaderError", "open", "'small_alignment' must be")),
+        Forged("block_crc32_count", "1.3: a block-checksum table one block short", "block_crc32",
+               lambda parts: parts.entry("w")["block_crc32"]["crc32"].pop(),
+               r("HeaderError", "open", "block_crc32 must list 3 CRC-32s")),
+        Forged("block_crc32_size", "1.3: a block size that is no power of two", "block_crc32",
+               lambda parts: parts.entry("f32")["block_crc32"].update(size=5000),
+               r("HeaderError", "open", "block_crc32 size must be a power of two")),
     ]
     return reads + refusals
 
@@ -825,7 +844,8 @@ def generate(out: Path) -> None:
     for case in cases():
         source, target = out / f"{case.name}.safetensors", out / f"{case.name}.szt"
         write_safetensors(source, case.tensors, case.metadata)
-        convert(source, target, alignment=case.alignment, at_rest=case.at_rest, frame_size=case.frame_size)
+        convert(source, target, alignment=case.alignment, at_rest=case.at_rest, frame_size=case.frame_size,
+                block_size=case.block_size)
         listing.append(_describe(case, source, target))
         files += [source, target]
         written[case.name] = listing[-1]
@@ -864,6 +884,8 @@ def _describe(case: Case, source: Path, target: Path) -> dict:
             assert bytes(tensor_bytes(decoded[t.name]).numpy()) == t.raw, (case.name, t.name)
             assert case.expect.get(t.name, entry.encoding) == entry.encoding, (case.name, t.name, entry.encoding)
             assert list(case.expect_streams.get(t.name, streams)) == streams, (case.name, t.name, streams)
+            blocks = len(entry.blocks.crcs) if entry.blocks else 0
+            assert case.expect_blocks.get(t.name, blocks) == blocks, (case.name, t.name, blocks)
             record = {
                 "name": t.name, "dtype": t.dtype, "shape": list(t.shape), "encoding": entry.encoding,
                 "n_esc": entry.layout.n_esc if entry.layout else None, "offset": entry.offset,
@@ -874,8 +896,12 @@ def _describe(case: Case, source: Path, target: Path) -> dict:
             elif case.at_rest is not None:
                 record["at_rest_streams"] = streams
                 record["at_rest_frames"] = len(entry.at_rest.frames) if entry.at_rest else 0
+            if entry.blocks is not None:
+                record["blocks"] = len(entry.blocks.crcs)
             tensors.append(record)
     form = {} if case.at_rest is None else {"at_rest": {"level": case.at_rest, "frame_size": case.frame_size}}
+    if any(t.get("blocks") for t in tensors):
+        form["block_size"] = case.block_size
     return {
         "name": case.name, "description": case.description, "version": version, "alignment": case.alignment,
         **form, "metadata": case.metadata,

@@ -26,6 +26,9 @@ from .progress import progress_bar
 from .report import format_bytes
 
 
+BLOCKS_APART = "its block checksums (format 1.3) do not join to its crc32: reads of part of it would be refused"
+
+
 @dataclass(frozen=True)
 class Problem:
     """One thing wrong: in which file (relative to the checkpoint), which tensor if any, and what."""
@@ -89,6 +92,8 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
         try:
             with SztFile(files.root / rel) as szt:
                 sizes[rel] = {e.name: e.raw_length for e in szt.entries.values()}
+                report.problems += [Problem(rel, e.name, BLOCKS_APART) for e in szt.entries.values()
+                                    if e.blocks is not None and e.blocks.joined(e.length) != e.crc32]
         except (SzformatError, OSError) as e:
             sizes[rel] = None
             report.unreadable += 1

@@ -14,9 +14,10 @@ MAGIC = b"\x89SZT\r\n\x1a\n"
 """Eight bytes at offset 0. The high byte and the CR LF / ^Z / LF tail catch text-mode and 7-bit transfers."""
 
 VERSION_MAJOR = 1
-VERSION_MINOR = 2
-"""The minor version of a file using a 1.2 feature (byte planes at rest); a file using only 1.1 features is written as
-1.1, one using none as 1.0, byte for byte as before."""
+VERSION_MINOR = 3
+"""The minor version of a file with a 1.3 block-checksum table (:data:`BLOCK_CRC_MINOR`); a file using a 1.2 feature
+(byte planes at rest) and none is written as 1.2, one using only 1.1 features as 1.1, one using none as 1.0, byte for
+byte as before."""
 READER_SUPPORTED_MAJORS = (1,)
 """A reader refuses any other major version. Minor versions of a known major only add optional header fields, and
 features a reader must implement, announced in ``required_features``."""
@@ -33,6 +34,22 @@ FEATURES: frozenset[str] = frozenset({FEATURE_AT_REST_ZSTD, FEATURE_SMALL_ALIGNM
 FEATURE_MINOR = {FEATURE_AT_REST_ZSTD: 1, FEATURE_SMALL_ALIGNMENT: 1, FEATURE_AT_REST_PLANES: 2}
 """The minor version that introduced each feature: a file is written with the highest its features need."""
 """Names of optional features this reader implements; a file listing any other in ``required_features`` is refused."""
+
+BLOCK_CRC_MINOR = 3
+"""1.3: an entry whose stored bytes span more than one block carries ``block_crc32``, the CRC-32 of each block, so a
+read of part of a tensor checks the blocks it reads instead of reading the whole payload for ``crc32``. Not a
+required feature: a reader that ignores the key checks ``crc32`` as before and reads the file right."""
+BLOCK_CRC_SIZE = 1 << 20
+"""The largest block of a ``block_crc32`` table the writer makes, and the stored bytes past which an entry gets one
+(5 header bytes per block)."""
+BLOCKS_PER_PAYLOAD = 32
+MIN_WRITTEN_BLOCK_SIZE = 64 << 10
+"""The writer's blocks are about 1/BLOCKS_PER_PAYLOAD of a payload (a power of two, at least MIN_WRITTEN_BLOCK_SIZE,
+at most the writer's largest), so a read of part of a tensor checks at most about two such parts more than it reads
+per span of bytes, whatever the tensor's size, for at most 32 blocks per tensor under 32 MiB."""
+MIN_BLOCK_CRC_SIZE = 4096
+MAX_BLOCK_CRC_SIZE = 1 << 30
+"""A block size is a power of two in [MIN_BLOCK_CRC_SIZE, MAX_BLOCK_CRC_SIZE]."""
 
 FLAG_HEADER_ZSTD = 1
 """1.1 preamble flag: the header is stored as one zstd frame (content size and checksum included) holding the

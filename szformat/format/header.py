@@ -13,11 +13,12 @@ import itertools
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
 from .._lazy import torch
+from ..checksum import crc32, crc32_combine, crc32_join
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
@@ -34,6 +35,58 @@ _U32 = (1 << 32) - 1
 
 
 @dataclass(frozen=True)
+class BlockChecksums:
+    """1.3: the CRC-32 of each ``size`` stored bytes of a tensor (the last block shorter), in order. A read of part of
+    a payload checks the blocks it touches instead of reading the whole payload for the entry's ``crc32``; the
+    blocks' CRCs, joined in order, give that ``crc32`` (:meth:`joined`), which binds the table to it."""
+
+    size: int
+    crcs: tuple[int, ...]
+
+    @classmethod
+    def of(cls, parts: Sequence[memoryview], size: int) -> "BlockChecksums":
+        """The table of the stored bytes ``parts`` (consecutive pieces, flat bytes), in blocks of ``size``."""
+        crcs, crc, filled = [], 0, 0
+        for part in parts:
+            part = memoryview(part).cast("B")
+            at = 0
+            while at < len(part):
+                take = min(size - filled, len(part) - at)
+                crc = crc32(part[at: at + take], crc)
+                at, filled = at + take, filled + take
+                if filled == size:
+                    crcs.append(crc)
+                    crc, filled = 0, 0
+        if filled:
+            crcs.append(crc)
+        return cls(size=size, crcs=tuple(crcs))
+
+    def joined(self, length: int) -> int:
+        """The CRC-32 of all ``length`` stored bytes, from the blocks' CRCs."""
+        return crc32_join((crc, min(self.size, length - i * self.size)) for i, crc in enumerate(self.crcs))
+
+    def covering(self, length: int, spans: Iterable[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """The blocks holding any byte of ``spans`` (ranges of the ``length`` stored bytes), as runs of adjacent
+        blocks in order: ``(start, stop, crc)``, ``crc`` their CRC-32s joined (one check per run, not per block)."""
+        blocks: set[int] = set()
+        for lo, hi in spans:
+            if lo < hi:
+                blocks.update(range(lo // self.size, (hi - 1) // self.size + 1))
+        runs: list[tuple[int, int, int]] = []
+        for i in sorted(blocks):
+            start, stop = i * self.size, min((i + 1) * self.size, length)
+            if runs and runs[-1][1] == start:
+                first, _, crc = runs[-1]
+                runs[-1] = (first, stop, crc32_combine(crc, self.crcs[i], stop - start))
+            else:
+                runs.append((start, stop, self.crcs[i]))
+        return runs
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"size": self.size, "crc32": list(self.crcs)}
+
+
+@dataclass(frozen=True)
 class TensorEntry:
     """One tensor as the header describes it.
 
@@ -42,7 +95,8 @@ class TensorEntry:
     and ``codebook`` are set, and ``at_rest`` when the payload is stored through the 1.1 at-rest stage (then
     ``length`` counts the stored bytes and :attr:`memory_length` the in-memory payload's); for ``raw`` entries
     ``raw_reason`` may say why the codec did not take it, and ``at_rest`` is set when the tensor's bytes are stored as
-    byte planes (1.2; ``length`` the stored bytes, :attr:`memory_length` the raw ones).
+    byte planes (1.2; ``length`` the stored bytes, :attr:`memory_length` the raw ones). ``blocks`` (1.3) holds the
+    CRC-32 of each block of the stored bytes, for reads of part of them.
     """
 
     name: str
@@ -58,6 +112,7 @@ class TensorEntry:
     codebook: Codebook | None = None
     raw_reason: str | None = None
     at_rest: ZstdStage | PlanesStage | None = None
+    blocks: BlockChecksums | None = None
 
     @property
     def numel(self) -> int:
@@ -114,11 +169,14 @@ class TensorEntry:
                 encoding["configuration"] = {"reason": self.raw_reason}
             if self.at_rest is not None:
                 encoding["at_rest"] = self.at_rest.to_dict()
-        return {
+        entry = {
             "name": self.name, "dtype": self.dtype, "shape": list(self.shape), "encoding": encoding,
             "offset": self.offset, "length": self.length, "raw_length": self.raw_length,
             "crc32": self.crc32, "raw_crc32": self.raw_crc32,
         }
+        if self.blocks is not None:
+            entry["block_crc32"] = self.blocks.to_dict()
+        return entry
 
 
 @dataclass
@@ -426,6 +484,8 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         raise HeaderError("encoding 'configuration' must be a map", path=path, tensor=name)
     common = dict(name=name, dtype=dtype, shape=tuple(shape), offset=offset, length=length, raw_length=raw_length,
                   crc32=crc32, raw_crc32=raw_crc32)
+    if "block_crc32" in item:
+        common["blocks"] = _parse_blocks(item["block_crc32"], length=length, path=path, tensor=name)
 
     if encoding["name"] == C.ENCODING_RAW:
         stage = None
@@ -462,6 +522,24 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         f"encoding {short_repr(encoding['name'])} is not known to this reader "
         f"(known: {', '.join(map(repr, C.ENCODINGS))}); "
         "the file needs a newer szformat", path=path, tensor=name)
+
+
+def _parse_blocks(value: Any, *, length: int, path, tensor: str) -> BlockChecksums:
+    """1.3's ``block_crc32``: a block size and one CRC-32 per block of the ``length`` stored bytes. Whether they join
+    to the entry's ``crc32`` is checked where a read first relies on them (a join per block, at most a few ms for a
+    whole large file, kept off the header's parse)."""
+    if not isinstance(value, dict):
+        raise HeaderError(f"'block_crc32' must be a map, got {short_repr(value)}", path=path, tensor=tensor)
+    size = _int(value, "size", path=path, tensor=tensor, lo=C.MIN_BLOCK_CRC_SIZE, hi=C.MAX_BLOCK_CRC_SIZE)
+    if size & (size - 1):
+        raise HeaderError(f"block_crc32 size must be a power of two, got {size}", path=path, tensor=tensor)
+    crcs = value.get("crc32")
+    count = -(-length // size)
+    if not isinstance(crcs, list) or len(crcs) != count or not set(map(type, crcs)) <= _INT \
+            or (crcs and not (min(crcs) >= 0 and max(crcs) <= _U32)):
+        raise HeaderError(f"block_crc32 must list {count} CRC-32s (one per {size} stored bytes of {length}), got "
+                          f"{short_repr(crcs)}", path=path, tensor=tensor)
+    return BlockChecksums(size=size, crcs=tuple(crcs))
 
 
 def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int | None, path, tensor: str):

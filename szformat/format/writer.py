@@ -23,8 +23,8 @@ from ..errors import ConversionError, RoundTripError, WriteError
 from . import at_rest as at_rest_stage
 from . import constants as C
 from .atomic import AtomicFile
-from .header import (Header, TensorEntry, payload_alignment, validate_metadata, validate_name, validate_shape,
-                     validate_small_alignment)
+from .header import (BlockChecksums, Header, TensorEntry, payload_alignment, validate_metadata, validate_name,
+                     validate_shape, validate_small_alignment)
 
 
 class WriterState(enum.Enum):
@@ -54,6 +54,9 @@ class SztWriter:
             (a GPU load's last inflation is then short), when that is smaller than ``frame_size``.
         small_alignment (`int`, *optional*): 1.1: where payloads under 1 MiB start (16 in the at-rest form).
         compress_header (`bool`, *optional*): 1.1: store the header through zstd when that makes it smaller.
+        block_size (`int`, *optional*): 1.3: a tensor whose stored bytes are longer than this gets the CRC-32 of
+            each block of them (:func:`block_size_for`), blocks of at most this many bytes (``C.BLOCK_CRC_SIZE``,
+            1 MiB, by default; a power of two of at least 4096).
 
     Example:
         >>> with SztWriter("model.szt", metadata={"format": "pt"}) as w:  # doctest: +SKIP
@@ -63,7 +66,8 @@ class SztWriter:
     def __init__(self, path: str | os.PathLike, *, metadata: dict[str, str] | None = None,
                  alignment: int = C.DEFAULT_ALIGNMENT, overwrite: bool = True, at_rest: int | None = None,
                  frame_size: int = at_rest_stage.DEFAULT_FRAME_SIZE, raw_bytes: int | None = None,
-                 small_alignment: int | None = None, compress_header: bool = False):
+                 small_alignment: int | None = None, compress_header: bool = False,
+                 block_size: int = C.BLOCK_CRC_SIZE):
         if type(alignment) is not int or not C.MIN_ALIGNMENT <= alignment <= C.MAX_ALIGNMENT \
                 or alignment & (alignment - 1):
             raise ValueError(f"alignment must be a power of two in [{C.MIN_ALIGNMENT}, {C.MAX_ALIGNMENT}], "
@@ -71,6 +75,10 @@ class SztWriter:
         if small_alignment is not None:
             validate_small_alignment(small_alignment, alignment)
         at_rest_stage.check_frame_size(frame_size)
+        if type(block_size) is not int or not C.MIN_BLOCK_CRC_SIZE <= block_size <= C.MAX_BLOCK_CRC_SIZE \
+                or block_size & (block_size - 1):
+            raise ValueError(f"block_size must be a power of two in [{C.MIN_BLOCK_CRC_SIZE}, "
+                             f"{C.MAX_BLOCK_CRC_SIZE}], got {block_size!r}")
         if metadata is not None:
             try:
                 validate_metadata(metadata)
@@ -84,6 +92,7 @@ class SztWriter:
         self._raw_written = 0
         self.small_alignment = small_alignment
         self.compress_header = compress_header
+        self.block_size = block_size
         self.metadata = None if metadata is None else dict(metadata)
         self._entries: list[TensorEntry] = []
         self._names: set[str] = set()
@@ -112,13 +121,19 @@ class SztWriter:
         payload = encoded.payload.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
         shape = self._check_entry(name, dtype, shape, encoded, payload.numel())
         parts, length, crc, stage = self._stored(encoded, payload, dtype)
+        blocks = None
+        if length > self.block_size:
+            blocks = BlockChecksums.of(parts, block_size_for(length, self.block_size))
+            if blocks.joined(length) != crc:
+                raise ConversionError(f"the block checksums of the {length} stored bytes do not join to their "
+                                      f"CRC-32 {crc:#010x}", path=self.path, tensor=name)
         start = C.pad_to(self._cursor, payload_alignment(length, self.alignment, self.small_alignment))
         self._write(bytes(start - self._cursor))
         entry = TensorEntry(
             name=name, dtype=dtype, shape=shape, encoding=encoded.encoding,
             offset=self._cursor, length=length, raw_length=encoded.raw_length,
             crc32=crc, raw_crc32=encoded.raw_crc32, layout=encoded.layout, codebook=encoded.codebook,
-            raw_reason=encoded.raw_reason, at_rest=stage)
+            raw_reason=encoded.raw_reason, at_rest=stage, blocks=blocks)
         for part in parts:
             self._write(part)
         self._raw_written += encoded.raw_length
@@ -223,7 +238,9 @@ class SztWriter:
                     header, flags = stored, C.FLAG_HEADER_ZSTD
             header_offset = self._cursor
             self._write(header)
-            minor = max([C.FEATURE_MINOR[f] for f in features] + [1 if flags else 0])
+            blocks = any(entry.blocks is not None for entry in self._entries)
+            minor = max([C.FEATURE_MINOR[f] for f in features]
+                        + [1 if flags else 0, C.BLOCK_CRC_MINOR if blocks else 0])
             preamble = C.PREAMBLE.pack(C.MAGIC, C.VERSION_MAJOR, minor, flags, header_offset, len(header),
                                        crc32(header), self.alignment, self._cursor)
             self._file.write(preamble, at=0)
@@ -284,6 +301,15 @@ def writer_form(at_rest: int | None) -> dict[str, Any]:
 def tensor_bytes(t: torch.Tensor) -> torch.Tensor:
     """The raw bytes of a tensor as a flat uint8 CPU tensor (a view where possible)."""
     return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8)
+
+
+def block_size_for(length: int, largest: int = C.BLOCK_CRC_SIZE) -> int:
+    """The block size of the 1.3 block checksums of ``length`` stored bytes: about 1/``C.BLOCKS_PER_PAYLOAD`` of
+    them, a power of two, at least ``C.MIN_WRITTEN_BLOCK_SIZE`` and at most ``largest``. A tensor-parallel rank of a
+    model whose payloads are a few MiB then checks little more than its part (with 1 MiB blocks, a rank keeping half
+    the rows of a 1.5 MB payload checked all of it)."""
+    target = max(C.MIN_WRITTEN_BLOCK_SIZE, -(-length // C.BLOCKS_PER_PAYLOAD))
+    return min(largest, 1 << (target - 1).bit_length())
 
 
 def write_tensor(writer: SztWriter, name: str, dtype: str, shape: Iterable[int], raw: torch.Tensor,

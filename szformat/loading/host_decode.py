@@ -64,7 +64,7 @@ from . import host_pages
 from .helper_threads import run_items
 
 __all__ = ["RANGE_ELEMENTS", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
-           "read_around_streams", "windowed"]
+           "read_around_streams", "spans_read", "windowed"]
 
 RANGE_ELEMENTS = 1 << 23
 """Elements decoded per range: 16 MiB of BF16 out, 12 MiB in, a few ms of work, checksummed block by block inside
@@ -253,9 +253,19 @@ def read_around_streams(file: SztFile, entry: TensorEntry, payload: torch.Tensor
     """Read the stored bytes of a SplitZip tensor in the in-memory form that are not its ``pk`` and ``sm`` streams
     (the padding between them, the escape streams) into ``payload`` (flat uint8 of its stored size), at their
     offsets: what a decoder checks and patches escapes from, while the streams are read range by range."""
-    layout = entry.layout
-    for lo, hi in ((layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)):
+    for lo, hi in _around_streams(entry):
         file.read(entry.name, lo, hi, out=payload[lo:hi])
+
+
+def spans_read(entry: TensorEntry, start: int, stop: int) -> list[tuple[int, int]]:
+    """The stored byte ranges that decoding elements ``[start, stop)`` of a SplitZip tensor in the in-memory form
+    from the mapping reads (:func:`mapped_streams`, :func:`read_around_streams`): what a check of them covers."""
+    return [*_stream_bytes(entry, start, stop), *_around_streams(entry)]
+
+
+def _around_streams(entry: TensorEntry) -> tuple[tuple[int, int], tuple[int, int]]:
+    layout = entry.layout
+    return (layout.off_pk + layout.n_pairs, layout.off_sm), (layout.off_sm + layout.n, entry.length)
 
 
 def _range_scratch(nbytes: int) -> torch.Tensor:

@@ -5,9 +5,10 @@ Whole tensors go through :func:`.host_decode.decode_entries` (several threads, c
 for the at-rest form (SplitZip streams or byte planes) only the frames holding them are read and inflated. Stored
 bytes are copied out of the file (``pread``) or, for SplitZip streams of the in-memory form where the C kernels
 guard it (``host_decode.mapped_reads``), read through the mapping by calls that catch the fault of a lost page: a
-file truncated meanwhile is an error, never SIGBUS. Each stored payload's CRC-32 is checked once per open file, also
-by a slice's first read (its bytes checksummed as they land, the rest of the payload read through a small buffer
-only to be checksummed, or the whole payload checksummed through the mapping).
+file truncated meanwhile is an error, never SIGBUS. Each stored payload's CRC-32 is checked once per open file. A
+slice checks what it reads: where the entry has block checksums (format 1.3), the blocks holding the bytes it reads;
+else the whole payload's CRC-32 on its first read (the rest of the payload read through a small buffer only to be
+checksummed, or checksummed through the mapping). Its bytes are checksummed as they land, in the cache.
 """
 
 from __future__ import annotations
@@ -36,8 +37,9 @@ SCRATCH_BYTES = 256 << 20
 """Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
 
 CHECK_PIECE = 1 << 20
-"""Bytes read at a time when a part of a tensor is read and its whole stored payload checksummed: the bytes the part
-does not need go through a buffer of this size that stays in the cache, only to be checksummed."""
+"""Bytes read at a time when a part of a tensor is read and checked: the bytes of the blocks checked (or of the whole
+payload) that the part does not need go through a buffer of this size that stays in the cache, only to be
+checksummed."""
 
 
 class HostReader:
@@ -53,6 +55,7 @@ class HostReader:
         self.file = file
         self.verify = verify
         self.verified: set[str] = set()
+        self._tables_joined: set[str] = set()
         self._scratch = threading.local()
 
     def release(self) -> None:
@@ -75,10 +78,10 @@ class HostReader:
 
     def _read_spans(self, entry: TensorEntry, spans: Sequence[tuple[int, int]], out: torch.Tensor,
                     base: int = 0) -> None:
-        """Read the stored bytes ``spans`` of a tensor into ``out`` (byte ``b`` at ``out[b - base]``); the first time,
-        when ``verify`` is on, the CRC-32 of its whole stored payload is checked on the way, each piece checksummed
-        as it lands in the cache, the bytes between the spans read through a small buffer only for that. A rank of
-        a tensor-parallel load so writes only its part of a tensor to memory, not the whole payload.
+        """Read the stored bytes ``spans`` (apart, in any order) of a tensor into ``out`` (byte ``b`` at
+        ``out[b - base]``), checked on the way when ``verify`` is on (:meth:`_checks`): each piece checksummed as it
+        lands in the cache, the bytes of a checked range outside the spans read through a small buffer only for
+        that. A rank of a tensor-parallel load so writes only its part of a tensor to memory, not the whole payload.
 
         Read (:meth:`SztFile.read`), not touched through the mapping: a file truncated meanwhile is a
         TruncatedFileError rather than SIGBUS.
@@ -88,16 +91,43 @@ class HostReader:
             for begin, end in spans:
                 self.file.read(name, begin, end, out=out[begin - base: end - base])
             return
-        crc, cursor, passing = 0, 0, self._buffer(CHECK_PIECE, "passing")
-        for begin, end in sorted(spans) + [(entry.length, entry.length)]:
-            while cursor < end:
-                inside = cursor >= begin
-                stop = min(end if inside else begin, cursor + CHECK_PIECE)
-                piece = out[cursor - base: stop - base] if inside else passing[: stop - cursor]
-                crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
-                cursor = stop
-        compare_crc(crc, entry.crc32, what="stored bytes", path=self.file.path, tensor=name)
-        self.verified.add(name)
+        spans = sorted(spans)
+        passing = self._buffer(CHECK_PIECE, "passing")
+        checks = self._checks(entry, spans)
+        for lo, hi, expected in checks:
+            crc, cursor = 0, lo
+            for begin, end in [(max(b, lo), min(e, hi)) for b, e in spans if b < hi and e > lo] + [(hi, hi)]:
+                while cursor < end:
+                    inside = cursor >= begin
+                    stop = min(end if inside else begin, cursor + CHECK_PIECE)
+                    piece = out[cursor - base: stop - base] if inside else passing[: stop - cursor]
+                    crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
+                    cursor = stop
+            self._compare(entry, crc, (lo, hi, expected))
+        self._checked(entry, checks)
+
+    def _checks(self, entry: TensorEntry, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
+        """What a read of the stored bytes ``spans`` of a tensor checks, as ``(start, stop, crc)``: where its entry
+        has block checksums (1.3) the runs of blocks holding them, once the table is seen to join to the entry's
+        ``crc32``; else the whole payload."""
+        blocks = entry.blocks
+        if blocks is None:
+            return [(0, entry.length, entry.crc32)]
+        if entry.name not in self._tables_joined:
+            compare_crc(blocks.joined(entry.length), entry.crc32, what="block checksums, joined,",
+                        path=self.file.path, tensor=entry.name)
+            self._tables_joined.add(entry.name)
+        return blocks.covering(entry.length, spans)
+
+    def _compare(self, entry: TensorEntry, actual: int, check: tuple[int, int, int]) -> None:
+        lo, hi, expected = check
+        what = "stored bytes" if (lo, hi) == (0, entry.length) else f"stored bytes [{lo}, {hi})"
+        compare_crc(actual, expected, what=what, path=self.file.path, tensor=entry.name)
+
+    def _checked(self, entry: TensorEntry, checks: list[tuple[int, int, int]]) -> None:
+        """Remember a tensor whose every stored byte is now checked: its later reads check nothing."""
+        if len(checks) == 1 and checks[0][:2] == (0, entry.length):
+            self.verified.add(entry.name)
 
     def _buffer(self, nbytes: int, role: str = "stored") -> torch.Tensor:
         """A uint8 buffer to read stored bytes into (``role`` ``"stored"``) or inflate a payload stored at rest into
@@ -173,17 +203,18 @@ class HostReader:
     def _mapped_rows(self, entry: TensorEntry, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
         """Elements ``[start, stop)`` (``start`` even) of a SplitZip tensor in the in-memory form, decoded straight
         from the file's mapping by the C kernels' guarded calls (``host_decode.mapped_reads``): only the bytes
-        around the streams are read, the first time with ``verify`` the whole stored payload's CRC-32 is taken
-        through the mapping, and only these elements' ``pk`` and ``sm`` bytes are decoded. A rank of a
-        tensor-parallel load so copies nothing it does not keep."""
+        around the streams are read, with ``verify`` what these elements read is checked through the mapping (the
+        blocks holding it, or the whole payload the first time: :meth:`_checks`), and only these elements' ``pk``
+        and ``sm`` bytes are decoded. A rank of a tensor-parallel load so copies nothing it does not keep."""
         file, name = self.file, entry.name
         payload = self._buffer(entry.length)
         host_decode.read_around_streams(file, entry, payload)
         try:
             if self._unchecked(entry):
-                compare_crc(guarded_crc32(file.mapped(name, 0, entry.length)), entry.crc32, what="stored bytes",
-                            path=file.path, tensor=name)
-                self.verified.add(name)
+                checks = self._checks(entry, host_decode.spans_read(entry, start, stop))
+                for check in checks:
+                    self._compare(entry, guarded_crc32(file.mapped(name, check[0], check[1])), check)
+                self._checked(entry, checks)
             with payload_errors(file.path, name):
                 decoder = PayloadDecoder(payload, entry.layout, entry.codebook)
             decoder.decode(start, stop, out, streams=host_decode.mapped_streams(file, entry, start, stop))

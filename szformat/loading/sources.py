@@ -129,7 +129,7 @@ class InflatingSource:
         for entry in file.header.tensors:
             cursor = -(-cursor // LINE_ALIGNMENT) * LINE_ALIGNMENT
             self._memory[entry.name] = dataclasses.replace(entry, offset=cursor, length=entry.memory_length,
-                                                           at_rest=None)
+                                                           at_rest=None, blocks=None)
             cursor += entry.memory_length
         self._line = list(self._memory.values())
         self._starts = [e.offset for e in self._line]

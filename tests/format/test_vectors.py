@@ -25,6 +25,7 @@ from safetensors.torch import load_file as st_load_file
 from szformat import SzformatError, load_file, safe_open
 from szformat.format import constants as C
 from szformat.format.at_rest import DEFAULT_FRAME_SIZE
+from szformat.format.reader import SztFile
 from szformat.format.writer import tensor_bytes
 
 from tools import make_vectors
@@ -106,10 +107,31 @@ def test_the_1_2_case_covers_byte_planes():
     assert "planes_unknown_keys" in READS
 
 
+def test_the_1_3_case_covers_block_checksums():
+    """Tables of several blocks, the last one shorter (SplitZip and raw), and none for a payload of one block; each
+    table right against the file's bytes, and joined, the entry's crc32."""
+    (case,) = [case for case in LISTING["cases"] if "block_size" in case]
+    assert case["version"] == "1.3" and case["block_size"] == 4096
+    assert {t["encoding"] for t in case["tensors"] if t.get("blocks", 0) > 1} == {"splitzip", "raw"}
+    assert any(t["length"] == case["block_size"] and "blocks" not in t for t in case["tensors"])
+    assert any(t["length"] % case["block_size"] for t in case["tensors"] if "blocks" in t)
+    path = VECTORS / case["szt"]["file"]
+    data = path.read_bytes()
+    with SztFile(path) as f:
+        for t in case["tensors"]:
+            entry = f.entry(t["name"])
+            stored = data[entry.offset: entry.offset + entry.length]
+            if "blocks" in t:
+                assert list(entry.blocks.crcs) == [zlib.crc32(stored[i: i + 4096]) for i in range(0, len(stored), 4096)]
+                assert len(entry.blocks.crcs) == t["blocks"] and entry.blocks.joined(entry.length) == entry.crc32
+    assert {"block_crc32_count", "block_crc32_size"} <= set(REFUSALS)
+
+
 def test_the_1_1_cases_cover_the_at_rest_form():
     rest = [case for case in LISTING["cases"] if "at_rest" in case and case["name"] != "at_rest_planes"]
     assert rest and all(case["version"] == "1.1" for case in rest)
-    assert all(case["version"] == "1.0" for case in LISTING["cases"] if "at_rest" not in case)
+    assert all(case["version"] == "1.0" for case in LISTING["cases"] if "at_rest" not in case
+               and "block_size" not in case)
     tensors = [t for case in rest for t in case["tensors"]]
     assert any(t["at_rest_streams"] == ["pk"] and t["at_rest_frames"] > 1 for t in tensors)  # several frames
     assert any(len(t["at_rest_streams"]) == 4 for t in tensors)  # escape streams through zstd too
@@ -177,13 +199,15 @@ def test_writer_reproduces_each_szt_file_byte_for_byte(name, tmp_path):
     target = tmp_path / "out.szt"
     form = {"at_rest": listed["at_rest"]["level"], "frame_size": listed["at_rest"]["frame_size"]} \
         if "at_rest" in listed else {}
+    if "block_size" in listed:
+        form["block_size"] = listed["block_size"]
     make_vectors.convert(VECTORS / listed["source"]["file"], target, alignment=listed["alignment"], **form)
     assert target.read_bytes() == (VECTORS / listed["szt"]["file"]).read_bytes()
 
 
-@pytest.mark.parametrize("name", [name for name, case in CASES.items()  # the converter writes 1 MiB frames
-                                  if case.get("at_rest", {}).get("frame_size", DEFAULT_FRAME_SIZE)
-                                  == DEFAULT_FRAME_SIZE])
+@pytest.mark.parametrize("name", [name for name, case in CASES.items()  # the converter's 1 MiB frames and blocks
+                                  if case.get("at_rest", {}).get("frame_size", DEFAULT_FRAME_SIZE) == DEFAULT_FRAME_SIZE
+                                  and case.get("block_size", C.BLOCK_CRC_SIZE) == C.BLOCK_CRC_SIZE])
 def test_the_converter_reproduces_each_szt_file_byte_for_byte(name, tmp_path):
     from szformat.convert.convert import convert
 
@@ -294,6 +318,13 @@ def _spec_decode(path: Path, *, verify: bool = True) -> tuple[dict | None, dict[
         _require(all(_is_int(e.get(k)) for k in ("offset", "length", "raw_length"))
                  and all(_is_int(e.get(k), 0, 2**32 - 1) for k in ("crc32", "raw_crc32")), "integers")
         _require(e["raw_length"] == numel * ITEMSIZE[dtype], "raw_length")
+        if "block_crc32" in e:  # 1.3: only its shape is checked here, a reader that reads whole payloads needs no more
+            blocks = e["block_crc32"]
+            _require(isinstance(blocks, dict) and _is_int(blocks.get("size"), 4096, 2**30)
+                     and not blocks["size"] & (blocks["size"] - 1), "block size")
+            crcs = blocks.get("crc32")
+            _require(isinstance(crcs, list) and len(crcs) == -(-e["length"] // blocks["size"])
+                     and all(_is_int(c, 0, 2**32 - 1) for c in crcs), "block checksums")
         encoding = e.get("encoding")
         _require(isinstance(encoding, dict) and isinstance(encoding.get("name"), str), "encoding")
         config = encoding.get("configuration", {})
