@@ -320,6 +320,29 @@ def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_mod
     assert len(first) == len({1, os.cpu_count() or 1}), done.stdout
 
 
+def test_the_cpu_benchmarks_slices_read_the_same_rows_through_each_reader(tmp_path):
+    """The slices section checks szformat's rows against safetensors' bit for bit and times three readers on both
+    parts; a reader giving other rows fails it."""
+    from safetensors.torch import save_file
+
+    import szformat
+    from bench import cpu as bench_cpu
+
+    g = torch.Generator().manual_seed(1)
+    tensors = {"w": (torch.randn(600, 1024, generator=g) * 0.02).to(torch.bfloat16),
+               "b": torch.randn(40, generator=g).to(torch.bfloat16)}
+    save_file(tensors, tmp_path / "model.safetensors")
+    szformat.save_file(tensors, tmp_path / "model.szt")
+    rows = bench_cpu.bench_slices(tmp_path / "model.safetensors", tmp_path / "model.szt", 1)
+    assert [(r["part"].split()[0], r["method"].split()[0]) for r in rows] == [
+        (part, reader) for part in ("half", "16") for reader in ("safetensors", "szformat", "szformat")]
+    assert rows[0]["mb"] == 2 * (300 * 1024 + 20) / 1e6 and rows[3]["mb"] == 2 * (16 * 1024 + 16) / 1e6
+    tensors["w"][1, 3] += 1  # the .szt file now holds other rows than the safetensors file
+    save_file(tensors, tmp_path / "model.safetensors")
+    with pytest.raises(AssertionError, match="get_slice of w is not bit-exact"):
+        bench_cpu.bench_slices(tmp_path / "model.safetensors", tmp_path / "model.szt", 1)
+
+
 def test_the_conversion_benchmark_runs_a_given_source_and_checks_the_round_trips(tmp_path):
     from safetensors.torch import save_file
 
