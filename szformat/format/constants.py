@@ -15,9 +15,8 @@ MAGIC = b"\x89SZT\r\n\x1a\n"
 
 VERSION_MAJOR = 1
 VERSION_MINOR = 3
-"""The minor version of a file with a 1.3 block-checksum table (:data:`BLOCK_CRC_MINOR`); a file using a 1.2 feature
-(byte planes at rest) and none is written as 1.2, one using only 1.1 features as 1.1, one using none as 1.0, byte for
-byte as before."""
+"""The minor version of a file with a 1.3 block-checksum table (:data:`BLOCK_CRC_MINOR`); a file without one is
+written as before: 1.2 with byte planes at rest, 1.1 with only 1.1 features, 1.0 with none, byte for byte."""
 READER_SUPPORTED_MAJORS = (1,)
 """A reader refuses any other major version. Minor versions of a known major only add optional header fields, and
 features a reader must implement, announced in ``required_features``."""
