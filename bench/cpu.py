@@ -66,7 +66,7 @@ import time
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Iterator, Sequence
 
 import torch
 from safetensors import safe_open
@@ -423,15 +423,24 @@ def bench_slices(st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
     def rows_of(shape: Sequence[int], part: str) -> int:
         return max(1, shape[0] // 2) if part == "half" else min(16, shape[0])
 
+    def read_rows(opened: Callable[[], Any], part: str, clone: bool) -> int:
+        """The rows of ``part`` of every tensor but scalars, through a file ``opened()`` afresh (safetensors'
+        rows cloned, as they are views of its mapping); the elements read."""
+        elements = 0
+        with opened() as f:
+            for name in f.keys():
+                handle = f.get_slice(name)
+                shape = handle.get_shape()
+                if shape:
+                    rows = handle[: rows_of(shape, part)]
+                    elements += (rows.clone() if clone else rows).numel()
+        return elements
+
     def safetensors_rows(part: str) -> int:
-        with safe_open(st_path, framework="pt") as f:
-            return sum(f.get_slice(k)[: rows_of(f.get_slice(k).get_shape(), part)].clone().numel()
-                       for k in f.keys() if f.get_slice(k).get_shape())
+        return read_rows(lambda: safe_open(st_path, framework="pt"), part, clone=True)
 
     def szformat_rows(part: str, verify: bool) -> int:
-        with szformat.safe_open(szt_path, framework="pt", verify=verify) as f:
-            return sum(f.get_slice(k)[: rows_of(f.get_slice(k).get_shape(), part)].numel()
-                       for k in f.keys() if f.get_slice(k).get_shape())
+        return read_rows(lambda: szformat.safe_open(szt_path, framework="pt", verify=verify), part, clone=False)
 
     with safe_open(st_path, framework="pt") as plain, szformat.safe_open(szt_path, framework="pt") as szt:
         for k in plain.keys():

@@ -92,19 +92,25 @@ class HostReader:
                 self.file.read(name, begin, end, out=out[begin - base: end - base])
             return
         spans = sorted(spans)
-        passing = self._buffer(CHECK_PIECE, "passing")
         checks = self._checks(entry, spans)
-        for lo, hi, expected in checks:
-            crc, cursor = 0, lo
-            for begin, end in [(max(b, lo), min(e, hi)) for b, e in spans if b < hi and e > lo] + [(hi, hi)]:
-                while cursor < end:
-                    inside = cursor >= begin
-                    stop = min(end if inside else begin, cursor + CHECK_PIECE)
-                    piece = out[cursor - base: stop - base] if inside else passing[: stop - cursor]
-                    crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
-                    cursor = stop
-            self._compare(entry, crc, (lo, hi, expected))
+        for check in checks:
+            self._compare(entry, self._read_range(name, check[0], check[1], spans, out, base), check)
         self._checked(entry, checks)
+
+    def _read_range(self, name: str, lo: int, hi: int, spans: list[tuple[int, int]], out: torch.Tensor,
+                    base: int) -> int:
+        """Read stored bytes ``[lo, hi)`` of tensor ``name`` piece by piece, those inside ``spans`` (sorted) into
+        ``out`` and the others through a small buffer; the CRC-32 of them all."""
+        passing = self._buffer(CHECK_PIECE, "passing")
+        crc, cursor = 0, lo
+        for begin, end in [(max(b, lo), min(e, hi)) for b, e in spans if b < hi and e > lo] + [(hi, hi)]:
+            while cursor < end:
+                inside = cursor >= begin
+                stop = min(end if inside else begin, cursor + CHECK_PIECE)
+                piece = out[cursor - base: stop - base] if inside else passing[: stop - cursor]
+                crc = crc32(memoryview(self.file.read(name, cursor, stop, out=piece).numpy()), crc)
+                cursor = stop
+        return crc
 
     def _checks(self, entry: TensorEntry, spans: Sequence[tuple[int, int]]) -> list[tuple[int, int, int]]:
         """What a read of the stored bytes ``spans`` of a tensor checks, as ``(start, stop, crc)``: where its entry

@@ -125,6 +125,23 @@ def test_a_slice_checks_the_blocks_it_reads_and_only_those(tmp_path, monkeypatch
     assert (info.value.tensor, info.value.path) == (name, str(path))
 
 
+def test_a_slice_of_byte_planes_at_rest_checks_the_blocks_of_the_frames_it_reads(tmp_path):
+    """At rest (1.2 byte planes, frames of 4 KiB of raw bytes) a slice reads the frames holding its rows: a flipped
+    stored byte in the last frame leaves the first rows bit-exact, and refuses the last rows by their block before
+    zstd sees the frame."""
+    source = {"f": _source(8)["f"]}
+    path = _write(tmp_path / "b.szt", source, at_rest=3)
+    with SztFile(path) as f:
+        e = f.entry("f")
+        assert e.byte_planes and e.blocks is not None
+    _flip(path, "f", e.length - 1)
+    with safe_open(path, framework="pt") as f:
+        assert torch.equal(_bits(f.get_slice("f")[0:4]), _bits(source["f"][0:4]))
+        with pytest.raises(ChecksumMismatchError, match=r"stored bytes \[\d+, \d+\)") as info:
+            f.get_slice("f")[60:64]
+    assert info.value.tensor == "f"
+
+
 @pytest.mark.parametrize("at_rest", [None, 3])
 def test_slices_and_whole_tensors_with_tables_are_bit_exact(tmp_path, at_rest):
     source = _source(3)
