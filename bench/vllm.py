@@ -1,6 +1,6 @@
 """vLLM's load time for ``--load-format szt`` against ``safetensors`` on the same checkpoint, in one run.
 
-    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off] [--pages-4k]
+    python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off] [--huge-pages]
 
 A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``randn * 0.02``), saved with
 ``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
@@ -130,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=2)
     parser.add_argument("--verify-off", action="store_true", help="also szt with the loader's checksums off "
                         "(--model-loader-extra-config '{\"verify\": false}')")
-    parser.add_argument("--pages-4k", action="store_true", help="also szt with the huge-page advice for the "
-                        "parameters it decodes into turned off (SZFORMAT_HUGE_PAGES=0)")
+    parser.add_argument("--huge-pages", action="store_true", help="also szt with the huge-page advice for the "
+                        "parameters it decodes into turned on (SZFORMAT_HUGE_PAGES=1)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -139,8 +139,8 @@ def main(argv: list[str] | None = None) -> int:
     variants = {"safetensors": ("safetensors", {}, {}), "szt": ("szt", {}, {})}
     if args.verify_off:
         variants["szt, verify off"] = ("szt", {"verify": False}, {})
-    if args.pages_4k:
-        variants["szt, 4K pages"] = ("szt", {}, {"SZFORMAT_HUGE_PAGES": "0"})
+    if args.huge_pages:
+        variants["szt, huge pages"] = ("szt", {}, {"SZFORMAT_HUGE_PAGES": "1"})
     runs = [(label, int(tp)) for tp in args.tp.split(",") for label in variants]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
     for r in range(args.rounds):

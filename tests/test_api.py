@@ -496,10 +496,19 @@ def failing_first(real):
 
 
 PayloadDecoder.decode_range = failing_first(PayloadDecoder.decode_range)
+PayloadDecoder.decode_columns = failing_first(PayloadDecoder.decode_columns)
 host_reader.guarded_crc32 = failing_first(host_reader.guarded_crc32)
 try:
     if how == "load_file":
         szformat.load_file(path, verify=verify)
+    elif how == "columns":  # what a row-parallel rank of vLLM reads
+        import torch
+        from szformat.format.reader import SztFile
+        from szformat.integrations.deferred import DecodeCounter, DeferredTensor
+        with SztFile(path) as f:
+            weight = DeferredTensor(host_reader.HostReader(f, verify=verify), f.entry("weight"), DecodeCounter())
+            shard = weight.narrow(1, 512, 512)
+            torch.empty(shard.shape, dtype=shard.dtype).copy_(shard)
     else:
         with szformat.safe_open(path, framework="pt", verify=verify) as f:
             f.get_slice("weight")[1000:1500]
@@ -508,13 +517,14 @@ except (TruncatedFileError, ReadError) as e:
 """
 
 
-@pytest.mark.parametrize("how", ["load_file", "get_slice"])
+@pytest.mark.parametrize("how", ["load_file", "get_slice", "columns"])
 @pytest.mark.parametrize("verify", ["verify", "no verify"])
 @pytest.mark.parametrize("cut", ["cut", "disk error"])
 def test_reads_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_path, how, verify, cut):
-    """A tensor of several ranges (load_file) or rows of a tensor (get_slice, as a tensor-parallel rank reads them)
-    are decoded, and checksummed, straight from the file's mapping by C calls that catch SIGBUS: a file truncated
-    meanwhile is a TruncatedFileError, a page the disk fails to deliver a ReadError (an OSError)."""
+    """A tensor of several ranges (load_file), rows of a tensor (get_slice, as a column-parallel rank reads them) or
+    columns of its rows (a row-parallel rank) are decoded, and checksummed, straight from the file's mapping by C
+    calls that catch SIGBUS: a file truncated meanwhile is a TruncatedFileError, a page the disk fails to deliver a
+    ReadError (an OSError)."""
     if not host_decode.mapped_reads(verify == "verify"):
         pytest.skip("stored bytes are copied out with pread here")
     path = tmp_path / "model.szt"

@@ -473,6 +473,26 @@ static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lu
     }
 }
 
+/* Columns [first, last) of rows of ``width`` elements (all three even, so each row's piece is whole pairs) from the
+ * rows' ``pk`` and ``sm`` bytes into ``out``, the kept columns row after row: a row-parallel shard of a matrix, the
+ * other columns never decoded. The escapes at ``positions`` (ascending, counted from the first row) are patched where
+ * their column is kept. */
+static void decode_columns(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_rows,
+                           Py_ssize_t width, Py_ssize_t first, Py_ssize_t last, const int64_t *positions,
+                           const uint8_t *exponents, Py_ssize_t n_esc)
+{
+    Py_ssize_t kept = last - first;
+    for (Py_ssize_t r = 0; r < n_rows; r++)
+        decode(pk + r * (width / 2) + first / 2, sm + r * width + first, lut, out + r * kept, kept / 2);
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        Py_ssize_t row = (Py_ssize_t)(positions[k] / width), column = (Py_ssize_t)(positions[k] % width);
+        if (column >= first && column < last) {
+            uint16_t *value = out + row * kept + (column - first);
+            *value = (uint16_t)((*value & 0x807F) | (uint32_t)exponents[k] << 7);
+        }
+    }
+}
+
 /* ---------------------------------------------------------------------------------------------------------------
  * Reads through a file's mapping
  *
@@ -1252,6 +1272,70 @@ done:
     return result;
 }
 
+typedef struct {
+    const uint8_t *pk, *sm, *lut;
+    uint16_t *out;
+    Py_ssize_t n_rows, width, first, last;
+    const int64_t *positions;
+    const uint8_t *exponents;
+    Py_ssize_t n_esc;
+} DecodeColumnsCall;
+
+static void run_decode_columns(void *arg)
+{
+    DecodeColumnsCall *c = arg;
+    decode_columns(c->pk, c->sm, c->lut, c->out, c->n_rows, c->width, c->first, c->last, c->positions, c->exponents,
+                   c->n_esc);
+}
+
+/* decode_columns(pk, sm, dec_lut, out, positions, exponents, width, first, last): see decode_columns above; the
+ * rows' count is the sm bytes over ``width``. The streams may be views of a file's mapping: a page that cannot be
+ * read is an EOFError, as in decode_range. */
+static PyObject *py_decode_columns(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    static const char *const names[] = {"pk", "sm", "dec_lut", "out", "positions", "exponents"};
+    Buffers b;
+    PyObject *result = NULL;
+    if (nargs != 9) {
+        PyErr_Format(PyExc_TypeError, "decode_columns() takes 9 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    Py_ssize_t width = PyLong_AsSsize_t(args[6]), first = PyLong_AsSsize_t(args[7]), last = PyLong_AsSsize_t(args[8]);
+    if (PyErr_Occurred())
+        return NULL;
+    if (width <= 0 || width % 2 || first % 2 || last % 2 || first < 0 || first > last || last > width) {
+        PyErr_Format(PyExc_ValueError, "decode_columns(): columns [%zd, %zd) of rows of %zd elements need even bounds "
+                     "inside a row of even width", first, last, width);
+        return NULL;
+    }
+    if (take("decode_columns", args, 6, 6, names, 0x8, &b) < 0)
+        goto done;
+    const Py_buffer *v = b.views;
+    Py_ssize_t n = v[1].len, n_rows = n / width, n_esc = v[5].len;
+    if (n % width || v[0].len != n / 2 || v[2].len != 16 || v[3].len != 2 * n_rows * (last - first)
+            || v[4].len != 8 * n_esc) {
+        PyErr_Format(PyExc_ValueError, "decode_columns(): rows of %zd elements need whole rows of sm bytes, half as "
+                     "many pk bytes, a 16-byte codebook, 2 output bytes per kept element and 8 position bytes per "
+                     "escape exponent (got %zd sm, %zd pk, %zd, %zd, %zd for %zd)", width, n, v[0].len, v[2].len,
+                     v[3].len, v[4].len, n_esc);
+        goto done;
+    }
+    const int64_t *positions = v[4].buf;
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
+            PyErr_Format(PyExc_ValueError, "decode_columns(): escape positions must ascend inside [0, %zd)", n);
+            goto done;
+        }
+    }
+    DecodeColumnsCall call = {v[0].buf, v[1].buf, v[2].buf, v[3].buf, n_rows, width, first, last, positions,
+                              v[5].buf, n_esc};
+    if (guarded("decode_columns", run_decode_columns, &call) == 0)
+        result = Py_NewRef(Py_None);
+done:
+    release(&b);
+    return result;
+}
+
 static PyObject *py_guards_mapped_reads(PyObject *self, PyObject *noargs)
 {
 #ifdef SZ_GUARD
@@ -1377,13 +1461,16 @@ static PyMethodDef methods[] = {
     {"decode_range", FASTCALL(py_decode_range), "decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) "
      "-> (pk_crc, sm_crc, out_crc) or None: a range decoded block by block, with its checksums when asked; a page "
      "of pk or sm that cannot be read is an EOFError"},
+    {"decode_columns", FASTCALL(py_decode_columns), "decode_columns(pk, sm, dec_lut, out, positions, exponents, "
+     "width, first, last): columns [first, last) of the rows of width elements whose streams pk and sm are, escapes "
+     "patched; a page of pk or sm that cannot be read is an EOFError"},
     {"decode_payloads", FASTCALL(py_decode_payloads), "decode_payloads(items, checksums, progress) -> [(stored_crc, "
      "decoded_crc, error), ...]: small payloads (decode_payload's arguments each) decoded by one call, with their "
      "checksums when asked; a page that could not be read an EOFError, its item's index in progress[0]"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
-    {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range and crc32 turn a fault on a "
-     "mapped page into EOFError here"},
+    {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "
+     "turn a fault on a mapped page into EOFError here"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "

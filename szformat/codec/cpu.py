@@ -716,26 +716,42 @@ class PayloadDecoder:
             raise ValueError(f"element range [{start}, {stop}) is outside 0..{self.layout.n}")
         _check_out(out, stop - start)
 
-    def decode_columns(self, rows: tuple[int, int], width: int, cols: tuple[int, int], out: torch.Tensor) -> None:
+    def decode_columns(self, rows: tuple[int, int], width: int, cols: tuple[int, int], out: torch.Tensor, *,
+                       streams: Streams | None = None) -> None:
         """Decode columns ``cols`` of rows ``rows`` of the elements seen as rows of ``width`` into ``out``, a
         contiguous bfloat16 tensor of ``rows x cols`` elements: a row-parallel shard of a matrix, without decoding
-        the other columns. ``width`` and both column bounds are even, so every row's piece is whole pairs."""
+        the other columns. ``width`` and both column bounds are even, so every row's piece is whole pairs.
+
+        ``streams``: the rows' ``pk`` and ``sm`` bytes where the caller has them elsewhere than in the payload
+        (views of the file's mapping, read only by the C kernels' guarded call: :meth:`decode_range` says why).
+
+        Raises:
+            EOFError: a page of mapped streams could not be read.
+        """
         (first_row, last_row), (first, last) = rows, cols
         if width % 2 or first % 2 or last % 2 or not 0 <= first <= last <= width:
             raise ValueError(f"columns [{first}, {last}) of rows of {width} need even bounds inside the row")
         if not 0 <= first_row <= last_row or last_row * width > self.layout.n:
             raise ValueError(f"rows [{first_row}, {last_row}) of {width} elements are outside 0..{self.layout.n}")
-        count = (last_row - first_row) * (last - first)
-        _check_out(out, count)
-        layout, n_rows, start, stop = self.layout, last_row - first_row, first_row * width, last_row * width
-        pk = self.payload[layout.off_pk + start // 2: layout.off_pk + stop // 2].view(n_rows, width // 2)
-        sm = self.payload[layout.off_sm + start: layout.off_sm + stop].view(n_rows, width)
+        _check_out(out, (last_row - first_row) * (last - first))
+        if out.numel() == 0:
+            return
+        start, stop = first_row * width, last_row * width
+        lo, hi = np.searchsorted(self.position, (start, stop))
+        position, esc_val = self.position[lo:hi] - start, self.esc_val[lo:hi]
         bits = out.view(-1).view(torch.int16)
+        if _native is not None:
+            pk, sm = self._stream_buffers(start, stop, streams)
+            _native.decode_columns(pk, sm, self.lut, bits.numpy(), position, esc_val, width, first, last)
+            return
+        if streams is not None:
+            raise ValueError("streams outside the payload are decoded by the C kernels only")
+        n_rows = last_row - first_row
+        pk, sm = self.streams(start, stop)
+        pk, sm = pk.view(n_rows, width // 2), sm.view(n_rows, width)
         with one_intra_op_thread():
             _decode_pairs(pk[:, first // 2: last // 2].contiguous().view(-1),
                           sm[:, first:last].contiguous().view(-1).view(torch.int8), self.lut, self.table, bits)
-        lo, hi = np.searchsorted(self.position, (start, stop))
-        position, esc_val = self.position[lo:hi] - start, self.esc_val[lo:hi]
         column = position % width
         kept = (column >= first) & (column < last)
         index = (position[kept] // width) * (last - first) + column[kept] - first

@@ -6,8 +6,8 @@ projections, embeddings, output heads) and copy it into a parameter. A tensor de
 tensor's shape and dtype on the ``meta`` device and no data: ``narrow`` along its first dimension gives another one
 over fewer rows (and along the second of a matrix, over fewer columns: a row-parallel projection's shard), and
 ``dst.copy_(deferred)`` into a contiguous CPU tensor of its dtype and shape decodes those rows straight into ``dst``
-(columns: block of rows by block of rows, only those columns decoded; where the codec cannot split a row there,
-whole rows through a scratch that stays in cache, the columns copied out). Any
+(columns: only those columns decoded, straight from the file's mapping; where the codec cannot split a row there,
+whole rows a block at a time through a scratch that stays in cache, the columns copied out). Any
 other operation decodes it first (once; the result is kept) and runs on real data, so a loader that does something
 else (a transpose, a cast, a concatenation) gets exactly what it would have got.
 
@@ -24,15 +24,10 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..format.header import TensorEntry
-from ..loading import host_pages
+from ..loading import host_pages, host_reader
 from ..loading.host_reader import HostReader
 
 __all__ = ["DeferredTensor", "DecodeCounter"]
-
-BLOCK_BYTES = 4 << 20
-"""Raw bytes of whole rows decoded at a time when only some columns are kept. Not for speed (a 500 MB Llama's
-tensor-parallel rank loads in the same time either way on the 2-core CPU measured) but for memory: decoded whole, a
-70B model's 470 MB ``down_proj`` would pass the 256 MiB a load may add to vLLM's own peak."""
 
 
 class DecodeCounter:
@@ -143,19 +138,17 @@ class DeferredTensor(torch.Tensor):
         return value
 
     def _decode_columns(self, out: torch.Tensor) -> torch.Tensor:
-        """Columns ``cols`` of these rows into ``out``, a block of rows at a time (no tensor of the whole matrix is
-        made): only those columns decoded where the codec can (:meth:`HostReader.columns_decodable`), else whole
-        rows decoded into a scratch that stays in cache and the columns copied out of it."""
-        host_pages.advise_huge_pages(out)  # written whole, block by block
+        """Columns ``cols`` of these rows into ``out``: only those columns decoded where the codec can
+        (:meth:`HostReader.columns`), else whole rows decoded a block at a time into a scratch that stays in cache
+        and the columns copied out of it (no tensor of the whole matrix is made)."""
         (start, stop), (first, last) = self._rows, self._cols
-        width = self._entry.shape[1]
-        step = max(1, BLOCK_BYTES // max(1, width * out.element_size()))
         if self._reader.columns_decodable(self._entry, self._cols):
-            for row in range(start, stop, step):
-                block = out[row - start: min(row + step, stop) - start]
-                self._reader.columns(self._entry, (row, row + block.shape[0]), self._cols, block)
-                self._counter.decoded += block.numel() * block.element_size()
+            self._reader.columns(self._entry, self._rows, self._cols, out)
+            self._counter.decoded += out.numel() * out.element_size()
             return out
+        host_pages.advise_huge_pages(out)  # written whole, block by block
+        width = self._entry.shape[1]
+        step = max(1, host_reader.COLUMN_BLOCK_BYTES // max(1, width * out.element_size()))
         scratch = torch.empty(min(step, stop - start), width, dtype=self.dtype)
         for row in range(start, stop, step):
             block = scratch[: min(step, stop - row)]

@@ -1,16 +1,20 @@
-"""Fresh CPU memory for decoded tensors, faulted in as transparent huge pages where the kernel offers them.
+"""Fresh CPU memory for decoded tensors, faulted in as transparent huge pages where asked for
+(``SZFORMAT_HUGE_PAGES=1``).
 
 Every byte a CPU load returns lands in memory nobody wrote before, and the kernel hands it out a page at a time on
-first write: a fault and a zeroed page per 4 KiB. On a page-cached checkpoint that is the largest cost of a load
-(on the 2-core VM, 262,160 faults and a median 0.95 s per GiB written, against 8,704 faults and 0.55 s with the
-range advised; ``bench/RESULTS.md``, "CPU loading"). Linux maps 2 MiB pages for a range advised
+first write: a fault and a zeroed page per 4 KiB. Linux maps 2 MiB pages instead for a range advised
 ``MADV_HUGEPAGE`` where ``/sys/kernel/mm/transparent_hugepage/enabled`` is ``madvise`` (most distributions' default)
-or ``always``; PyTorch offers the same for all its CPU allocations behind ``THP_MEM_ALLOC_ENABLE=1``.
+or ``always``. Whether that pays depends on the machine, by a wide margin (``bench/RESULTS.md``, "CPU loading"): on
+the H200 hosts, whose memory is all backed (a GPU passed through pins it), a new 1 GiB buffer was written in
+37-58 ms advised against 51-86 ms in 4 KiB pages; on a 2-core cloud VM whose memory its host backs on first touch,
+a new 512 MB buffer took 40-600 ms advised against 104-132 ms, and vLLM's weight loading phase 2.8-3.2x
+safetensors' against 1.25-1.33x. So the advice is off by default, as safetensors and PyTorch leave it (PyTorch
+offers it for all its CPU allocations behind ``THP_MEM_ALLOC_ENABLE=1``); ``SZFORMAT_HUGE_PAGES=1`` turns it on
+where a measurement (``python -m bench.cpu --sections first``) says it helps.
 
 Only the 2 MiB-aligned pages inside a tensor about to be written whole are advised, so no memory is mapped that
 would not be written anyway; the advice never changes a byte, and where it is refused (another OS, THP compiled
-out, memory the kernel will not advise) the pages stay 4 KiB. ``SZFORMAT_HUGE_PAGES=0`` turns it off (where
-``defrag`` lets a huge page fault compact memory and that stalls more than the faults it saves).
+out, memory the kernel will not advise) the pages stay 4 KiB.
 """
 
 from __future__ import annotations
@@ -32,9 +36,10 @@ HUGE_PAGE_BYTES = 2 << 20
 
 @cache
 def _madvise() -> Callable[[int, int, int], int] | None:
-    """libc's ``madvise``, where there is a ``MADV_HUGEPAGE`` to give it (Linux) and the advice is not turned off."""
-    if (not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
-            or os.environ.get("SZFORMAT_HUGE_PAGES", "1") == "0"):
+    """libc's ``madvise``, where the advice is turned on (``SZFORMAT_HUGE_PAGES=1``) and there is a
+    ``MADV_HUGEPAGE`` to give it (Linux)."""
+    if (os.environ.get("SZFORMAT_HUGE_PAGES", "0") != "1" or not sys.platform.startswith("linux")
+            or not hasattr(mmap, "MADV_HUGEPAGE")):
         return None
     try:
         function = ctypes.CDLL(None, use_errno=True).madvise
@@ -47,7 +52,8 @@ def _madvise() -> Callable[[int, int, int], int] | None:
 
 def advise_huge_pages(tensor: torch.Tensor) -> int:
     """Advise huge pages for the 2 MiB-aligned pages inside a contiguous CPU tensor's bytes, before they are first
-    written; returns the bytes advised (0 where nothing was: too small, another OS, the advice refused)."""
+    written; returns the bytes advised (0 where nothing was: turned off, too small, another OS, the advice
+    refused)."""
     size = tensor.numel() * tensor.element_size()
     if size < HUGE_PAGE_BYTES:  # holds no whole huge page: most of a model's tensors, asked first as the cheapest
         return 0

@@ -16,7 +16,7 @@ from __future__ import annotations
 import math
 import operator
 import threading
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import numpy as np
 import torch
@@ -35,6 +35,10 @@ __all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
 
 SCRATCH_BYTES = 256 << 20
 """Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
+
+COLUMN_BLOCK_BYTES = 4 << 20
+"""Raw bytes of whole rows read at a time when some columns are decoded through a buffer (no mapped reads): read
+whole, a 70B model's 470 MB ``down_proj`` would pass the 256 MiB a tensor-parallel load may add to vLLM's peak."""
 
 CHECK_PIECE = 1 << 20
 """Bytes read at a time when a part of a tensor is read and checked: the bytes of the blocks checked (or of the whole
@@ -197,7 +201,9 @@ class HostReader:
         out = host_pages.empty(stop - start, torch.bfloat16) if out is None else out.reshape(-1)
         mapped = host_decode.mapped_reads(self._unchecked(entry))
         if mapped and not whole and entry.at_rest is None and start % 2 == 0:
-            return self._mapped_rows(entry, start, stop, out).reshape(shape)
+            self._mapped_decode(entry, start, stop, lambda decoder, streams: decoder.decode(start, stop, out,
+                                                                                           streams=streams))
+            return out.reshape(shape)
         payload = self._payload(entry, entry.layout.byte_ranges(start, stop), whole)
         if self.verify and whole:
             compare_crc(decode_entry_with_crc(self.file.path, entry, payload, out), entry.raw_crc32,
@@ -206,12 +212,14 @@ class HostReader:
             decode_entry(self.file.path, entry, payload, out, start=start, stop=stop)
         return out.reshape(shape)
 
-    def _mapped_rows(self, entry: TensorEntry, start: int, stop: int, out: torch.Tensor) -> torch.Tensor:
-        """Elements ``[start, stop)`` (``start`` even) of a SplitZip tensor in the in-memory form, decoded straight
-        from the file's mapping by the C kernels' guarded calls (``host_decode.mapped_reads``): only the bytes
-        around the streams are read, with ``verify`` what these elements read is checked through the mapping (the
-        blocks holding it, or the whole payload the first time: :meth:`_checks`), and only these elements' ``pk``
-        and ``sm`` bytes are decoded. A rank of a tensor-parallel load so copies nothing it does not keep."""
+    def _mapped_decode(self, entry: TensorEntry, start: int, stop: int,
+                       decode: Callable[[PayloadDecoder, tuple[memoryview, memoryview]], None]) -> None:
+        """Decode from elements ``[start, stop)`` (``start`` even) of a SplitZip tensor in the in-memory form straight
+        from the file's mapping by the C kernels' guarded calls (``host_decode.mapped_reads``): only the bytes around
+        the streams are read, with ``verify`` what these elements read is checked through the mapping (the blocks
+        holding it, or the whole payload the first time: :meth:`_checks`), then ``decode(decoder, streams)`` is
+        handed the payload's decoder and these elements' ``pk`` and ``sm`` bytes as views of the mapping. A rank of a
+        tensor-parallel load so copies nothing it does not keep."""
         file, name = self.file, entry.name
         payload = self._buffer(entry.length)
         host_decode.read_around_streams(file, entry, payload)
@@ -223,19 +231,32 @@ class HostReader:
                 self._checked(entry, checks)
             with payload_errors(file.path, name):
                 decoder = PayloadDecoder(payload, entry.layout, entry.codebook)
-            decoder.decode(start, stop, out, streams=host_decode.mapped_streams(file, entry, start, stop))
+            decode(decoder, host_decode.mapped_streams(file, entry, start, stop))
         except EOFError:  # a guarded call could not read a page of the mapping
             raise file.mapped_read_error(name) from None
-        return out
 
     def columns(self, entry: TensorEntry, rows: tuple[int, int], cols: tuple[int, int], out: torch.Tensor
                 ) -> torch.Tensor:
         """Columns ``cols`` of rows ``rows`` of a SplitZip matrix, decoded on the CPU into ``out`` (contiguous, of
-        their dtype and shape); only those columns are decoded (see :meth:`columns_decodable`)."""
+        their dtype and shape); only those columns are decoded (see :meth:`columns_decodable`): straight from the
+        file's mapping where the C kernels guard it, else through a buffer :data:`COLUMN_BLOCK_BYTES` of rows at a
+        time."""
+        width = entry.shape[1]
+        flat = out.reshape(-1)
         with allocation_errors(self.file.path, entry.name):
-            start, stop = rows[0] * entry.shape[1], rows[1] * entry.shape[1]
-            payload = self._payload(entry, entry.layout.byte_ranges(start, stop), False)
-            return decode_entry_columns(self.file.path, entry, payload, out, rows=rows, cols=cols)
+            host_pages.advise_huge_pages(flat)  # written whole
+            if host_decode.mapped_reads(self._unchecked(entry)) and entry.at_rest is None:
+                self._mapped_decode(entry, rows[0] * width, rows[1] * width, lambda decoder, streams:
+                                    decoder.decode_columns(rows, width, cols, flat, streams=streams))
+                return out
+            step = max(1, COLUMN_BLOCK_BYTES // max(1, 2 * width))
+            kept = cols[1] - cols[0]
+            for row in range(rows[0], rows[1], step):
+                block = (row, min(row + step, rows[1]))
+                payload = self._payload(entry, entry.layout.byte_ranges(block[0] * width, block[1] * width), False)
+                part = flat[(block[0] - rows[0]) * kept: (block[1] - rows[0]) * kept]
+                decode_entry_columns(self.file.path, entry, payload, part, rows=block, cols=cols)
+            return out
 
     @staticmethod
     def columns_decodable(entry: TensorEntry, cols: tuple[int, int]) -> bool:

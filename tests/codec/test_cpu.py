@@ -807,6 +807,45 @@ def test_columns_with_odd_bounds_or_outside_the_rows_are_refused(rng):
         decoder.decode_columns((0, 6), 10, (0, 4), torch.empty(20, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_columns_decode_from_streams_held_apart_from_the_payload(rng):
+    """The rows' ``pk`` and ``sm`` bytes handed over apart (as views of a file's mapping are): the same bits as
+    from the payload; the escapes still come from the payload's streams."""
+    rows, width = 9, 2 * CHUNK_SIZE + 4
+    x = weight_like(rng, rows * width)
+    x[rng.randrange(rows * width)] = from_bits([0x0001])[0]
+    payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
+    decoder = cpu.PayloadDecoder(payload, layout, codebook)
+    first_row, last_row, first, last = 2, 8, 6, width - 2
+    start, stop = first_row * width, last_row * width
+    streams = tuple(bytes(s.numpy()) for s in decoder.streams(start, stop))  # copies, elsewhere than the payload
+    out = torch.full((last_row - first_row, last - first), 7.0, dtype=torch.bfloat16)
+    decoder.decode_columns((first_row, last_row), width, (first, last), out, streams=streams)
+    assert torch.equal(out.view(torch.int16), x.view(rows, width)[first_row:last_row, first:last].view(torch.int16))
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_the_columns_kernel_refuses_bad_arguments():
+    native = cpu._native
+    pk, sm, lut, out = bytes(6), bytes(12), bytes(range(16)), bytearray(12)  # 3 rows of 4, columns [0, 2)
+    no_escapes = np.zeros(0, dtype=np.int64), b""
+    assert native.decode_columns(pk, sm, lut, out, *no_escapes, 4, 0, 2) is None
+    with pytest.raises(TypeError, match="takes 9 arguments"):
+        native.decode_columns(pk, sm, lut, out, *no_escapes, 4, 0)
+    for width, first, last in ((0, 0, 0), (3, 0, 2), (4, 1, 3), (4, 2, 6), (4, 2, 0), (-4, 0, 2)):
+        with pytest.raises(ValueError, match="need even bounds"):
+            native.decode_columns(pk, sm, lut, out, *no_escapes, width, first, last)
+    for args in ((bytes(5), sm, lut, out), (pk, bytes(10), lut, out), (pk, sm, bytes(15), out),
+                 (pk, sm, lut, bytearray(10))):
+        with pytest.raises(ValueError, match="need whole rows"):
+            native.decode_columns(*args, *no_escapes, 4, 0, 2)
+    for positions in ([3, 3], [5, 2], [-1, 2], [2, 12]):
+        with pytest.raises(ValueError, match="ascend inside"):
+            native.decode_columns(pk, sm, lut, out, np.array(positions, dtype=np.int64), bytes(2), 4, 0, 2)
+    with pytest.raises(TypeError, match="out must be a C-contiguous writable buffer"):
+        native.decode_columns(pk, sm, lut, bytes(12), *no_escapes, 4, 0, 2)
+
+
 def test_decode_rejects_bad_arguments(rng):
     x = weight_like(rng, 100)
     payload, layout, codebook = cpu.encode(x)

@@ -119,17 +119,33 @@ def test_anything_else_decodes_first_and_gets_exactly_the_tensor(checkpoint, def
     assert scalar.item() == 0.25 and _same(scalar.view(1), tensors["scale"].view(1))
 
 
+@pytest.mark.parametrize("reads", ["mapped", "through a buffer"])
 @pytest.mark.parametrize("rows, cols", [((0, 96), (0, 20)), ((0, 96), (20, 20)), ((7, 60), (3, 17)), ((5, 5), (0, 40))])
-def test_columns_of_a_matrix_are_decoded_block_by_block(checkpoint, deferred_of, monkeypatch, rows, cols):
-    """A row-parallel shard (narrow on the second dimension, before or after the rows), a few rows at a time
-    (blocks smaller than the matrix here): with even column bounds only the columns are decoded, else whole rows
-    and the columns copied out; either way into the target, which nothing else wrote."""
-    from szformat.integrations import deferred as deferred_module
+def test_columns_of_a_matrix_are_decoded_into_the_target(checkpoint, deferred_of, monkeypatch, rows, cols, reads):
+    """A row-parallel shard (narrow on the second dimension, before or after the rows): with even column bounds only
+    the columns are decoded (straight from the mapping, or a few rows at a time through a buffer: blocks smaller
+    than the matrix here), else whole rows a few at a time and the columns copied out; either way into the target,
+    which nothing else wrote."""
+    from szformat.loading import host_decode, host_reader
 
-    monkeypatch.setattr(deferred_module, "BLOCK_BYTES", 7 * 40 * 2)  # seven rows a block
+    if reads == "mapped" and not host_decode.mapped_reads(True):
+        pytest.skip("stored bytes are copied out with pread here")
+    if reads == "through a buffer":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    monkeypatch.setattr(host_reader, "COLUMN_BLOCK_BYTES", 7 * 40 * 2)  # seven rows a block
+    calls, real = [], host_reader.PayloadDecoder.decode_columns
+
+    def counted(self, *args, **kwargs):
+        calls.append(kwargs.get("streams"))
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(host_reader.PayloadDecoder, "decode_columns", counted)
     path, tensors = checkpoint
     weight = tensors["proj.weight"]
+    with SztFile(path) as f:
+        at_rest = f.entry("proj.weight").at_rest is not None
     for order in ("rows first", "columns first"):
+        calls.clear()
         deferred, counter = deferred_of(path, "proj.weight")
         if order == "rows first":
             shard = deferred.narrow(0, rows[0], rows[1] - rows[0]).narrow(1, cols[0], cols[1] - cols[0])
@@ -141,6 +157,10 @@ def test_columns_of_a_matrix_are_decoded_block_by_block(checkpoint, deferred_of,
         assert _same(target, weight[rows[0]: rows[1], cols[0]: cols[1]].contiguous()), order
         decoded_width = cols[1] - cols[0] if cols[0] % 2 == cols[1] % 2 == 0 else 40  # else whole rows
         assert counter.decoded == (rows[1] - rows[0]) * decoded_width * 2
+        if decoded_width != 40:  # one call over the mapping, or one per block of rows read (at rest: inflated)
+            mapped = reads == "mapped" and not at_rest
+            blocks = 1 if mapped else -(-(rows[1] - rows[0]) // 7)
+            assert len(calls) == blocks and all((streams is not None) == mapped for streams in calls)
         assert _same(shard.contiguous(), target)  # materialized the same way
 
 

@@ -1,5 +1,6 @@
-"""Huge pages for decoded tensors: exactly the 2 MiB pages inside a tensor are advised, nothing outside it, and the
-tensors a CPU load returns (new, or the caller's ``out``) are advised before they are written."""
+"""Huge pages for decoded tensors, where turned on (``SZFORMAT_HUGE_PAGES=1``): exactly the 2 MiB pages inside a
+tensor are advised, nothing outside it, and the tensors a CPU load returns (new, or the caller's ``out``) are advised
+before they are written; by default nothing is."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ from szformat import load_file, safe_open, save_file
 from szformat.loading import host_pages
 
 HUGE = host_pages.HUGE_PAGE_BYTES
+READ_SETTING = host_pages._madvise.__wrapped__
+"""The module's lookup of libc's madvise without its cache: it reads ``SZFORMAT_HUGE_PAGES`` at every call."""
 
 
 def _flags(address: int) -> set[str] | None:
@@ -40,8 +43,18 @@ def _advised(address: int) -> bool:
     return "hg" in flags
 
 
+def _turned(monkeypatch: pytest.MonkeyPatch, setting: str | None) -> None:
+    """Set ``SZFORMAT_HUGE_PAGES`` (``None``: unset) and have the module read it again."""
+    if setting is None:
+        monkeypatch.delenv("SZFORMAT_HUGE_PAGES", raising=False)
+    else:
+        monkeypatch.setenv("SZFORMAT_HUGE_PAGES", setting)
+    monkeypatch.setattr(host_pages, "_madvise", READ_SETTING)
+
+
 @pytest.fixture
-def advice_works() -> None:
+def advice_works(monkeypatch: pytest.MonkeyPatch) -> None:
+    _turned(monkeypatch, "1")
     probe = torch.empty(3 * HUGE, dtype=torch.uint8)
     if host_pages.advise_huge_pages(probe) == 0:
         pytest.skip(f"no MADV_HUGEPAGE here ({sys.platform}, or transparent huge pages compiled out)")
@@ -57,10 +70,12 @@ def test_advises_exactly_the_aligned_pages_inside(advice_works: None) -> None:
     assert not _advised(first - 1) and not _advised(first + 2 * HUGE)  # the bytes around are not the tensor's
 
 
-def test_turned_off(monkeypatch: pytest.MonkeyPatch, advice_works: None) -> None:
-    monkeypatch.setenv("SZFORMAT_HUGE_PAGES", "0")
-    monkeypatch.setattr(host_pages, "_madvise", host_pages._madvise.__wrapped__)  # read the setting again
-    assert host_pages.advise_huge_pages(torch.empty(4 * HUGE, dtype=torch.uint8)) == 0
+@pytest.mark.parametrize("setting", [None, "0", "yes"])
+def test_off_unless_turned_on(monkeypatch: pytest.MonkeyPatch, advice_works: None, setting: str | None) -> None:
+    _turned(monkeypatch, setting)
+    tensor = torch.frombuffer(mmap.mmap(-1, 4 * HUGE), dtype=torch.uint8)  # a mapping of its own, never advised
+    assert host_pages.advise_huge_pages(tensor) == 0
+    assert not _advised(-(-tensor.data_ptr() // HUGE) * HUGE)
 
 
 def test_nothing_to_advise() -> None:
