@@ -69,9 +69,8 @@ def decode_group(file: SztFile, group: Sequence[TensorEntry], buffer: torch.Tens
 
 
 def group_buffer() -> torch.Tensor:
-    """The buffer :func:`decode_group` decodes into, made once per call of ``verify`` or ``decompress``: its pages
-    are taken when first written, as huge pages where the kernel allows (a 45 MB file's verify took twice as long
-    as its load when a fault took every 4 KiB page of a small tensor's slot)."""
+    """The buffer :func:`decode_group` decodes into, made once per call of ``verify`` or ``decompress`` (its pages
+    taken when first written, and only those: as huge pages where asked for, :mod:`~szformat.loading.host_pages`)."""
     from ..loading import host_pages
 
     return host_pages.empty(GROUP_BYTES, torch.uint8)
