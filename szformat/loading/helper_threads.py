@@ -130,10 +130,14 @@ def run_items(count: int, run_item: Callable[[int], None], threads: int) -> None
     Every thread works under :func:`~szformat.codec.cpu.one_intra_op_thread`, the caller's from before any helper
     joins, so with a backend whose setting is process-wide no helper changes it under the caller.
     """
+    if threads <= 1 or count <= 1:  # nothing to share: no call to coordinate (a small tensor costs less than one)
+        with one_intra_op_thread():
+            for item in range(count):
+                run_item(item)
+        return
     call = _Call(count, run_item)
     with one_intra_op_thread():
-        if threads > 1 and count > 1:
-            _helpers.offer(call, min(threads, count) - 1)
+        _helpers.offer(call, min(threads, count) - 1)
         call.work()
         call.end()
     if call.errors:
