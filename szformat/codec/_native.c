@@ -1229,6 +1229,19 @@ done:
     return result;
 }
 
+/* 0 where the ``n_esc`` escape ``positions`` ascend inside [0, n), as a decode that patches them needs; else -1 with
+ * a ValueError set. */
+static int check_positions(const char *function, const int64_t *positions, Py_ssize_t n_esc, Py_ssize_t n)
+{
+    for (Py_ssize_t k = 0; k < n_esc; k++) {
+        if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
+            PyErr_Format(PyExc_ValueError, "%s(): escape positions must ascend inside [0, %zd)", function, n);
+            return -1;
+        }
+    }
+    return 0;
+}
+
 static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     static const char *const names[] = {"pk", "sm", "dec_lut", "out", "positions", "exponents"};
@@ -1252,12 +1265,8 @@ static PyObject *py_decode_range(PyObject *self, PyObject *const *args, Py_ssize
         goto done;
     }
     const int64_t *positions = v[4].buf;
-    for (Py_ssize_t k = 0; k < n_esc; k++) {
-        if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
-            PyErr_Format(PyExc_ValueError, "decode_range(): escape positions must ascend inside [0, %zd)", n);
-            goto done;
-        }
-    }
+    if (check_positions("decode_range", positions, n_esc, n) < 0)
+        goto done;
     uint32_t crcs[3];
     DecodeRangeCall call = {v[0].buf, v[1].buf, v[2].buf, v[3].buf, n, positions, v[5].buf, n_esc,
                             checksums ? crcs : NULL};
@@ -1321,12 +1330,8 @@ static PyObject *py_decode_columns(PyObject *self, PyObject *const *args, Py_ssi
         goto done;
     }
     const int64_t *positions = v[4].buf;
-    for (Py_ssize_t k = 0; k < n_esc; k++) {
-        if (positions[k] < 0 || positions[k] >= n || (k && positions[k] <= positions[k - 1])) {
-            PyErr_Format(PyExc_ValueError, "decode_columns(): escape positions must ascend inside [0, %zd)", n);
-            goto done;
-        }
-    }
+    if (check_positions("decode_columns", positions, n_esc, n) < 0)
+        goto done;
     DecodeColumnsCall call = {v[0].buf, v[1].buf, v[2].buf, v[3].buf, n_rows, width, first, last, positions,
                               v[5].buf, n_esc};
     if (guarded("decode_columns", run_decode_columns, &call) == 0)
