@@ -72,6 +72,10 @@ the decode call. Each range costs some Python holding the GIL, which the threads
 16 threads a 2.2 GB load took 192 ms in ranges of 2 Mi elements, 144 ms in 4 Mi, 131 ms in 8 Mi
 (``bench/RESULTS.md``, "CPU loading")."""
 
+MIN_RANGE_ELEMENTS = 1 << 20
+"""The fewest elements a tensor decoded alone is cut into per thread (:func:`_range_elements`): 2 MiB of BF16 out,
+a few hundred microseconds of work against the tens of microseconds of Python each range costs."""
+
 WHOLE_ELEMENTS = 1 << 21
 """A SplitZip tensor of at most this many elements (and one range) is read whole into a thread's scratch and decoded
 by one call (:class:`_WholeJob`); a larger one is decoded range by range from the file's mapping."""
@@ -307,7 +311,10 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     dtypes = None if as_bytes else [entry.torch_dtype(file.path) for entry in entries]
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
-    threads = min(_thread_count(threads), -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
+    threads = _thread_count(threads)
+    step = _range_elements(entries, threads)
+    threads = min(threads, -(-entries[0].layout.n // step) if step < RANGE_ELEMENTS
+                  else -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
     for group in _groups(entries):
         sizes = [_read_length(entries[i]) for i in group]
         needed = sum(sizes)
@@ -318,7 +325,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         payloads = iter(buffer[:needed].split(sizes))
         with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
             jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
-                         None if outs is None else outs[i]) for i in group]
+                         None if outs is None else outs[i], step) for i in group]
         units = _units(jobs)
         _run(units, max(1, min(threads, len(units))))
         for job, i in zip(jobs, group):
@@ -327,6 +334,17 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
             tensors.append(job.out.view(torch.uint8) if dtypes is None
                            else job.out.view(dtypes[i]).reshape(job.entry.shape))
     return tensors
+
+
+def _range_elements(entries: Sequence[TensorEntry], threads: int) -> int:
+    """Elements per range of the SplitZip tensors a call decodes range by range: :data:`RANGE_ELEMENTS`, except for
+    a tensor decoded alone (``safe_open``'s ``get_tensor``, vLLM's loader, one tensor at a time) that would give
+    fewer ranges than ``threads``: then each thread's share of it, down to :data:`MIN_RANGE_ELEMENTS`. A call of
+    several tensors keeps its ranges whole: they spread over the threads already."""
+    if len(entries) != 1 or entries[0].encoding == ENCODING_RAW or _whole(entries[0]):
+        return RANGE_ELEMENTS
+    share = -(-entries[0].layout.n // threads)
+    return min(RANGE_ELEMENTS, max(MIN_RANGE_ELEMENTS, share + share % 2))
 
 
 def _thread_count(asked: int | None) -> int:
@@ -407,11 +425,12 @@ def _whole(entry: TensorEntry) -> bool:
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
-         out: torch.Tensor | None = None) -> _Job | _WholeJob:
-    """A tensor's output, its ranges, and for SplitZip its decoder over a payload buffer: in the in-memory form the
-    bytes around the streams (padding, escape streams) read now into ``payload`` (its part of the buffer the
-    groups of one call share: fresh pages for every tensor cost as much as reading into them) and the streams left
-    to the ranges; at rest, the stored bytes read whole, checked, and inflated."""
+         out: torch.Tensor | None = None, range_elements: int = RANGE_ELEMENTS) -> _Job | _WholeJob:
+    """A tensor's output, its ranges (of ``range_elements`` for a SplitZip tensor decoded range by range), and for
+    SplitZip its decoder over a payload buffer: in the in-memory form the bytes around the streams (padding, escape
+    streams) read now into ``payload`` (its part of the buffer the groups of one call share: fresh pages for every
+    tensor cost as much as reading into them) and the streams left to the ranges; at rest, the stored bytes read
+    whole, checked, and inflated."""
     if out is not None:
         if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != entry.raw_length:
             raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
@@ -419,7 +438,8 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
         out = out.reshape(-1).view(torch.uint8)
         host_pages.advise_huge_pages(out)
     with allocation_errors(file.path, entry.name):
-        return _new_job(file, entry, check_stored, check_decoded, payload, out)
+        return _new_job(file, entry, check_stored, check_decoded, payload, out,
+                        range_elements=None if range_elements == RANGE_ELEMENTS or _whole(entry) else range_elements)
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,

@@ -127,6 +127,36 @@ def test_get_tensor_decodes_a_large_tensor_in_ranges(tmp_path, small_ranges, two
     assert sorted(ranges) == [(a, min(a + 1024, 20_001)) for a in range(0, 20_001, 1024)]
 
 
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_tensor_decoded_alone_is_shared_between_the_threads(tmp_path, two_threads, monkeypatch, verify):
+    """A tensor asked for alone (``get_tensor``, vLLM's loader) that would be one range is cut into one range per
+    thread (here 20,001 elements, ranges of at least 1,000 and at most the default 8 Mi), each decoded on its own
+    thread, bit for bit; a load of several tensors keeps whole ranges."""
+    monkeypatch.setattr(host_decode, "MIN_RANGE_ELEMENTS", 1000)
+    monkeypatch.setattr(host_decode, "WHOLE_ELEMENTS", 1024)  # "big" is decoded range by range
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    ranges: list[tuple[int, int, int]] = []
+    method = "decode_checked" if verify else "decode"
+    real = getattr(cpu.PayloadDecoder, method)
+
+    def spy(self, start, stop, out, **kwargs):
+        ranges.append((start, stop, threading.get_ident()))
+        time.sleep(0.01)  # lets the other thread take the other range
+        return real(self, start, stop, out, **kwargs)
+
+    monkeypatch.setattr(cpu.PayloadDecoder, method, spy)
+    with safe_open(path, framework="pt", verify=verify) as f:
+        assert torch.equal(_bits(f.get_tensor("big")), _bits(source["big"]))
+    assert sorted(r[:2] for r in ranges) == [(0, 10_002), (10_002, 20_001)]
+    assert len({thread for _, _, thread in ranges}) == 2
+    ranges.clear()
+    loaded = load_file(path, verify=verify)
+    assert torch.equal(_bits(loaded["big"]), _bits(source["big"]))
+    assert (0, 20_001) in [r[:2] for r in ranges]
+
+
 def test_an_error_on_any_thread_ends_the_load(tmp_path, small_ranges, two_threads, monkeypatch):
     path = tmp_path / "m.szt"
     save_file(_tensors(), path)
