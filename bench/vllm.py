@@ -131,7 +131,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--verify-off", action="store_true", help="also szt with the loader's checksums off "
                         "(--model-loader-extra-config '{\"verify\": false}')")
     parser.add_argument("--huge-pages", action="store_true", help="also szt with the huge-page advice for the "
-                        "parameters it decodes into turned on (SZFORMAT_HUGE_PAGES=1)")
+                        "parameters it decodes into forced on and off (SZFORMAT_HUGE_PAGES=1 and 0; by default it "
+                        "depends on the machine)")
     args = parser.parse_args(argv)
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)
@@ -141,6 +142,7 @@ def main(argv: list[str] | None = None) -> int:
         variants["szt, verify off"] = ("szt", {"verify": False}, {})
     if args.huge_pages:
         variants["szt, huge pages"] = ("szt", {}, {"SZFORMAT_HUGE_PAGES": "1"})
+        variants["szt, 4K pages"] = ("szt", {}, {"SZFORMAT_HUGE_PAGES": "0"})
     runs = [(label, int(tp)) for tp in args.tp.split(",") for label in variants]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
     for r in range(args.rounds):

@@ -1,6 +1,7 @@
-"""Huge pages for decoded tensors, where turned on (``SZFORMAT_HUGE_PAGES=1``): exactly the 2 MiB pages inside a
-tensor are advised, nothing outside it, and the tensors a CPU load returns (new, or the caller's ``out``) are advised
-before they are written; by default nothing is."""
+"""Huge pages for decoded tensors: exactly the 2 MiB pages inside a tensor are advised, nothing outside it, and the
+tensors a CPU load returns (new, or the caller's ``out``) are advised before they are written; by default unless a
+balloon device reports free pages to the host, whatever the machine with ``SZFORMAT_HUGE_PAGES=1``, never with
+``0``."""
 
 from __future__ import annotations
 
@@ -70,12 +71,38 @@ def test_advises_exactly_the_aligned_pages_inside(advice_works: None) -> None:
     assert not _advised(first - 1) and not _advised(first + 2 * HUGE)  # the bytes around are not the tensor's
 
 
-@pytest.mark.parametrize("setting", [None, "0", "yes"])
-def test_off_unless_turned_on(monkeypatch: pytest.MonkeyPatch, advice_works: None, setting: str | None) -> None:
+def _balloon(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, reporting: bool | None) -> None:
+    """A machine with no balloon device (``None``), or one whose balloon negotiated free page reporting or not."""
+    drivers = tmp_path / "virtio_balloon"
+    if reporting is not None:
+        (drivers / "virtio7").mkdir(parents=True)
+        (drivers / "virtio7" / "features").write_text(("01100" + ("1" if reporting else "0")).ljust(64, "0") + "\n")
+    monkeypatch.setattr(host_pages, "BALLOON_FEATURES", str(drivers / "*" / "features"))
+
+
+@pytest.mark.parametrize("reporting, advised", [(None, True), (False, True), (True, False)])
+def test_by_default_advised_unless_free_pages_are_reported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            advice_works: None, reporting, advised) -> None:
+    """A balloon device that reports free pages hands its host the blocks huge pages are made of: no advice there."""
+    _balloon(tmp_path, monkeypatch, reporting)
+    assert host_pages.reports_free_pages() is bool(reporting)
+    for setting in (None, "yes"):  # unset, or a value that is neither 0 nor 1
+        _turned(monkeypatch, setting)
+        tensor = torch.frombuffer(mmap.mmap(-1, 4 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                                  dtype=torch.uint8)  # a mapping of its own, never advised
+        assert (host_pages.advise_huge_pages(tensor) > 0) is advised
+        assert _advised(-(-tensor.data_ptr() // HUGE) * HUGE) is advised
+
+
+@pytest.mark.parametrize("reporting", [False, True])
+@pytest.mark.parametrize("setting, advised", [("0", False), ("1", True)])
+def test_the_setting_wins_over_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice_works: None,
+                                           reporting: bool, setting: str, advised: bool) -> None:
+    _balloon(tmp_path, monkeypatch, reporting)
     _turned(monkeypatch, setting)
-    tensor = torch.frombuffer(mmap.mmap(-1, 4 * HUGE), dtype=torch.uint8)  # a mapping of its own, never advised
-    assert host_pages.advise_huge_pages(tensor) == 0
-    assert not _advised(-(-tensor.data_ptr() // HUGE) * HUGE)
+    tensor = torch.frombuffer(mmap.mmap(-1, 4 * HUGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS), dtype=torch.uint8)
+    assert (host_pages.advise_huge_pages(tensor) > 0) is advised
+    assert _advised(-(-tensor.data_ptr() // HUGE) * HUGE) is advised
 
 
 def test_nothing_to_advise() -> None:
