@@ -111,5 +111,5 @@ class PayloadLayout:
 
     def stream_offsets(self) -> dict[str, int]:
         """The offsets as stored in a .szt header (redundant with n and n_esc, checked on read)."""
-        return {"pk": self.off_pk, "sm": self.off_sm, "chunk_id": self.off_cid,
-                "local_pos": self.off_lpos, "esc_val": self.off_ev}
+        off_sm, off_cid, off_lpos, off_ev, _ = self._offsets
+        return {"pk": 0, "sm": off_sm, "chunk_id": off_cid, "local_pos": off_lpos, "esc_val": off_ev}

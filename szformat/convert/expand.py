@@ -70,7 +70,7 @@ def decode_group(file: SztFile, group: Sequence[TensorEntry], buffer: torch.Tens
 
 def group_buffer() -> torch.Tensor:
     """The buffer :func:`decode_group` decodes into, made once per call of ``verify`` or ``decompress`` (its pages
-    taken when first written, and only those: as huge pages where asked for, :mod:`~szformat.loading.host_pages`)."""
+    taken when first written, and only those: as huge pages where that pays, :mod:`~szformat.loading.host_pages`)."""
     from ..loading import host_pages
 
     return host_pages.empty(GROUP_BYTES, torch.uint8)

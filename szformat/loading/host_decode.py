@@ -30,7 +30,7 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   :data:`BATCH_BYTES` at a time by one guarded call that checksums, checks and decodes each in turn
   (:class:`_WholeBatch`); elsewhere each is read whole into the thread's scratch (one ``pread``) first.
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too,
-  and faulted in as huge pages where asked for (:mod:`.host_pages`).
+  and faulted in as huge pages where that pays (:mod:`.host_pages`).
   Tensors are taken in groups whose jobs fill about :data:`GROUP_BYTES` besides their outputs (inflated at-rest
   payloads, say), so those buffers never hold a whole checkpoint; the in-memory form is one group (each group ends
   with every thread waiting for its last range: seven groups of 2.2 GB took 188 ms on 16 threads, one 138 ms).
