@@ -73,8 +73,9 @@ the decode call. Each range costs some Python holding the GIL, which the threads
 (``bench/RESULTS.md``, "CPU loading")."""
 
 MIN_RANGE_ELEMENTS = 1 << 20
-"""The fewest elements a tensor decoded alone is cut into per thread (:func:`_range_elements`): 2 MiB of BF16 out,
-a few hundred microseconds of work against the tens of microseconds of Python each range costs."""
+"""The fewest elements a range is cut to where ranges of :data:`RANGE_ELEMENTS` would leave threads idle
+(:func:`_plan`): 2 MiB of BF16 out, a few hundred microseconds of work against the tens of microseconds of Python
+each range costs."""
 
 WHOLE_ELEMENTS = 1 << 21
 """A SplitZip tensor of at most this many elements (and one range) is read whole into a thread's scratch and decoded
@@ -311,10 +312,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     dtypes = None if as_bytes else [entry.torch_dtype(file.path) for entry in entries]
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
-    threads = _thread_count(threads)
-    step = _range_elements(entries, threads)
-    threads = min(threads, -(-entries[0].layout.n // step) if step < RANGE_ELEMENTS
-                  else -(-sum(e.raw_length for e in entries) // THREAD_BYTES))
+    threads, step = _plan(entries, threads)
     for group in _groups(entries):
         sizes = [_read_length(entries[i]) for i in group]
         needed = sum(sizes)
@@ -336,15 +334,27 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     return tensors
 
 
-def _range_elements(entries: Sequence[TensorEntry], threads: int) -> int:
-    """Elements per range of the SplitZip tensors a call decodes range by range: :data:`RANGE_ELEMENTS`, except for
-    a tensor decoded alone (``safe_open``'s ``get_tensor``, vLLM's loader, one tensor at a time) that would give
-    fewer ranges than ``threads``: then each thread's share of it, down to :data:`MIN_RANGE_ELEMENTS`. A call of
-    several tensors keeps its ranges whole: they spread over the threads already."""
-    if len(entries) != 1 or entries[0].encoding == ENCODING_RAW or _whole(entries[0]):
-        return RANGE_ELEMENTS
-    share = -(-entries[0].layout.n // threads)
-    return min(RANGE_ELEMENTS, max(MIN_RANGE_ELEMENTS, share + share % 2))
+def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int]:
+    """The threads a call decodes on, and the elements per range of its SplitZip tensors decoded range by range.
+
+    Threads: the caller's (:func:`_thread_count`), at most one per :data:`THREAD_BYTES` of output, since each small
+    tensor costs Python holding the GIL. Ranges: :data:`RANGE_ELEMENTS`. Except for a tensor decoded alone
+    (``safe_open``'s ``get_tensor``, vLLM's loader, one tensor at a time), which takes every thread, a range each,
+    ranges no shorter than :data:`MIN_RANGE_ELEMENTS` (a call of several tensors spreads its ranges over the
+    threads already: halving them for MiniLM, whose embedding is half its elements, changed nothing measurable).
+    """
+    threads = _thread_count(asked)
+    if len(entries) != 1 or not _ranged(entries[0]):
+        return min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)), RANGE_ELEMENTS
+    n = entries[0].layout.n
+    share = -(-n // threads)
+    step = min(RANGE_ELEMENTS, max(MIN_RANGE_ELEMENTS, share + share % 2))
+    return min(threads, -(-n // step)), step
+
+
+def _ranged(entry: TensorEntry) -> bool:
+    """Whether a tensor is decoded range by range: SplitZip, and not taken whole (:func:`_whole`)."""
+    return entry.encoding != ENCODING_RAW and not _whole(entry)
 
 
 def _thread_count(asked: int | None) -> int:
@@ -439,7 +449,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
         host_pages.advise_huge_pages(out)
     with allocation_errors(file.path, entry.name):
         return _new_job(file, entry, check_stored, check_decoded, payload, out,
-                        range_elements=None if range_elements == RANGE_ELEMENTS or _whole(entry) else range_elements)
+                        range_elements=range_elements if _ranged(entry) and range_elements != RANGE_ELEMENTS else None)
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,
