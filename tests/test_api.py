@@ -419,10 +419,18 @@ def test_stored_bytes_are_verified_once_per_open_file(model_file, monkeypatch):
         checked.append((tensor, what))
         return real_compare(actual, expected, what=what, path=path, tensor=tensor)
 
+    real_payload = host_decode.check_decoded_payload
+
+    def payload_spy(entry, stored, decoded, error, *, path, check_stored, check_decoded):
+        checked.extend([(entry.name, "stored bytes")] * check_stored + [(entry.name, "decoded bytes")] * check_decoded)
+        return real_payload(entry, stored, decoded, error, path=path, check_stored=check_stored,
+                            check_decoded=check_decoded)
+
     monkeypatch.setattr(host_reader, "check_crc", spy)
     monkeypatch.setattr(host_reader, "compare_crc", compare_spy)  # a part read checks the whole payload as it goes
     monkeypatch.setattr(host_decode, "check_crc", spy)
     monkeypatch.setattr(host_decode, "compare_crc", compare_spy)
+    monkeypatch.setattr(host_decode, "check_decoded_payload", payload_spy)  # small tensors decoded together
     with safe_open(model_file, framework="pt") as f:
         f.get_slice("weight")[0:2]
         f.get_slice("weight")[5]

@@ -3,10 +3,16 @@
 Unlike loading, verification does not stop at the first problem: it reports every bad file, every bad tensor and
 every index entry that points nowhere, so one run says everything that is wrong. It holds indexes to the rules
 loading does (:func:`szformat.format.index.open_shard`): what ``load_file`` refuses, ``verify`` reports.
+
+A small file is checked by the C kernels alone, straight from its mapping, without importing torch
+(:func:`_problems_in_kernels`): for it, torch's import (about a second) was most of what ``szconvert verify`` took.
+Larger files, and files the kernels cannot take, are decoded as ``load_file`` decodes them, on its threads.
 """
 
 from __future__ import annotations
 
+import array
+import mmap
 import os
 import posixpath
 import time
@@ -15,18 +21,24 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._lazy import torch
+from .._runs import runs_within
+from ..codec import cpu_kernel
 from ..errors import ShardIndexError, SzformatError
 from ..format import constants as C
 from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.header import TensorEntry
-from ..format.reader import SztFile
+from ..format.reader import SztFile, check_decoded_payload, compare_crc
 from .checkpoint import find_files
-from .expand import decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
+from .expand import GROUP_BYTES, decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
 from .progress import progress_bar
 from .report import format_bytes
 
 
 BLOCKS_APART = "its block checksums (format 1.3) do not join to its crc32: reads of part of it would be refused"
+
+KERNEL_FILE_BYTES = 256 << 20
+"""Raw bytes of a file up to which it is checked by the C kernels alone, on one thread (:func:`_problems_in_kernels`);
+a larger one is decoded on the loader's threads, where torch's import is a small part of the check."""
 
 
 @dataclass(frozen=True)
@@ -114,13 +126,19 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
-    buffer = group_buffer() if readable else None
+    buffer = None  # made for the first file the kernels alone do not take
     with progress_bar(total, enabled=progress, description="verifying") as bar:
         for rel in readable:
             with SztFile(files.root / rel) as szt:
                 entries = list(szt.entries.values())
                 report.tensors += len(entries)
                 report.raw_bytes += sum(e.raw_length for e in entries)
+                found = _problems_in_kernels(szt, entries)
+                if found is not None:
+                    report.problems += [Problem(rel, name, reason) for name, reason in found]
+                    bar.update(sum(e.raw_length for e in entries))
+                    continue
+                buffer = group_buffer() if buffer is None else buffer
                 for group in tensor_groups(entries):
                     if not decoded_together(group) or not _passes_together(szt, group, buffer):
                         report.problems += [Problem(rel, e.name, reason) for e in group
@@ -128,6 +146,57 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
                     bar.update(sum(e.raw_length for e in group))
     report.seconds = time.perf_counter() - started
     return report
+
+
+def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple[str, str]] | None:
+    """Every tensor of an open file checked by the C kernels straight from its mapping, with no torch: the SplitZip
+    tensors a group of :data:`GROUP_BYTES` at a time by one call that checks each one's stored bytes, escape streams
+    and decoded bytes (``decode_payloads``), each raw tensor's stored bytes by one CRC-32; ``(tensor, reason)`` for
+    each that fails, in the file's order, with the reasons ``load_file`` gives.
+
+    None where the kernels do not take the file: not built here (or without zlib-ng's CRC-32, or reads of a mapping
+    they cannot guard), more than :data:`KERNEL_FILE_BYTES`, a tensor stored at rest, a SplitZip tensor larger than
+    a group, or a page that could not be read (the loader's path then says which tensor's).
+    """
+    kernels = cpu_kernel.native
+    if (kernels is None or not cpu_kernel.checksums_in_kernel() or not kernels.guards_mapped_reads()
+            or sum(e.raw_length for e in entries) > KERNEL_FILE_BYTES
+            or any(e.at_rest is not None or (e.encoding != C.ENCODING_RAW and e.raw_length > GROUP_BYTES)
+                   for e in entries)):
+        return None
+    reasons: dict[str, str] = {}
+    groups = runs_within([e for e in entries if e.encoding != C.ENCODING_RAW], lambda e: e.raw_length, GROUP_BYTES)
+    out = mmap.mmap(-1, max([sum(e.raw_length for e in g) for g in groups] + [1]),
+                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # pages taken when written, and only those
+    try:
+        for group in groups:
+            for e, (stored, decoded, error) in zip(group, _decoded_together(kernels, szt, group, out)):
+                try:
+                    check_decoded_payload(e, stored, decoded, error, path=szt.path, check_stored=True,
+                                          check_decoded=True)
+                except SzformatError as bad:
+                    reasons[e.name] = bad.reason
+        for e in entries:
+            if e.encoding == C.ENCODING_RAW:
+                try:
+                    compare_crc(kernels.crc32(szt.mapped(e.name, 0, e.length), 0), e.crc32, what="stored bytes",
+                                path=szt.path, tensor=e.name)
+                except SzformatError as bad:
+                    reasons[e.name] = bad.reason
+    except (EOFError, SzformatError):  # a page not read, a file that shrank: the loader's path names the tensor
+        return None
+    return [(e.name, reasons[e.name]) for e in entries if e.name in reasons]
+
+
+def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap.mmap) -> list[tuple[int, int, str]]:
+    """``decode_payloads`` of a group of SplitZip tensors, from views of the file's mapping into ``out``: the views
+    live in this call's frame only, so neither mapping is held once it returns or its error is handled."""
+    items, cursor = [], 0
+    for e in group:
+        items.append((szt.mapped(e.name, 0, e.length), bytes(e.codebook.dec_lut),
+                      memoryview(out)[cursor: cursor + e.raw_length], e.layout.n_esc, e.layout.chunk_size))
+        cursor += e.raw_length
+    return kernels.decode_payloads(items, True, array.array("q", [0]))
 
 
 def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:

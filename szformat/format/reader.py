@@ -390,6 +390,23 @@ def compare_crc(actual: int, expected: int, *, what: str, path: str | os.PathLik
                                     path=path, tensor=tensor)
 
 
+def check_decoded_payload(entry: TensorEntry, stored_crc: int, decoded_crc: int, error: str | None, *,
+                          path: str | os.PathLike, check_stored: bool, check_decoded: bool) -> None:
+    """Raise for a SplitZip payload the C kernels decoded whole (``decode_payloads``: its stored bytes' CRC-32, its
+    decoded bytes' CRC-32, and the message refusing its escape streams or None), in the order every reader
+    reports: corrupt stored bytes as such whatever they broke, then the escape streams, then the decoded bytes.
+
+    Raises:
+        ChecksumMismatchError, PayloadError: naming ``path`` and the tensor.
+    """
+    if check_stored:
+        compare_crc(stored_crc, entry.crc32, what="stored bytes", path=path, tensor=entry.name)
+    if error is not None:
+        raise PayloadError(error, path=path, tensor=entry.name)
+    if check_decoded:
+        compare_crc(decoded_crc, entry.raw_crc32, what="decoded bytes", path=path, tensor=entry.name)
+
+
 def check_escapes(payload: torch.Tensor, layout: PayloadLayout, *, path: str | os.PathLike, tensor: str) -> None:
     """Raise PayloadError unless the escape stream of a SplitZip payload (flat uint8 CPU tensor) is in range and
     strictly ascending: the checks the spec asks of every reader before it decodes, checksums on or off."""

@@ -59,7 +59,7 @@ from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
-from ..format.reader import SztFile, check_crc, compare_crc
+from ..format.reader import SztFile, check_crc, check_decoded_payload, compare_crc
 from . import host_pages
 from .helper_threads import run_items
 
@@ -206,13 +206,8 @@ class _WholeBatch:
         except EOFError as e:
             raise file.mapped_read_error(self.jobs[e.item].entry.name) from None
         for job, (stored, decoded, error) in zip(self.jobs, results):
-            entry = job.entry
-            if job.check_stored:  # corrupt bytes are reported as such, whatever they broke
-                compare_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
-            if error is not None:
-                raise PayloadError(error, path=file.path, tensor=entry.name)
-            if job.check_decoded:
-                compare_crc(decoded, entry.raw_crc32, what="decoded bytes", path=file.path, tensor=entry.name)
+            check_decoded_payload(job.entry, stored, decoded, error, path=file.path, check_stored=job.check_stored,
+                                  check_decoded=job.check_decoded)
 
 
 def _units(jobs: Sequence[_Job | _WholeJob]) -> list[tuple[_Job | _WholeJob | _WholeBatch, int]]:

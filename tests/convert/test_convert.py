@@ -36,8 +36,8 @@ from szformat.format import constants as C
 from szformat.format.reader import SztFile
 
 from fakes import CorruptingKernels, flip_in_last_slice
-from support import (METADATA, RecordingBackend, assert_same_tensors, bf16_weights, flip_payload_byte, listing,
-                     model_tensors, secret_outside, write_pipeline, write_sharded)
+from support import (METADATA, Forge, RecordingBackend, assert_same_tensors, bf16_weights, flip_payload_byte, listing,
+                     model_tensors, secret_outside, with_outliers, write_pipeline, write_sharded)
 
 convert_module = importlib.import_module("szformat.convert.convert")  # the package exports convert()
 checkpoint_module = importlib.import_module("szformat.convert.checkpoint")
@@ -693,7 +693,22 @@ def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkey
 # -- verification ------------------------------------------------------------------------------------------------
 
 
-def test_verify_passes_a_good_checkpoint(tmp_path):
+@pytest.fixture
+def through_the_loader(monkeypatch):
+    """``verify`` decodes every file as ``load_file`` does, on its threads, small files included (which the C
+    kernels check alone otherwise)."""
+    monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+
+
+@pytest.fixture(params=["C kernels alone", "loader"])
+def verify_route(request, monkeypatch):
+    """Each test of what ``verify`` finds runs both ways a file can be checked: the same problems either way."""
+    if request.param == "loader":
+        monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+    return request.param
+
+
+def test_verify_passes_a_good_checkpoint(tmp_path, verify_route):
     write_pipeline(tmp_path / "pipe")
     convert(tmp_path / "pipe", tmp_path / "out")
     report = verify(tmp_path / "out")
@@ -701,7 +716,7 @@ def test_verify_passes_a_good_checkpoint(tmp_path):
     assert report.summary()[0].startswith("OK: 20 tensors")
 
 
-def test_verify_names_every_bad_tensor_and_file(tmp_path):
+def test_verify_names_every_bad_tensor_and_file(tmp_path, verify_route):
     write_pipeline(tmp_path / "pipe")
     convert(tmp_path / "pipe", tmp_path / "out")
     out = tmp_path / "out"
@@ -727,7 +742,79 @@ def test_verify_names_every_bad_tensor_and_file(tmp_path):
     assert all(repr(t) in problems[(index, None)] for t in ("position_ids", "noise", "scale", "empty"))
 
 
-def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(tmp_path, monkeypatch):
+NO_TORCH_VERIFY = """
+import sys
+from szformat.convert.verify import verify
+report = verify(sys.argv[1])
+print(sorted(p.tensor for p in report.problems), "torch" in sys.modules)
+"""
+
+
+def test_a_small_file_is_checked_without_torch_and_every_problem_named_as_the_loader_names_it(tmp_path, monkeypatch):
+    """The C kernels alone check a small file, in a process that never imports torch, and name each bad tensor with
+    the reason the loader's path gives: stored bytes altered, an escape stream broken (its stored CRC-32 made right
+    again), decoded bytes that differ from ``raw_crc32`` (the header edited, its CRC-32 made right), a raw tensor's
+    bytes altered; the good tensors pass."""
+    from szformat.codec import cpu_kernel
+
+    if cpu_kernel.native is None or not cpu_kernel.checksums_in_kernel() or not cpu_kernel.native.guards_mapped_reads():
+        pytest.skip("the C kernels cannot check a file from its mapping here")
+    tensors = {name: with_outliers(bf16_weights((64, 48), seed=k)) for k, name in enumerate("abcg")}
+    tensors["raw"] = torch.arange(300, dtype=torch.int32)
+    path = tmp_path / "model.szt"
+    szformat.save_file(tensors, path)
+    forge = Forge.load(path)
+    forge.payload_at("a", 10, bytes([forge.body[forge.entry("a")["offset"] + 10] ^ 0x40]), fix_crc=False)
+    streams = forge.entry("b")["encoding"]["configuration"]["streams"]
+    forge.payload_at("b", streams["local_pos"], b"\xff\xff")  # a position past its chunk
+    forge.entry("c")["raw_crc32"] ^= 1
+    forge.payload_at("raw", 0, b"\x07", fix_crc=False)
+    bad = forge.write(tmp_path / "bad.szt")
+
+    by_kernels = [(p.tensor, p.message) for p in verify(bad).problems]
+    monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+    assert by_kernels == [(p.tensor, p.message) for p in verify(bad).problems]
+    assert [tensor for tensor, _ in by_kernels] == ["a", "b", "c", "raw"]
+    (_, a), (_, b), (_, c), (_, raw) = by_kernels
+    assert a.startswith("CRC-32 of the stored bytes") and raw.startswith("CRC-32 of the stored bytes")
+    assert "escape" in b and c.startswith("CRC-32 of the decoded bytes")
+    root = str(Path(__file__).parents[2])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    for checked, expected in ((path, "[] False"), (bad, "['a', 'b', 'c', 'raw'] False")):
+        done = subprocess.run([sys.executable, "-c", NO_TORCH_VERIFY, str(checked)], env=env, capture_output=True,
+                              text=True, timeout=120)
+        assert (done.returncode, done.stdout.strip()) == (0, expected), done.stderr
+
+
+def test_a_page_the_kernels_cannot_read_leaves_the_file_to_the_loader(tmp_path, monkeypatch):
+    """Where a guarded call cannot read a page (a file cut short meanwhile, a failing disk), the C kernels' check
+    gives the file to the loader's path, which names the tensor whose page it was: here it reads them all."""
+    from szformat.codec import cpu_kernel
+    from szformat.loading import host_decode
+
+    if cpu_kernel.native is None or not cpu_kernel.checksums_in_kernel() or not cpu_kernel.native.guards_mapped_reads():
+        pytest.skip("the C kernels cannot check a file from its mapping here")
+    real = cpu_kernel.native
+
+    class LosingAPage:
+        def __getattr__(self, name):
+            return getattr(real, name)
+
+        def decode_payloads(self, *args):
+            raise EOFError("a page could not be read")
+
+    path = tmp_path / "model.szt"
+    szformat.save_file({"w": bf16_weights((64, 48), seed=3)}, path)
+    loaded = []
+    real_decode = host_decode.decode_entries
+    monkeypatch.setattr(host_decode, "decode_entries", lambda file, entries, **kw: loaded.append(
+        [e.name for e in entries]) or real_decode(file, entries, **kw))
+    monkeypatch.setattr(cpu_kernel, "native", LosingAPage())
+    assert verify(path).ok and loaded == [["w"]]
+
+
+def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(tmp_path, monkeypatch,
+                                                                              through_the_loader):
     """Tensors are decoded in groups of GROUP_BYTES on the loader's threads; a tensor larger than that, and each
     tensor of a group that failed, are checked alone, so every bad tensor is still named and nothing else."""
     from szformat.loading import host_decode
@@ -779,7 +866,7 @@ def test_decompress_writes_grouped_and_large_tensors_in_order(tmp_path, monkeypa
 
 
 @pytest.mark.parametrize("at_rest", [None, 3])
-def test_verify_checks_large_tensors_in_windows_where_it_can(tmp_path, monkeypatch, at_rest):
+def test_verify_checks_large_tensors_in_windows_where_it_can(tmp_path, monkeypatch, at_rest, through_the_loader):
     """A SplitZip tensor too large for a group in the in-memory form is checked in windows of the group's buffer on
     the loader's threads, others slice by slice; a bad one is named either way."""
     from szformat.loading import host_decode
@@ -804,7 +891,8 @@ def test_verify_checks_large_tensors_in_windows_where_it_can(tmp_path, monkeypat
     assert [(p.tensor, "stored bytes" in p.message) for p in verify(path).problems] == [("large", True)]
 
 
-def test_verify_and_decompress_take_one_buffer_advised_huge_for_every_shard(tmp_path, monkeypatch):
+def test_verify_and_decompress_take_one_buffer_advised_huge_for_every_shard(tmp_path, monkeypatch,
+                                                                           through_the_loader):
     """The group buffer is made once per call, however many shards, and its pages advised huge before they are
     first written."""
     from szformat.loading import host_pages
@@ -823,7 +911,7 @@ def test_verify_and_decompress_take_one_buffer_advised_huge_for_every_shard(tmp_
     assert len(list((tmp_path / "back").glob("*.safetensors"))) == 2
 
 
-def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path):
+def test_verify_and_decompress_a_file_of_empty_tensors(tmp_path, verify_route):
     path = tmp_path / "empty.szt"
     szformat.save_file({"e": torch.zeros(0, 3, dtype=torch.bfloat16), "f": torch.zeros(0)}, path)
     report = verify(path)
