@@ -742,6 +742,13 @@ def test_verify_names_every_bad_tensor_and_file(tmp_path, verify_route):
     assert all(repr(t) in problems[(index, None)] for t in ("position_ids", "noise", "scale", "empty"))
 
 
+def skip_unless_the_kernels_check_mappings() -> None:
+    from szformat.codec import cpu_kernel
+
+    if cpu_kernel.native is None or not cpu_kernel.checksums_in_kernel() or not cpu_kernel.native.guards_mapped_reads():
+        pytest.skip("the C kernels cannot check a file from its mapping here")
+
+
 NO_TORCH_VERIFY = """
 import sys
 from szformat.convert.verify import verify
@@ -755,10 +762,7 @@ def test_a_small_file_is_checked_without_torch_and_every_problem_named_as_the_lo
     the reason the loader's path gives: stored bytes altered, an escape stream broken (its stored CRC-32 made right
     again), decoded bytes that differ from ``raw_crc32`` (the header edited, its CRC-32 made right), a raw tensor's
     bytes altered; the good tensors pass."""
-    from szformat.codec import cpu_kernel
-
-    if cpu_kernel.native is None or not cpu_kernel.checksums_in_kernel() or not cpu_kernel.native.guards_mapped_reads():
-        pytest.skip("the C kernels cannot check a file from its mapping here")
+    skip_unless_the_kernels_check_mappings()
     tensors = {name: with_outliers(bf16_weights((64, 48), seed=k)) for k, name in enumerate("abcg")}
     tensors["raw"] = torch.arange(300, dtype=torch.int32)
     path = tmp_path / "model.szt"
@@ -792,8 +796,7 @@ def test_a_page_the_kernels_cannot_read_leaves_the_file_to_the_loader(tmp_path, 
     from szformat.codec import cpu_kernel
     from szformat.loading import host_decode
 
-    if cpu_kernel.native is None or not cpu_kernel.checksums_in_kernel() or not cpu_kernel.native.guards_mapped_reads():
-        pytest.skip("the C kernels cannot check a file from its mapping here")
+    skip_unless_the_kernels_check_mappings()
     real = cpu_kernel.native
 
     class LosingAPage:
