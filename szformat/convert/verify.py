@@ -188,7 +188,8 @@ def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple
     return [(e.name, reasons[e.name]) for e in entries if e.name in reasons]
 
 
-def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap.mmap) -> list[tuple[int, int, str]]:
+def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap.mmap
+                      ) -> list[tuple[int, int, str | None]]:
     """``decode_payloads`` of a group of SplitZip tensors, from views of the file's mapping into ``out``: the views
     live in this call's frame only, so neither mapping is held once it returns or its error is handled."""
     items, cursor = [], 0
