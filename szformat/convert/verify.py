@@ -74,7 +74,7 @@ class VerifyReport:
     def summary(self) -> list[str]:
         unreadable = f" ({self.unreadable} would not open)" if self.unreadable else ""
         checked = (f"{self.tensors} tensors ({format_bytes(self.raw_bytes)} raw) in {self.files} file(s)"
-                   f"{unreadable}, {self.seconds:.1f} s")
+                   f"{unreadable}, {self.seconds:.2f} s")
         if self.ok:
             return [f"OK: {checked}"]
         return [f"FAILED: {len(self.problems)} problem(s) in {checked}"] + [f"  {p}" for p in self.problems]
