@@ -24,8 +24,8 @@ import torch
 from torch.utils._pytree import tree_map
 
 from ..format.header import TensorEntry
-from ..loading import host_pages, host_reader
-from ..loading.host_reader import HostReader
+from ..loading import host_pages
+from ..loading.host_reader import HostReader, rows_per_block
 
 __all__ = ["DeferredTensor", "DecodeCounter"]
 
@@ -147,9 +147,8 @@ class DeferredTensor(torch.Tensor):
             self._counter.decoded += out.numel() * out.element_size()
             return out
         host_pages.advise_huge_pages(out)  # written whole, block by block
-        width = self._entry.shape[1]
-        step = max(1, host_reader.COLUMN_BLOCK_BYTES // max(1, width * out.element_size()))
-        scratch = torch.empty(min(step, stop - start), width, dtype=self.dtype)
+        step = rows_per_block(self._entry)
+        scratch = torch.empty(min(step, stop - start), self._entry.shape[1], dtype=self.dtype)
         for row in range(start, stop, step):
             block = scratch[: min(step, stop - row)]
             self._reader.rows(self._entry, row, row + block.shape[0], block)

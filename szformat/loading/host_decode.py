@@ -329,8 +329,9 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     return tensors
 
 
-def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int]:
-    """The threads a call decodes on, and the elements per range of its SplitZip tensors decoded range by range.
+def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int | None]:
+    """The threads a call decodes on, and the elements per range of its SplitZip tensors decoded range by range
+    (``None``: :data:`RANGE_ELEMENTS`).
 
     Threads: the caller's (:func:`_thread_count`), at most one per :data:`THREAD_BYTES` of output, since each small
     tensor costs Python holding the GIL. Ranges: :data:`RANGE_ELEMENTS`. Except for a tensor decoded alone
@@ -340,7 +341,7 @@ def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int]:
     """
     threads = _thread_count(asked)
     if len(entries) != 1 or not _ranged(entries[0]):
-        return min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)), RANGE_ELEMENTS
+        return min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)), None
     n = entries[0].layout.n
     share = -(-n // threads)
     step = min(RANGE_ELEMENTS, max(MIN_RANGE_ELEMENTS, share + share % 2))
@@ -430,12 +431,12 @@ def _whole(entry: TensorEntry) -> bool:
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
-         out: torch.Tensor | None = None, range_elements: int = RANGE_ELEMENTS) -> _Job | _WholeJob:
-    """A tensor's output, its ranges (of ``range_elements`` for a SplitZip tensor decoded range by range), and for
-    SplitZip its decoder over a payload buffer: in the in-memory form the bytes around the streams (padding, escape
-    streams) read now into ``payload`` (its part of the buffer the groups of one call share: fresh pages for every
-    tensor cost as much as reading into them) and the streams left to the ranges; at rest, the stored bytes read
-    whole, checked, and inflated."""
+         out: torch.Tensor | None = None, range_elements: int | None = None) -> _Job | _WholeJob:
+    """A tensor's output, its ranges (of ``range_elements`` for the tensor :func:`_plan` cuts, else the defaults),
+    and for SplitZip its decoder over a payload buffer: in the in-memory form the bytes around the streams (padding,
+    escape streams) read now into ``payload`` (its part of the buffer the groups of one call share: fresh pages for
+    every tensor cost as much as reading into them) and the streams left to the ranges; at rest, the stored bytes
+    read whole, checked, and inflated."""
     if out is not None:
         if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != entry.raw_length:
             raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
@@ -443,8 +444,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
         out = out.reshape(-1).view(torch.uint8)
         host_pages.advise_huge_pages(out)
     with allocation_errors(file.path, entry.name):
-        return _new_job(file, entry, check_stored, check_decoded, payload, out,
-                        range_elements=range_elements if _ranged(entry) and range_elements != RANGE_ELEMENTS else None)
+        return _new_job(file, entry, check_stored, check_decoded, payload, out, range_elements=range_elements)
 
 
 def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool,

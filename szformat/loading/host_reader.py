@@ -31,14 +31,15 @@ from ..format.payloads import (allocation_errors, decode_entry, decode_entry_col
 from ..format.reader import SztFile, check_crc, compare_crc
 from . import host_decode, host_pages
 
-__all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES"]
+__all__ = ["HostReader", "TensorSlice", "SCRATCH_BYTES", "rows_per_block"]
 
 SCRATCH_BYTES = 256 << 20
 """Stored bytes up to this size are read into a buffer each reading thread keeps while the file is open."""
 
 COLUMN_BLOCK_BYTES = 4 << 20
-"""Raw bytes of whole rows read at a time when some columns are decoded through a buffer (no mapped reads): read
-whole, a 70B model's 470 MB ``down_proj`` would pass the 256 MiB a tensor-parallel load may add to vLLM's peak."""
+"""Raw bytes of whole rows read at a time when only some of a matrix's columns are kept and its rows go through a
+buffer (:func:`rows_per_block`): read whole, a 70B model's 470 MB ``down_proj`` would pass the 256 MiB a
+tensor-parallel load may add to vLLM's peak."""
 
 CHECK_PIECE = 1 << 20
 """Bytes read at a time when a part of a tensor is read and checked: the bytes of the blocks checked (or of the whole
@@ -249,7 +250,7 @@ class HostReader:
                 self._mapped_decode(entry, rows[0] * width, rows[1] * width, lambda decoder, streams:
                                     decoder.decode_columns(rows, width, cols, flat, streams=streams))
                 return out
-            step = max(1, COLUMN_BLOCK_BYTES // max(1, 2 * width))
+            step = rows_per_block(entry)
             kept = cols[1] - cols[0]
             for row in range(rows[0], rows[1], step):
                 block = (row, min(row + step, rows[1]))
@@ -264,6 +265,12 @@ class HostReader:
         bounds are even (each row's piece whole pairs of elements)."""
         return (entry.encoding == C.ENCODING_SPLITZIP and len(entry.shape) == 2
                 and entry.shape[1] % 2 == 0 and cols[0] % 2 == 0 and cols[1] % 2 == 0)
+
+
+def rows_per_block(entry: TensorEntry) -> int:
+    """Rows of a matrix read at a time when some of its columns are kept through a buffer: those of
+    :data:`COLUMN_BLOCK_BYTES` of raw bytes, at least one."""
+    return max(1, COLUMN_BLOCK_BYTES // max(1, entry.shape[1] * C.itemsize(entry.dtype)))
 
 
 def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:

@@ -824,6 +824,17 @@ def test_columns_decode_from_streams_held_apart_from_the_payload(rng):
     assert torch.equal(out.view(torch.int16), x.view(rows, width)[first_row:last_row, first:last].view(torch.int16))
 
 
+@pytest.mark.parametrize("kernel", ["reference"], indirect=True)
+def test_the_reference_refuses_columns_from_streams_held_apart(rng):
+    """Streams outside the payload (views of a file's mapping) are read only by the C kernels' guarded call: the
+    reference, which would read them unguarded, refuses them."""
+    x = weight_like(rng, 4 * 10)
+    decoder = cpu.PayloadDecoder(*cpu.encode(x))
+    streams = tuple(bytes(s.numpy()) for s in decoder.streams(0, 40))
+    with pytest.raises(ValueError, match="decoded by the C kernels only"):
+        decoder.decode_columns((0, 4), 10, (0, 4), torch.empty(16, dtype=torch.bfloat16), streams=streams)
+
+
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_the_columns_kernel_refuses_bad_arguments():
     native = cpu._native

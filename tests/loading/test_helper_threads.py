@@ -136,6 +136,32 @@ def _threads_of_alone(count: int, threads: int) -> list[int]:
     return ran
 
 
+@pytest.mark.parametrize("count, threads", [(1, 4), (5, 1), (0, 3)])
+def test_a_call_with_nothing_to_share_runs_on_the_callers_thread(short_idle, count, threads) -> None:
+    """One item, or one thread: the items run in order on the caller's thread on one intra-op thread, no helper is
+    started, the caller's setting comes back, and an item's error is raised after the items before it ran."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(3)
+    try:
+        seen: list[tuple[int, int, int]] = []
+        run_items(count, lambda i: seen.append((i, threading.get_ident(), torch.get_num_threads())), threads)
+        assert seen == [(i, threading.get_ident(), 1) for i in range(count)] and not _helpers()
+        assert torch.get_num_threads() == 3
+        if count > 1:
+            ran: list[int] = []
+
+            def failing(i: int) -> None:
+                ran.append(i)
+                if i == 1:
+                    raise KeyError(i)
+
+            with pytest.raises(KeyError):
+                run_items(count, failing, threads)
+            assert ran == [0, 1] and torch.get_num_threads() == 3
+    finally:
+        torch.set_num_threads(before)
+
+
 def test_the_first_error_stops_every_thread_and_is_raised(short_idle) -> None:
     started: list[int] = []
     lock = threading.Lock()
