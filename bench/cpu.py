@@ -29,10 +29,12 @@ each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and
 one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
 ``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor).
 
-First loads (``--sections first``), on MiniLM: what a process that loads a model once pays. Each run is a fresh
-interpreter that imports torch, then times importing the loader (``safetensors.torch``; ``szformat``, whose API
-is imported on first use) and its first load, anchor and ``szformat.load_file`` alternating, ``--repeats`` each
-after an untimed round, with 1 thread and with all; the files are page-cached, the processes' memory is new.
+First loads (``--sections first``, on MiniLM; ``first-large``, on the synthetic checkpoint): what a process that
+loads a model once pays. Each run is a fresh interpreter that imports torch, then times importing the loader
+(``safetensors.torch``; ``szformat``, whose API is imported on first use) and its first load, anchor and
+``szformat.load_file`` alternating, ``--repeats`` each after an untimed round, with 1 thread and with all; the
+files are page-cached, the processes' memory is new (loads repeated in one process reuse memory their last load
+freed, which favours either loader depending on the machine).
 
 Slices (``--sections slices``), on the synthetic checkpoint: what a reader of part of each tensor pays, the file
 opened afresh per pass (so each tensor's first read is checked) and page-cached: every tensor's first half of rows
@@ -48,7 +50,7 @@ threads" uses every core for both.
 Usage::
 
     python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
-        [--sections codec,load,first,slices] [--work /tmp/szbench]
+        [--sections codec,load,first,first-large,slices] [--work /tmp/szbench]
 """
 
 from __future__ import annotations
@@ -391,7 +393,7 @@ print(done - start, done - imported, len(tensors))
 """A fresh process's import of a loader and its first load: seconds for both, for the load alone, tensors."""
 
 
-def bench_first_loads(st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
+def bench_first_loads(label: str, st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
     """Each loader's import and first load in fresh interpreters, alternating, with 1 thread and all threads."""
     read_through(st_path, szt_path)
     rows = []
@@ -410,9 +412,10 @@ def bench_first_loads(st_path: Path, szt_path: Path, repeats: int) -> list[dict]
         anchor = statistics.median(both for both, _ in seconds["safetensors"])
         for which, runs in seconds.items():
             median = statistics.median(both for both, _ in runs)
-            rows.append({"threads": threads, "loader": which, "median_s": median, "best_s": min(b for b, _ in runs),
-                         "load_s": statistics.median(load for _, load in runs), "vs_anchor": anchor / median})
-            print(f"  first load, {threads:2d} threads  {which:12s} import + load {median * 1e3:7.1f} ms  "
+            rows.append({"data": label, "threads": threads, "loader": which, "median_s": median,
+                         "best_s": min(b for b, _ in runs), "load_s": statistics.median(load for _, load in runs),
+                         "vs_anchor": anchor / median})
+            print(f"  {label:18s} first load, {threads:2d} threads  {which:12s} import + load {median * 1e3:7.1f} ms  "
                   f"load {rows[-1]['load_s'] * 1e3:7.1f} ms  x{anchor / median:.2f}", flush=True)
     return rows
 
@@ -481,9 +484,9 @@ def print_slices_table(rows: list[dict]) -> None:
 
 
 def print_first_load_table(rows: list[dict]) -> None:
-    print_markdown(["threads", "loader", "import + first load, median ms", "best ms", "first load alone, median ms",
-                    "x anchor"], "rlrrrr",
-                   [[r["threads"], r["loader"], f"{r['median_s'] * 1e3:.1f}", f"{r['best_s'] * 1e3:.1f}",
+    print_markdown(["data", "threads", "loader", "import + first load, median ms", "best ms",
+                    "first load alone, median ms", "x anchor"], "lrlrrrr",
+                   [[r["data"], r["threads"], r["loader"], f"{r['median_s'] * 1e3:.1f}", f"{r['best_s'] * 1e3:.1f}",
                      f"{r['load_s'] * 1e3:.1f}", f"{r['vs_anchor']:.2f}"] for r in rows])
 
 
@@ -494,14 +497,18 @@ def print_loading_table(rows: list[dict]) -> None:
                      f"{r['median_gbps']:.2f}", f"{r['vs_anchor']:.2f}", f"{r['load']:.1f}"] for r in rows])
 
 
+SECTIONS = {"codec", "load", "first", "first-large", "slices"}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", type=Path, help="a BF16 model.safetensors (default: MiniLM, fetched if absent)")
     parser.add_argument("--tile-mb", type=int, default=512, help="size of the tiled set in MB (default 512)")
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--sections", default="codec,load",
-                        help="codec, load, first (first loads in fresh processes), slices (get_slice of every "
-                        "tensor), comma-separated (default codec,load)")
+                        help="codec, load, first (first loads of MiniLM in fresh processes), first-large (of the "
+                        "synthetic checkpoint), slices (get_slice of every tensor), comma-separated (default "
+                        "codec,load)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
     parser.add_argument("--kernels", default=",".join(KERNELS),
@@ -512,6 +519,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--kernels: choose among {', '.join(KERNELS)}")
     model = args.model or fetch(default_dest()) / "model.safetensors"
     sections = set(args.sections.split(","))
+    if not sections <= SECTIONS:
+        parser.error(f"--sections: choose among {', '.join(sorted(SECTIONS))}")
 
     print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f}")
@@ -532,7 +541,9 @@ def main(argv: list[str] | None = None) -> int:
         if not minilm.exists():
             args.work.mkdir(parents=True, exist_ok=True)
             convert(model, minilm)
-        print_first_load_table(bench_first_loads(model, minilm, args.repeats))
+        print_first_load_table(bench_first_loads("MiniLM", model, minilm, args.repeats))
+    if "first-large" in sections:
+        print_first_load_table(bench_first_loads(*load_checkpoints(model, args.work)[1], args.repeats))
     if "slices" in sections:
         _, st_path, szt_path = load_checkpoints(model, args.work)[1]
         print_slices_table(bench_slices(st_path, szt_path, args.repeats))

@@ -320,6 +320,12 @@ def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_mod
     assert len(first) == len({1, os.cpu_count() or 1}), done.stdout
 
 
+def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
+    """A misspelt section is an error naming the sections, not a run that times nothing."""
+    done = _run_module("bench.cpu", "--sections", "load,frist")
+    assert done.returncode == 2 and "choose among codec, first, first-large, load, slices" in done.stderr
+
+
 def test_the_cpu_benchmarks_slices_read_the_same_rows_through_each_reader(tmp_path):
     """The slices section checks szformat's rows against safetensors' bit for bit and times three readers on both
     parts; a reader giving other rows fails it."""
