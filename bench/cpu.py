@@ -34,7 +34,8 @@ loads a model once pays. Each run is a fresh interpreter that imports torch, the
 (``safetensors.torch``; ``szformat``, whose API is imported on first use) and its first load, anchor and
 ``szformat.load_file`` alternating, ``--repeats`` each after an untimed round, with 1 thread and with all; the
 files are page-cached, the processes' memory is new (loads repeated in one process reuse memory their last load
-freed, which favours either loader depending on the machine).
+freed, which favours either loader depending on the machine). Beside each time, per run, the kernel's counts of
+huge pages faulted in, huge pages wanted but not found, and faults that waited for memory to be compacted.
 
 Slices (``--sections slices``), on the synthetic checkpoint: what a reader of part of each tensor pays, the file
 opened afresh per pass (so each tensor's first read is checked) and page-cached: every tensor's first half of rows
@@ -393,30 +394,53 @@ print(done - start, done - imported, len(tensors))
 """A fresh process's import of a loader and its first load: seconds for both, for the load alone, tensors."""
 
 
+MEMORY_EVENTS = ("thp_fault_alloc", "thp_fault_fallback", "compact_stall")
+"""The kernel's counters (``/proc/vmstat``, the whole machine's) that say how a first load's fresh memory came: huge
+pages faulted in, huge pages wanted but not found, and faults that waited for memory to be compacted (what advised
+huge pages can cost where free memory is fragmented)."""
+
+
+def memory_events() -> dict[str, int]:
+    """:data:`MEMORY_EVENTS` now; empty where ``/proc/vmstat`` is not readable (not Linux)."""
+    try:
+        with open("/proc/vmstat") as f:
+            return {k: int(v) for k, v in (line.split() for line in f) if k in MEMORY_EVENTS}
+    except OSError:
+        return {}
+
+
 def bench_first_loads(label: str, st_path: Path, szt_path: Path, repeats: int) -> list[dict]:
-    """Each loader's import and first load in fresh interpreters, alternating, with 1 thread and all threads."""
+    """Each loader's import and first load in fresh interpreters, alternating, with 1 thread and all threads; the
+    memory events (:func:`memory_events`) each loader's timed runs saw, per run."""
     read_through(st_path, szt_path)
     rows = []
     for threads in sorted({1, os.cpu_count() or 1}):
         seconds: dict[str, list[tuple[float, float]]] = {"safetensors": [], "szt": []}
+        events: dict[str, dict[str, int]] = {which: {} for which in seconds}
         counts = set()
         for run in range(repeats + 1):  # the first round untimed: bytecode compiled and cached, files read
             for which, path in (("safetensors", st_path), ("szt", szt_path)):
+                before = memory_events()
                 done = subprocess.run([sys.executable, "-c", FIRST_LOAD, which, str(path), str(threads)],
                                       capture_output=True, text=True, check=True)
+                after = memory_events()
                 both, load, count = done.stdout.split()
                 counts.add(int(count))
                 if run:
                     seconds[which].append((float(both), float(load)))
+                    for key in after:
+                        events[which][key] = events[which].get(key, 0) + after[key] - before[key]
         assert len(counts) == 1, f"the loaders returned different numbers of tensors: {counts}"
         anchor = statistics.median(both for both, _ in seconds["safetensors"])
         for which, runs in seconds.items():
             median = statistics.median(both for both, _ in runs)
+            per_run = {key: count / len(runs) for key, count in events[which].items()}
             rows.append({"data": label, "threads": threads, "loader": which, "median_s": median,
                          "best_s": min(b for b, _ in runs), "load_s": statistics.median(load for _, load in runs),
-                         "vs_anchor": anchor / median})
+                         "vs_anchor": anchor / median, **per_run})
             print(f"  {label:18s} first load, {threads:2d} threads  {which:12s} import + load {median * 1e3:7.1f} ms  "
-                  f"load {rows[-1]['load_s'] * 1e3:7.1f} ms  x{anchor / median:.2f}", flush=True)
+                  f"load {rows[-1]['load_s'] * 1e3:7.1f} ms  x{anchor / median:.2f}"
+                  + "".join(f"  {key} {count:.0f}" for key, count in per_run.items()), flush=True)
     return rows
 
 
@@ -485,9 +509,11 @@ def print_slices_table(rows: list[dict]) -> None:
 
 def print_first_load_table(rows: list[dict]) -> None:
     print_markdown(["data", "threads", "loader", "import + first load, median ms", "best ms",
-                    "first load alone, median ms", "x anchor"], "lrlrrrr",
+                    "first load alone, median ms", "x anchor", "huge pages / fallbacks / compaction stalls per run"],
+                   "lrlrrrrr",
                    [[r["data"], r["threads"], r["loader"], f"{r['median_s'] * 1e3:.1f}", f"{r['best_s'] * 1e3:.1f}",
-                     f"{r['load_s'] * 1e3:.1f}", f"{r['vs_anchor']:.2f}"] for r in rows])
+                     f"{r['load_s'] * 1e3:.1f}", f"{r['vs_anchor']:.2f}",
+                     " / ".join(f"{r[key]:.0f}" if key in r else "-" for key in MEMORY_EVENTS)] for r in rows])
 
 
 def print_loading_table(rows: list[dict]) -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import subprocess
 import sys
 import time
@@ -318,6 +319,8 @@ def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_mod
     assert "GB/s" in done.stdout
     first = [line for line in done.stdout.splitlines() if line.startswith("|") and "| szt |" in line]
     assert len(first) == len({1, os.cpu_count() or 1}), done.stdout
+    if os.path.exists("/proc/vmstat"):  # the memory events each run saw: three counts
+        assert all(re.fullmatch(r"\d+ / \d+ / \d+", line.split("|")[-2].strip()) for line in first), done.stdout
 
 
 def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
