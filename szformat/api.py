@@ -14,11 +14,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from ._lazy import LazyModule
+from ._lazy import at_rest as at_rest_stage
 from .errors import ConversionError, FormatError, InvalidArgumentError
 from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile
-from .format.at_rest import parse_at_rest_option as at_rest_level
 from .format.index import load_checkpoint
 from .loading.host_decode import decode_entries
 from .loading.host_reader import HostReader, TensorSlice
@@ -198,7 +198,7 @@ def save_file(tensors: dict[str, torch.Tensor], filename: str | os.PathLike, met
         WriteError: the file cannot be written.
     """
     try:
-        level = at_rest_level(at_rest)
+        level = at_rest_stage.parse_at_rest_option(at_rest)
     except ValueError as e:
         raise ConversionError(str(e), path=filename) from None
     items = list(tensors.items())

@@ -202,6 +202,11 @@ class RoundTripError(ConversionError):
     """Raised when a tensor does not decode bit for bit to its source before it is written."""
 
 
+class RoundTripMismatch(ValueError):
+    """Raised by the codec when a payload does not decode bit for bit to its source tensor; the writer, which knows
+    the file and the tensor, reports it as :class:`RoundTripError`."""
+
+
 class WriteError(SzformatError, OSError):
     """Raised when an output cannot be written; no partial output is left behind."""
 

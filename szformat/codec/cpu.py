@@ -54,8 +54,8 @@ from typing import Iterator, Sequence, Tuple, Union
 import numpy as np
 import torch
 
-from .gate import RoundTripMismatch
 from ..checksum import crc32, crc32_combine, crc32_join
+from ..errors import RoundTripMismatch
 from . import cpu_kernel
 from .codebook import Codebook, codebook_from_histogram
 from .layout import ESCAPE_CODE, PayloadLayout

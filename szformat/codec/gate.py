@@ -15,12 +15,9 @@ from typing import Protocol
 from .._lazy import cpu_codec as cpu
 from .._lazy import torch
 from ..checksum import tensor_crc32
+from ..errors import RoundTripMismatch
 from .codebook import COVERAGE_GATE, Codebook
 from .layout import ENCODING_RAW, ENCODING_SPLITZIP, PayloadLayout
-
-class RoundTripMismatch(ValueError):
-    """A payload did not decode bit for bit to its source tensor."""
-
 
 TOO_LARGE_REASON = "more than 2^41 elements"
 """Why a BF16 tensor past :meth:`PayloadLayout.max_elements` is stored raw: its chunk ids would not fit an int32."""

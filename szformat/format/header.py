@@ -17,14 +17,13 @@ from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
-from .._lazy import torch
+from .._lazy import at_rest, torch
 from ..checksum import crc32, crc32_combine, crc32_join
 from ..codec.codebook import Codebook
 from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
                       UnsupportedVersionError, short_repr)
 from . import constants as C
-from .at_rest import AtRestError, PlanesStage, Segment, ZstdStage, parse_at_rest, parse_planes, segments
 
 try:
     from . import _msgpack_check
@@ -111,7 +110,7 @@ class TensorEntry:
     layout: PayloadLayout | None = None
     codebook: Codebook | None = None
     raw_reason: str | None = None
-    at_rest: ZstdStage | PlanesStage | None = None
+    at_rest: at_rest.ZstdStage | at_rest.PlanesStage | None = None
     blocks: BlockChecksums | None = None
 
     @property
@@ -128,13 +127,13 @@ class TensorEntry:
     @property
     def byte_planes(self) -> bool:
         """Whether this is a raw tensor stored at rest as byte planes (1.2): inflated, then joined into elements."""
-        return isinstance(self.at_rest, PlanesStage)
+        return self.at_rest is not None and isinstance(self.at_rest, at_rest.PlanesStage)
 
-    def segments(self) -> list[Segment]:
+    def segments(self) -> list[at_rest.Segment]:
         """The pieces of the stored bytes of a tensor with an at-rest stage, in in-memory order."""
         if self.byte_planes:
             return self.at_rest.segments(self.raw_length)
-        return segments(self.layout, self.at_rest)
+        return at_rest.segments(self.layout, self.at_rest)
 
     def torch_dtype(self, path: str | os.PathLike) -> torch.dtype:
         """The torch dtype to decode into.
@@ -491,9 +490,9 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         stage = None
         if "at_rest" in encoding:  # 1.2: byte planes; the stored bytes and their checksum differ from the raw ones
             try:
-                stage = parse_planes(encoding["at_rest"], itemsize=C.itemsize(dtype), raw_length=raw_length,
+                stage = at_rest.parse_planes(encoding["at_rest"], itemsize=C.itemsize(dtype), raw_length=raw_length,
                                      length=length)
-            except AtRestError as e:
+            except at_rest.AtRestError as e:
                 error = UnknownEncodingError if e.unknown_codec else HeaderError
                 raise error(str(e), path=path, tensor=name) from None
         elif length != raw_length:
@@ -513,8 +512,8 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         stage = None
         if staged:
             try:
-                stage = parse_at_rest(encoding["at_rest"], layout=layout, length=length)
-            except AtRestError as e:
+                stage = at_rest.parse_at_rest(encoding["at_rest"], layout=layout, length=length)
+            except at_rest.AtRestError as e:
                 error = UnknownEncodingError if e.unknown_codec else HeaderError
                 raise error(str(e), path=path, tensor=name) from None
         return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, at_rest=stage, **common)

@@ -13,9 +13,8 @@ import os
 from collections.abc import Iterator
 from typing import Sequence
 
-from .._lazy import cpu_codec, torch
+from .._lazy import at_rest, cpu_codec, torch
 from ..errors import PayloadError, SzformatError, TensorAllocationError
-from . import at_rest
 from .header import TensorEntry
 
 __all__ = ["payload_errors", "allocation_errors", "decode_entry", "decode_entry_with_crc", "inflate_entry"]

@@ -29,14 +29,13 @@ from pathlib import Path
 from typing import Sequence
 
 
-from .._lazy import cpu_codec, torch
+from .._lazy import at_rest, cpu_codec, torch
 from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
 from ..codec.layout import PayloadLayout
 from ..errors import (CheckpointNotFoundError, ChecksumMismatchError, ClosedFileError, DecodeRouteError, FormatError,
                       HeaderError, HeaderTooLargeError, InvalidOffsetError, PayloadError, TensorNotFoundError,
                       ReadError, TruncatedFileError, UnsupportedVersionError)
-from . import at_rest
 from . import constants as C
 from .header import Header, TensorEntry, parse_header
 from .payloads import inflate_entry

@@ -18,8 +18,8 @@ from typing import Any, Iterable, Sequence
 from .._lazy import torch
 from ..checksum import crc32
 from ..codec.codebook import COVERAGE_GATE
-from ..codec.gate import EncodedTensor, RoundTripMismatch, encode_tensor
-from ..errors import ConversionError, RoundTripError, WriteError
+from ..codec.gate import EncodedTensor, encode_tensor
+from ..errors import ConversionError, RoundTripError, RoundTripMismatch, WriteError
 from . import at_rest as at_rest_stage
 from . import constants as C
 from .atomic import AtomicFile

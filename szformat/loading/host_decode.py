@@ -50,12 +50,12 @@ from typing import Iterator, Sequence
 
 import torch
 
+from .._lazy import at_rest
 from .._runs import runs_within
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
 from ..codec.cpu_kernel import checksums_in_kernel, native
 from ..errors import PayloadError
-from ..format import at_rest
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors

@@ -21,9 +21,9 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import torch
 
+from .._lazy import at_rest
 from ..checksum import crc32
 from ..codec.cpu import PayloadDecoder, guarded_crc32
-from ..format import at_rest
 from ..format import constants as C
 from ..format.header import TensorEntry
 from ..format.payloads import (allocation_errors, decode_entry, decode_entry_columns, decode_entry_with_crc,
