@@ -491,7 +491,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         if "at_rest" in encoding:  # 1.2: byte planes; the stored bytes and their checksum differ from the raw ones
             try:
                 stage = at_rest.parse_planes(encoding["at_rest"], itemsize=C.itemsize(dtype), raw_length=raw_length,
-                                     length=length)
+                                             length=length)
             except at_rest.AtRestError as e:
                 error = UnknownEncodingError if e.unknown_codec else HeaderError
                 raise error(str(e), path=path, tensor=name) from None
