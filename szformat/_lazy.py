@@ -10,7 +10,7 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-__all__ = ["LazyModule", "at_rest", "attributes_on_first_use", "byte_planes", "cpu_codec", "torch", "zstandard"]
+__all__ = ["LazyModule", "at_rest", "atomic", "attributes_on_first_use", "byte_planes", "cpu_codec", "torch", "zstandard"]
 
 
 class LazyModule:
@@ -40,6 +40,8 @@ byte_planes = LazyModule("szformat.codec.planes")
 """Byte-plane moves (NumPy, or the C extension), for the at-rest stage of raw tensors."""
 zstandard = LazyModule("zstandard")
 """zstd, for the at-rest stage: a file in the in-memory form is read without it."""
+atomic = LazyModule("szformat.format.atomic")
+"""Atomic outputs, for the index writer: a load, which reads indexes only, imports none of it (nor its direct I/O)."""
 at_rest = LazyModule("szformat.format.at_rest")
 """The at-rest stage (its parse, plans and inflaters), for the readers: a file in the in-memory form is read without
 it (a tenth of what a fresh process's CPU load imports)."""

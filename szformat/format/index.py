@@ -16,9 +16,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
 
+from .._lazy import atomic
 from ..errors import FormatError, ShardIndexError, listing, short_repr
 from . import constants as C
-from .atomic import AtomicFile
 from .reader import SztFile
 
 __all__ = ["INDEX_TAIL", "SEVERAL_INDEXES", "Shard", "ShardIndex", "check_index", "check_shard", "checkpoint_shards",
@@ -106,7 +106,7 @@ def write_index(path: str | os.PathLike, index: ShardIndex) -> Path:
     path = Path(path)
     text = json.dumps({"metadata": index.metadata, "weight_map": index.weight_map}, indent=2, sort_keys=True,
                       ensure_ascii=False)
-    with AtomicFile(path) as file:
+    with atomic.AtomicFile(path) as file:
         file.write((text + "\n").encode("utf-8"))
         file.commit()
     return path

@@ -553,12 +553,13 @@ def test_import_szformat_is_light_and_its_functions_still_load():
 
 def test_a_cpu_load_does_not_import_the_device_pipeline(tmp_path):
     """A load onto the CPU pays for the modules it runs, not the GPU loader's (a third of a fresh process's first
-    ``load_file``), nor, for a file in the in-memory form, the at-rest stage's or the encoder's; ``szformat.loading``'s
-    names still resolve on first use."""
+    ``load_file``), nor, for a file in the in-memory form, the at-rest stage's, the encoder's or the writer's;
+    ``szformat.loading``'s names still resolve on first use."""
     path = tmp_path / "m.szt"
     szformat.save_file(model_tensors(), path)
     device = ("szformat.loading.device_loader", "szformat.loading.staging_pool", "szformat.loading.slot_decoder",
-              "szformat.loading.device_route", "triton", "szformat.format.at_rest", "szformat.codec.gate", "zstandard")
+              "szformat.loading.device_route", "triton", "szformat.format.at_rest", "szformat.codec.gate", "zstandard",
+              "szformat.format.atomic")
     done = run_python("import sys, szformat\n"
                       "with szformat.safe_open(sys.argv[1], 'pt') as f:\n"
                       "    f.get_tensor(next(iter(f.keys())))\n"
