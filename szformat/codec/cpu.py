@@ -835,17 +835,10 @@ def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, to
     """
     if _native is None or (checksums and not cpu_kernel.checksums_in_kernel()):
         raise RuntimeError("decode_payloads needs the C kernels (and their CRC-32 function for checksums)")
-    items = []
-    for payload, layout, codebook, out in payloads:
+    for _, layout, _, out in payloads:
         _check_out(out, layout.n)
-        items.append((payload, bytes(codebook.dec_lut), out.view(torch.int16).numpy(), layout.n_esc,
-                      layout.chunk_size))
-    progress = np.zeros(1, dtype=np.int64)
-    try:
-        return _native.decode_payloads(items, checksums, progress)
-    except EOFError as e:
-        e.item = int(progress[0])
-        raise
+    return cpu_kernel.decode_payloads(_native, [(payload, layout, codebook, out.view(torch.int16).numpy())
+                                                for payload, layout, codebook, out in payloads], checksums=checksums)
 
 
 def guarded_crc32(data: Buffer, crc: int = 0) -> int:

@@ -3,10 +3,16 @@ hand) or the PyTorch reference. Imports neither torch nor NumPy, so ``szconvert 
 
 from __future__ import annotations
 
+import array
 import os
 from types import ModuleType
+from typing import TYPE_CHECKING, Any, Sequence
 
-__all__ = ["native", "KERNEL", "checksums_in_kernel"]
+if TYPE_CHECKING:
+    from .codebook import Codebook
+    from .layout import PayloadLayout
+
+__all__ = ["native", "KERNEL", "checksums_in_kernel", "decode_payloads"]
 
 
 def _load_native() -> ModuleType | None:
@@ -47,6 +53,25 @@ def _hand_over_crc32(kernels: ModuleType | None) -> bool:
     except ValueError:
         return False
     return True
+
+
+def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook, Any]], *,
+                    checksums: bool) -> list[tuple[int, int, str | None]]:
+    """``kernels.decode_payloads`` of whole payloads ``(payload, layout, codebook, out)``, ``out`` a writable buffer
+    of the layout's raw bytes: per payload ``(stored_crc, decoded_crc, error)``. Without torch, for the callers that
+    check a file before importing it (``szconvert verify``); ``codec.cpu.decode_payloads`` says more.
+
+    Raises:
+        EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
+    """
+    items = [(payload, bytes(codebook.dec_lut), out, layout.n_esc, layout.chunk_size)
+             for payload, layout, codebook, out in payloads]
+    progress = array.array("q", [0])
+    try:
+        return kernels.decode_payloads(items, checksums, progress)
+    except EOFError as e:
+        e.item = progress[0]
+        raise
 
 
 native = _load_native()

@@ -11,7 +11,6 @@ Larger files, and files the kernels cannot take, are decoded as ``load_file`` de
 
 from __future__ import annotations
 
-import array
 import mmap
 import os
 import posixpath
@@ -194,10 +193,10 @@ def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap
     live in this call's frame only, so neither mapping is held once it returns or its error is handled."""
     items, cursor = [], 0
     for e in group:
-        items.append((szt.mapped(e.name, 0, e.length), bytes(e.codebook.dec_lut),
-                      memoryview(out)[cursor: cursor + e.raw_length], e.layout.n_esc, e.layout.chunk_size))
+        items.append((szt.mapped(e.name, 0, e.length), e.layout, e.codebook,
+                      memoryview(out)[cursor: cursor + e.raw_length]))
         cursor += e.raw_length
-    return kernels.decode_payloads(items, True, array.array("q", [0]))
+    return cpu_kernel.decode_payloads(kernels, items, checksums=True)
 
 
 def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:

@@ -6,6 +6,7 @@ Random cases draw a fresh seed each run and print it; a failure report shows ``s
 from __future__ import annotations
 
 import ctypes
+import mmap
 import os
 import random
 import struct
@@ -684,6 +685,36 @@ def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and
                 assert torch.equal(out.view(torch.int16), x.view(torch.int16))
                 assert decoded == (zlib.crc32(x.view(torch.uint8).numpy().tobytes()) if checksums else 0)
         del views
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_a_page_lost_under_payloads_decoded_together_names_the_payload_it_was_on(rng, tmp_path):
+    """A file that shrinks under a call of several mapped payloads: an EOFError (never SIGBUS) whose ``item`` is the
+    first payload the file no longer holds, through the tensor outputs' call and the torch-free one ``verify`` uses."""
+    if not cpu._native.guards_mapped_reads():
+        pytest.skip("the C kernels do not guard mapped reads here")
+    encoded = [cpu.encode(weight_like(rng, n)) for n in (5000, 7001, 3000)]
+    blobs = [payload.numpy().tobytes() for payload, _, _ in encoded]
+    path = tmp_path / "payloads.bin"
+    with open(path, "wb") as f:
+        for k, blob in enumerate(blobs):
+            f.seek(4096 * 4 * k)
+            f.write(blob)
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        views = [memoryview(mapping)[4096 * 4 * k: 4096 * 4 * k + len(b)] for k, b in enumerate(blobs)]
+        os.truncate(path, 4096 * 4)  # the second and third payloads' pages are gone
+        outs = [torch.empty(layout.n, dtype=torch.bfloat16) for _, layout, _ in encoded]
+        with pytest.raises(EOFError) as lost:
+            cpu.decode_payloads([(v, layout, codebook, out) for v, (_, layout, codebook), out
+                                 in zip(views, encoded, outs)], checksums=False)
+        assert lost.value.item == 1
+        assert torch.equal(outs[0].view(torch.int16), cpu.decode(*encoded[0]).view(torch.int16))
+        buffers = [bytearray(2 * layout.n) for _, layout, _ in encoded]
+        with pytest.raises(EOFError) as lost:
+            cpu.cpu_kernel.decode_payloads(cpu._native, [(v, layout, codebook, out) for v, (_, layout, codebook), out
+                                                         in zip(views, encoded, buffers)], checksums=False)
+        assert lost.value.item == 1
+        del views, lost  # the error's frames hold views of the mapping too
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)

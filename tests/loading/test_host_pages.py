@@ -95,6 +95,15 @@ def test_by_default_advised_unless_free_pages_are_reported(tmp_path: Path, monke
 
 
 @pytest.mark.parametrize("reporting", [False, True])
+def test_a_balloon_whose_features_cannot_be_read_is_passed_over(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 reporting: bool) -> None:
+    """A device whose ``features`` cannot be read (here a directory) neither reports nor hides another's report."""
+    _balloon(tmp_path, monkeypatch, reporting)
+    (tmp_path / "virtio_balloon" / "virtio3" / "features").mkdir(parents=True)
+    assert host_pages.reports_free_pages() is reporting
+
+
+@pytest.mark.parametrize("reporting", [False, True])
 @pytest.mark.parametrize("setting, advised", [("0", False), ("1", True)])
 def test_the_setting_wins_over_the_machine(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, advice_works: None,
                                            reporting: bool, setting: str, advised: bool) -> None:
