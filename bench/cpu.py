@@ -327,12 +327,6 @@ class BusyProcess:
         self.process.wait()
 
 
-SETTLE_SECONDS = 0.005
-"""An untimed pause after each timed load: what a method leaves to other threads once it returns (szformat releases
-a file's mapping on a helper after a load on several threads, about 1 ms for MiniLM) is done before the next
-method's clock starts, as where a program goes on with work that leaves a core free, instead of landing in it."""
-
-
 def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
                   kernels: Sequence[str] = KERNELS) -> list[dict]:
     """Time each loading method round-robin under each condition; check szformat's tensors first."""
@@ -369,7 +363,6 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
                     result = fn()
                     seconds[name].append(time.perf_counter() - start)
                     del result
-                    time.sleep(SETTLE_SECONDS)
         anchor_median = statistics.median(seconds[methods[0][0]])
         for name, _ in methods:
             median = statistics.median(seconds[name])

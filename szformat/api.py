@@ -20,7 +20,7 @@ from .format import constants as C
 from .format.header import TensorEntry, validate_name
 from .format.reader import PayloadDescriptor, SztFile
 from .format.index import load_checkpoint
-from .loading.host_decode import close_after_decode, decode_entries
+from .loading.host_decode import decode_entries
 from .loading.host_reader import HostReader, TensorSlice
 from .paths import resolve_path
 
@@ -174,7 +174,6 @@ def load_file(filename: str | os.PathLike, device: str | torch.device = "cpu", *
         names = list(file.entries) if names is None else names
         entries = [file.entry(name) for name in names]
         tensors = decode_entries(file, entries, check_stored=[verify] * len(entries), check_decoded=verify)
-        close_after_decode(file)
         return dict(zip(names, tensors))
 
     return load_checkpoint(load_shard, path)

@@ -20,14 +20,13 @@ file (write elsewhere, then rename, as :class:`SztWriter` does) never affects an
 
 from __future__ import annotations
 
-import functools
 import mmap
 import os
 import stat
 import warnings
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Sequence
+from typing import Sequence
 
 
 from .._lazy import at_rest, cpu_codec, torch
@@ -61,13 +60,6 @@ class PayloadDescriptor:
     codebook: Codebook | None
     crc32: int | None = None
     raw_crc32: int | None = None
-
-
-def _unmap(mapping: mmap.mmap) -> None:
-    try:
-        mapping.close()
-    except BufferError:
-        pass  # zero-copy views are alive; the mapping goes when the last of them does
 
 
 class SztFile:
@@ -181,18 +173,15 @@ class SztFile:
     def __exit__(self, *exc) -> None:
         self.close()
 
-    def close(self, *, unmap_elsewhere: Callable[[Callable[[], None]], bool] | None = None) -> None:
-        """Release the mapping. Payload views still alive keep it mapped until the last of them is freed.
-
-        ``unmap_elsewhere``, if given, is offered the call that unmaps (which never raises) and returns whether it
-        will run it on another thread: unmapping is the kernel releasing every page a read mapped in (about 1 ms
-        for MiniLM's 30 MB on a 2-core VM), which a caller that has what it read need not wait for.
-        """
+    def close(self) -> None:
+        """Release the mapping. Payload views still alive keep it mapped until the last of them is freed."""
         if self._mmap is not None:
             self._reads.close()
-            mapping, self._mmap = self._mmap, None
-            if unmap_elsewhere is None or not unmap_elsewhere(functools.partial(_unmap, mapping)):
-                _unmap(mapping)
+            try:
+                self._mmap.close()
+            except BufferError:
+                pass  # zero-copy views are alive; the mapping goes when the last of them does
+            self._mmap = None
 
     @property
     def metadata(self) -> dict[str, str] | None:

@@ -21,7 +21,7 @@ from typing import Callable
 
 from ..codec.cpu import one_intra_op_thread
 
-__all__ = ["IDLE_SECONDS", "hand_to_helper", "run_items"]
+__all__ = ["IDLE_SECONDS", "run_items"]
 
 IDLE_SECONDS = 1.0
 """How long a helper waits for another call before it exits: longer than the gap between a load's calls (windows,
@@ -96,14 +96,6 @@ class _Helpers:
                 threading.Thread(target=self._serve, name=THREAD_NAME, daemon=True).start()
                 self.alive += 1
 
-    def hand_over(self, task: Callable[[], None]) -> bool:
-        """Queue ``task`` for a helper if one is alive (it exits only with nothing queued); whether one was."""
-        with self.lock:
-            if not self.alive:
-                return False
-            self.waiting.put(task)
-            return True
-
     def _serve(self) -> None:
         while True:
             try:
@@ -150,10 +142,3 @@ def run_items(count: int, run_item: Callable[[int], None], threads: int) -> None
         call.end()
     if call.errors:
         raise call.errors[0]
-
-
-def hand_to_helper(task: Callable[[], None]) -> bool:
-    """Queue ``task``, which must not raise, for a helper kept from an earlier call, if one is still alive: work its
-    caller need not wait for (releasing a file's mapping once a load has what it read). Returns whether a helper
-    will run it; if not, the caller runs it itself."""
-    return _helpers.hand_over(task)

@@ -61,9 +61,9 @@ from ..format.header import TensorEntry
 from ..format.payloads import allocation_errors, decode_entry, inflate_entry, payload_errors
 from ..format.reader import SztFile, check_crc, check_decoded_payload, compare_crc
 from . import host_pages
-from .helper_threads import hand_to_helper, run_items
+from .helper_threads import run_items
 
-__all__ = ["RANGE_ELEMENTS", "close_after_decode", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
+__all__ = ["RANGE_ELEMENTS", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
            "read_around_streams", "spans_read", "windowed"]
 
 RANGE_ELEMENTS = 1 << 23
@@ -327,14 +327,6 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
             tensors.append(job.out.view(torch.uint8) if dtypes is None
                            else job.out.view(dtypes[i]).reshape(job.entry.shape))
     return tensors
-
-
-def close_after_decode(file: SztFile, threads: int | None = None) -> None:
-    """Close a file whose tensors are decoded: where the decode ran on more than one thread (``threads`` as for
-    :func:`decode_entries`), a helper it kept releases the mapping while the caller goes on (about 1 ms for MiniLM
-    on a 2-core VM, 5 % of its load on two threads: ``bench/RESULTS.md``, "CPU loading"); on one thread, the caller
-    does."""
-    file.close(unmap_elsewhere=hand_to_helper if _thread_count(threads) > 1 else None)
 
 
 def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int | None]:

@@ -1,5 +1,5 @@
 """Helper threads kept between calls: every item runs once, on the caller's thread and helpers, one intra-op thread
-each; helpers serve the next call (and work handed to them) and exit once idle; a call never waits for a helper busy elsewhere; the first
+each; helpers serve the next call and exit once idle; a call never waits for a helper busy elsewhere; the first
 error stops every thread; a forked child gets helpers of its own."""
 
 from __future__ import annotations
@@ -100,23 +100,6 @@ def test_what_a_helper_cached_goes_with_it(short_idle) -> None:
     _wait_for_no_helpers(limit=2.0)
     gc.collect()
     assert freed.wait(2.0)
-
-
-def test_work_is_handed_to_a_kept_helper_only_while_one_is_alive(short_idle, monkeypatch) -> None:
-    monkeypatch.setattr(helper_threads, "IDLE_SECONDS", 1.0)
-    ran_on: list[threading.Thread] = []
-    done = threading.Event()
-
-    def task() -> None:
-        ran_on.append(threading.current_thread())
-        done.set()
-
-    assert not helper_threads.hand_to_helper(task)  # none alive: the caller runs it
-    helpers = set(_threads_of(4, 2)) - {threading.current_thread()}
-    assert helper_threads.hand_to_helper(task)
-    assert done.wait(5) and set(ran_on) <= helpers and len(ran_on) == 1
-    _wait_for_no_helpers(limit=4.0)
-    assert not helper_threads.hand_to_helper(task)
 
 
 def test_a_call_does_not_wait_for_helpers_busy_elsewhere(short_idle) -> None:

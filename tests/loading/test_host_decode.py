@@ -12,7 +12,7 @@ import torch
 
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
-from szformat.errors import ChecksumMismatchError, ClosedFileError, PayloadError
+from szformat.errors import ChecksumMismatchError, PayloadError
 from szformat.format.reader import SztFile
 from szformat.loading import host_decode
 
@@ -429,35 +429,3 @@ def test_the_jobs_are_made_on_one_intra_op_thread(tmp_path, two_threads, monkeyp
     loaded = load_file(path)
     assert all(torch.equal(_bits(loaded[k]), _bits(v)) for k, v in _tensors().items())
     assert seen and set(seen) == {1} and torch.get_num_threads() == 2
-
-
-@pytest.mark.parametrize("threads", [1, 2])
-def test_a_loaded_file_is_unmapped_by_a_helper_only_after_a_load_on_several_threads(tmp_path, monkeypatch, threads):
-    """The mapping is released on a kept helper after a load on several threads; on one thread, by the caller: a
-    load asked to run on one thread uses no other."""
-    save_file(_tensors(), tmp_path / "m.szt")
-    handed: list = []
-    monkeypatch.setattr(host_decode, "hand_to_helper", lambda task: handed.append(task) or True)
-    torch_threads = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        loaded = load_file(tmp_path / "m.szt")
-    finally:
-        torch.set_num_threads(torch_threads)
-    assert all(torch.equal(_bits(loaded[k]), _bits(v)) for k, v in _tensors().items())
-    assert len(handed) == (threads > 1)
-    if handed:
-        (mapping,) = [m for m in handed[0].args]
-        assert not mapping.closed  # handed over, not yet released
-        handed[0]()
-        assert mapping.closed
-
-
-def test_close_releases_the_mapping_where_the_hand_off_is_refused(tmp_path):
-    save_file(_tensors(), tmp_path / "m.szt")
-    file = SztFile(tmp_path / "m.szt")
-    mapping = file.buffer
-    file.close(unmap_elsewhere=lambda task: False)
-    assert mapping.closed
-    with pytest.raises(ClosedFileError, match="m.szt"):
-        file.buffer
