@@ -290,20 +290,27 @@ def print_table(rows: list[Row]) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def load_checkpoints(model: Path, work: Path) -> list[tuple[str, Path, Path]]:
-    """``(label, safetensors, szt)`` for MiniLM and the synthetic checkpoint, converted once into ``work``."""
+def converted(label: str, source: Path, target: Path) -> tuple[str, Path, Path]:
+    """``(label, source, target)``, ``source`` converted into ``target`` unless that was done before."""
+    if not target.exists():
+        target.parent.mkdir(parents=True, exist_ok=True)
+        convert(source, target)
+    return label, source, target
+
+
+def minilm_checkpoint(model: Path, work: Path) -> tuple[str, Path, Path]:
+    """``(label, safetensors, szt)`` for MiniLM, converted once into ``work``."""
+    return converted("MiniLM", model, work / "minilm.szt")
+
+
+def synthetic_checkpoint(work: Path) -> tuple[str, Path, Path]:
+    """``(label, safetensors, szt)`` for the synthetic checkpoint, generated and converted once into ``work``."""
     work.mkdir(parents=True, exist_ok=True)
     synthetic = work / "tinyllama-shapes-bf16.safetensors"
     if not synthetic.exists():
         print(f"generating {synthetic} ...", flush=True)
         generate(synthetic)
-    made = []
-    for label, source, target in (("MiniLM", model, work / "minilm.szt"),
-                                  ("synthetic 2.2 GB", synthetic, work / "tinyllama-shapes-bf16.szt")):
-        if not target.exists():
-            convert(source, target)
-        made.append((label, source, target))
-    return made
+    return converted("synthetic 2.2 GB", synthetic, work / "tinyllama-shapes-bf16.szt")
 
 
 def read_through(*paths: Path) -> None:
@@ -559,19 +566,15 @@ def main(argv: list[str] | None = None) -> int:
         print_table(rows)
     if "load" in sections:
         rows = []
-        for label, st_path, szt_path in load_checkpoints(model, args.work):
+        for label, st_path, szt_path in (minilm_checkpoint(model, args.work), synthetic_checkpoint(args.work)):
             rows.extend(bench_loading(label, st_path, szt_path, args.repeats, kernels))
         print_loading_table(rows)
     if "first" in sections:
-        minilm = args.work / "minilm.szt"
-        if not minilm.exists():
-            args.work.mkdir(parents=True, exist_ok=True)
-            convert(model, minilm)
-        print_first_load_table(bench_first_loads("MiniLM", model, minilm, args.repeats))
+        print_first_load_table(bench_first_loads(*minilm_checkpoint(model, args.work), args.repeats))
     if "first-large" in sections:
-        print_first_load_table(bench_first_loads(*load_checkpoints(model, args.work)[1], args.repeats))
+        print_first_load_table(bench_first_loads(*synthetic_checkpoint(args.work), args.repeats))
     if "slices" in sections:
-        _, st_path, szt_path = load_checkpoints(model, args.work)[1]
+        _, st_path, szt_path = synthetic_checkpoint(args.work)
         print_slices_table(bench_slices(st_path, szt_path, args.repeats))
     return 0
 

@@ -10,7 +10,8 @@ import sys
 from types import ModuleType
 from typing import Any, Callable, Mapping
 
-__all__ = ["LazyModule", "at_rest", "atomic", "attributes_on_first_use", "byte_planes", "cpu_codec", "torch", "zstandard"]
+__all__ = ["LazyModule", "at_rest", "atomic", "attributes_on_first_use", "byte_planes", "cpu_codec", "torch",
+           "zstandard"]
 
 
 class LazyModule:

@@ -323,6 +323,20 @@ def test_the_cpu_benchmark_runs_its_codec_and_first_load_sections_on_a_small_mod
         assert all(re.fullmatch(r"\d+ / \d+ / \d+", line.split("|")[-2].strip()) for line in first), done.stdout
 
 
+def test_first_loads_without_the_kernels_counters_print_dashes(monkeypatch, capsys):
+    """Where ``/proc/vmstat`` cannot be read (not Linux) the memory events are absent, not zero: the table says so."""
+    from bench import cpu as bench_cpu
+
+    def unreadable(*args, **kwargs):
+        raise FileNotFoundError("/proc/vmstat")
+
+    monkeypatch.setattr(bench_cpu, "open", unreadable, raising=False)
+    assert bench_cpu.memory_events() == {}
+    bench_cpu.print_first_load_table([{"data": "MiniLM", "threads": 1, "loader": "szt", "median_s": 0.05,
+                                       "best_s": 0.04, "load_s": 0.03, "vs_anchor": 0.8}])
+    assert capsys.readouterr().out.splitlines()[-1].endswith("| - / - / - |")
+
+
 def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
     """A misspelt section is an error naming the sections, not a run that times nothing."""
     done = _run_module("bench.cpu", "--sections", "load,frist")
