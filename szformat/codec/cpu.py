@@ -281,7 +281,7 @@ def encode_into(x: torch.Tensor, codebook: Codebook, layout: PayloadLayout, payl
         raise ValueError(f"the codebook leaves {position.size} escapes, the layout expects {layout.n_esc}")
     _write_padding(data, layout)
     if layout.n_esc:
-        chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
+        chunk_id, local_pos, esc_val = _escape_streams(data, layout)
         chunk_id[:] = position // layout.chunk_size
         local_pos[:] = position % layout.chunk_size
         esc_val[:] = _small_exponents(source[position])
@@ -472,12 +472,15 @@ def encode(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[torch.Ten
 # ---------------------------------------------------------------------------------------------------------------
 
 
-def _check_payload(payload: torch.Tensor, layout: PayloadLayout) -> None:
+def _check_payload(payload: torch.Tensor, layout: PayloadLayout, needed: int | None = None) -> None:
+    """Raise ValueError unless ``payload`` is flat contiguous uint8 of at least ``needed`` bytes (by default the
+    layout's whole payload)."""
+    needed = layout.comp_bytes if needed is None else needed
     if payload.dtype != torch.uint8 or payload.dim() != 1 or not payload.is_contiguous():
         raise ValueError(f"a payload is a flat contiguous uint8 tensor, got {payload.dtype} of shape "
                          f"{tuple(payload.shape)}")
-    if payload.numel() < layout.comp_bytes:
-        raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {layout.comp_bytes}")
+    if payload.numel() < needed:
+        raise ValueError(f"payload holds {payload.numel()} bytes, its layout needs {needed}")
 
 
 def _check_out(out: torch.Tensor, count: int) -> None:
@@ -485,28 +488,30 @@ def _check_out(out: torch.Tensor, count: int) -> None:
         raise ValueError(f"out must be a contiguous bfloat16 tensor of {count} elements")
 
 
-def _escape_streams(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """NumPy views of the escape streams of a payload: chunk_id (<i4), local_pos (<u2), esc_val (u1).
+def _escape_streams(data: np.ndarray, layout: PayloadLayout, base: int = 0
+                   ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """NumPy views of the escape streams of a payload: chunk_id (<i4), local_pos (<u2), esc_val (u1). ``data`` holds
+    the payload's bytes from its byte ``base`` on (the whole payload, or the bytes after its ``sm`` stream).
 
     Explicit little-endian dtypes, and NumPy reads unaligned views, so any payload offset on any host works.
     """
     n_esc = layout.n_esc
-    data = payload.cpu().numpy()
-    chunk_id = data[layout.off_cid: layout.off_lpos].view(_LE_INT32)
-    local_pos = data[layout.off_lpos: layout.off_lpos + 2 * n_esc].view(_LE_UINT16)
-    esc_val = data[layout.off_ev: layout.off_ev + n_esc]
+    chunk_id = data[layout.off_cid - base: layout.off_lpos - base].view(_LE_INT32)
+    local_pos = data[layout.off_lpos - base: layout.off_lpos - base + 2 * n_esc].view(_LE_UINT16)
+    esc_val = data[layout.off_ev - base: layout.off_ev - base + n_esc]
     return chunk_id, local_pos, esc_val
 
 
-def _validated_escapes(payload: torch.Tensor, layout: PayloadLayout) -> tuple[np.ndarray, np.ndarray]:
-    """Escape positions (int64, ascending) and raw exponents (uint8), after checking the streams.
+def _validated_escapes(data: np.ndarray, layout: PayloadLayout, base: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """Escape positions (int64, ascending) and raw exponents (uint8), after checking the streams (``data``: the
+    payload's bytes from its byte ``base`` on, as :func:`_escape_streams` reads them).
 
     The checks run in a fixed order (local position, chunk id, position, order), so a stream that breaks several
     rules always gets the same message.
     """
     if layout.n_esc == 0:
         return np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.uint8)
-    chunk_id, local_pos, esc_val = _escape_streams(payload, layout)
+    chunk_id, local_pos, esc_val = _escape_streams(data, layout, base)
     if local_pos.max() >= layout.chunk_size:
         raise ValueError(f"escape local position {local_pos.max()} is outside its chunk of {layout.chunk_size}")
     if chunk_id.min() < 0 or chunk_id.max() >= layout.n_chunks:
@@ -525,7 +530,7 @@ def escape_positions(payload: torch.Tensor, layout: PayloadLayout) -> torch.Tens
     Raises:
         ValueError: the escape stream is inconsistent; callers wrap it with the file and tensor name.
     """
-    return torch.from_numpy(_validated_escapes(payload, layout)[0])
+    return torch.from_numpy(_validated_escapes(payload.cpu().numpy(), layout)[0])
 
 
 @functools.lru_cache(maxsize=4096)
@@ -659,14 +664,43 @@ class PayloadDecoder:
 
     def __init__(self, payload: torch.Tensor, layout: PayloadLayout, codebook: Codebook):
         _check_payload(payload, layout)
+        data = payload.numpy()
+        self._take(payload, data[layout.off_pk + layout.n_pairs: layout.off_sm], data[layout.off_sm + layout.n:],
+                   layout, codebook)
+
+    @classmethod
+    def around_streams(cls, around: torch.Tensor, layout: PayloadLayout, codebook: Codebook) -> PayloadDecoder:
+        """A decoder given only the bytes of a payload around its ``pk`` and ``sm`` streams, for a caller that hands
+        every call its range's streams (views of a file's mapping, a thread's scratch): ``around`` (flat uint8) holds
+        the padding between the two streams, then every stored byte after ``sm`` (the escape streams). A load then holds a few kilobytes per tensor besides its outputs
+        instead of a buffer of the stored size, whose allocation and release moved glibc's heap thresholds so that
+        loads repeated in one process faulted their outputs in anew (``bench/RESULTS.md``, "CPU loading").
+
+        Raises:
+            ValueError: ``around`` is too short for the layout's escape streams, or they break a rule.
+        """
+        gap = layout.off_sm - layout.off_pk - layout.n_pairs
+        _check_payload(around, layout, needed=layout.comp_bytes - layout.off_sm - layout.n + gap)
+        data = around.numpy()
+        decoder = cls.__new__(cls)
+        decoder._take(None, data[:gap], data[gap:], layout, codebook)
+        return decoder
+
+    def _take(self, payload: torch.Tensor | None, gap: np.ndarray, tail: np.ndarray, layout: PayloadLayout,
+              codebook: Codebook) -> None:
+        """Keep the payload (``None``: its streams come with every call), the bytes between its streams and after
+        them, and the escapes validated from the latter."""
         self.payload, self.layout, self.codebook = payload, layout, codebook
-        self.position, self.esc_val = _validated_escapes(payload, layout)
+        self._gap, self._tail = gap, tail
+        self.position, self.esc_val = _validated_escapes(tail, layout, base=layout.off_sm + layout.n)
         self.table = _pair_exponent_table(codebook.dec_lut)
         self.lut = bytes(codebook.dec_lut)
 
     def streams(self, start: int, stop: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The ``pk`` bytes (of pairs ``start // 2`` to ``(stop + 1) // 2``) and ``sm`` bytes that decoding elements
         ``[start, stop)`` reads, as views of the payload."""
+        if self.payload is None:
+            raise ValueError("this decoder holds only the bytes around the streams: each call is given its streams")
         layout = self.layout
         return (self.payload[layout.off_pk + start // 2: layout.off_pk + (stop + 1) // 2],
                 self.payload[layout.off_sm + start: layout.off_sm + stop])
@@ -805,7 +839,7 @@ class PayloadDecoder:
     def stored_crc(self, ranges: Sequence[tuple[int, int, RangeChecksums]]) -> int:
         """The CRC-32 of the whole payload from the checksums of ranges ``(start, stop, checksums)`` that cover
         ``[0, n)`` in order, and the bytes between and after the streams (padding, escape streams)."""
-        layout, data = self.layout, self.payload.numpy()
+        layout = self.layout
         cursor = 0
         for start, stop, _ in ranges:
             if start != cursor:
@@ -814,9 +848,9 @@ class PayloadDecoder:
         if cursor != layout.n:
             raise ValueError(f"checked ranges cover {cursor} of {layout.n} elements")
         crc = crc32_join((c.pk, (stop + 1) // 2 - start // 2) for start, stop, c in ranges)
-        crc = crc32(data[layout.off_pk + layout.n_pairs: layout.off_sm], crc)
+        crc = crc32(self._gap, crc)
         crc = crc32_combine(crc, crc32_join((c.sm, stop - start) for start, stop, c in ranges), layout.n)
-        return crc32(data[layout.off_sm + layout.n:], crc)
+        return crc32(self._tail, crc)
 
 
 def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, torch.Tensor]], *, checksums: bool

@@ -63,8 +63,8 @@ from ..format.reader import SztFile, check_crc, check_decoded_payload, compare_c
 from . import host_pages
 from .helper_threads import run_items
 
-__all__ = ["RANGE_ELEMENTS", "decode_entries", "decode_windows", "mapped_reads", "mapped_streams",
-           "read_around_streams", "spans_read", "windowed"]
+__all__ = ["RANGE_ELEMENTS", "around_streams_length", "decode_entries", "decode_windows", "mapped_reads",
+           "mapped_streams", "read_around_streams", "spans_read", "windowed"]
 
 RANGE_ELEMENTS = 1 << 23
 """Elements decoded per range: 16 MiB of BF16 out, 12 MiB in, a few ms of work, checksummed block by block inside
@@ -252,12 +252,25 @@ def _stream_bytes(entry: TensorEntry, start: int, stop: int) -> tuple[tuple[int,
             (layout.off_sm + start, layout.off_sm + stop))
 
 
-def read_around_streams(file: SztFile, entry: TensorEntry, payload: torch.Tensor) -> None:
-    """Read the stored bytes of a SplitZip tensor in the in-memory form that are not its ``pk`` and ``sm`` streams
-    (the padding between them, the escape streams) into ``payload`` (flat uint8 of its stored size), at their
-    offsets: what a decoder checks and patches escapes from, while the streams are read range by range."""
+def read_around_streams(file: SztFile, entry: TensorEntry, into: torch.Tensor) -> PayloadDecoder:
+    """The decoder of a SplitZip tensor in the in-memory form whose streams are read range by range: the stored bytes
+    that are not its ``pk`` and ``sm`` streams (the padding between them, the escape streams) read one after the
+    other into ``into`` (flat uint8 of :func:`around_streams_length` bytes), what it checks and patches escapes
+    from (:meth:`PayloadDecoder.around_streams`).
+
+    Raises:
+        ValueError: the escape streams break a rule.
+    """
+    cursor = 0
     for lo, hi in _around_streams(entry):
-        file.read(entry.name, lo, hi, out=payload[lo:hi])
+        file.read(entry.name, lo, hi, out=into[cursor: cursor + hi - lo])
+        cursor += hi - lo
+    return PayloadDecoder.around_streams(into, entry.layout, entry.codebook)
+
+
+def around_streams_length(entry: TensorEntry) -> int:
+    """Bytes of a SplitZip tensor in the in-memory form around its ``pk`` and ``sm`` streams: a few kilobytes."""
+    return sum(hi - lo for lo, hi in _around_streams(entry))
 
 
 def spans_read(entry: TensorEntry, start: int, stop: int) -> list[tuple[int, int]]:
@@ -386,7 +399,7 @@ def decode_windows(file: SztFile, entry: TensorEntry, buffer: torch.Tensor, *,
     per_window = min(room // step, threads) * step if step else 0  # a range per thread: the window stays in cache
     if per_window == 0:
         raise ValueError(f"a window needs a buffer of at least 4 bytes, got {buffer.numel()}")
-    payload = torch.empty(entry.length, dtype=torch.uint8)  # only the bytes around the streams are touched
+    payload = torch.empty(around_streams_length(entry), dtype=torch.uint8)
     with allocation_errors(file.path, entry.name):
         job = _new_job(file, entry, True, True, payload, buffer[: 2 * per_window], range_elements=step)
     per_range = per_window // step
@@ -408,19 +421,16 @@ def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
 def _held_bytes(entry: TensorEntry) -> int:
     """Memory a tensor's job fills besides its output while its group runs: the stored bytes of a tensor stored at
     rest (read whole) and what they inflate to; of a SplitZip tensor in the in-memory form read range by range,
-    the bytes around its streams (padding, escape streams: its payload buffer's other pages are never touched);
-    nothing for a tensor stored raw (read into its output) or read whole into a thread's scratch."""
+    the bytes around its streams (padding, escape streams); nothing for a tensor stored raw (read into its output) or read whole into a thread's scratch."""
     if entry.at_rest is not None:
         return entry.length + (entry.memory_length if entry.encoding != ENCODING_RAW else 0)
-    if entry.encoding == ENCODING_RAW or _whole(entry):
-        return 0
-    return entry.length - entry.layout.n_pairs - entry.layout.n
+    return _read_length(entry)
 
 
 def _read_length(entry: TensorEntry) -> int:
-    """Bytes of the group's payload buffer a tensor takes: its stored bytes when they are read range by range (a
+    """Bytes of the group's buffer a tensor takes: the bytes around its streams when they are read range by range (a
     SplitZip payload in the in-memory form, unless it is read whole), else none."""
-    return entry.length if entry.encoding != ENCODING_RAW and entry.at_rest is None and not _whole(entry) else 0
+    return around_streams_length(entry) if _ranged(entry) and entry.at_rest is None else 0
 
 
 def _whole(entry: TensorEntry) -> bool:
@@ -469,16 +479,15 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
                     _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
                     (at_rest.StoredView(stored), entry.segments()))
     layout, reads = entry.layout, entry.at_rest is None
-    if reads:
-        read_around_streams(file, entry, payload)
-    else:
+    if not reads:
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         payload = inflate_entry(file.path, entry, stored)
         del stored
     try:
-        decoder = PayloadDecoder(payload, layout, entry.codebook)
+        decoder = (read_around_streams(file, entry, payload) if reads
+                   else PayloadDecoder(payload, layout, entry.codebook))
     except ValueError as e:
         if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke
             check_crc(file.read(entry.name), entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)

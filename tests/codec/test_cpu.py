@@ -593,6 +593,42 @@ def test_checked_ranges_join_to_the_checksums_of_the_payload_and_of_the_tensor(n
         decoder.decode_checked(1, n, torch.empty(max(0, n - 1), dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("n", [0, 1, 2, 7, 2 * CHUNK_SIZE + 1, 9001, 70_002])
+def test_a_decoder_of_the_bytes_around_the_streams_decodes_and_checks_as_one_of_the_whole_payload(
+        n, rng, checksums_in_kernel):
+    """What a load decodes a large tensor with: only the padding between the streams and the escape streams in a
+    buffer of their own, each range handed its streams (copies here: the whole payload is never read)."""
+    x = weight_like(rng, n, scale=0.5)
+    specials = from_bits(special_values())
+    for _ in range(n // 300 + 1):
+        if n:
+            x[rng.randrange(n)] = specials[rng.randrange(specials.numel())]
+    payload, layout, codebook = cpu.encode(x, cpu.calibrate(weight_like(rng, 1000)))
+    data = payload.numpy()
+    around = torch.from_numpy(np.concatenate((data[layout.n_pairs: layout.off_sm], data[layout.off_sm + n:])))
+    whole = cpu.PayloadDecoder(payload, layout, codebook)
+    decoder = cpu.PayloadDecoder.around_streams(around.clone(), layout, codebook)
+    assert np.array_equal(decoder.position, whole.position) and np.array_equal(decoder.esc_val, whole.esc_val)
+    cuts = sorted({0, n} | {2 * rng.randrange(n // 2 + 1) for _ in range(4)})
+    out = torch.full((n,), 7.0, dtype=torch.bfloat16)
+    ranges = [(a, b, decoder.decode_checked(a, b, out[a:b], streams=tuple(s.clone() for s in whole.streams(a, b))))
+              for a, b in zip(cuts, cuts[1:])] or [(0, 0, decoder.decode_checked(0, 0, out, streams=whole.streams(0, 0)))]
+    assert torch.equal(out.view(torch.int16), x.view(torch.int16))
+    assert decoder.stored_crc(ranges) == zlib.crc32(data.tobytes())
+    with pytest.raises(ValueError, match="given its streams"):
+        decoder.decode(0, n, out)
+    if layout.n_esc:
+        with pytest.raises(ValueError, match=f"needs {around.numel()}"):
+            cpu.PayloadDecoder.around_streams(around[:-1], layout, codebook)
+        data[layout.off_lpos: layout.off_lpos + 2] = 0xFF  # a local position past its chunk, refused alike
+        around[layout.off_lpos - n - layout.n_pairs:][:2] = 0xFF  # payload byte p past sm: around's p - n - n_pairs
+        with pytest.raises(ValueError) as from_whole:
+            cpu.PayloadDecoder(payload, layout, codebook)
+        with pytest.raises(ValueError) as from_around:
+            cpu.PayloadDecoder.around_streams(around, layout, codebook)
+        assert str(from_around.value) == str(from_whole.value) and "local position" in str(from_whole.value)
+
+
 @pytest.mark.parametrize("n", [0, 1, 9001, 4 * 8192 + 3])
 def test_a_whole_payload_decoded_with_its_crc(n, rng, checksums_in_kernel):
     x = weight_like(rng, n, scale=0.5)

@@ -13,6 +13,7 @@ import torch
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
 from szformat.errors import ChecksumMismatchError, PayloadError
+from szformat.format.constants import ENCODING_RAW
 from szformat.format.reader import SztFile
 from szformat.loading import host_decode
 
@@ -309,6 +310,38 @@ def test_groups_are_cut_by_the_bytes_jobs_fill_besides_their_outputs(tmp_path, s
         assert all(h < 100 for h in held) if at_rest is None else all(h > 10_000 for h in held)
         assert host_decode._groups(entries) == expected
         assert all(torch.equal(_bits(t), _bits(source[k])) for k, t in load_file(path).items())
+
+
+@pytest.mark.parametrize("reads", ["mapped", "pread"])
+def test_a_load_allocates_only_the_bytes_around_the_streams_besides_its_outputs(tmp_path, small_ranges, two_threads,
+                                                                                monkeypatch, reads):
+    """A tensor decoded range by range keeps only its padding and escape streams in a buffer of the load's, not a
+    buffer of its stored size: one allocated and freed at every load moved glibc's heap thresholds so that loads
+    repeated in one process faulted their outputs in anew (``bench/RESULTS.md``, "CPU loading")."""
+    _reads_through(monkeypatch, reads, True)
+    source = _tensors()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    with SztFile(path) as f:
+        entries = [f.entry(name) for name in source]
+    ranged = [e for e in entries if host_decode._ranged(e)]
+    assert {e.name for e in ranged} >= {"big", "wide"}
+    raw_outputs = {e.length for e in entries if e.encoding == ENCODING_RAW}
+    allocated: list[int] = []
+    real = torch.empty
+
+    def spy(*args, **kwargs) -> torch.Tensor:
+        tensor = real(*args, **kwargs)
+        if tensor.dtype == torch.uint8:
+            allocated.append(tensor.numel())
+        return tensor
+
+    monkeypatch.setattr(torch, "empty", spy)
+    loaded = load_file(path)
+    assert all(torch.equal(_bits(loaded[k]), _bits(v)) for k, v in source.items())
+    buffers = [n for n in allocated if n not in raw_outputs and n < host_decode.SCRATCH_BYTES]  # not a thread's
+    assert buffers == [sum(host_decode.around_streams_length(e) for e in ranged)]
+    assert buffers[0] < sum(e.length for e in ranged) // 20
 
 
 @pytest.mark.parametrize("thread_bytes, threads", [(1, 2), (10**9, 1)])
