@@ -672,9 +672,10 @@ class PayloadDecoder:
     def around_streams(cls, around: torch.Tensor, layout: PayloadLayout, codebook: Codebook) -> PayloadDecoder:
         """A decoder given only the bytes of a payload around its ``pk`` and ``sm`` streams, for a caller that hands
         every call its range's streams (views of a file's mapping, a thread's scratch): ``around`` (flat uint8) holds
-        the padding between the two streams, then every stored byte after ``sm`` (the escape streams). A load then holds a few kilobytes per tensor besides its outputs
-        instead of a buffer of the stored size, whose allocation and release moved glibc's heap thresholds so that
-        loads repeated in one process faulted their outputs in anew (``bench/RESULTS.md``, "CPU loading").
+        the padding between the two streams, then every stored byte after ``sm`` (the escape streams). A load then
+        holds a few kilobytes per tensor besides its outputs instead of a buffer of the stored size, whose allocation
+        and release moved glibc's heap thresholds so that loads repeated in one process faulted their outputs in
+        anew (``bench/RESULTS.md``, "CPU loading").
 
         Raises:
             ValueError: ``around`` is too short for the layout's escape streams, or they break a rule.

@@ -252,20 +252,16 @@ def _stream_bytes(entry: TensorEntry, start: int, stop: int) -> tuple[tuple[int,
             (layout.off_sm + start, layout.off_sm + stop))
 
 
-def read_around_streams(file: SztFile, entry: TensorEntry, into: torch.Tensor) -> PayloadDecoder:
-    """The decoder of a SplitZip tensor in the in-memory form whose streams are read range by range: the stored bytes
-    that are not its ``pk`` and ``sm`` streams (the padding between them, the escape streams) read one after the
-    other into ``into`` (flat uint8 of :func:`around_streams_length` bytes), what it checks and patches escapes
-    from (:meth:`PayloadDecoder.around_streams`).
-
-    Raises:
-        ValueError: the escape streams break a rule.
-    """
+def read_around_streams(file: SztFile, entry: TensorEntry, into: torch.Tensor) -> torch.Tensor:
+    """Read the stored bytes of a SplitZip tensor in the in-memory form that are not its ``pk`` and ``sm`` streams
+    (the padding between them, the escape streams) one after the other into ``into`` (flat uint8 of
+    :func:`around_streams_length` bytes) and return it: what its decoder checks and patches escapes from
+    (:meth:`PayloadDecoder.around_streams`), while the streams are read range by range."""
     cursor = 0
     for lo, hi in _around_streams(entry):
         file.read(entry.name, lo, hi, out=into[cursor: cursor + hi - lo])
         cursor += hi - lo
-    return PayloadDecoder.around_streams(into, entry.layout, entry.codebook)
+    return into
 
 
 def around_streams_length(entry: TensorEntry) -> int:
@@ -421,7 +417,8 @@ def _groups(entries: Sequence[TensorEntry]) -> list[list[int]]:
 def _held_bytes(entry: TensorEntry) -> int:
     """Memory a tensor's job fills besides its output while its group runs: the stored bytes of a tensor stored at
     rest (read whole) and what they inflate to; of a SplitZip tensor in the in-memory form read range by range,
-    the bytes around its streams (padding, escape streams); nothing for a tensor stored raw (read into its output) or read whole into a thread's scratch."""
+    the bytes around its streams (padding, escape streams); nothing for a tensor stored raw (read into its output)
+    or read whole into a thread's scratch."""
     if entry.at_rest is not None:
         return entry.length + (entry.memory_length if entry.encoding != ENCODING_RAW else 0)
     return _read_length(entry)
@@ -479,14 +476,16 @@ def _new_job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decode
                     _ranges(entry.raw_length, -(-RAW_RANGE_BYTES // frame) * frame),
                     (at_rest.StoredView(stored), entry.segments()))
     layout, reads = entry.layout, entry.at_rest is None
-    if not reads:
+    if reads:
+        read_around_streams(file, entry, payload)
+    else:
         stored = file.read(entry.name)
         if check_stored:
             check_crc(stored, entry.crc32, what="stored bytes", path=file.path, tensor=entry.name)
         payload = inflate_entry(file.path, entry, stored)
         del stored
     try:
-        decoder = (read_around_streams(file, entry, payload) if reads
+        decoder = (PayloadDecoder.around_streams(payload, layout, entry.codebook) if reads
                    else PayloadDecoder(payload, layout, entry.codebook))
     except ValueError as e:
         if check_stored and reads:  # corrupt bytes are reported as such, whatever they broke

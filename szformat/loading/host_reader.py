@@ -222,7 +222,7 @@ class HostReader:
         handed the payload's decoder and these elements' ``pk`` and ``sm`` bytes as views of the mapping. A rank of a
         tensor-parallel load so copies nothing it does not keep."""
         file, name = self.file, entry.name
-        around = self._buffer(host_decode.around_streams_length(entry))
+        around = host_decode.read_around_streams(file, entry, self._buffer(host_decode.around_streams_length(entry)))
         try:
             if self._unchecked(entry):
                 checks = self._checks(entry, host_decode.spans_read(entry, start, stop))
@@ -230,7 +230,7 @@ class HostReader:
                     self._compare(entry, guarded_crc32(file.mapped(name, check[0], check[1])), check)
                 self._checked(entry, checks)
             with payload_errors(file.path, name):
-                decoder = host_decode.read_around_streams(file, entry, around)
+                decoder = PayloadDecoder.around_streams(around, entry.layout, entry.codebook)
             decode(decoder, host_decode.mapped_streams(file, entry, start, stop))
         except EOFError:  # a guarded call could not read a page of the mapping
             raise file.mapped_read_error(name) from None
