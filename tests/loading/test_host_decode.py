@@ -12,7 +12,7 @@ import torch
 
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
-from szformat.errors import ChecksumMismatchError, PayloadError
+from szformat.errors import ChecksumMismatchError, PayloadError, TruncatedFileError
 from szformat.format.constants import ENCODING_RAW
 from szformat.format.reader import SztFile
 from szformat.loading import host_decode
@@ -342,6 +342,26 @@ def test_a_load_allocates_only_the_bytes_around_the_streams_besides_its_outputs(
     buffers = [n for n in allocated if n not in raw_outputs and n < host_decode.SCRATCH_BYTES]  # not a thread's
     assert buffers == [sum(host_decode.around_streams_length(e) for e in ranged)]
     assert buffers[0] < sum(e.length for e in ranged) // 20
+
+
+@pytest.mark.parametrize("verify", [True, False])
+@pytest.mark.parametrize("reader", ["load", "get_tensor"])
+def test_a_file_cut_in_the_escape_streams_after_it_was_opened_is_refused_as_truncated(tmp_path, small_ranges, verify,
+                                                                                       reader):
+    """The bytes around a tensor's streams are read before its decoder checks its escapes: a read that finds the file
+    cut short is a TruncatedFileError naming the file and the tensor, not a PayloadError about the escapes."""
+    path = tmp_path / "cut.szt"
+    save_file(_tensors(), path)
+    with SztFile(path) as f, safe_open(path, "pt", verify=verify) as opened:
+        entry = f.entry("big")
+        assert host_decode._ranged(entry) and entry.layout.n_esc
+        os.truncate(path, entry.offset + entry.length - 1)  # the last escape byte
+        with pytest.raises(TruncatedFileError, match="big") as info:
+            if reader == "load":
+                host_decode.decode_entries(f, [entry], check_stored=[verify], check_decoded=verify)
+            else:
+                opened.get_tensor("big")
+    assert "cut.szt" in str(info.value)
 
 
 @pytest.mark.parametrize("thread_bytes, threads", [(1, 2), (10**9, 1)])
