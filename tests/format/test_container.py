@@ -170,6 +170,46 @@ def test_header_round_trips_through_msgpack(tmp_path):
     assert entry.encoding == "splitzip" and entry.layout.n == 64 * 96 and entry.codebook.n_used <= 16
 
 
+@pytest.fixture
+def collector_state():
+    """Python's collector as it was before the test, whatever the test turns on or off."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was_enabled else gc.disable)()
+
+
+def test_a_header_is_parsed_with_the_collector_paused(tmp_path, monkeypatch, collector_state):
+    """The unpacked tree, freed once parsed, would otherwise set off collections of the whole process; the collector
+    is on again after a parse, or a refusal, and stays off where the program turned it off."""
+    import gc
+
+    import szformat.format.header as header_module
+
+    tensors = {f"layers.{i}.weight": ("BF16", torch.full((4,), float(i), dtype=torch.bfloat16)) for i in range(20)}
+    path = write(tmp_path / "m.szt", tensors)
+    with SztFile(path) as f:
+        raw, alignment = f.header.to_bytes(), f.alignment
+    offset = struct.unpack_from("<Q", path.read_bytes(), 16)[0]
+    collecting: list[bool] = []
+    real = header_module._parse_entry
+    monkeypatch.setattr(header_module, "_parse_entry",
+                        lambda *args, **kwargs: collecting.append(gc.isenabled()) or real(*args, **kwargs))
+    parse_header.__wrapped__(raw, path=path, alignment=alignment, header_offset=offset)
+    assert collecting == [True] * 20  # the control: unpaused
+    collecting.clear()
+    assert len(parse_header(raw, path=path, alignment=alignment, header_offset=offset).tensors) == 20
+    assert collecting == [False] * 20 and gc.isenabled()
+    with pytest.raises(HeaderError, match="header must be a map"):
+        parse_header(msgpack.packb([1, 2]), path=path, alignment=alignment, header_offset=offset)
+    assert gc.isenabled()
+    gc.disable()
+    parse_header(raw, path=path, alignment=alignment, header_offset=offset)
+    assert not gc.isenabled()
+
+
 def test_header_key_order_is_what_the_spec_lists(tmp_path):
     path = write(tmp_path / "m.szt", TENSORS, metadata={"format": "pt"})
     data = path.read_bytes()
