@@ -27,7 +27,12 @@ Loading rows (``--sections load``), on MiniLM and on a TinyLlama-shaped syntheti
 
 each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and with the default threads while
 one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
-``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor).
+``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor). Before this section
+glibc's malloc thresholds are pinned (:func:`pin_glibc_thresholds`; ``--glibc-thresholds as-is`` leaves them), so
+that every loader's outputs reuse the memory the last load freed wherever it fits: left to glibc's dynamic
+thresholds, whether a load's outputs landed in reused or in fresh memory depended on what the previous loads had
+allocated and freed, and the 2.2 GB rows swung by 3x between methods of one run (``bench/RESULTS.md``, "CPU
+loading"). The slices section runs after it, in the same process.
 
 First loads (``--sections first``, on MiniLM; ``first-large``, on the synthetic checkpoint): what a process that
 loads a model once pays. Each run is a fresh interpreter that imports torch, then times importing the loader
@@ -51,13 +56,14 @@ threads" uses every core for both.
 Usage::
 
     python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
-        [--sections codec,load,first,first-large,slices] [--work /tmp/szbench]
+        [--sections codec,load,first,first-large,slices] [--work /tmp/szbench] [--glibc-thresholds pinned|as-is]
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import mmap
 import os
 import platform
@@ -334,6 +340,26 @@ class BusyProcess:
         self.process.wait()
 
 
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3
+"""glibc's ``mallopt`` parameters (``malloc.h``)."""
+
+GLIBC_MMAP_THRESHOLD_MAX = 32 << 20
+"""The largest mmap threshold glibc accepts on 64-bit hosts (``DEFAULT_MMAP_THRESHOLD_MAX``)."""
+
+
+def pin_glibc_thresholds() -> bool:
+    """Fix glibc's malloc thresholds for the rest of this process: allocations below 32 MiB always come from the
+    heap, larger ones from it where a freed chunk fits (else mapped anew), and the heap is never trimmed. Setting
+    them turns glibc's dynamic thresholds off (the mmap threshold otherwise rises to the largest chunk freed so far,
+    and the heap is trimmed past twice that). Returns whether it could (glibc; elsewhere nothing changes)."""
+    try:
+        mallopt = ctypes.CDLL(None).mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = [ctypes.c_int, ctypes.c_int], ctypes.c_int
+    return mallopt(M_MMAP_THRESHOLD, GLIBC_MMAP_THRESHOLD_MAX) == 1 and mallopt(M_TRIM_THRESHOLD, 2**31 - 1) == 1
+
+
 def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
                   kernels: Sequence[str] = KERNELS) -> list[dict]:
     """Time each loading method round-robin under each condition; check szformat's tensors first."""
@@ -544,6 +570,8 @@ def main(argv: list[str] | None = None) -> int:
                         "codec,load)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
+    parser.add_argument("--glibc-thresholds", choices=("pinned", "as-is"), default="pinned",
+                        help="before the load section, pin glibc's malloc thresholds (default) or leave them dynamic")
     parser.add_argument("--kernels", default=",".join(KERNELS),
                         help=f"CPU kernels timed, comma-separated (default {','.join(KERNELS)})")
     args = parser.parse_args(argv)
@@ -565,6 +593,8 @@ def main(argv: list[str] | None = None) -> int:
                 del tensors
         print_table(rows)
     if "load" in sections:
+        if args.glibc_thresholds == "pinned":
+            print(f"glibc's malloc thresholds pinned: {'yes' if pin_glibc_thresholds() else 'no (not glibc)'}")
         rows = []
         for label, st_path, szt_path in (minilm_checkpoint(model, args.work), synthetic_checkpoint(args.work)):
             rows.extend(bench_loading(label, st_path, szt_path, args.repeats, kernels))
