@@ -280,8 +280,8 @@ def _collector_paused() -> Iterator[None]:
     """Pause Python's cyclic garbage collector while a header is unpacked and parsed, as msgpack's documentation
     advises for large messages: the unpacked tree (several containers per tensor, freed once parsed) otherwise sets
     off collections of the whole process, and in a process holding millions of objects (a serving engine) each full
-    one costs hundreds of milliseconds. An 18,000-tensor header opened in 575-676 ms with the collector on, 240-300 of
-    them in its two full collections, and in 284-407 ms paused (``bench/RESULTS.md``, "CPU loading"). A collector
+    one costs hundreds of milliseconds. An 18,000-tensor header opened in 517-577 ms with the collector on, 226-238 of
+    them in its two full collections, and in 291-329 ms paused (``bench/RESULTS.md``, "CPU loading"). A collector
     the program turned off stays off; other threads go uncollected for the milliseconds a parse takes."""
     if not gc.isenabled():
         yield
