@@ -681,7 +681,7 @@ class PayloadDecoder:
             ValueError: ``around`` is too short for the layout's escape streams, or they break a rule.
         """
         gap = layout.off_sm - layout.off_pk - layout.n_pairs
-        _check_payload(around, layout, needed=layout.comp_bytes - layout.off_sm - layout.n + gap)
+        _check_payload(around, layout, needed=layout.comp_bytes - layout.n_pairs - layout.n)  # all but the streams
         data = around.numpy()
         decoder = cls.__new__(cls)
         decoder._take(None, data[:gap], data[gap:], layout, codebook)

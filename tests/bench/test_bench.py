@@ -357,6 +357,21 @@ def test_pinned_glibc_thresholds_reuse_the_memory_a_freed_24_mib_buffer_held():
     assert [int(n) < 100 for n in out[1:]] == [True, True], out
 
 
+def test_glibc_thresholds_are_left_alone_where_there_is_no_mallopt(monkeypatch):
+    """Another C library (or none reachable through ctypes): nothing is pinned, and the benchmark says so."""
+    import ctypes
+
+    from bench import cpu as cpu_bench
+
+    def no_library(name):
+        raise OSError("no C library")
+
+    monkeypatch.setattr(ctypes, "CDLL", no_library)
+    assert cpu_bench.pin_glibc_thresholds() is False
+    monkeypatch.setattr(ctypes, "CDLL", lambda name: object())  # a library without mallopt
+    assert cpu_bench.pin_glibc_thresholds() is False
+
+
 def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
     """A misspelt section is an error naming the sections, not a run that times nothing."""
     done = _run_module("bench.cpu", "--sections", "load,frist")
