@@ -147,6 +147,7 @@ class DeferredTensor(torch.Tensor):
             self._counter.decoded += out.numel() * out.element_size()
             return out
         host_pages.advise_huge_pages(out)  # written whole, block by block
+        host_pages.populate(out)
         step = rows_per_block(self._entry)
         scratch = torch.empty(min(step, stop - start), self._entry.shape[1], dtype=self.dtype)
         for row in range(start, stop, step):

@@ -131,6 +131,7 @@ class _Job:
     def _run(self, k: int) -> None:
         start, stop = self.ranges[k]
         out = self.out[start - self.origin: stop - self.origin]
+        host_pages.populate(out)
         name = self.entry.name
         if self.decoder is None:
             if self.planes is None:
@@ -183,6 +184,7 @@ class _WholeJob:
             payload = self.file.read(entry.name, out=_range_scratch(entry.length))
         if self.check_stored:
             check_crc(payload, entry.crc32, what="stored bytes", path=path, tensor=entry.name)
+        host_pages.populate(self.out)
         decode_entry(path, entry, payload, self.out)
         if self.check_decoded:
             check_crc(self.out.view(torch.uint8), entry.raw_crc32, what="decoded bytes", path=path, tensor=entry.name)
@@ -201,6 +203,8 @@ class _WholeBatch:
         payloads = [(file.mapped(job.entry.name, 0, job.entry.length), job.entry.layout, job.entry.codebook,
                      job.out) for job in self.jobs]
         checksums = any(job.check_stored or job.check_decoded for job in self.jobs)
+        for job in self.jobs:
+            host_pages.populate(job.out)
         try:
             results = decode_payloads(payloads, checksums=checksums)
         except EOFError as e:

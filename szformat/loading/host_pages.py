@@ -18,6 +18,12 @@ anyway and ``SZFORMAT_HUGE_PAGES=0`` never (``python -m bench.cpu --sections fir
 Only the 2 MiB-aligned pages inside a tensor about to be written whole are advised, so no memory is mapped that
 would not be written anyway; the advice never changes a byte, and where it is refused (another OS, THP compiled
 out, memory the kernel will not advise) the pages stay 4 KiB.
+
+Whatever their size, the pages are then faulted in by the thread about to write them, in one call
+(:func:`populate`, ``MADV_POPULATE_WRITE``, Linux 5.14) rather than one fault per page: on the 2-core VM, 500 MB
+decoded into new parameters as vLLM's loader does took 292-302 ms so against 378-389 ms (safetensors' copy 292-316),
+and MiniLM's first load 46-47 against 52-53 ms. Memory the process had written before is left as it is
+(``SZFORMAT_POPULATE=0`` never populates).
 """
 
 from __future__ import annotations
@@ -32,7 +38,7 @@ from typing import Callable, Sequence
 
 import torch
 
-__all__ = ["HUGE_PAGE_BYTES", "advise_huge_pages", "empty", "reports_free_pages"]
+__all__ = ["HUGE_PAGE_BYTES", "POPULATE_MIN_BYTES", "advise_huge_pages", "empty", "populate", "reports_free_pages"]
 
 HUGE_PAGE_BYTES = 2 << 20
 """The transparent huge page size of x86-64 and of arm64 with 4 KiB base pages."""
@@ -59,20 +65,30 @@ def reports_free_pages() -> bool:
 
 
 @cache
+def _libc() -> ctypes.CDLL | None:
+    """The C library's ``madvise`` and ``mincore``, typed (``None`` where they are not: another OS)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    except (OSError, AttributeError):
+        return None
+    libc.madvise.restype = libc.mincore.restype = ctypes.c_int
+    return libc
+
+
+@cache
 def _madvise() -> Callable[[int, int, int], int] | None:
     """libc's ``madvise``, where there is a ``MADV_HUGEPAGE`` to give it (Linux) and the advice pays: asked for
     (``SZFORMAT_HUGE_PAGES=1``), or not turned off (``0``) and no balloon device reports free pages."""
     setting = os.environ.get("SZFORMAT_HUGE_PAGES", "")
-    if (setting == "0" or not sys.platform.startswith("linux") or not hasattr(mmap, "MADV_HUGEPAGE")
+    libc = _libc()
+    if (setting == "0" or libc is None or not hasattr(mmap, "MADV_HUGEPAGE")
             or (setting != "1" and reports_free_pages())):
         return None
-    try:
-        function = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    function.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    function.restype = ctypes.c_int
-    return function
+    return libc.madvise
 
 
 def advise_huge_pages(tensor: torch.Tensor) -> int:
@@ -91,6 +107,45 @@ def advise_huge_pages(tensor: torch.Tensor) -> int:
     if last <= first or madvise(first, last - first, mmap.MADV_HUGEPAGE) != 0:
         return 0
     return last - first
+
+
+MADV_POPULATE_WRITE = 23
+"""Linux 5.14: fault in a range's pages, writable, as writes to each would (an older kernel refuses it, EINVAL)."""
+
+POPULATE_MIN_BYTES = 64 << 10
+"""Tensors smaller than this are left to fault in on their own: a few pages, often shared with other allocations
+and in memory already, where the two calls of :func:`populate` would cost about what they save."""
+
+
+@cache
+def _populating() -> ctypes.CDLL | None:
+    """The C library, where pages are populated: Linux, not turned off (``SZFORMAT_POPULATE=0``), a kernel that
+    knows ``MADV_POPULATE_WRITE``."""
+    libc = _libc()
+    if os.environ.get("SZFORMAT_POPULATE", "") == "0" or libc is None:
+        return None
+    return libc if libc.madvise(0, 0, MADV_POPULATE_WRITE) == 0 else None  # no pages: only whether it is known
+
+
+def populate(tensor: torch.Tensor) -> bool:
+    """Fault in the pages inside a contiguous CPU tensor's bytes, which the calling thread is about to write whole,
+    in one call rather than one fault per page; returns whether it did. Memory whose first page is in memory already
+    (what the process wrote before: glibc reuses freed memory) is left as it is, since walking present pages costs
+    what it saves (2.3 ms of a 13 ms MiniLM load repeated in one process); so is a tensor whose pages the kernel
+    will not populate (out of memory: its writes then fault as they would have)."""
+    size = tensor.numel() * tensor.element_size()
+    if size < POPULATE_MIN_BYTES or tensor.device.type != "cpu" or not tensor.is_contiguous():
+        return False
+    libc = _populating()
+    if libc is None:
+        return False
+    begin = tensor.data_ptr()
+    first = -(-begin // mmap.PAGESIZE) * mmap.PAGESIZE
+    last = (begin + size) // mmap.PAGESIZE * mmap.PAGESIZE
+    resident = ctypes.create_string_buffer(1)
+    if last <= first or libc.mincore(first, mmap.PAGESIZE, resident) != 0 or resident.raw[0] & 1:
+        return False
+    return libc.madvise(first, last - first, MADV_POPULATE_WRITE) == 0
 
 
 def empty(size: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:

@@ -189,6 +189,7 @@ class HostReader:
             itemsize = C.itemsize(entry.dtype)
             begin, end = start * itemsize, stop * itemsize
             raw = target if target is not None else host_pages.empty(end - begin, torch.uint8)
+            host_pages.populate(raw)
             self._read_spans(entry, [(begin, end)], raw, base=begin)
             return raw.view(dtype).reshape(shape)
         whole = (start, stop) == (0, entry.numel)
@@ -200,6 +201,7 @@ class HostReader:
                 check_crc(raw, entry.raw_crc32, what="decoded bytes", path=self.file.path, tensor=entry.name)
             return raw.view(dtype).reshape(shape)
         out = host_pages.empty(stop - start, torch.bfloat16) if out is None else out.reshape(-1)
+        host_pages.populate(out)
         mapped = host_decode.mapped_reads(self._unchecked(entry))
         if mapped and not whole and entry.at_rest is None and start % 2 == 0:
             self._mapped_decode(entry, start, stop, lambda decoder, streams: decoder.decode(start, stop, out,
@@ -245,6 +247,7 @@ class HostReader:
         flat = out.reshape(-1)
         with allocation_errors(self.file.path, entry.name):
             host_pages.advise_huge_pages(flat)  # written whole
+            host_pages.populate(flat)
             if host_decode.mapped_reads(self._unchecked(entry)) and entry.at_rest is None:
                 self._mapped_decode(entry, rows[0] * width, rows[1] * width, lambda decoder, streams:
                                     decoder.decode_columns(rows, width, cols, flat, streams=streams))
@@ -274,7 +277,9 @@ def rows_per_block(entry: TensorEntry) -> int:
 
 def _copied(source: torch.Tensor, target: torch.Tensor | None) -> torch.Tensor:
     """``source`` (bytes in a read buffer) copied into ``target``, or into a tensor of its own."""
-    return (target if target is not None else host_pages.empty(source.numel(), source.dtype)).copy_(source)
+    out = target if target is not None else host_pages.empty(source.numel(), source.dtype)
+    host_pages.populate(out)
+    return out.copy_(source)
 
 
 class TensorSlice:

@@ -340,8 +340,9 @@ def test_first_loads_without_the_kernels_counters_print_dashes(monkeypatch, caps
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc and its fault counts")
 def test_pinned_glibc_thresholds_reuse_the_memory_a_freed_24_mib_buffer_held():
     """In a process of its own (the thresholds stay pinned): a 24 MiB buffer written, freed, made and written again
-    faults no page in (left dynamic, glibc maps it anew each time here: 6,144 faults). Measured three times, the
-    first dropped (the first write also starts PyTorch's intra-op threads)."""
+    faults no page in (left dynamic, glibc maps it anew most times here: 6,144 faults). Measured four times, the
+    first two dropped: the first writes also start PyTorch's intra-op threads, whose own allocations made one of
+    them fault in a new buffer in about half the processes, whichever of the two it was."""
     probe = (
         "import resource, torch\n"
         "from bench.cpu import pin_glibc_thresholds\n"
@@ -351,10 +352,10 @@ def test_pinned_glibc_thresholds_reuse_the_memory_a_freed_24_mib_buffer_held():
         "    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt\n"
         "    torch.empty(mib << 20, dtype=torch.uint8).fill_(1)\n"
         "    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before\n"
-        "print(faults(24), faults(24), faults(24))\n")
+        "print(faults(24), faults(24), faults(24), faults(24))\n")
     out = subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True,
                          cwd=Path(__file__).resolve().parents[2]).stdout.split()
-    assert [int(n) < 100 for n in out[1:]] == [True, True], out
+    assert [int(n) < 100 for n in out[2:]] == [True, True], out
 
 
 def test_glibc_thresholds_are_left_alone_where_there_is_no_mallopt(monkeypatch):

@@ -160,3 +160,129 @@ def test_caller_outputs_are_advised(tmp_path: Path, advice_works: None) -> None:
     for out, name in zip(outs, ("big", "raw")):
         assert torch.equal(out.view(torch.uint8), tensors[name].view(torch.uint8))
         assert _advised(-(-out.data_ptr() // HUGE) * HUGE), name
+
+
+PAGE = mmap.PAGESIZE
+
+
+def _private_mapping(pages: int) -> torch.Tensor:
+    """A mapping of its own (no page of it in memory yet), as a flat uint8 tensor."""
+    return torch.frombuffer(mmap.mmap(-1, pages * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS),
+                            dtype=torch.uint8)
+
+
+def _resident(tensor: torch.Tensor) -> list[bool]:
+    """Whether each page of a page-aligned tensor's bytes is in memory (``mincore``)."""
+    import ctypes
+
+    pages = -(-tensor.numel() // PAGE)
+    vector = ctypes.create_string_buffer(pages)
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    assert libc.mincore(tensor.data_ptr(), pages * PAGE, vector) == 0, ctypes.get_errno()
+    return [bool(b & 1) for b in vector.raw]
+
+
+@pytest.fixture
+def populating(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Pages are populated here (Linux 5.14 and later), ``SZFORMAT_POPULATE`` unset."""
+    monkeypatch.delenv("SZFORMAT_POPULATE", raising=False)
+    monkeypatch.setattr(host_pages, "_populating", host_pages._populating.__wrapped__)
+    if host_pages._populating() is None:
+        pytest.skip(f"no MADV_POPULATE_WRITE here ({sys.platform}, or a Linux older than 5.14)")
+
+
+def test_populates_exactly_the_pages_inside(populating: None) -> None:
+    whole = _private_mapping(64)
+    inner = whole[PAGE + 100: 40 * PAGE - 100]  # from inside page 1 to inside page 39
+    assert not any(_resident(whole))
+    assert host_pages.populate(inner)
+    assert _resident(whole) == [False] * 2 + [True] * 37 + [False] * 25  # pages 2-38: the tensor's alone
+    assert not whole.any()  # populated, never written
+
+
+def test_memory_in_use_is_left_alone(populating: None) -> None:
+    """Memory whose first page is in memory (what a process reuses) is not walked again."""
+    whole = _private_mapping(32)
+    whole[:PAGE].fill_(7)
+    assert not host_pages.populate(whole)
+    assert _resident(whole) == [True] + [False] * 31
+
+
+def test_populating_turned_off(monkeypatch: pytest.MonkeyPatch, populating: None) -> None:
+    monkeypatch.setenv("SZFORMAT_POPULATE", "0")
+    assert host_pages._populating() is None
+    whole = _private_mapping(32)
+    assert not host_pages.populate(whole)
+    assert not any(_resident(whole))
+
+
+def test_nothing_to_populate(populating: None) -> None:
+    small = _private_mapping(64)[: host_pages.POPULATE_MIN_BYTES - 1]
+    assert not host_pages.populate(small) and not any(_resident(small))
+    strided = _private_mapping(64).view(32, 2 * PAGE)[:, :PAGE]
+    assert not host_pages.populate(strided)
+    assert not host_pages.populate(torch.empty(1 << 20, dtype=torch.uint8, device="meta"))
+
+
+def _spans_populated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
+    """Every call of :func:`host_pages.populate` from now on, as ``(first byte, end, whether it populated)``."""
+    calls: list[tuple[int, int, bool]] = []
+    real = host_pages.populate
+
+    def spy(tensor: torch.Tensor) -> bool:
+        done = real(tensor)
+        calls.append((tensor.data_ptr(), tensor.data_ptr() + tensor.numel() * tensor.element_size(), done))
+        return done
+
+    monkeypatch.setattr(host_pages, "populate", spy)
+    return calls
+
+
+def _covered(tensor: torch.Tensor, spans: list[tuple[int, int, bool]], *, populated: bool = False) -> bool:
+    """Whether ``spans`` (those that populated, with ``populated``) cover every byte of ``tensor``."""
+    begin = tensor.data_ptr()
+    end = begin + tensor.numel() * tensor.element_size()
+    for lo, hi, done in sorted(spans):
+        if lo <= begin < hi and (done or not populated):
+            begin = hi
+    return begin >= end
+
+
+def test_loads_populate_each_range_in_the_thread_that_writes_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                 populating: None) -> None:
+    from szformat.loading import host_decode
+
+    path, tensors = _checkpoint(tmp_path)
+    monkeypatch.setattr(host_decode, "RANGE_ELEMENTS", 1 << 20)  # "big" in four ranges
+    spans = _spans_populated(monkeypatch)
+    loaded = load_file(path)
+    for name, tensor in loaded.items():
+        assert torch.equal(tensor.view(torch.uint8), tensors[name].view(torch.uint8)), name
+        assert _covered(tensor, spans), name
+    big = loaded["big"].data_ptr()
+    ranges = [hi - lo for lo, hi, _ in spans if big <= lo < big + loaded["big"].numel() * 2]
+    assert len(ranges) == 4 and max(ranges) <= 2 << 20  # a range each, not the whole tensor up front
+
+
+def test_caller_outputs_and_slices_are_populated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                 populating: None) -> None:
+    from szformat.format.reader import SztFile
+    from szformat.loading.host_reader import HostReader
+
+    path, tensors = _checkpoint(tmp_path)
+    spans = _spans_populated(monkeypatch)
+    count = 100_000  # rows of each 1-D tensor: 200 and 400 KB, more than POPULATE_MIN_BYTES
+    outs = [_private_mapping(-(-t.numel() * t.element_size() // PAGE))[: t.numel() * t.element_size()]
+            .view(t.dtype).view(t.shape) for t in tensors.values()]
+    with SztFile(path) as file:
+        reader = HostReader(file, verify=True)
+        reader.tensors(["big", "raw"], outs)
+        rows = [_private_mapping(-(-count * t.element_size() // PAGE))[: count * t.element_size()].view(t.dtype)
+                for t in tensors.values()]
+        for name, out in zip(("big", "raw"), rows):
+            reader.rows(file.entry(name), 1000, 1000 + count, out)
+    for name, out, part in zip(("big", "raw"), outs, rows):
+        assert torch.equal(out.view(torch.uint8), tensors[name].view(torch.uint8)), name
+        assert torch.equal(part.view(torch.uint8), tensors[name][1000: 1000 + count].view(torch.uint8)), name
+        assert _covered(out, spans, populated=True) and _covered(part, spans, populated=True), name
