@@ -21,8 +21,9 @@ out, memory the kernel will not advise) the pages stay 4 KiB.
 
 Whatever their size, the pages are then faulted in by the thread about to write them, in one call
 (:func:`populate`, ``MADV_POPULATE_WRITE``, Linux 5.14) rather than one fault per page: on the 2-core VM, 500 MB
-decoded into new parameters as vLLM's loader does took 292-302 ms so against 378-389 ms (safetensors' copy 292-316),
-and MiniLM's first load 46-47 against 52-53 ms. Memory the process had written before is left as it is
+decoded into new parameters as vLLM's loader does took 297-316 ms so against 384-435 ms (safetensors' copy 296-324),
+and a fresh process's first load of a 2.2 GB checkpoint on two threads 525-565 against 698-760 ms
+(``bench/RESULTS.md``, "CPU loading"). Memory the process had written before is left as it is
 (``SZFORMAT_POPULATE=0`` never populates).
 """
 
