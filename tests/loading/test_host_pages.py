@@ -1,7 +1,8 @@
 """Huge pages for decoded tensors: exactly the 2 MiB pages inside a tensor are advised, nothing outside it, and the
 tensors a CPU load returns (new, or the caller's ``out``) are advised before they are written; by default unless a
 balloon device reports free pages to the host, whatever the machine with ``SZFORMAT_HUGE_PAGES=1``, never with
-``0``."""
+``0``. Then populated: exactly the pages inside a tensor faulted in, by each unit of a load for the output it
+writes, memory in use left alone, never with ``SZFORMAT_POPULATE=0``."""
 
 from __future__ import annotations
 
@@ -265,12 +266,15 @@ def test_loads_populate_each_range_in_the_thread_that_writes_it(tmp_path: Path, 
     assert len(ranges) == 4 and max(ranges) <= 2 << 20  # a range each, not the whole tensor up front
 
 
-def test_caller_outputs_and_slices_are_populated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                 populating: None) -> None:
+@pytest.mark.parametrize("at_rest", [None, "zstd"])  # at rest, the raw tensor is stored as byte planes
+def test_caller_outputs_and_slices_are_populated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, populating: None,
+                                                 at_rest: str | None) -> None:
     from szformat.format.reader import SztFile
     from szformat.loading.host_reader import HostReader
 
     path, tensors = _checkpoint(tmp_path)
+    if at_rest:
+        save_file(tensors, path, at_rest=at_rest)
     spans = _spans_populated(monkeypatch)
     count = 100_000  # rows of each 1-D tensor: 200 and 400 KB, more than POPULATE_MIN_BYTES
     outs = [_private_mapping(-(-t.numel() * t.element_size() // PAGE))[: t.numel() * t.element_size()]
@@ -286,3 +290,23 @@ def test_caller_outputs_and_slices_are_populated(tmp_path: Path, monkeypatch: py
         assert torch.equal(out.view(torch.uint8), tensors[name].view(torch.uint8)), name
         assert torch.equal(part.view(torch.uint8), tensors[name][1000: 1000 + count].view(torch.uint8)), name
         assert _covered(out, spans, populated=True) and _covered(part, spans, populated=True), name
+
+
+def test_columns_copied_out_of_whole_rows_are_populated(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                        populating: None) -> None:
+    """A row-parallel shard with an odd column bound (whole rows decoded, the columns copied out) into a target
+    nothing wrote, as vLLM's parameters."""
+    from szformat.format.reader import SztFile
+    from szformat.integrations.deferred import DecodeCounter, DeferredTensor
+    from szformat.loading.host_reader import HostReader
+
+    weight = (torch.randn(512, 200, generator=torch.Generator().manual_seed(5)) * 0.02).to(torch.bfloat16)
+    path = tmp_path / "model.szt"
+    save_file({"w": weight}, path)
+    spans = _spans_populated(monkeypatch)
+    with SztFile(path) as file:
+        shard = DeferredTensor(HostReader(file, verify=True), file.entry("w"), DecodeCounter()).narrow(1, 3, 148)
+        target = _private_mapping(-(-512 * 148 * 2 // PAGE))[: 512 * 148 * 2].view(torch.bfloat16).view(512, 148)
+        target.copy_(shard)
+    assert torch.equal(target.view(torch.int16), weight[:, 3:151].contiguous().view(torch.int16))
+    assert _covered(target, spans, populated=True)
