@@ -310,3 +310,28 @@ def test_columns_copied_out_of_whole_rows_are_populated(tmp_path: Path, monkeypa
         target.copy_(shard)
     assert torch.equal(target.view(torch.int16), weight[:, 3:151].contiguous().view(torch.int16))
     assert _covered(target, spans, populated=True)
+
+
+def test_a_kernel_without_populate_leaves_the_pages_to_fault(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A Linux older than 5.14 refuses the advice (EINVAL), even for no pages; another system has no C library to
+    ask: either way nothing is populated and the tensor's writes fault as they would have."""
+
+    class OldKernel:
+        calls: list[int] = []
+
+        def madvise(self, address: int, length: int, advice: int) -> int:
+            self.calls.append(advice)
+            return -1
+
+        def mincore(self, address: int, length: int, vector) -> int:
+            raise AssertionError("nothing to ask once the advice is refused")
+
+    monkeypatch.delenv("SZFORMAT_POPULATE", raising=False)
+    monkeypatch.setattr(host_pages, "_populating", host_pages._populating.__wrapped__)
+    monkeypatch.setattr(host_pages, "_libc", OldKernel)
+    whole = _private_mapping(32)
+    assert not host_pages.populate(whole)
+    assert OldKernel.calls == [host_pages.MADV_POPULATE_WRITE]  # asked once, with no pages, whether it is known
+    monkeypatch.setattr(host_pages, "_libc", lambda: None)
+    assert not host_pages.populate(whole)
+    assert not any(_resident(whole))
