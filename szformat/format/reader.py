@@ -107,7 +107,6 @@ class SztFile:
                 self._mmap = mmap.mmap(f.fileno(), self.file_length, access=mmap.ACCESS_READ)
             except ValueError:  # the file is now shorter than the mapping would be
                 raise TruncatedFileError("file shrank while it was opened", path=path) from None
-            _advise_large_folios(self._mmap)
             self._reads = open(os.dup(f.fileno()), "rb", buffering=0)  # for read(): closes itself when collected
         self.entries: dict[str, TensorEntry] = {t.name: t for t in self.header.tensors}
 
@@ -357,21 +356,6 @@ class SztFile:
             warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable
             return torch.frombuffer(memoryview(mm)[offset: offset + length], dtype=torch.uint8)
 
-
-def _advise_large_folios(mapping: mmap.mmap) -> None:
-    """Ask for huge pages on the file's mapping (``MADV_HUGEPAGE``; Linux, where transparent huge pages are not
-    turned off): a fault on a part of the file the page cache lacks then reads it in 2 MiB folios, and a part cached
-    in such folios is mapped 2 MiB per fault. Without it a decode, which reads a tensor's ``pk`` and ``sm`` streams side
-    by side, leaves a cold file cached in folios of about 80 KiB, and every later load of it spends 50-60 ms per GB
-    of the file mapping them, against 5-7 (``bench/RESULTS.md``, "CPU loading"). The advice changes no byte; where it
-    is refused the mapping works as before."""
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is None:
-        return
-    try:
-        mapping.madvise(advice)
-    except OSError:  # THP turned off, or not for this file system
-        pass
 
 def pread_exactly(fd: int, out: torch.Tensor | memoryview, offset: int, *, path: str | os.PathLike,
                   tensor: str | None = None) -> None:

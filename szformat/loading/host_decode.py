@@ -263,7 +263,6 @@ def read_around_streams(file: SztFile, entry: TensorEntry, into: torch.Tensor) -
     (:meth:`PayloadDecoder.around_streams`), while the streams are read range by range."""
     cursor = 0
     for lo, hi in _around_streams(entry):
-        host_pages.populate_mapped(file.mapped(entry.name, lo, hi))  # a cold file cached in large folios
         file.read(entry.name, lo, hi, out=into[cursor: cursor + hi - lo])
         cursor += hi - lo
     return into

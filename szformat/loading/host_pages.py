@@ -24,9 +24,7 @@ Whatever their size, the pages are then faulted in by the thread about to write 
 decoded into new parameters as vLLM's loader does took 297-316 ms so against 384-435 ms (safetensors' copy 296-324),
 and a fresh process's first load of a 2.2 GB checkpoint on two threads 525-565 against 698-760 ms
 (``bench/RESULTS.md``, "CPU loading"). Memory the process had written before is left as it is
-(``SZFORMAT_POPULATE=0`` never populates). What a load reads with ``pread`` from a file is first mapped in through the
-file's mapping (:func:`populate_mapped`), which asks for huge pages (``format.reader``), so that a cold file is cached
-in large folios.
+(``SZFORMAT_POPULATE=0`` never populates).
 """
 
 from __future__ import annotations
@@ -39,7 +37,6 @@ import sys
 from functools import cache
 from typing import Callable, Sequence
 
-import numpy as np
 import torch
 
 __all__ = ["HUGE_PAGE_BYTES", "POPULATE_MIN_BYTES", "advise_huge_pages", "empty", "populate", "reports_free_pages"]
@@ -150,26 +147,6 @@ def populate(tensor: torch.Tensor) -> bool:
     if last <= first or libc.mincore(first, mmap.PAGESIZE, resident) != 0 or resident.raw[0] & 1:
         return False
     return libc.madvise(first, last - first, MADV_POPULATE_WRITE) == 0
-
-
-MADV_POPULATE_READ = 22
-"""Linux 5.14, with ``MADV_POPULATE_WRITE``: map in a range's pages as a read of each would, reading what the page
-cache lacks."""
-
-
-def populate_mapped(view: memoryview) -> bool:
-    """Map in the pages of ``view`` (bytes of a file's read-only mapping) in one call, reading what the page cache
-    lacks through the mapping; returns whether it did. What the loader reads with ``pread`` (a few kilobytes around
-    each tensor's streams) is first brought in so: the mapping asks for huge pages (``format.reader``), so a cold
-    file is read in 2 MiB folios there, where a ``pread``'s readahead would cache megabytes of the streams beside it
-    in small ones. A refusal (an older kernel, a file truncated meanwhile) changes nothing: the read that follows
-    reads as it would have, and reports a file that shrank."""
-    libc = _populating()
-    if libc is None or not len(view):
-        return False
-    begin = np.frombuffer(view, dtype=np.uint8).ctypes.data
-    first = begin // mmap.PAGESIZE * mmap.PAGESIZE
-    return libc.madvise(first, begin + len(view) - first, MADV_POPULATE_READ) == 0
 
 
 def empty(size: int | Sequence[int], dtype: torch.dtype) -> torch.Tensor:

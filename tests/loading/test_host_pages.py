@@ -2,9 +2,7 @@
 tensors a CPU load returns (new, or the caller's ``out``) are advised before they are written; by default unless a
 balloon device reports free pages to the host, whatever the machine with ``SZFORMAT_HUGE_PAGES=1``, never with
 ``0``. Then populated: exactly the pages inside a tensor faulted in, by each unit of a load for the output it
-writes, memory in use left alone, never with ``SZFORMAT_POPULATE=0``. A file's mapping asks for huge pages, and what
-a load reads around a tensor's streams is mapped in through it first; pages a truncated file lost are refused, never
-a fault."""
+writes, memory in use left alone, never with ``SZFORMAT_POPULATE=0``."""
 
 from __future__ import annotations
 
@@ -337,92 +335,3 @@ def test_a_kernel_without_populate_leaves_the_pages_to_fault(monkeypatch: pytest
     monkeypatch.setattr(host_pages, "_libc", lambda: None)
     assert not host_pages.populate(whole)
     assert not any(_resident(whole))
-
-
-def _file_mapping(tmp_path: Path, pages: int) -> tuple[Path, mmap.mmap]:
-    """A file of ``pages`` random pages and a read-only mapping of it (none of its pages mapped in yet)."""
-    path = tmp_path / "pages.bin"
-    path.write_bytes(torch.randint(0, 256, (pages * PAGE,), dtype=torch.uint8).numpy().tobytes())
-    with open(path, "rb") as f:
-        return path, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-
-
-def _mapped_in(mapping: mmap.mmap) -> int:
-    """Bytes of ``mapping`` mapped into this process (its ``Rss`` in /proc/self/smaps)."""
-    import numpy as np
-
-    address = np.frombuffer(mapping, dtype=np.uint8).ctypes.data
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if "-" in head and all(c in "0123456789abcdef-" for c in head):
-            lo, hi = (int(x, 16) for x in head.split("-"))
-            inside = lo <= address < hi
-        elif inside and line.startswith("Rss:"):
-            return int(line.split()[1]) * 1024
-    raise AssertionError("the mapping is not in /proc/self/smaps")
-
-
-def test_a_files_pages_are_mapped_in_by_one_call(tmp_path: Path, populating: None) -> None:
-    _, mapping = _file_mapping(tmp_path, 64)
-    assert _mapped_in(mapping) == 0
-    assert host_pages.populate_mapped(memoryview(mapping)[PAGE + 100: 40 * PAGE - 100])
-    assert _mapped_in(mapping) >= 39 * PAGE  # pages 1-39 at least (the kernel may map their neighbours too)
-    assert not host_pages.populate_mapped(memoryview(mapping)[:0])
-
-
-def test_file_pages_left_alone_when_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                               populating: None) -> None:
-    monkeypatch.setenv("SZFORMAT_POPULATE", "0")
-    _, mapping = _file_mapping(tmp_path, 64)
-    assert not host_pages.populate_mapped(memoryview(mapping)[: 40 * PAGE])
-    assert _mapped_in(mapping) == 0
-
-
-def test_pages_a_truncated_file_lost_are_refused_not_a_fault(tmp_path: Path, populating: None) -> None:
-    """The pages past the end of a file truncated after it was mapped: the call fails (the kernel reports the fault
-    a read would have raised, EFAULT) instead of ending the process with SIGBUS; the read that follows reports it."""
-    path, mapping = _file_mapping(tmp_path, 64)
-    with open(path, "r+b") as f:
-        f.truncate(8 * PAGE)
-    assert not host_pages.populate_mapped(memoryview(mapping)[16 * PAGE: 32 * PAGE])
-    assert host_pages.populate_mapped(memoryview(mapping)[: 4 * PAGE])  # what the file still holds
-
-
-def test_a_files_mapping_asks_for_huge_pages(tmp_path: Path) -> None:
-    """So a cold file is cached in 2 MiB folios (a decode reads two streams side by side, which readahead would
-    otherwise bring in as small ones), and a file cached so is mapped 2 MiB per fault."""
-    import numpy as np
-
-    from szformat.format.reader import SztFile
-
-    try:
-        enabled = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
-    except OSError:
-        pytest.skip("no transparent huge pages here")
-    if "[never]" in enabled or not hasattr(mmap, "MADV_HUGEPAGE"):
-        pytest.skip("transparent huge pages are turned off")
-    path, tensors = _checkpoint(tmp_path)
-    with SztFile(path) as file:
-        assert _advised(np.frombuffer(file.buffer, dtype=np.uint8).ctypes.data)
-
-
-def test_loads_bring_what_they_read_around_the_streams_in_through_the_mapping(tmp_path: Path,
-                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
-    """The bytes read with ``pread`` around a ranged tensor's streams (the padding, the escape streams) are first
-    mapped in through the file's mapping, each span once before its read, and nothing else is."""
-    from szformat.format.reader import SztFile
-    from szformat.loading import host_decode
-
-    path, tensors = _checkpoint(tmp_path)
-    monkeypatch.setattr(host_decode, "RANGE_ELEMENTS", 1 << 20)  # "big" decoded by ranges
-    brought: list[bytes] = []
-    real = host_pages.populate_mapped
-    monkeypatch.setattr(host_pages, "populate_mapped", lambda view: brought.append(bytes(view)) or real(view))
-    loaded = load_file(path)
-    assert all(torch.equal(loaded[n].view(torch.uint8), tensors[n].view(torch.uint8)) for n in tensors)
-    with SztFile(path) as file:
-        entry = file.entry("big")
-        data = path.read_bytes()
-        expected = [data[entry.offset + lo: entry.offset + hi] for lo, hi in host_decode._around_streams(entry)]
-    assert brought == expected and any(brought)
