@@ -322,9 +322,9 @@ def synthetic_checkpoint(work: Path) -> tuple[str, Path, Path]:
 def read_through(*paths: Path) -> None:
     """Bring the files into the page cache the same way: dropped from it first where the system allows
     (``posix_fadvise``), then read in order. How a file came into the cache decides the size of its folios, and so
-    what mapping it costs every later load: a .szt that a load before szformat's huge-page advice had read first was
-    cached in folios of about 80 KiB and mapped at 50-60 ms per GB, the safetensors file, written with buffered
-    writes, in large ones at 5-7 (``bench/RESULTS.md``, "CPU loading")."""
+    what mapping it costs every later load: a .szt that a load read first (two streams side by side) is cached in
+    folios of about 80 KiB and mapped at 50-60 ms per GB, the safetensors file, written with buffered writes, in
+    large ones at 5-7 (``bench/RESULTS.md``, "CPU loading")."""
     for path in paths:
         with open(path, "rb") as f:
             if hasattr(os, "posix_fadvise"):
