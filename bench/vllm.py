@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import re
 import statistics
@@ -133,12 +134,12 @@ def print_table(checkpoint: str, rounds: int, runs: list[tuple[str, int]],
     for label, tp in runs:
         med = {k: statistics.median(s[k] for s in samples[(label, tp)])
                for k in ("load_s", "ready_s", "peak_rss", "decoded_share")}
-        base = statistics.median(s["load_s"] for s in samples[("safetensors", tp)])
         best = min(s["load_s"] for s in samples[(label, tp)])
-        best_base = min(s["load_s"] for s in samples[("safetensors", tp)])
-        share = "" if med["decoded_share"] != med["decoded_share"] else f"{med['decoded_share']:.2f}"
+        anchor = [s["load_s"] for s in samples[("safetensors", tp)]]
+        share = "" if math.isnan(med["decoded_share"]) else f"{med['decoded_share']:.2f}"
         print(f"{label:<16} {tp:>3} {med['load_s']:>17.2f} {med['ready_s']:>19.1f} {med['peak_rss'] / 1e9:>14.2f} "
-              f"{med['load_s'] / base:>19.2f} {best:>14.2f} {best / best_base:>19.2f} {share:>15}")
+              f"{med['load_s'] / statistics.median(anchor):>19.2f} {best:>14.2f} {best / min(anchor):>19.2f} "
+              f"{share:>15}")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,6 +1,7 @@
 """The GPU benchmarks' arithmetic and checks, run where no GPU is: the offload floor and the ratios against it and
 against DDO (``bench/offload.py``), the peer loaders' bit-for-bit check, their comparison with the fastest peer
-and a peer whose package is missing (``bench/load.py``, ``bench/common.py``), the 7B-class layout."""
+and a peer whose package is missing (``bench/load.py``, ``bench/common.py``), the 7B-class layout; the vLLM
+benchmark's table (``bench/vllm.py``)."""
 
 from __future__ import annotations
 
@@ -451,3 +452,25 @@ def test_the_dtypes_benchmark_measures_minilm_in_fp16():
     cells = [c.strip() for c in row.strip("|").split("|")]
     szt, baseline = float(cells[3]), float(cells[5])
     assert 0.8 < szt < 0.9 and abs(szt - baseline) < 0.01  # the FP16 planes: where the byte-plane baseline is
+
+
+# -- the vLLM benchmark's table -------------------------------------------------------------------------------------
+
+
+def test_vllm_table_sets_medians_and_best_rounds_against_safetensors_at_the_same_size(capsys):
+    from bench import vllm
+
+    def rounds(loads, share=float("nan")):
+        return [{"load_s": x, "ready_s": 30.0, "peak_rss": 6e9, "decoded_share": share} for x in loads]
+
+    runs = [("safetensors", 2), ("szt", 2), ("safetensors", 1), ("szt", 1)]
+    samples = {("safetensors", 2): rounds([0.50, 0.40, 0.80]), ("szt", 2): rounds([0.60, 0.20, 0.44], 0.5),
+               ("safetensors", 1): rounds([0.30, 0.30]), ("szt", 1): rounds([0.33, 0.27], 1.0)}
+    vllm.print_table("llama", 3, runs, samples)
+    rows = {(cells[0], int(cells[1])): cells[2:] for cells in
+            (line.split() for line in capsys.readouterr().out.splitlines()[3:])}
+    load, ready, rss, ratio, best, best_ratio = rows[("szt", 2)][:6]
+    assert (float(load), float(ratio)) == (0.44, 0.88)  # median 0.44 against safetensors' 0.50
+    assert (float(best), float(best_ratio)) == (0.20, 0.50)  # best 0.20 against safetensors' best 0.40
+    assert rows[("szt", 2)][6] == "0.50" and len(rows[("safetensors", 2)]) == 6  # no decoded share for safetensors
+    assert [float(x) for x in rows[("szt", 1)][3:6]] == [1.00, 0.27, 0.90]
