@@ -24,7 +24,8 @@
  *                                        below, checked against a bitwise CRC-32 first.
  *   decode_range(pk, sm, dec_lut, out, positions, exponents, checksums) -> (pk_crc, sm_crc, out_crc) or None
  *                                        a range of a load with its escapes, block by block, each block's stored
- *                                        and decoded bytes checksummed while in the L1 cache when asked; pk and sm
+ *                                        and decoded bytes checksummed while in the L1 cache when asked (with
+ *                                        VPCLMULQDQ folded into the decode loop itself); pk and sm
  *                                        may be views of a file's mapping: a page the file no longer holds (it
  *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
  *   decode_payloads(items, checksums, progress) -> [(stored_crc, decoded_crc, error), ...]
@@ -59,6 +60,7 @@
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
 #define SZ_X86 1
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -83,25 +85,34 @@ static void decode_scalar(const uint8_t *pk, const uint8_t *sm, const uint8_t *l
 }
 
 #ifdef SZ_X86
+/* 16 pk bytes and 32 sm bytes: elements 0-15 into ``first``, 16-31 into ``second``. */
+__attribute__((target("avx2")))
+static inline void decode_32(__m256i table, __m128i packed, __m256i s, __m256i *first, __m256i *second)
+{
+    const __m128i nibble = _mm_set1_epi8(0x0F);
+    const __m256i low7 = _mm256_set1_epi8(0x7F), high1 = _mm256_set1_epi8((char)0x80);
+    __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble), lo = _mm_and_si128(packed, nibble);
+    __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)); /* element order */
+    __m256i exps = _mm256_shuffle_epi8(table, codes);
+    /* low byte: exponent bit 0 -> bit 7, mantissa; high byte: sign, exponent bits 1-7 -> bits 0-6 */
+    __m256i low = _mm256_or_si256(_mm256_and_si256(s, low7), _mm256_and_si256(_mm256_slli_epi16(exps, 7), high1));
+    __m256i high = _mm256_or_si256(_mm256_and_si256(s, high1), _mm256_and_si256(_mm256_srli_epi16(exps, 1), low7));
+    __m256i a = _mm256_unpacklo_epi8(low, high), b = _mm256_unpackhi_epi8(low, high);
+    *first = _mm256_permute2x128_si256(a, b, 0x20);
+    *second = _mm256_permute2x128_si256(a, b, 0x31);
+}
+
 __attribute__((target("avx2")))
 static void decode_avx2(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_pairs)
 {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
-    const __m128i nibble = _mm_set1_epi8(0x0F);
-    const __m256i low7 = _mm256_set1_epi8(0x7F), high1 = _mm256_set1_epi8((char)0x80);
     Py_ssize_t i = 0;
     for (; i + 16 <= n_pairs; i += 16) { /* 16 pk bytes: 32 elements */
-        __m128i packed = _mm_loadu_si128((const __m128i *)(pk + i));
-        __m128i hi = _mm_and_si128(_mm_srli_epi16(packed, 4), nibble), lo = _mm_and_si128(packed, nibble);
-        __m256i codes = _mm256_set_m128i(_mm_unpackhi_epi8(hi, lo), _mm_unpacklo_epi8(hi, lo)); /* element order */
-        __m256i exps = _mm256_shuffle_epi8(table, codes);
-        __m256i s = _mm256_loadu_si256((const __m256i *)(sm + 2 * i));
-        /* low byte: exponent bit 0 -> bit 7, mantissa; high byte: sign, exponent bits 1-7 -> bits 0-6 */
-        __m256i low = _mm256_or_si256(_mm256_and_si256(s, low7), _mm256_and_si256(_mm256_slli_epi16(exps, 7), high1));
-        __m256i high = _mm256_or_si256(_mm256_and_si256(s, high1), _mm256_and_si256(_mm256_srli_epi16(exps, 1), low7));
-        __m256i a = _mm256_unpacklo_epi8(low, high), b = _mm256_unpackhi_epi8(low, high);
-        _mm256_storeu_si256((__m256i *)(out + 2 * i), _mm256_permute2x128_si256(a, b, 0x20));
-        _mm256_storeu_si256((__m256i *)(out + 2 * i + 16), _mm256_permute2x128_si256(a, b, 0x31));
+        __m256i first, second;
+        decode_32(table, _mm_loadu_si128((const __m128i *)(pk + i)), _mm256_loadu_si256((const __m256i *)(sm + 2 * i)),
+                  &first, &second);
+        _mm256_storeu_si256((__m256i *)(out + 2 * i), first);
+        _mm256_storeu_si256((__m256i *)(out + 2 * i + 16), second);
     }
     if (i < n_pairs)
         decode_scalar(pk + i, sm + 2 * i, lut, out + 2 * i, n_pairs - i);
@@ -437,6 +448,163 @@ static uint32_t crc32_bitwise(uint32_t crc, const uint8_t *buf, size_t len)
     return ~crc;
 }
 
+/* ---------------------------------------------------------------------------------------------------------------
+ * A range decoded with its CRC-32s folded in (AVX-512 and VPCLMULQDQ)
+ *
+ * zlib-ng's CRC-32 runs at the rate of this CPU's carry-less multiplies; called block by block after the decode, it
+ * adds its whole time to the decode's. Folded into the decode loop, the multiplies run while the loop waits on
+ * memory: each stream's bytes are carried forward as 512-bit (pk: 256-bit) accumulators, x^d mod P at a time, and
+ * only the last 16 bytes and the range's tail go through zlib-ng. A CRC-32 is linear, so the register's initial
+ * ~0 is XORed into a stream's first four bytes and the rest is taken with a zero register.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#if defined(SZ_X86) && defined(__x86_64__) && (defined(__clang__) ? __clang_major__ >= 8 : __GNUC__ >= 8)
+#define SZ_FOLDED_CRC 1
+#define FOLD_TARGET __attribute__((target("avx2,avx512f,avx512bw,avx512vl,vpclmulqdq,pclmul")))
+
+/* Whether decode_range folds its CRC-32s: AVX-512 (F, BW, VL) and VPCLMULQDQ, unless SZFORMAT_CPU_ISA caps the
+ * kernels below it ("avx512bw" keeps the zlib-ng calls, so the tests run both on one CPU). */
+static int have_folded_crc(void)
+{
+    static int cached = -1;
+    if (cached < 0) {
+        const char *isa = getenv("SZFORMAT_CPU_ISA");
+        unsigned int a, b, c, d;
+        int cpu = __get_cpuid_count(7, 0, &a, &b, &c, &d) && (b & (1u << 31)) && (c & (1u << 10)); /* VL, VPCLMULQDQ */
+        cached = have_avx512bw() && cpu && !(isa && strcmp(isa, "avx512bw") == 0) ? 1 : 0;
+    }
+    return cached;
+}
+
+/* x^n mod P, P CRC-32's polynomial, bit-reflected as zlib's CRC-32 holds its register: bit i the coefficient of
+ * x^(31 - i). Multiplying by x shifts right; the x^32 that leaves is P's lower terms. */
+static uint32_t x_power_mod_p(int n)
+{
+    uint32_t v = 0x80000000u;
+    while (n-- > 0)
+        v = (v >> 1) ^ (0xEDB88320u & (0u - (v & 1u)));
+    return v;
+}
+
+/* Multipliers that carry 16 bytes of a stream ``distance`` bits further on, one per 64-bit half: the first half
+ * (the higher powers in a reflected stream) by x^(distance + 64), the second by x^distance, each a power less for
+ * the x that a carry-less product of two reflected operands gains, in the upper 32 bits of a reflected 64-bit lane.
+ * Filled by use_crc32 (under the GIL, before any decode): distances 128, 256, 384, 512 and 1024 bits. */
+static uint64_t fold_multipliers[5][2];
+
+static void fill_fold_multipliers(void)
+{
+    static const int distances[5] = {128, 256, 384, 512, 1024};
+    for (int i = 0; i < 5; i++) {
+        fold_multipliers[i][0] = (uint64_t)x_power_mod_p(distances[i] + 63) << 32;
+        fold_multipliers[i][1] = (uint64_t)x_power_mod_p(distances[i] - 1) << 32;
+    }
+}
+
+FOLD_TARGET static inline __m128i multipliers_128(int which)
+{
+    return _mm_loadu_si128((const __m128i *)fold_multipliers[which]);
+}
+
+FOLD_TARGET static inline __m128i fold_128(__m128i acc, __m128i k, __m128i data)
+{
+    return _mm_ternarylogic_epi64(_mm_clmulepi64_si128(acc, k, 0x00), _mm_clmulepi64_si128(acc, k, 0x11), data, 0x96);
+}
+
+FOLD_TARGET static inline __m256i fold_256(__m256i acc, __m256i k, __m256i data)
+{
+    return _mm256_ternarylogic_epi64(_mm256_clmulepi64_epi128(acc, k, 0x00), _mm256_clmulepi64_epi128(acc, k, 0x11),
+                                     data, 0x96);
+}
+
+FOLD_TARGET static inline __m512i fold_512(__m512i acc, __m512i k, __m512i data)
+{
+    return _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(acc, k, 0x00), _mm512_clmulepi64_epi128(acc, k, 0x11),
+                                     data, 0x96);
+}
+
+/* The CRC-32 of a stream whose bytes up to ``tail`` were folded into ``acc`` (its last 16 bytes' worth, the earlier
+ * ones carried into it), then ``tail``'s ``len`` bytes. */
+static uint32_t crc_after_fold(__m128i acc, const uint8_t *tail, Py_ssize_t len)
+{
+    uint8_t last[16];
+    memcpy(last, &acc, 16);
+    uint32_t crc = crc32_of(0xFFFFFFFFu, last, 16); /* a zero register: the initial ~0 is in the first bytes */
+    return len > 0 ? crc32_of(crc, tail, (uint32_t)len) : crc;
+}
+
+FOLD_TARGET static inline __m128i folded_512(__m512i acc)
+{
+    __m128i v = _mm512_extracti32x4_epi32(acc, 3);
+    v = fold_128(_mm512_extracti32x4_epi32(acc, 2), multipliers_128(0), v);
+    v = fold_128(_mm512_extracti32x4_epi32(acc, 1), multipliers_128(1), v);
+    return fold_128(_mm512_castsi512_si128(acc), multipliers_128(2), v);
+}
+
+/* Elements [64 i, 64 i + 64) of decode_range_folded: decoded and stored; returned as its 128 output bytes. */
+FOLD_TARGET static inline void decode_64(__m256i table, __m256i packed, __m512i s, uint16_t *out, __m512i *lo,
+                                         __m512i *hi)
+{
+    __m256i o0, o1, o2, o3;
+    decode_32(table, _mm256_castsi256_si128(packed), _mm512_castsi512_si256(s), &o0, &o1);
+    decode_32(table, _mm256_extracti128_si256(packed, 1), _mm512_extracti64x4_epi64(s, 1), &o2, &o3);
+    *lo = _mm512_inserti64x4(_mm512_castsi256_si512(o0), o1, 1);
+    *hi = _mm512_inserti64x4(_mm512_castsi256_si512(o2), o3, 1);
+    _mm512_storeu_si512(out, *lo);
+    _mm512_storeu_si512(out + 32, *hi);
+}
+
+/* decode_range with its checksums, for n >= 64: 64 elements at a time (32 pk bytes, 64 sm bytes, 128 output bytes,
+ * the output's two 64-byte halves folded into accumulators of their own), escapes patched in the output before its
+ * bytes are folded; the last n % 64 elements by decode and zlib-ng. */
+FOLD_TARGET
+static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
+                                const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
+{
+    const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
+    const __m512i by_512 = _mm512_broadcast_i32x4(multipliers_128(3));
+    const __m512i by_1024 = _mm512_broadcast_i32x4(multipliers_128(4));
+    const __m256i by_256 = _mm256_broadcastsi128_si256(multipliers_128(1));
+    const __m512i register_init = _mm512_maskz_set1_epi32(1, -1); /* ~0 into a stream's first four bytes */
+    Py_ssize_t blocks = n / 64, k = 0;
+    __m256i pk_acc = _mm256_setzero_si256();
+    __m512i sm_acc = _mm512_setzero_si512(), out_lo = sm_acc, out_hi = sm_acc;
+    for (Py_ssize_t i = 0; i < blocks; i++) {
+        __m256i packed = _mm256_loadu_si256((const __m256i *)(pk + 32 * i));
+        __m512i s = _mm512_loadu_si512(sm + 64 * i), lo, hi;
+        uint16_t *block_out = out + 64 * i;
+        decode_64(table, packed, s, block_out, &lo, &hi);
+        if (k < n_esc && positions[k] < 64 * (i + 1)) {
+            for (; k < n_esc && positions[k] < 64 * (i + 1); k++)
+                out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+            lo = _mm512_loadu_si512(block_out);
+            hi = _mm512_loadu_si512(block_out + 32);
+        }
+        if (i == 0) {
+            pk_acc = _mm256_xor_si256(packed, _mm512_castsi512_si256(register_init));
+            sm_acc = _mm512_xor_si512(s, register_init);
+            out_lo = _mm512_xor_si512(lo, register_init);
+            out_hi = hi;
+        } else {
+            pk_acc = fold_256(pk_acc, by_256, packed);
+            sm_acc = fold_512(sm_acc, by_512, s);
+            out_lo = fold_512(out_lo, by_1024, lo);
+            out_hi = fold_512(out_hi, by_1024, hi);
+        }
+    }
+    Py_ssize_t done = 64 * blocks, rest = n - done;
+    decode(pk + done / 2, sm + done, lut, out + done, rest / 2);
+    if (rest % 2)
+        out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
+    for (; k < n_esc; k++)
+        out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+    __m128i pk_last = fold_128(_mm256_castsi256_si128(pk_acc), multipliers_128(0), _mm256_extracti128_si256(pk_acc, 1));
+    crcs[0] = crc_after_fold(pk_last, pk + done / 2, (n + 1) / 2 - done / 2);
+    crcs[1] = crc_after_fold(folded_512(sm_acc), sm + done, rest);
+    crcs[2] = crc_after_fold(folded_512(fold_512(out_lo, by_512, out_hi)), (const uint8_t *)(out + done), 2 * rest);
+}
+#endif
+
 /* Pairs per block of decode_range: 8 KiB of pk, 16 KiB of sm and 32 KiB out, so each block's checksums
  * read it from the L1 or L2 cache right after the decode touched it. */
 #define CHECKED_BLOCK_PAIRS 8192
@@ -448,6 +616,12 @@ static uint32_t crc32_bitwise(uint32_t crc, const uint8_t *buf, size_t len)
 static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
                          const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
 {
+#ifdef SZ_FOLDED_CRC
+    if (crcs != NULL && n >= 64 && have_folded_crc()) {
+        decode_range_folded(pk, sm, lut, out, n, positions, exponents, n_esc, crcs);
+        return;
+    }
+#endif
     uint32_t pk_crc = 0, sm_crc = 0, out_crc = 0;
     Py_ssize_t k = 0;
     for (Py_ssize_t first = 0; first < n; first += 2 * CHECKED_BLOCK_PAIRS) {
@@ -979,6 +1153,9 @@ static PyObject *py_use_crc32(PyObject *self, PyObject *const *args, Py_ssize_t 
     }
     crc32_of = crc;
     crc32_joined = combine;
+#ifdef SZ_FOLDED_CRC
+    fill_fold_multipliers();
+#endif
     Py_RETURN_NONE;
 }
 
@@ -1447,6 +1624,10 @@ done:
 
 static PyObject *py_isa(PyObject *self, PyObject *noargs)
 {
+#ifdef SZ_FOLDED_CRC
+    if (have_folded_crc())
+        return PyUnicode_FromString("avx2+avx512bw+vpclmulqdq");
+#endif
     return PyUnicode_FromString(have_avx512bw() ? "avx2+avx512bw" : have_avx2() ? "avx2" : "scalar");
 }
 

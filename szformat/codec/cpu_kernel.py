@@ -77,5 +77,5 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
 native = _load_native()
 _checksums_in_kernel: bool | None = None
 KERNEL = f"native ({native.isa()})" if native is not None else "reference (PyTorch)"
-"""``native (avx2)``, ``native (scalar)`` (the C extension, by the instructions it uses on this CPU) or
-``reference (PyTorch)``."""
+"""``native (avx2+avx512bw+vpclmulqdq)``, ``native (avx2+avx512bw)``, ``native (avx2)``, ``native (scalar)`` (the C
+extension, by the instructions it uses on this CPU) or ``reference (PyTorch)``."""

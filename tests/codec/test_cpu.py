@@ -1145,7 +1145,7 @@ def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
-@pytest.mark.parametrize("isa", ["", "avx2", "scalar"])
+@pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
 def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
     """The C histogram (AVX-512BW where the CPU has it, else the four tables; ``SZFORMAT_CPU_ISA`` caps it) against
     ``bincount``: sizes around its 64-element vectors and 65,536-element sample and blocks, clustered weights,
@@ -1170,9 +1170,51 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
               "        assert np.array_equal(counts, expected), (n, name)\n"
               "print('ok')\n")
     seed, done = run_with_isa(isa, script)
-    expected_isa = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"]}.get(isa, ["avx2+avx512bw", "avx2", "scalar"])
     lines = done.stdout.split("\n")
-    assert lines[0] in expected_isa and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+    assert lines[0] in ISAS_UNDER_CAP[isa] and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+
+
+ISAS_UNDER_CAP = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"], "avx512bw": ["avx2+avx512bw", "avx2", "scalar"],
+                  "": ["avx2+avx512bw+vpclmulqdq", "avx2+avx512bw", "avx2", "scalar"]}
+"""What ``isa()`` may say under each ``SZFORMAT_CPU_ISA`` cap, by what the CPU has."""
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+@pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
+def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
+    """A checked range's three CRC-32s (pk, sm, output) against zlib's, and its output against the unchecked
+    decode's: with VPCLMULQDQ they are folded into the decode 64 elements at a time and only the tail goes through
+    zlib-ng, so lengths around 64 and its multiples, escapes at a block's first and last element, in the tail, in
+    every element, and runs of blocks with and without them."""
+    script = ("import sys, zlib, numpy as np\n"
+              "from szformat.codec import cpu, cpu_kernel\n"
+              "native = cpu._native\n"
+              "print(native.isa())\n"
+              "assert cpu_kernel.checksums_in_kernel()\n"
+              "rng = np.random.default_rng(int(sys.argv[1]))\n"
+              "lut = rng.integers(0, 256, 16, dtype=np.uint8).tobytes()\n"
+              "def escapes(n, kind):\n"
+              "    if kind == 'none' or n == 0: return np.zeros(0, np.int64)\n"
+              "    if kind == 'all': return np.arange(n, dtype=np.int64)\n"
+              "    if kind == 'edges': return np.unique([p for b in range(0, n, 64) for p in (b, b + 63) if p < n])\n"
+              "    if kind == 'tail': return np.arange(n - n % 64, n, dtype=np.int64)\n"
+              "    return np.sort(rng.choice(n, int(rng.integers(1, n // 50 + 2)), replace=False)).astype(np.int64)\n"
+              "sizes = list(range(0, 200)) + [255, 256, 257, 8191, 8192, 16384, 16447, 65_599, 1 << 20, 1_000_003]\n"
+              "for n in sizes:\n"
+              "    for kind in ('none', 'all', 'edges', 'tail', 'scattered'):\n"
+              "        pk = rng.integers(0, 256, (n + 1) // 2, dtype=np.uint8)\n"
+              "        sm = rng.integers(0, 256, n, dtype=np.uint8)\n"
+              "        positions = escapes(n, kind)\n"
+              "        exponents = rng.integers(0, 256, len(positions), dtype=np.uint8)\n"
+              "        checked, plain = np.full(n, 7, np.uint16), np.full(n, 9, np.uint16)\n"
+              "        crcs = native.decode_range(pk, sm, lut, checked, positions, exponents, True)\n"
+              "        assert native.decode_range(pk, sm, lut, plain, positions, exponents, False) is None\n"
+              "        assert np.array_equal(checked, plain), (n, kind)\n"
+              "        assert crcs == (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(plain)), (n, kind)\n"
+              "print('ok')\n")
+    seed, done = run_with_isa(isa, script)
+    lines = done.stdout.split("\n")
+    assert lines[0] in ISAS_UNDER_CAP[isa] and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
