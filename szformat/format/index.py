@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable, Collection, Iterator, Mapping, NamedTuple
 
+from .._collector import collector_paused
 from .._lazy import atomic
 from ..errors import FormatError, ShardIndexError, listing, short_repr
 from . import constants as C
@@ -268,11 +269,12 @@ def load_checkpoint(load_shard: Callable[[SztFile, list[str] | None], dict[str, 
         FormatError: a shard is not valid .szt, or two shards hold one tensor.
     """
     tensors: dict[str, Any] = {}
-    for shard in checkpoint_shards(path):
-        with open_shard(shard) as file:
-            loaded = load_shard(file, shard.names)
-        for name, tensor in loaded.items():
-            if name in tensors:
-                raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
-            tensors[name] = tensor
+    with collector_paused():
+        for shard in checkpoint_shards(path):
+            with open_shard(shard) as file:
+                loaded = load_shard(file, shard.names)
+            for name, tensor in loaded.items():
+                if name in tensors:
+                    raise FormatError("tensor appears in more than one shard", path=shard.path, tensor=name)
+                tensors[name] = tensor
     return tensors

@@ -1,0 +1,93 @@
+"""The cyclic garbage collector paused while a checkpoint is read (``szformat._collector``)."""
+
+from __future__ import annotations
+
+import gc
+import threading
+
+import pytest
+import torch
+
+import szformat
+from szformat.errors import FormatError
+from szformat import _collector
+from szformat.format import reader
+
+
+@pytest.fixture
+def collector_on():
+    """The collector running before the test, and as it was after it."""
+    was = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was else gc.disable)()
+
+
+def test_a_load_pauses_the_collector_and_resumes_it(tmp_path, monkeypatch, collector_on):
+    path = tmp_path / "m.szt"
+    szformat.save_file({"a": torch.randn(300, 7).bfloat16(), "b": torch.arange(5)}, path)
+    seen = []
+    decode = szformat.api.decode_entries
+    monkeypatch.setattr(szformat.api, "decode_entries", lambda *a, **k: seen.append(gc.isenabled()) or decode(*a, **k))
+    loaded = szformat.load_file(path)
+    assert seen == [False] and gc.isenabled()
+    assert torch.equal(loaded["b"], torch.arange(5))
+
+
+def test_opening_a_file_parses_its_header_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
+    path = tmp_path / "m.szt"
+    szformat.save_file({"a": torch.randn(30).bfloat16()}, path)
+    seen = []
+    parse = reader.parse_header
+    monkeypatch.setattr(reader, "parse_header", lambda *a, **k: seen.append(gc.isenabled()) or parse(*a, **k))
+    with szformat.safe_open(path, framework="pt") as f:
+        assert f.keys() == ["a"]
+    assert seen == [False] and gc.isenabled()
+
+
+def test_a_collector_the_caller_disabled_stays_disabled(tmp_path):
+    path = tmp_path / "m.szt"
+    szformat.save_file({"a": torch.randn(30).bfloat16()}, path)
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        szformat.load_file(path)
+        assert not gc.isenabled()
+    finally:
+        (gc.enable if was else gc.disable)()
+
+
+def test_the_collector_resumes_after_an_error(tmp_path, collector_on):
+    path = tmp_path / "m.szt"
+    path.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(FormatError):
+        szformat.load_file(path)
+    assert gc.isenabled()
+
+
+def test_overlapping_loads_resume_the_collector_when_the_last_one_ends(collector_on):
+    """Loads on two threads: the first to end leaves the collector paused for the other."""
+    first_in, second_in, first_out = threading.Event(), threading.Event(), threading.Event()
+    states = {}
+
+    def first():
+        with _collector.collector_paused():
+            first_in.set()
+            second_in.wait(10)
+        states["after first"] = gc.isenabled()
+        first_out.set()
+
+    def second():
+        first_in.wait(10)
+        with _collector.collector_paused():
+            second_in.set()
+            first_out.wait(10)
+            states["inside second, first done"] = gc.isenabled()
+        states["after second"] = gc.isenabled()
+
+    threads = [threading.Thread(target=first), threading.Thread(target=second)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(20)
+    assert states == {"after first": False, "inside second, first done": False, "after second": True}
