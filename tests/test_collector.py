@@ -1,4 +1,5 @@
-"""The cyclic garbage collector paused while a checkpoint is read (``szformat._collector``)."""
+"""The cyclic garbage collector paused while a checkpoint is read (``szformat._collector``); a header's parse alone:
+``tests/format/test_container.py``."""
 
 from __future__ import annotations
 
@@ -11,7 +12,6 @@ import torch
 import szformat
 from szformat.errors import FormatError
 from szformat import _collector
-from szformat.format import reader
 
 
 @pytest.fixture
@@ -32,17 +32,6 @@ def test_a_load_pauses_the_collector_and_resumes_it(tmp_path, monkeypatch, colle
     loaded = szformat.load_file(path)
     assert seen == [False] and gc.isenabled()
     assert torch.equal(loaded["b"], torch.arange(5))
-
-
-def test_opening_a_file_parses_its_header_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
-    path = tmp_path / "m.szt"
-    szformat.save_file({"a": torch.randn(30).bfloat16()}, path)
-    seen = []
-    parse = reader.parse_header
-    monkeypatch.setattr(reader, "parse_header", lambda *a, **k: seen.append(gc.isenabled()) or parse(*a, **k))
-    with szformat.safe_open(path, framework="pt") as f:
-        assert f.keys() == ["a"]
-    assert seen == [False] and gc.isenabled()
 
 
 def test_a_collector_the_caller_disabled_stays_disabled(tmp_path):

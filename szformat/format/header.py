@@ -9,16 +9,15 @@ The name, shape and metadata rules are shared with the writer, so it cannot writ
 
 from __future__ import annotations
 
-import contextlib
-import gc
 import itertools
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Iterator, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
+from .._collector import collector_paused
 from .._lazy import at_rest, torch
 from ..checksum import crc32, crc32_combine, crc32_join
 from ..codec.codebook import Codebook
@@ -275,25 +274,7 @@ def validate_metadata(metadata: object) -> None:
 # ---------------------------------------------------------------------------------------------------------------
 
 
-@contextlib.contextmanager
-def _collector_paused() -> Iterator[None]:
-    """Pause Python's cyclic garbage collector while a header is unpacked and parsed, as msgpack's documentation
-    advises for large messages: the unpacked tree (several containers per tensor, freed once parsed) otherwise sets
-    off collections of the whole process, and in a process holding millions of objects (a serving engine) each full
-    one costs hundreds of milliseconds. An 18,000-tensor header opened in 517-577 ms with the collector on, 226-238 of
-    them in its two full collections, and in 291-329 ms paused (``bench/RESULTS.md``, "CPU loading"). A collector
-    the program turned off stays off; other threads go uncollected for the milliseconds a parse takes."""
-    if not gc.isenabled():
-        yield
-        return
-    gc.disable()
-    try:
-        yield
-    finally:
-        gc.enable()
-
-
-@_collector_paused()
+@collector_paused()
 def parse_header(
     raw: bytes | memoryview,
     *,
