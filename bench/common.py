@@ -1,5 +1,5 @@
-"""What the benchmarks share: same-run anchors (copy rates), memory counters, the peer loaders, and a clock of
-the GIL for reader threads.
+"""What the benchmarks share: same-run anchors (copy rates), memory counters, the peer loaders, a clock of the GIL
+for reader threads, and the rotation of what a round times.
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 from time import perf_counter
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, Sequence, TypeVar
 
 import torch
 from zlib_ng import zlib_ng
@@ -21,6 +21,30 @@ from szformat.format import at_rest
 
 __all__ = ["GilClock", "TimedPool", "median_copy_seconds", "pinned_h2d_gbps", "memory_status", "PEERS", "PeerLoader",
            "available_peers"]
+
+Item = TypeVar("Item")
+
+
+def round_order(items: Sequence[Item], round_: int) -> list[Item]:
+    """The order ``items`` are timed in round ``round_``: rows of a balanced Latin square (Williams'), so that over
+    ``len(items)`` rounds (twice that for an odd count) each runs first as often as the others and follows each other
+    one as often: what ran just before a timing can leave the heap, the page cache or the CPU's caches in another
+    state, and a plain rotation keeps one item after the same one in every round but the last."""
+    n = len(items)
+    if n == 0:
+        return []
+    first = [0]  # 0, 1, n-1, 2, n-2, ...
+    low, high = 1, n - 1
+    while len(first) < n:
+        first.append(low)
+        low += 1
+        if len(first) < n:
+            first.append(high)
+            high -= 1
+    r = round_ % (n if n % 2 == 0 else 2 * n)
+    order = [items[(i + r) % n] for i in first]
+    return order[::-1] if r >= n else order  # an odd count also needs each row mirrored
+
 
 # --- gil clock: Where a reader thread's time goes with respect to the GIL, measured without a profiler.
 #

@@ -86,6 +86,7 @@ from szformat.codec import cpu
 from szformat.convert import convert, verify
 from tools.fetch_minilm import default_dest, fetch  # noqa: E402
 
+from .common import round_order  # noqa: E402
 from .convert import generate  # noqa: E402
 
 PAYLOAD_ALIGNMENT = 4096
@@ -396,8 +397,8 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
         with BusyProcess() if busy else contextlib.nullcontext():
             for name, fn in methods:
                 fn()  # warm-up
-            for _ in range(repeats):
-                for name, fn in methods:
+            for round_ in range(repeats):
+                for name, fn in round_order(methods, round_):
                     start = time.perf_counter()
                     result = fn()
                     seconds[name].append(time.perf_counter() - start)

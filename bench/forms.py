@@ -10,7 +10,8 @@ the rate at which the host reads each file.
 
 The at-rest form (.szt 1.1) has two goals: a warm load (page-cached file) within 1.1x of the in-memory form's, and a
 cold load faster than the in-memory form's by the bytes it saves. Single calls say little where a VM's speeds wander
-from call to call, so every path here runs once per round, the order rotated each round, and medians are compared.
+from call to call, so every path here runs once per round, in orders balanced over the rounds, and medians are
+compared.
 Warm: one untimed round first. Cold: the page cache dropped before each call (``/proc/sys/vm/drop_caches`` when
 writable, else ``posix_fadvise(DONTNEED)``).
 
@@ -43,6 +44,7 @@ from szformat.loading import device_loader, hostio
 from szformat.loading.device_loader import StagingConfig
 
 from .checks.load_gpu import Checkpoint, at_rest_copy, prepare  # noqa: E402
+from .common import round_order  # noqa: E402
 from .load import drop_caches, mismatches, print_summary, recorded, resident_share, timed_call  # noqa: E402
 
 ANCHOR = "in-memory form, load_file (verify on)"
@@ -117,12 +119,12 @@ def check_bits(loads: dict[str, tuple[str, Callable[[], object]]], reference: di
 
 def interleaved(paths: dict[str, tuple[str, Callable[[], object]]], files: dict[str, Path], rounds: int, cache: str
                 ) -> dict[str, list[float]]:
-    """Seconds of each path over ``rounds`` rounds, the order rotated each round; cold calls start from a dropped
-    page cache, warm ones follow an untimed round."""
+    """Seconds of each path over ``rounds`` rounds, in orders balanced over the rounds; cold calls start from a
+    dropped page cache, warm ones follow an untimed round."""
     times: dict[str, list[float]] = {label: [] for label in paths}
     labels = list(paths)
     for round_ in range(-1 if cache == "warm" else 0, rounds):
-        for label in labels[round_ % len(labels):] + labels[: round_ % len(labels)]:
+        for label in round_order(labels, round_):
             form, run = paths[label]
             if cache == "cold":
                 drop_caches(list(files.values()))

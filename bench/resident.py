@@ -43,6 +43,8 @@ import szformat
 from szformat.convert import convert
 from szformat.convert.report import format_bytes
 
+from .common import round_order
+
 LLM = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
            num_key_value_heads=8, max_position_embeddings=4096, tie_word_embeddings=False)
 LLM_DEFAULT = dict(LLM)
@@ -242,9 +244,9 @@ def alone(kind: str, label: str, folder: Path, converted: Path, device: torch.de
 
 def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     """Each variant loaded alone once (its device-memory peak over a forward), then all of them loaded together and
-    timed in ``args.reps`` rounds, each round running every variant's phases once in a rotated order: a load's
-    placement in memory and the device's clocks move a forward's time by up to 1.5x from one load to the next, so
-    the variants are compared forward by forward, on the same loads."""
+    timed in ``args.reps`` rounds, each round running every variant's phases once, in orders balanced over the
+    rounds: a load's placement in memory and the device's clocks move a forward's time by up to 1.5x from one load
+    to the next, so the variants are compared forward by forward, on the same loads."""
     folder, converted = prepare(kind, Path(args.work), args.tiny)
     inputs = inputs_for(kind, args.tiny, device, args)
     sync = (lambda: torch.cuda.synchronize(device)) if device.type == "cuda" else (lambda: None)
@@ -266,7 +268,7 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
         reference = [out for call in phases(kind, loaded["plain"][0], inputs, args.tiny, args).values()
                      for out in call()]
         for round_ in range(-1, args.reps):  # round -1: a warm-up of every variant, untimed
-            for label in rotated(labels, round_):
+            for label in round_order(labels, round_):
                 outputs = []
                 for phase, call in phases(kind, loaded[label][0], inputs, args.tiny, args).items():
                     sync()
@@ -303,12 +305,6 @@ def measure(kind: str, args, device: torch.device) -> list[list[str]]:
     return rows
 
 
-def rotated(labels: tuple[str, ...], round_: int) -> tuple[str, ...]:
-    """``labels`` starting at a different one each round, so that no variant always runs first."""
-    k = round_ % len(labels)
-    return labels[k:] + labels[:k]
-
-
 def print_table(header: list[str], rows: list[list[str]], *, text: set[int]) -> None:
     """Columns padded to their widest cell: the columns ``text`` aligned left, the figures right."""
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
@@ -333,7 +329,8 @@ def device_busy_ms(prof: Any) -> tuple[float, int]:
 def profile(kind: str, args, device: torch.device) -> None:
     """Where a forward's time goes, the plain model beside the resident route, all loaded together: the forward's
     wall time (synchronized) and the host's time to issue it (until the call returns: where it is close to the wall
-    time the forward is bound by the host, and every microsecond a hook takes is added to it), in rotated rounds;
+    time the forward is bound by the host, and every microsecond a hook takes is added to it), in rounds of
+    balanced orders;
     then the route's hooks' own host time (expansions apart), and last, each variant under ``torch.profiler`` for
     the device's busy time (the union of its kernels; last, because the host issues kernels more slowly once a
     profiler has run). The plain model with hooks that do nothing on the same blocks says what PyTorch's hook calls
@@ -352,7 +349,7 @@ def profile(kind: str, args, device: torch.device) -> None:
     issues: dict[str, list[float]] = {label: [] for label in labels}
     with torch.no_grad():
         for round_ in range(-1, args.reps):
-            for label in rotated(labels, round_):
+            for label in round_order(labels, round_):
                 sync()
                 start = time.perf_counter()
                 loaded[label][0](**inputs)

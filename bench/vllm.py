@@ -3,13 +3,14 @@
     python -m bench.vllm --work /tmp/szvllm [--size-mb 600] [--tp 1,2] [--rounds 2] [--verify-off] [--huge-pages]
 
 A Llama-shaped checkpoint of about ``--size-mb`` of BF16 weights (random, ``randn * 0.02``), saved with
-``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel size),
-the order rotated each round, and reads from vLLM's own log the weight-loading phase ("Loading weights took") and the
-time from the engine's start to ready (one greedy request answered), plus the peak RSS of every process of the engine
-(``/proc``, sampled), and for szt on the CPU the share of the checkpoint's raw bytes each rank decoded (its log line:
-a rank decodes only the rows vLLM's weight loaders keep). Runs unchanged on a CUDA machine (vLLM picks its device).
-Medians are printed as a table, and each load phase's best round beside them: on a shared or small machine
-another process only ever adds to a round's time, so the best is the steadier figure of the two when rounds spread.
+``save_pretrained`` and converted with ``szconvert``; each round starts one engine per (format, tensor-parallel
+size), in orders balanced over the rounds, and reads from vLLM's own log the weight-loading phase ("Loading weights
+took") and the time from the engine's start to ready (one greedy request answered), plus the peak RSS of every
+process of the engine (``/proc``, sampled), and for szt on the CPU the share of the checkpoint's raw bytes each rank
+decoded (its log line: a rank decodes only the rows vLLM's weight loaders keep). Runs unchanged on a CUDA machine
+(vLLM picks its device). Medians are printed as a table, and each load phase's best round beside them: on a shared
+or small machine another process only ever adds to a round's time, so the best is the steadier figure of the two
+when rounds spread.
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import sys
 import threading
 import time
 from pathlib import Path
+
+from .common import round_order
 
 ENGINE = """
 import json, sys
@@ -166,7 +169,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = [(label, int(tp)) for tp in args.tp.split(",") for label in variants]
     samples: dict[tuple[str, int], list[dict[str, float]]] = {run: [] for run in runs}
     for r in range(args.rounds):
-        for label, tp in runs[r % len(runs):] + runs[: r % len(runs)]:
+        for label, tp in round_order(runs, r):
             fmt, extra, env = variants[label]
             model = converted if fmt == "szt" else original
             samples[(label, tp)].append(start_engine(work, model, fmt, tp, extra, env))

@@ -234,7 +234,7 @@ def test_the_file_readers_read_every_byte(tmp_path):
         pytest.skip(f"O_DIRECT refused here: {e}")
 
 
-def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(monkeypatch):
+def test_rounds_balance_the_order_and_a_warm_run_drops_its_first_round(monkeypatch):
 
     calls, dropped = [], []
     monkeypatch.setattr(forms, "timed_call", lambda run: (float(len(calls)), run()))
@@ -242,7 +242,7 @@ def test_rounds_rotate_the_order_and_a_warm_run_drops_its_first_round(monkeypatc
     monkeypatch.setattr(forms, "resident_share", lambda files: 0.0)
     paths = {label: ("in-memory", lambda label=label: calls.append(label)) for label in "abc"}
     warm = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "warm")
-    assert calls == list("cab" "abc" "bca") and not dropped
+    assert calls == list("bac" "abc" "bca") and not dropped  # round -1 is round 5 of the balanced orders
     assert warm == {"a": [3.0, 8.0], "b": [4.0, 6.0], "c": [5.0, 7.0]}
     calls.clear()
     cold = forms.interleaved(paths, {"in-memory": Path("x")}, 2, "cold")
@@ -474,3 +474,20 @@ def test_vllm_table_sets_medians_and_best_rounds_against_safetensors_at_the_same
     assert (float(best), float(best_ratio)) == (0.20, 0.50)  # best 0.20 against safetensors' best 0.40
     assert rows[("szt", 2)][6] == "0.50" and len(rows[("safetensors", 2)]) == 6  # no decoded share for safetensors
     assert [float(x) for x in rows[("szt", 1)][3:6]] == [1.00, 0.27, 0.90]
+
+
+@pytest.mark.parametrize("n", [1, 2, 3, 4, 5, 6])
+def test_round_orders_balance_who_runs_first_and_who_follows_whom(n):
+    """Over a period of rounds each item runs first equally often, and each ordered pair of items is adjacent equally
+    often (a plain rotation keeps "on" after "anchor" in all but one round in four)."""
+    from collections import Counter
+
+    items = [f"m{i}" for i in range(n)]
+    period = n if n % 2 == 0 else 2 * n
+    rounds = [common.round_order(items, r) for r in range(period)]
+    assert all(sorted(r) == items for r in rounds)
+    assert rounds == [common.round_order(items, r) for r in range(period, 2 * period)]
+    assert set(Counter(r[0] for r in rounds).values()) == {period // n}
+    pairs = Counter((a, b) for r in rounds for a, b in zip(r, r[1:]))
+    assert len(pairs) == n * (n - 1) and len(set(pairs.values())) <= 1
+    assert common.round_order([], 3) == []
