@@ -26,6 +26,18 @@ from hub_server import LoopbackHub
 
 
 @pytest.fixture
+def collector_on():
+    """Python's cyclic garbage collector running when the test starts, and as it was once the test ends, whatever the
+    test turned on or off."""
+    import gc
+
+    was_enabled = gc.isenabled()
+    gc.enable()
+    yield
+    (gc.enable if was_enabled else gc.disable)()
+
+
+@pytest.fixture
 def no_decoding(monkeypatch):
     """Any decode fails the test: a refused folder must be refused from headers alone."""
     def refuse(*args, **kwargs):

@@ -14,15 +14,6 @@ from szformat.errors import FormatError
 from szformat import _collector
 
 
-@pytest.fixture
-def collector_on():
-    """The collector running before the test, and as it was after it."""
-    was = gc.isenabled()
-    gc.enable()
-    yield
-    (gc.enable if was else gc.disable)()
-
-
 def test_a_load_pauses_the_collector_and_resumes_it(tmp_path, monkeypatch, collector_on):
     path = tmp_path / "m.szt"
     szformat.save_file({"a": torch.randn(300, 7).bfloat16(), "b": torch.arange(5)}, path)

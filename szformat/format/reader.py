@@ -29,7 +29,6 @@ from pathlib import Path
 from typing import Sequence
 
 
-from .._collector import collector_paused
 from .._lazy import at_rest, cpu_codec, torch
 from ..checksum import crc32, tensor_crc32
 from ..codec.codebook import Codebook
@@ -102,9 +101,8 @@ class SztFile:
                     f"header checksum mismatch (stored {header_crc:#010x}, computed {crc:#010x})", path=path)
             if self.flags & C.FLAG_HEADER_ZSTD:
                 raw_header = self._inflate_header(raw_header)
-            with collector_paused():
-                self.header: Header = parse_header(raw_header, path=self.path, alignment=self.alignment,
-                                                   header_offset=header_offset)
+            self.header: Header = parse_header(raw_header, path=self.path, alignment=self.alignment,
+                                               header_offset=header_offset)
             try:
                 self._mmap = mmap.mmap(f.fileno(), self.file_length, access=mmap.ACCESS_READ)
             except ValueError:  # the file is now shorter than the mapping would be

@@ -1113,6 +1113,18 @@ def run_with_isa(isa: str, script: str) -> tuple[int, subprocess.CompletedProces
                                 timeout=300)
 
 
+ISAS_UNDER_CAP = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"], "avx512bw": ["avx2+avx512bw", "avx2", "scalar"],
+                  "": ["avx2+avx512bw+vpclmulqdq", "avx2+avx512bw", "avx2", "scalar"]}
+"""What ``isa()`` may say under each ``SZFORMAT_CPU_ISA`` cap, by what the CPU has."""
+
+
+def assert_runs_under_cap(isa: str, script: str) -> None:
+    """Run ``script`` (which prints ``isa()``, then "ok" once its checks pass) with the C kernels capped to ``isa``."""
+    seed, done = run_with_isa(isa, script)
+    lines = done.stdout.split("\n")
+    assert lines[0] in ISAS_UNDER_CAP[isa] and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+
+
 def test_the_portable_c_loops_match_the_reference(tmp_path, kernel):
     """The C kernels' portable loops (what a CPU without AVX2 runs; ``SZFORMAT_CPU_ISA=scalar`` selects them here)
     encode and decode bit for bit as the reference does, odd sizes, escapes and partial ranges included."""
@@ -1169,14 +1181,9 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
               "        expected = torch.bincount(cpu.split_bf16(x)[0].reshape(-1), minlength=256).numpy() + 7\n"
               "        assert np.array_equal(counts, expected), (n, name)\n"
               "print('ok')\n")
-    seed, done = run_with_isa(isa, script)
-    lines = done.stdout.split("\n")
-    assert lines[0] in ISAS_UNDER_CAP[isa] and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+    assert_runs_under_cap(isa, script)
 
 
-ISAS_UNDER_CAP = {"scalar": ["scalar"], "avx2": ["avx2", "scalar"], "avx512bw": ["avx2+avx512bw", "avx2", "scalar"],
-                  "": ["avx2+avx512bw+vpclmulqdq", "avx2+avx512bw", "avx2", "scalar"]}
-"""What ``isa()`` may say under each ``SZFORMAT_CPU_ISA`` cap, by what the CPU has."""
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
@@ -1212,9 +1219,7 @@ def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
               "        assert np.array_equal(checked, plain), (n, kind)\n"
               "        assert crcs == (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(plain)), (n, kind)\n"
               "print('ok')\n")
-    seed, done = run_with_isa(isa, script)
-    lines = done.stdout.split("\n")
-    assert lines[0] in ISAS_UNDER_CAP[isa] and lines[1] == "ok", f"seed={seed}: {done.stdout} {done.stderr[-3000:]}"
+    assert_runs_under_cap(isa, script)
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)

@@ -170,18 +170,7 @@ def test_header_round_trips_through_msgpack(tmp_path):
     assert entry.encoding == "splitzip" and entry.layout.n == 64 * 96 and entry.codebook.n_used <= 16
 
 
-@pytest.fixture
-def collector_state():
-    """Python's collector as it was before the test, whatever the test turns on or off."""
-    import gc
-
-    was_enabled = gc.isenabled()
-    gc.enable()
-    yield
-    (gc.enable if was_enabled else gc.disable)()
-
-
-def test_a_header_is_parsed_with_the_collector_paused(tmp_path, monkeypatch, collector_state):
+def test_a_header_is_parsed_with_the_collector_paused(tmp_path, monkeypatch, collector_on):
     """The unpacked tree, freed once parsed, would otherwise set off collections of the whole process; the collector
     is on again after a parse, or a refusal, and stays off where the program turned it off."""
     import gc
