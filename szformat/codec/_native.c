@@ -490,20 +490,21 @@ static uint32_t x_power_mod_p(int n)
  * (the higher powers in a reflected stream) by x^(distance + 64), the second by x^distance, each a power less for
  * the x that a carry-less product of two reflected operands gains, in the upper 32 bits of a reflected 64-bit lane.
  * Filled by use_crc32 (under the GIL, before any decode): distances 128, 256, 384, 512 and 1024 bits. */
-static uint64_t fold_multipliers[5][2];
+enum { BY_128, BY_256, BY_384, BY_512, BY_1024, FOLD_DISTANCES };
+static uint64_t fold_multipliers[FOLD_DISTANCES][2];
 
 static void fill_fold_multipliers(void)
 {
-    static const int distances[5] = {128, 256, 384, 512, 1024};
-    for (int i = 0; i < 5; i++) {
+    static const int distances[FOLD_DISTANCES] = {128, 256, 384, 512, 1024};
+    for (int i = 0; i < FOLD_DISTANCES; i++) {
         fold_multipliers[i][0] = (uint64_t)x_power_mod_p(distances[i] + 63) << 32;
         fold_multipliers[i][1] = (uint64_t)x_power_mod_p(distances[i] - 1) << 32;
     }
 }
 
-FOLD_TARGET static inline __m128i multipliers_128(int which)
+FOLD_TARGET static inline __m128i multipliers_128(int distance)
 {
-    return _mm_loadu_si128((const __m128i *)fold_multipliers[which]);
+    return _mm_loadu_si128((const __m128i *)fold_multipliers[distance]);
 }
 
 FOLD_TARGET static inline __m128i fold_128(__m128i acc, __m128i k, __m128i data)
@@ -536,9 +537,9 @@ static uint32_t crc_after_fold(__m128i acc, const uint8_t *tail, Py_ssize_t len)
 FOLD_TARGET static inline __m128i folded_512(__m512i acc)
 {
     __m128i v = _mm512_extracti32x4_epi32(acc, 3);
-    v = fold_128(_mm512_extracti32x4_epi32(acc, 2), multipliers_128(0), v);
-    v = fold_128(_mm512_extracti32x4_epi32(acc, 1), multipliers_128(1), v);
-    return fold_128(_mm512_castsi512_si128(acc), multipliers_128(2), v);
+    v = fold_128(_mm512_extracti32x4_epi32(acc, 2), multipliers_128(BY_128), v);
+    v = fold_128(_mm512_extracti32x4_epi32(acc, 1), multipliers_128(BY_256), v);
+    return fold_128(_mm512_castsi512_si128(acc), multipliers_128(BY_384), v);
 }
 
 /* Elements [64 i, 64 i + 64) of decode_range_folded: decoded and stored; returned as its 128 output bytes. */
@@ -562,9 +563,9 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
                                 const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
 {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
-    const __m512i by_512 = _mm512_broadcast_i32x4(multipliers_128(3));
-    const __m512i by_1024 = _mm512_broadcast_i32x4(multipliers_128(4));
-    const __m256i by_256 = _mm256_broadcastsi128_si256(multipliers_128(1));
+    const __m512i by_512 = _mm512_broadcast_i32x4(multipliers_128(BY_512));
+    const __m512i by_1024 = _mm512_broadcast_i32x4(multipliers_128(BY_1024));
+    const __m256i by_256 = _mm256_broadcastsi128_si256(multipliers_128(BY_256));
     const __m512i register_init = _mm512_maskz_set1_epi32(1, -1); /* ~0 into a stream's first four bytes */
     Py_ssize_t blocks = n / 64, k = 0;
     __m256i pk_acc = _mm256_setzero_si256();
@@ -598,7 +599,8 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
         out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
     for (; k < n_esc; k++)
         out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
-    __m128i pk_last = fold_128(_mm256_castsi256_si128(pk_acc), multipliers_128(0), _mm256_extracti128_si256(pk_acc, 1));
+    __m128i pk_last = fold_128(_mm256_castsi256_si128(pk_acc), multipliers_128(BY_128),
+                               _mm256_extracti128_si256(pk_acc, 1));
     crcs[0] = crc_after_fold(pk_last, pk + done / 2, (n + 1) / 2 - done / 2);
     crcs[1] = crc_after_fold(folded_512(sm_acc), sm + done, rest);
     crcs[2] = crc_after_fold(folded_512(fold_512(out_lo, by_512, out_hi)), (const uint8_t *)(out + done), 2 * rest);
