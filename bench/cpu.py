@@ -453,6 +453,9 @@ def bench_first_loads(label: str, st_path: Path, szt_path: Path, repeats: int) -
     """Each loader's import and first load in fresh interpreters, alternating, with 1 thread and all threads; the
     memory events (:func:`memory_events`) each loader's timed runs saw, per run."""
     read_through(st_path, szt_path)
+    # Bytecode written by the untimed round, as any installed package has it: with PYTHONDONTWRITEBYTECODE (set on
+    # some machines) every fresh process compiled szformat's modules again, 30-50 ms of a first MiniLM load.
+    env = {key: value for key, value in os.environ.items() if key != "PYTHONDONTWRITEBYTECODE"}
     rows = []
     for threads in sorted({1, os.cpu_count() or 1}):
         seconds: dict[str, list[tuple[float, float]]] = {"safetensors": [], "szt": []}
@@ -462,7 +465,7 @@ def bench_first_loads(label: str, st_path: Path, szt_path: Path, repeats: int) -
             for which, path in (("safetensors", st_path), ("szt", szt_path)):
                 before = memory_events()
                 done = subprocess.run([sys.executable, "-c", FIRST_LOAD, which, str(path), str(threads)],
-                                      capture_output=True, text=True, check=True)
+                                      capture_output=True, text=True, check=True, env=env)
                 after = memory_events()
                 both, load, count = done.stdout.split()
                 counts.add(int(count))
