@@ -26,8 +26,9 @@ Loading rows (``--sections load``), on MiniLM and on a TinyLlama-shaped syntheti
   ``szconvert verify`` runs: every checksum, every tensor decoded, in slices).
 
 each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and with the default threads while
-one busy process (``python -c "while True: pass"``) holds a core; methods round-robin, median and best of
-``--repeats``, and the anchor's median time over each method's (x > 1: faster than the anchor). Before this section
+one busy process (``python -c "while True: pass"``) holds a core; methods in orders balanced over the rounds
+(``common.round_order``), median and best of ``--repeats``, and the anchor's median time over each method's (x > 1:
+faster than the anchor). Before this section
 glibc's malloc thresholds are pinned (:func:`pin_glibc_thresholds`; ``--glibc-thresholds as-is`` leaves them), so
 that every loader's outputs reuse the memory the last load freed wherever it fits: left to glibc's dynamic
 thresholds, whether a load's outputs landed in reused or in fresh memory depended on what the previous loads had
@@ -369,7 +370,8 @@ def pin_glibc_thresholds() -> bool:
 
 def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
                   kernels: Sequence[str] = KERNELS) -> list[dict]:
-    """Time each loading method round-robin under each condition; check szformat's tensors first."""
+    """Time each loading method under each condition, in orders balanced over the rounds; check szformat's tensors
+    first."""
     anchor = {k: v.clone() for k, v in load_file(st_path).items()}
     loaded = szformat.load_file(szt_path)
     assert anchor.keys() == loaded.keys() and all(bits_equal(anchor[k], loaded[k]) for k in anchor if
