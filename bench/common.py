@@ -1,5 +1,5 @@
 """What the benchmarks share: same-run anchors (copy rates), memory counters, the peer loaders, a clock of the GIL
-for reader threads, and the rotation of what a round times.
+for reader threads, and the order in which a round times its methods.
 """
 
 from __future__ import annotations

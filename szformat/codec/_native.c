@@ -230,6 +230,30 @@ static void decode(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uin
     decode_scalar(pk, sm, lut, out, n_pairs);
 }
 
+/* Elements [0, n) from (n + 1) / 2 pk bytes and n sm bytes: whole pairs, then an odd count's last element (the high
+ * nibble of its pk byte). Escapes are left to the caller. */
+static void decode_elements(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n)
+{
+    decode(pk, sm, lut, out, n / 2);
+    if (n % 2)
+        out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
+}
+
+/* An element whose exponent was an escape: the raw exponent byte in place of the codebook's, sign and mantissa kept. */
+static inline uint16_t with_exponent(uint16_t element, uint8_t exponent)
+{
+    return (uint16_t)((element & 0x807F) | (uint32_t)exponent << 7);
+}
+
+/* Escapes k, k + 1, ... (ascending positions into ``out``) below ``end`` patched; the index of the first one left. */
+static inline Py_ssize_t patch_escapes(uint16_t *out, const int64_t *positions, const uint8_t *exponents,
+                                       Py_ssize_t n_esc, Py_ssize_t k, int64_t end)
+{
+    for (; k < n_esc && positions[k] < end; k++)
+        out[positions[k]] = with_exponent(out[positions[k]], exponents[k]);
+    return k;
+}
+
 static void encode(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, Py_ssize_t n_pairs)
 {
 #ifdef SZ_X86
@@ -409,15 +433,12 @@ static const char *check_escapes(const uint8_t *payload, Offsets o, Py_ssize_t n
 static void decode_whole(const uint8_t *payload, Offsets o, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
                          Py_ssize_t n_esc, Py_ssize_t chunk_size)
 {
-    const uint8_t *pk = payload, *sm = payload + o.sm;
-    decode(pk, sm, lut, out, n / 2);
-    if (n % 2)
-        out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
+    decode_elements(payload, payload + o.sm, lut, out, n);
     for (Py_ssize_t k = 0; k < n_esc; k++) {
         int64_t chunk, local;
         escape_at(payload, o, k, &chunk, &local);
         int64_t position = chunk * chunk_size + local;
-        out[position] = (uint16_t)((out[position] & 0x807F) | (uint32_t)payload[o.ev + k] << 7);
+        out[position] = with_exponent(out[position], payload[o.ev + k]);
     }
 }
 
@@ -576,8 +597,7 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
         uint16_t *block_out = out + 64 * i;
         decode_64(table, packed, s, block_out, &lo, &hi);
         if (k < n_esc && positions[k] < 64 * (i + 1)) {
-            for (; k < n_esc && positions[k] < 64 * (i + 1); k++)
-                out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+            k = patch_escapes(out, positions, exponents, n_esc, k, 64 * (i + 1));
             lo = _mm512_loadu_si512(block_out);
             hi = _mm512_loadu_si512(block_out + 32);
         }
@@ -594,11 +614,8 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
         }
     }
     Py_ssize_t done = 64 * blocks, rest = n - done;
-    decode(pk + done / 2, sm + done, lut, out + done, rest / 2);
-    if (rest % 2)
-        out[n - 1] = (uint16_t)(sm_field(sm[n - 1]) | (uint32_t)lut[pk[n / 2] >> 4] << 7);
-    for (; k < n_esc; k++)
-        out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+    decode_elements(pk + done / 2, sm + done, lut, out + done, rest);
+    patch_escapes(out, positions, exponents, n_esc, k, n);
     __m128i pk_last = fold_128(_mm256_castsi256_si128(pk_acc), multipliers_128(BY_128),
                                _mm256_extracti128_si256(pk_acc, 1));
     crcs[0] = crc_after_fold(pk_last, pk + done / 2, (n + 1) / 2 - done / 2);
@@ -634,11 +651,8 @@ static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lu
             pk_crc = crc32_of(pk_crc, block_pk, (uint32_t)((count + 1) / 2));
             sm_crc = crc32_of(sm_crc, block_sm, (uint32_t)count);
         }
-        decode(block_pk, block_sm, lut, block_out, count / 2);
-        if (count % 2)
-            block_out[count - 1] = (uint16_t)(sm_field(block_sm[count - 1]) | (uint32_t)lut[block_pk[count / 2] >> 4] << 7);
-        for (; k < n_esc && positions[k] < first + count; k++)
-            out[positions[k]] = (uint16_t)((out[positions[k]] & 0x807F) | (uint32_t)exponents[k] << 7);
+        decode_elements(block_pk, block_sm, lut, block_out, count);
+        k = patch_escapes(out, positions, exponents, n_esc, k, first + count);
         if (crcs != NULL)
             out_crc = crc32_of(out_crc, (const uint8_t *)block_out, (uint32_t)(2 * count));
     }
@@ -664,7 +678,7 @@ static void decode_columns(const uint8_t *pk, const uint8_t *sm, const uint8_t *
         Py_ssize_t row = (Py_ssize_t)(positions[k] / width), column = (Py_ssize_t)(positions[k] % width);
         if (column >= first && column < last) {
             uint16_t *value = out + row * kept + (column - first);
-            *value = (uint16_t)((*value & 0x807F) | (uint32_t)exponents[k] << 7);
+            *value = with_exponent(*value, exponents[k]);
         }
     }
 }

@@ -1184,8 +1184,6 @@ def test_the_exponent_histogram_counts_exactly_with_every_instruction_set(isa):
     assert_runs_under_cap(isa, script)
 
 
-
-
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
 @pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
 def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
