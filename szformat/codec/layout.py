@@ -14,6 +14,7 @@ This module is the single owner of that arithmetic; encoders, decoders, kernels 
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 ENCODING_SPLITZIP = "splitzip"
@@ -113,3 +114,10 @@ class PayloadLayout:
         """The offsets as stored in a .szt header (redundant with n and n_esc, checked on read)."""
         off_sm, off_cid, off_lpos, off_ev, _ = self._offsets
         return {"pk": 0, "sm": off_sm, "chunk_id": off_cid, "local_pos": off_lpos, "esc_val": off_ev}
+
+
+@functools.lru_cache(maxsize=4096)
+def payload_layout(n: int, n_esc: int) -> PayloadLayout:
+    """The layout of ``n`` elements with ``n_esc`` escapes in chunks of :data:`CHUNK_SIZE`, made once per size: a
+    header's tensors share a few shapes (a layer's repeat), and a layout costs 2 us to make."""
+    return PayloadLayout(n=n, n_esc=n_esc)

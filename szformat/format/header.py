@@ -9,6 +9,7 @@ The name, shape and metadata rules are shared with the writer, so it cannot writ
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
@@ -21,7 +22,7 @@ from .._collector import collector_paused
 from .._lazy import at_rest, torch
 from ..checksum import crc32, crc32_combine, crc32_join
 from ..codec.codebook import Codebook
-from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout
+from ..codec.layout import CHUNK_SIZE, N_CODES, PayloadLayout, payload_layout
 from ..errors import (DecodeRouteError, HeaderError, InvalidOffsetError, SzformatError, UnknownEncodingError,
                       UnsupportedVersionError, short_repr)
 from . import constants as C
@@ -450,6 +451,18 @@ def _int(obj: dict, key: str, *, path, tensor, lo: int = 0, hi: int = 1 << 63) -
     return value
 
 
+_ENTRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorEntry) if f.default is not dataclasses.MISSING}
+
+
+def _entry(**fields: Any) -> TensorEntry:
+    """A :class:`TensorEntry` of checked ``fields``, the others at their defaults, made without the frozen
+    dataclass's generated ``__init__``: it sets each of the 14 fields through ``object.__setattr__``, a fifth of a
+    small tensor's parse, and checks nothing the parser has not."""
+    entry = object.__new__(TensorEntry)
+    entry.__dict__.update(_ENTRY_DEFAULTS, **fields)
+    return entry
+
+
 def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
     if not isinstance(item, dict):
         raise HeaderError(f"tensor entry #{index} must be a map", path=path)
@@ -506,7 +519,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
         reason = config.get("reason")
         if "reason" in config and not isinstance(reason, str):
             raise HeaderError(f"raw 'reason' must be a string, got {short_repr(reason)}", path=path, tensor=name)
-        return TensorEntry(encoding=C.ENCODING_RAW, raw_reason=reason, at_rest=stage, **common)
+        return _entry(encoding=C.ENCODING_RAW, raw_reason=reason, at_rest=stage, **common)
     if encoding["name"] == C.ENCODING_SPLITZIP:
         staged = "at_rest" in encoding
         layout, codebook = _parse_splitzip(config, dtype=dtype, numel=numel, length=None if staged else length,
@@ -518,7 +531,7 @@ def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:
             except at_rest.AtRestError as e:
                 error = UnknownEncodingError if e.unknown_codec else HeaderError
                 raise error(str(e), path=path, tensor=name) from None
-        return TensorEntry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, at_rest=stage, **common)
+        return _entry(encoding=C.ENCODING_SPLITZIP, layout=layout, codebook=codebook, at_rest=stage, **common)
     raise UnknownEncodingError(
         f"encoding {short_repr(encoding['name'])} is not known to this reader "
         f"(known: {', '.join(map(repr, C.ENCODINGS))}); "
@@ -561,7 +574,7 @@ def _parse_splitzip(config: dict, *, dtype: str, numel: int, length: int | None,
     if n > PayloadLayout.max_elements(chunk_size):
         raise HeaderError(f"splitzip n={n} is more than the {PayloadLayout.max_elements(chunk_size)} elements whose "
                           f"chunk ids fit an int32 (2^31 chunks of {chunk_size})", path=path, tensor=tensor)
-    layout = PayloadLayout(n=n, n_esc=n_esc, chunk_size=chunk_size)
+    layout = payload_layout(n, n_esc)
     if length is not None and length != layout.comp_bytes:
         raise HeaderError(f"payload length {length} differs from the {layout.comp_bytes} bytes its layout needs "
                           f"(n={n}, n_esc={n_esc})", path=path, tensor=tensor)

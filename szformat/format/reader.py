@@ -279,10 +279,20 @@ class SztFile:
         e = self.entry(name)
         if not 0 <= start <= stop <= e.length:
             raise ValueError(f"byte range [{start}, {stop}) is outside the {e.length} stored bytes of {name!r}")
+        return self._mapping(name)[e.offset + start: e.offset + stop]
+
+    def mapped_payloads(self, entries: Sequence[TensorEntry]) -> list[memoryview]:
+        """The whole stored bytes of each of ``entries`` (of this file) as :meth:`mapped` gives them."""
+        mapping = self._mapping(entries[0].name if entries else None)
+        return [mapping[e.offset: e.offset + e.length] for e in entries]
+
+    def _mapping(self, name: str | None) -> memoryview:
+        """The whole mapping, for :meth:`mapped` reads of tensor ``name``, once it is checked the file has not
+        shrunk already."""
         mm = self.buffer
         if mm.size() < self.file_length:
             raise self.mapped_read_error(name)
-        return memoryview(mm)[e.offset + start: e.offset + stop]
+        return memoryview(mm)
 
     def mapped_read_error(self, name: str | None = None) -> TruncatedFileError | ReadError:
         """The error for bytes that could not be read through the mapping (a guarded call's EOFError): the file

@@ -167,8 +167,9 @@ class _Job:
 
 @dataclass
 class _WholeJob:
-    """A small SplitZip tensor in the in-memory form, where the C kernels are built: its payload read by one call
-    into the thread's scratch, its stored bytes' CRC-32 compared before anything decodes them, the payload decoded
+    """A small SplitZip tensor in the in-memory form, where the C kernels are built but do not read through the
+    file's mapping (:func:`mapped_reads`; else :class:`_WholeBatch` takes it): its payload read by one call into the
+    thread's scratch, its stored bytes' CRC-32 compared before anything decodes them, the payload decoded
     with its escapes by one call, and the decoded bytes' CRC-32 compared while they are in cache."""
 
     file: SztFile
@@ -192,40 +193,40 @@ class _WholeJob:
 
 @dataclass
 class _WholeBatch:
-    """Small SplitZip tensors of the in-memory form (:class:`_WholeJob` jobs) decoded straight from the file's mapping
-    by one guarded C call (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its
-    escape checks, its decode and its output's CRC-32, with no read into a scratch and no Python between them."""
+    """Small SplitZip tensors of the in-memory form decoded straight from the file's mapping by one guarded C call
+    (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape checks, its
+    decode and its output's CRC-32, with no read into a scratch and no Python between them. Made straight from the
+    entries, with none of a :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost
+    20 us of Python apiece, more than their decode (``bench/RESULTS.md``, "CPU loading")."""
 
-    jobs: list[_WholeJob]
+    file: SztFile
+    entries: list[TensorEntry]
+    outs: list[torch.Tensor]  # flat bfloat16, one per entry
+    check_stored: list[bool]
+    check_decoded: bool
 
     def run(self, k: int) -> None:  # one unit of work: k is 0
-        file = self.jobs[0].file
-        payloads = [(file.mapped(job.entry.name, 0, job.entry.length), job.entry.layout, job.entry.codebook,
-                     job.out) for job in self.jobs]
-        checksums = any(job.check_stored or job.check_decoded for job in self.jobs)
-        for job in self.jobs:
-            host_pages.populate(job.out)
+        file, entries = self.file, self.entries
+        for out in self.outs:
+            host_pages.populate(out)
+        payloads = [(stored, entry.layout, entry.codebook, out)
+                    for stored, entry, out in zip(file.mapped_payloads(entries), entries, self.outs)]
         try:
-            results = decode_payloads(payloads, checksums=checksums)
+            results = decode_payloads(payloads, checksums=self.check_decoded or any(self.check_stored))
         except EOFError as e:
-            raise file.mapped_read_error(self.jobs[e.item].entry.name) from None
-        for job, (stored, decoded, error) in zip(self.jobs, results):
-            check_decoded_payload(job.entry, stored, decoded, error, path=file.path, check_stored=job.check_stored,
-                                  check_decoded=job.check_decoded)
+            raise file.mapped_read_error(entries[e.item].name) from None
+        for entry, check_stored, (stored, decoded, error) in zip(entries, self.check_stored, results):
+            check_decoded_payload(entry, stored, decoded, error, path=file.path, check_stored=check_stored,
+                                  check_decoded=self.check_decoded)
 
 
-def _units(jobs: Sequence[_Job | _WholeJob]) -> list[tuple[_Job | _WholeJob | _WholeBatch, int]]:
-    """The units of work of a group: each range of a job; then the small tensors that can be decoded from the
-    mapping (:func:`mapped_reads`) taken together, :data:`BATCH_BYTES` of output per batch."""
-    units: list[tuple[_Job | _WholeJob | _WholeBatch, int]] = []
-    batched: list[_WholeJob] = []
-    for job in jobs:
-        if isinstance(job, _WholeJob) and mapped_reads(job.check_stored or job.check_decoded):
-            batched.append(job)
-        else:
-            units += [(job, k) for k in range(len(job.ranges))]
-    return units + [(_WholeBatch(run), 0) for run in runs_within(batched, lambda job: job.entry.raw_length,
-                                                                   BATCH_BYTES)]
+def _batches(file: SztFile, entries: Sequence[TensorEntry], batched: Sequence[int], outs: dict[int, torch.Tensor],
+             check_stored: Sequence[bool], check_decoded: bool) -> list[tuple[_WholeBatch, int]]:
+    """The units of work of the small tensors ``batched`` (indices of ``entries``, :func:`_batched`) decoded into
+    ``outs`` (by index): :data:`BATCH_BYTES` of output per :class:`_WholeBatch`."""
+    return [(_WholeBatch(file, [entries[i] for i in run], [outs[i] for i in run], [check_stored[i] for i in run],
+                         check_decoded), 0)
+            for run in runs_within(batched, lambda i: entries[i].raw_length, BATCH_BYTES)]
 
 
 _thread_scratch = threading.local()
@@ -322,7 +323,9 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     buffer: torch.Tensor | None = None
     threads, step = _plan(entries, threads)
     for group in _groups(entries):
-        sizes = [_read_length(entries[i]) for i in group]
+        batched = [i for i in group if _batched(entries[i], check_stored[i] or check_decoded)]
+        ranged = sorted(set(group) - set(batched))
+        sizes = [_read_length(entries[i]) for i in ranged]
         needed = sum(sizes)
         if buffer is None or buffer.numel() < needed:
             with allocation_errors(file.path, entries[group[0]].name):
@@ -330,15 +333,18 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
                 buffer = torch.empty(needed, dtype=torch.uint8)
         payloads = iter(buffer[:needed].split(sizes))
         with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
-            jobs = [_job(file, entries[i], check_stored[i], check_decoded, next(payloads),
-                         None if outs is None else outs[i], step) for i in group]
-        units = _units(jobs)
+            jobs = {i: _job(file, entries[i], check_stored[i], check_decoded, next(payloads),
+                            None if outs is None else outs[i], step) for i in ranged}
+        flat = {i: _whole_output(file, entries[i], None if outs is None else outs[i]) for i in batched}
+        units = [(job, k) for job in jobs.values() for k in range(len(job.ranges))]
+        units += _batches(file, entries, batched, flat, check_stored, check_decoded)
         _run(units, max(1, min(threads, len(units))))
-        for job, i in zip(jobs, group):
+        for i, job in jobs.items():
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
                 _check(file.path, job, check_stored[i], check_decoded)
-            tensors.append(job.out.view(torch.uint8) if dtypes is None
-                           else job.out.view(dtypes[i]).reshape(job.entry.shape))
+            flat[i] = job.out
+        tensors += [flat[i].view(torch.uint8) if dtypes is None else flat[i].view(dtypes[i]).reshape(entries[i].shape)
+                    for i in group]
     return tensors
 
 
@@ -441,6 +447,31 @@ def _whole(entry: TensorEntry) -> bool:
             and entry.layout.n <= min(RANGE_ELEMENTS, WHOLE_ELEMENTS) and entry.length <= SCRATCH_BYTES)
 
 
+def _batched(entry: TensorEntry, checked: bool) -> bool:
+    """Whether a tensor is decoded in a :class:`_WholeBatch`: one :func:`_whole` takes, where the C kernels read
+    through the mapping (:func:`mapped_reads`)."""
+    return _whole(entry) and mapped_reads(checked)
+
+
+def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
+    """``out``, a tensor the caller decodes ``entry`` into, as flat uint8, once it is checked to fit."""
+    if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != entry.raw_length:
+        raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
+                         f"{entry.raw_length} bytes, got {tuple(out.shape)} {out.dtype} on {out.device}")
+    out = out.reshape(-1).view(torch.uint8)
+    host_pages.advise_huge_pages(out)
+    return out
+
+
+def _whole_output(file: SztFile, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
+    """Where a :class:`_WholeBatch` decodes ``entry``: ``out`` (:func:`_given_output`) or a new tensor, flat
+    bfloat16."""
+    if out is not None:
+        return _given_output(entry, out).view(torch.bfloat16)
+    with allocation_errors(file.path, entry.name):
+        return host_pages.empty(entry.layout.n, torch.bfloat16)
+
+
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,
          out: torch.Tensor | None = None, range_elements: int | None = None) -> _Job | _WholeJob:
     """A tensor's output, its ranges (of ``range_elements`` for the tensor :func:`_plan` cuts, else the defaults),
@@ -449,11 +480,7 @@ def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: b
     every tensor cost as much as reading into them) and the streams left to the ranges; at rest, the stored bytes
     read whole, checked, and inflated."""
     if out is not None:
-        if out.device.type != "cpu" or not out.is_contiguous() or out.numel() * out.element_size() != entry.raw_length:
-            raise ValueError(f"{entry.name}: decoding into a tensor needs a contiguous CPU tensor of "
-                             f"{entry.raw_length} bytes, got {tuple(out.shape)} {out.dtype} on {out.device}")
-        out = out.reshape(-1).view(torch.uint8)
-        host_pages.advise_huge_pages(out)
+        out = _given_output(entry, out)
     with allocation_errors(file.path, entry.name):
         return _new_job(file, entry, check_stored, check_decoded, payload, out, range_elements=range_elements)
 

@@ -3,6 +3,7 @@ spec's tables against the constants."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import io
 import math
@@ -168,6 +169,20 @@ def test_header_round_trips_through_msgpack(tmp_path):
     assert [t.name for t in header.tensors] == list(TENSORS)
     entry = header.tensors[0]
     assert entry.encoding == "splitzip" and entry.layout.n == 64 * 96 and entry.codebook.n_used <= 16
+
+
+def test_parsed_entries_are_what_the_dataclass_would_make(tmp_path):
+    """The parser builds its entries without TensorEntry's generated __init__: each must hold exactly the fields,
+    defaults included, that __init__ gives, and stay frozen."""
+    path = write(tmp_path / "m.szt", TENSORS)
+    with SztFile(path) as f:
+        entries = f.header.tensors
+    assert {e.encoding for e in entries} == {"splitzip", "raw"}
+    for entry in entries:
+        made = dataclasses.replace(entry)  # through __init__
+        assert vars(entry) == vars(made) and entry == made and hash(entry) == hash(made)
+        with pytest.raises(dataclasses.FrozenInstanceError):
+            entry.length = 0
 
 
 def test_a_header_is_parsed_with_the_collector_paused(tmp_path, monkeypatch, collector_on):

@@ -228,24 +228,25 @@ def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(
     assert (sorted(whole), sorted(ranges), batches) == expected[kernel]
 
 
-def test_small_tensors_are_batched_by_bytes(monkeypatch):
-    """Small tensors are cut into batches of at most BATCH_BYTES of output, in order; larger tensors' ranges and
-    tensors stored raw stay units of their own."""
-    monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: True)
+def test_small_tensors_are_batched_by_bytes():
+    """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with its own
+    output and stored-bytes flag."""
     entry = type("Entry", (), {})
 
-    def whole(raw_length):
+    def small(raw_length):
         e = entry()
         e.raw_length = raw_length
-        return host_decode._WholeJob(None, e, None, True, True)
+        return e
 
     third = host_decode.BATCH_BYTES // 3
-    small = [whole(third) for _ in range(5)]
-    ranged = host_decode._Job(None, entry(), None, None, True, True, [(0, 4), (4, 8)])
-    units = host_decode._units([small[0], small[1], ranged, small[2], small[3], small[4]])
-    assert [(type(u).__name__, k) for u, k in units] == [("_Job", 0), ("_Job", 1), ("_WholeBatch", 0),
-                                                         ("_WholeBatch", 0)]
-    assert [u.jobs for u, _ in units[2:]] == [small[:3], small[3:]]
+    entries = [small(third) for _ in range(3)] + [small(8)] + [small(third) for _ in range(3)]
+    batched = [0, 1, 2, 4, 5, 6]  # index 3: decoded range by range
+    outs = {i: torch.empty(0) for i in batched}
+    units = host_decode._batches(None, entries, batched, outs, [i % 2 == 0 for i in range(7)], True)
+    assert [k for _, k in units] == [0, 0]
+    assert [u.entries for u, _ in units] == [entries[:3], entries[4:]]
+    assert [u.outs for u, _ in units] == [[outs[0], outs[1], outs[2]], [outs[4], outs[5], outs[6]]]
+    assert [u.check_stored for u, _ in units] == [[True, False, True], [True, False, True]]
 
 
 @pytest.mark.parametrize("verify", [True, False])
