@@ -201,7 +201,7 @@ class _WholeBatch:
 
     file: SztFile
     entries: list[TensorEntry]
-    outs: list[torch.Tensor]  # flat bfloat16, one per entry
+    outs: list[torch.Tensor]  # contiguous bfloat16, one per entry
     check_stored: list[bool]
     check_decoded: bool
 
@@ -335,16 +335,15 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
             jobs = {i: _job(file, entries[i], check_stored[i], check_decoded, next(payloads),
                             None if outs is None else outs[i], step) for i in ranged}
-        flat = {i: _whole_output(file, entries[i], None if outs is None else outs[i]) for i in batched}
+        decoded = {i: _whole_output(file, entries[i], None if outs is None else outs[i]) for i in batched}
         units = [(job, k) for job in jobs.values() for k in range(len(job.ranges))]
-        units += _batches(file, entries, batched, flat, check_stored, check_decoded)
+        units += _batches(file, entries, batched, decoded, check_stored, check_decoded)
         _run(units, max(1, min(threads, len(units))))
         for i, job in jobs.items():
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
                 _check(file.path, job, check_stored[i], check_decoded)
-            flat[i] = job.out
-        tensors += [flat[i].view(torch.uint8) if dtypes is None else flat[i].view(dtypes[i]).reshape(entries[i].shape)
-                    for i in group]
+            decoded[i] = job.out
+        tensors += [_returned(decoded[i], entries[i], None if dtypes is None else dtypes[i]) for i in group]
     return tensors
 
 
@@ -464,12 +463,23 @@ def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
 
 
 def _whole_output(file: SztFile, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
-    """Where a :class:`_WholeBatch` decodes ``entry``: ``out`` (:func:`_given_output`) or a new tensor, flat
-    bfloat16."""
+    """Where a :class:`_WholeBatch` decodes ``entry``: ``out`` (:func:`_given_output`, flat bfloat16) or a new
+    bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`)."""
     if out is not None:
         return _given_output(entry, out).view(torch.bfloat16)
     with allocation_errors(file.path, entry.name):
-        return host_pages.empty(entry.layout.n, torch.bfloat16)
+        return host_pages.empty(entry.shape, torch.bfloat16)
+
+
+def _returned(out: torch.Tensor, entry: TensorEntry, dtype: torch.dtype | None) -> torch.Tensor:
+    """A decoded output as :func:`decode_entries` returns it: its raw bytes (flat uint8) where ``dtype`` is None,
+    else of ``dtype`` and the entry's shape; the output itself where it is that already (the two views otherwise
+    made cost a tenth of a small tensor's decode)."""
+    if dtype is None:
+        return out.reshape(-1).view(torch.uint8)
+    if out.dtype == dtype and out.shape == entry.shape:
+        return out
+    return out.view(dtype).reshape(entry.shape)
 
 
 def _job(file: SztFile, entry: TensorEntry, check_stored: bool, check_decoded: bool, payload: torch.Tensor,

@@ -8,6 +8,7 @@ import threading
 import time
 
 import pytest
+import safetensors.torch
 import torch
 
 from szformat import load_file, safe_open, save_file
@@ -226,6 +227,30 @@ def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(
     assert splitzip == [20_001, 64 * 513]
     expected = {"mapped": ([], [], [splitzip]), "native": (splitzip, [], []), "reference": ([], splitzip, [])}
     assert (sorted(whole), sorted(ranges), batches) == expected[kernel]
+
+
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
+def test_each_loaded_tensor_owns_a_storage_of_its_bytes(tmp_path, two_threads, monkeypatch, kernel):
+    """Every tensor a load returns has a storage of its own holding exactly its bytes, as safetensors' loads give:
+    ``safetensors.torch.save_file`` refuses tensors that share one, and a tensor kept alone must not keep the others'
+    memory."""
+    if kernel != "reference" and cpu._native is None:
+        pytest.skip("the C extension was not built here")
+    if kernel == "mapped" and not host_decode.mapped_reads(True):
+        pytest.skip("the C kernels do not read through the mapping here")
+    monkeypatch.setattr(cpu, "_native", cpu._native if kernel != "reference" else None)
+    if kernel == "native":
+        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    source = _tensors()
+    save_file(source, tmp_path / "m.szt")
+    loaded = load_file(tmp_path / "m.szt")
+    for name, tensor in loaded.items():
+        assert tensor.storage_offset() == 0 and tensor.is_contiguous(), name
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size(), name
+        assert tensor.shape == source[name].shape and tensor.dtype == source[name].dtype, name
+    safetensors.torch.save_file(loaded, tmp_path / "again.safetensors")
+    again = safetensors.torch.load_file(tmp_path / "again.safetensors")
+    assert all(torch.equal(_bits(again[name]), _bits(tensor)) for name, tensor in source.items())
 
 
 def test_small_tensors_are_batched_by_bytes():
