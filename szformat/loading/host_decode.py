@@ -197,7 +197,7 @@ class _WholeBatch:
     (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape checks, its
     decode and its output's CRC-32, with no read into a scratch and no Python between them. Made straight from the
     entries, with none of a :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost
-    20 us of Python apiece, more than their decode (``bench/RESULTS.md``, "CPU loading")."""
+    20 us of Python apiece, as much as their decode (``bench/RESULTS.md``, "CPU loading")."""
 
     file: SztFile
     entries: list[TensorEntry]
