@@ -195,12 +195,10 @@ def test_a_corrupt_range_is_reported_after_a_parallel_decode(tmp_path, small_ran
     assert torch.equal(_bits(load_file(path, verify=False)["wide"]), _bits(_tensors()["wide"]))
 
 
-@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
-def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(tmp_path, two_threads, monkeypatch,
-                                                                                 kernel):
-    """With the C kernels the small tensors are decoded together from the file's mapping by one call (``mapped``),
-    or where the kernels cannot catch a fault on a mapped page, each by one read and one decode call (escapes
-    checked and patched in C); with the reference they go range by range; all give the source's bits."""
+def _small_tensor_kernel(monkeypatch, kernel: str) -> None:
+    """Decode small tensors with ``kernel``: ``mapped`` (the C kernels, batched from the file's mapping), ``native``
+    (the C kernels, each read into a scratch first) or ``reference`` (PyTorch, range by range); skip where the C
+    kernels cannot do what it names."""
     if kernel != "reference" and cpu._native is None:
         pytest.skip("the C extension was not built here")
     if kernel == "mapped" and not host_decode.mapped_reads(True):
@@ -208,6 +206,15 @@ def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(
     monkeypatch.setattr(cpu, "_native", cpu._native if kernel != "reference" else None)
     if kernel == "native":
         monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+
+
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
+def test_small_tensors_are_read_and_decoded_whole_where_the_c_kernels_are_built(tmp_path, two_threads, monkeypatch,
+                                                                                 kernel):
+    """With the C kernels the small tensors are decoded together from the file's mapping by one call (``mapped``),
+    or where the kernels cannot catch a fault on a mapped page, each by one read and one decode call (escapes
+    checked and patched in C); with the reference they go range by range; all give the source's bits."""
+    _small_tensor_kernel(monkeypatch, kernel)
     source = _tensors()
     path = tmp_path / "m.szt"
     save_file(source, path)
@@ -234,13 +241,7 @@ def test_each_loaded_tensor_owns_a_storage_of_its_bytes(tmp_path, two_threads, m
     """Every tensor a load returns has a storage of its own holding exactly its bytes, as safetensors' loads give:
     ``safetensors.torch.save_file`` refuses tensors that share one, and a tensor kept alone must not keep the others'
     memory."""
-    if kernel != "reference" and cpu._native is None:
-        pytest.skip("the C extension was not built here")
-    if kernel == "mapped" and not host_decode.mapped_reads(True):
-        pytest.skip("the C kernels do not read through the mapping here")
-    monkeypatch.setattr(cpu, "_native", cpu._native if kernel != "reference" else None)
-    if kernel == "native":
-        monkeypatch.setattr(host_decode, "mapped_reads", lambda checked: False)
+    _small_tensor_kernel(monkeypatch, kernel)
     source = _tensors()
     save_file(source, tmp_path / "m.szt")
     loaded = load_file(tmp_path / "m.szt")
