@@ -279,19 +279,21 @@ class SztFile:
         e = self.entry(name)
         if not 0 <= start <= stop <= e.length:
             raise ValueError(f"byte range [{start}, {stop}) is outside the {e.length} stored bytes of {name!r}")
-        return self._mapping(name)[e.offset + start: e.offset + stop]
+        return self._mapping([e])[e.offset + start: e.offset + stop]
 
     def mapped_payloads(self, entries: Sequence[TensorEntry]) -> list[memoryview]:
         """The whole stored bytes of each of ``entries`` (of this file) as :meth:`mapped` gives them."""
-        mapping = self._mapping(entries[0].name if entries else None)
+        mapping = self._mapping(entries)
         return [mapping[e.offset: e.offset + e.length] for e in entries]
 
-    def _mapping(self, name: str | None) -> memoryview:
-        """The whole mapping, for :meth:`mapped` reads of tensor ``name``, once it is checked the file has not
-        shrunk already."""
+    def _mapping(self, entries: Sequence[TensorEntry]) -> memoryview:
+        """The whole mapping, for :meth:`mapped` reads of ``entries``, once it is checked the file has not shrunk
+        already; where it has, the error names the first of them whose stored bytes it lost (else the first)."""
         mm = self.buffer
-        if mm.size() < self.file_length:
-            raise self.mapped_read_error(name)
+        size = mm.size()
+        if size < self.file_length:
+            lost = next((e for e in entries if e.offset + e.length > size), entries[0] if entries else None)
+            raise self.mapped_read_error(None if lost is None else lost.name)
         return memoryview(mm)
 
     def mapped_read_error(self, name: str | None = None) -> TruncatedFileError | ReadError:

@@ -391,6 +391,23 @@ def test_a_file_cut_in_the_escape_streams_after_it_was_opened_is_refused_as_trun
     assert "cut.szt" in str(info.value)
 
 
+def test_a_batch_of_small_tensors_cut_after_the_file_was_opened_names_the_first_tensor_it_lost(tmp_path):
+    """The small tensors decoded together from the mapping: a file cut short meanwhile is a TruncatedFileError
+    naming it and the first tensor whose stored bytes are gone, before any of them is decoded."""
+    if not host_decode.mapped_reads(True):
+        pytest.skip("the C kernels do not read through the mapping here")
+    gen = torch.Generator().manual_seed(11)
+    path = tmp_path / "cut.szt"
+    save_file({f"w{i}": (torch.randn(300 + i, generator=gen) * 0.02).to(torch.bfloat16) for i in range(10)}, path)
+    with SztFile(path) as f:
+        entries = [f.entry(name) for name in f.entries]
+        assert all(host_decode._batched(e, True) for e in entries)
+        os.truncate(path, entries[5].offset + 10)
+        with pytest.raises(TruncatedFileError, match="tensor 'w5'") as info:
+            host_decode.decode_entries(f, entries, check_stored=[True] * 10, check_decoded=True)
+    assert "cut.szt" in str(info.value)
+
+
 @pytest.mark.parametrize("thread_bytes, threads", [(1, 2), (10**9, 1)])
 def test_a_load_takes_one_thread_per_thread_bytes_of_output(tmp_path, small_ranges, two_threads, monkeypatch,
                                                             thread_bytes, threads):
