@@ -59,7 +59,9 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
                     checksums: bool) -> list[tuple[int, int, str | None]]:
     """``kernels.decode_payloads`` of whole payloads ``(payload, layout, codebook, out)``, ``out`` a writable buffer
     of the layout's raw bytes: per payload ``(stored_crc, decoded_crc, error)``. Without torch, for the callers that
-    check a file before importing it (``szconvert verify``); ``codec.cpu.decode_payloads`` says more.
+    check a file before importing it (``szconvert verify``); ``codec.cpu.decode_payloads`` says more. The payloads
+    are taken one after another, each decoded and checksummed before the next, so outputs may share memory where
+    only the checksums are kept (``szconvert verify`` decodes every tensor into one buffer).
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.

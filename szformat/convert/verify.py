@@ -194,7 +194,7 @@ def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap
     start of ``out`` (the largest tensor's size): the call decodes and checksums each payload before it takes the
     next, and a check keeps only the checksums, so one tensor's pages serve them all, in cache where the tensors
     are small. A buffer of the whole group, every page of it fresh, was most of a small file's check: 48 tensors of
-    2 MiB checked in 46-65 ms, 15-25 ms so (``bench/RESULTS.md``, "Conversion"). The views live in this call's frame
+    2 MiB checked in 63-70 ms, 18-26 ms so (``bench/RESULTS.md``, "Conversion"). The views live in this call's frame
     only, so neither mapping is held once it returns or its error is handled."""
     items = [(szt.mapped(e.name, 0, e.length), e.layout, e.codebook, memoryview(out)[: e.raw_length]) for e in group]
     return cpu_kernel.decode_payloads(kernels, items, checksums=True)
