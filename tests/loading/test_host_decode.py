@@ -254,6 +254,21 @@ def test_each_loaded_tensor_owns_a_storage_of_its_bytes(tmp_path, two_threads, m
     assert all(torch.equal(_bits(again[name]), _bits(tensor)) for name, tensor in source.items())
 
 
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
+def test_raw_bytes_are_returned_flat_for_every_tensor(tmp_path, two_threads, monkeypatch, kernel):
+    """``as_bytes`` gives each tensor's raw bytes as flat uint8, whatever its shape and however it was decoded."""
+    _small_tensor_kernel(monkeypatch, kernel)
+    source = _tensors()
+    save_file(source, tmp_path / "m.szt")
+    with SztFile(tmp_path / "m.szt") as f:
+        names = list(f.entries)
+        raw = host_decode.decode_entries(f, [f.entry(name) for name in names], check_stored=[True] * len(names),
+                                         check_decoded=True, as_bytes=True)
+    for name, got in zip(names, raw):
+        expected = source[name].reshape(-1).view(torch.uint8)
+        assert got.dtype == torch.uint8 and got.dim() == 1 and torch.equal(got, expected), name
+
+
 def test_small_tensors_are_batched_by_bytes():
     """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with its own
     output and stored-bytes flag."""
