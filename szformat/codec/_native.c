@@ -596,8 +596,9 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
         __m512i s = _mm512_loadu_si512(sm + 64 * i), lo, hi;
         uint16_t *block_out = out + 64 * i;
         decode_64(table, packed, s, block_out, &lo, &hi);
-        if (k < n_esc && positions[k] < 64 * (i + 1)) {
-            k = patch_escapes(out, positions, exponents, n_esc, k, 64 * (i + 1));
+        Py_ssize_t patched = k;
+        k = patch_escapes(out, positions, exponents, n_esc, k, 64 * (i + 1));
+        if (k != patched) { /* the block's output as patched, for its CRC-32 */
             lo = _mm512_loadu_si512(block_out);
             hi = _mm512_loadu_si512(block_out + 32);
         }

@@ -196,7 +196,8 @@ def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap
     are small. A buffer of the whole group, every page of it fresh, was most of a small file's check: 48 tensors of
     2 MiB checked in 63-70 ms, 18-26 ms so (``bench/RESULTS.md``, "Conversion"). The views live in this call's frame
     only, so neither mapping is held once it returns or its error is handled."""
-    items = [(szt.mapped(e.name, 0, e.length), e.layout, e.codebook, memoryview(out)[: e.raw_length]) for e in group]
+    items = [(stored, e.layout, e.codebook, memoryview(out)[: e.raw_length])
+             for stored, e in zip(szt.mapped_payloads(group), group)]
     return cpu_kernel.decode_payloads(kernels, items, checksums=True)
 
 

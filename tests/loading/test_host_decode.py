@@ -269,6 +269,25 @@ def test_raw_bytes_are_returned_flat_for_every_tensor(tmp_path, two_threads, mon
         assert got.dtype == torch.uint8 and got.dim() == 1 and torch.equal(got, expected), name
 
 
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
+def test_tensors_are_decoded_into_the_outputs_given(tmp_path, two_threads, monkeypatch, kernel):
+    """Given an output per tensor (the parameter it is loaded into, of any dtype of its byte size), each is decoded
+    into it, and what comes back is a view of it in the tensor's dtype and shape."""
+    _small_tensor_kernel(monkeypatch, kernel)
+    source = _tensors()
+    save_file(source, tmp_path / "m.szt")
+    with SztFile(tmp_path / "m.szt") as f:
+        names = list(f.entries)
+        outs = [torch.full((source[name].numel() * source[name].element_size(),), 7, dtype=torch.uint8)
+                for name in names]
+        got = host_decode.decode_entries(f, [f.entry(name) for name in names], check_stored=[True] * len(names),
+                                         check_decoded=True, outs=outs)
+    for name, out, tensor in zip(names, outs, got):
+        assert torch.equal(out, source[name].reshape(-1).view(torch.uint8)), name
+        assert tensor.data_ptr() == out.data_ptr() and tensor.shape == source[name].shape, name
+        assert tensor.dtype == source[name].dtype, name
+
+
 def test_small_tensors_are_batched_by_bytes():
     """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with its own
     output and stored-bytes flag."""
