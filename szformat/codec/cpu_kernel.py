@@ -56,12 +56,14 @@ def _hand_over_crc32(kernels: ModuleType | None) -> bool:
 
 
 def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook, Any]], *,
-                    checksums: bool) -> list[tuple[int, int, str | None]]:
+                    checksums: bool, populate: int = 0) -> list[tuple[int, int, str | None]]:
     """``kernels.decode_payloads`` of whole payloads ``(payload, layout, codebook, out)``, ``out`` a writable buffer
     of the layout's raw bytes: per payload ``(stored_crc, decoded_crc, error)``. Without torch, for the callers that
     check a file before importing it (``szconvert verify``); ``codec.cpu.decode_payloads`` says more. The payloads
     are taken one after another, each decoded and checksummed before the next, so outputs may share memory where
-    only the checksums are kept (``szconvert verify`` decodes every tensor into one buffer).
+    only the checksums are kept (``szconvert verify`` decodes every tensor into one buffer). Each output of at least
+    ``populate`` bytes (0: none) whose first page is not in memory is faulted in by one call before it is written,
+    as ``loading.host_pages.populate`` does.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
@@ -70,7 +72,7 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
              for payload, layout, codebook, out in payloads]
     progress = array.array("q", [0])
     try:
-        return kernels.decode_payloads(items, checksums, progress)
+        return kernels.decode_payloads(items, checksums, progress, populate)
     except EOFError as e:
         e.item = progress[0]
         raise

@@ -197,22 +197,25 @@ class _WholeBatch:
     (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape checks, its
     decode and its output's CRC-32, with no read into a scratch and no Python between them. Made straight from the
     entries, with none of a :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost
-    20 us of Python apiece, as much as their decode (``bench/RESULTS.md``, "CPU loading")."""
+    20 us of Python apiece, as much as their decode (``bench/RESULTS.md``, "CPU loading"). The outputs are made by
+    the thread that runs the batch, while others decode (a few microseconds each, a tenth of MiniLM's load on two
+    threads if made up front)."""
 
     file: SztFile
     entries: list[TensorEntry]
-    outs: list[torch.Tensor]  # contiguous bfloat16, one per entry
+    given: list[torch.Tensor | None]  # per entry, the caller's output or None for a new one
     check_stored: list[bool]
     check_decoded: bool
+    outs: list[torch.Tensor] = field(default_factory=list)  # per entry, once run (:func:`_whole_output`)
 
     def run(self, k: int) -> None:  # one unit of work: k is 0
         file, entries = self.file, self.entries
-        for out in self.outs:
-            host_pages.populate(out)
+        self.outs = [_whole_output(file, entry, out) for entry, out in zip(entries, self.given)]
         payloads = [(stored, entry.layout, entry.codebook, out)
                     for stored, entry, out in zip(file.mapped_payloads(entries), entries, self.outs)]
         try:
-            results = decode_payloads(payloads, checksums=self.check_decoded or any(self.check_stored))
+            results = decode_payloads(payloads, checksums=self.check_decoded or any(self.check_stored),
+                                      populate=host_pages.populated_size())
         except EOFError as e:
             raise file.mapped_read_error(entries[e.item].name) from None
         for entry, check_stored, (stored, decoded, error) in zip(entries, self.check_stored, results):
@@ -220,12 +223,13 @@ class _WholeBatch:
                                   check_decoded=self.check_decoded)
 
 
-def _batches(file: SztFile, entries: Sequence[TensorEntry], batched: Sequence[int], outs: dict[int, torch.Tensor],
-             check_stored: Sequence[bool], check_decoded: bool) -> list[tuple[_WholeBatch, int]]:
-    """The units of work of the small tensors ``batched`` (indices of ``entries``, :func:`_batched`) decoded into
-    ``outs`` (by index): :data:`BATCH_BYTES` of output per :class:`_WholeBatch`."""
-    return [(_WholeBatch(file, [entries[i] for i in run], [outs[i] for i in run], [check_stored[i] for i in run],
-                         check_decoded), 0)
+def _batches(file: SztFile, entries: Sequence[TensorEntry], batched: Sequence[int],
+             outs: Sequence[torch.Tensor | None] | None, check_stored: Sequence[bool],
+             check_decoded: bool) -> list[tuple[list[int], _WholeBatch]]:
+    """The small tensors ``batched`` (indices of ``entries``, :func:`_batched`), cut into :class:`_WholeBatch` es of
+    :data:`BATCH_BYTES` of output, each with the indices it decodes; into ``outs`` (by index) where given."""
+    return [(run, _WholeBatch(file, [entries[i] for i in run], [None if outs is None else outs[i] for i in run],
+                              [check_stored[i] for i in run], check_decoded))
             for run in runs_within(batched, lambda i: entries[i].raw_length, BATCH_BYTES)]
 
 
@@ -335,10 +339,11 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
             jobs = {i: _job(file, entries[i], check_stored[i], check_decoded, next(payloads),
                             None if outs is None else outs[i], step) for i in ranged}
-        decoded = {i: _whole_output(file, entries[i], None if outs is None else outs[i]) for i in batched}
+        batches = _batches(file, entries, batched, outs, check_stored, check_decoded)
         units = [(job, k) for job in jobs.values() for k in range(len(job.ranges))]
-        units += _batches(file, entries, batched, decoded, check_stored, check_decoded)
+        units += [(batch, 0) for _, batch in batches]
         _run(units, max(1, min(threads, len(units))))
+        decoded = {i: out for run, batch in batches for i, out in zip(run, batch.outs)}
         for i, job in jobs.items():
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
                 _check(file.path, job, check_stored[i], check_decoded)

@@ -762,8 +762,8 @@ def test_checked_decodes_refuse_to_run_before_the_crc32_functions_are_handed_ove
               "from szformat.codec import _native\n"
               "lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)\n"
               "item = (bytes(8), lut, bytearray(8), 0, 1024)\n"
-              "print(_native.decode_payloads([item], False, progress))\n"
-              "for call in (lambda: _native.decode_payloads([item], True, progress),\n"
+              "print(_native.decode_payloads([item], False, progress, 0))\n"
+              "for call in (lambda: _native.decode_payloads([item], True, progress, 0),\n"
               "             lambda: _native.decode_range(bytes(2), bytes(4), lut, bytearray(8),\n"
               "                                          np.zeros(0, dtype=np.int64), b'', True)):\n"
               "    try:\n"
@@ -781,20 +781,22 @@ def test_the_payloads_kernel_refuses_bad_arguments():
     native = cpu._native
     lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)
     item = (bytes(8), lut, bytearray(8), 0, 1024)  # 4 elements: 2 pk bytes, padded to 4, then 4 sm bytes
-    assert native.decode_payloads([item, item], False, progress) == [(0, 0, None), (0, 0, None)]
-    assert native.decode_payloads([], False, progress) == []
-    with pytest.raises(TypeError, match="takes 3 arguments"):
-        native.decode_payloads([item], False)
+    assert native.decode_payloads([item, item], False, progress, 0) == [(0, 0, None), (0, 0, None)]
+    assert native.decode_payloads([], False, progress, 0) == []
+    with pytest.raises(TypeError, match="takes 4 arguments"):
+        native.decode_payloads([item], False, progress)
     with pytest.raises(TypeError, match="item 1 must be a tuple of 5"):
-        native.decode_payloads([item, item[:4]], False, progress)
+        native.decode_payloads([item, item[:4]], False, progress, 0)
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress)  # a payload too short
+        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress, 0)  # a payload too short
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress)  # a codebook of 15
+        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress, 0)  # a codebook of 15
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32))
+        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0)
+    with pytest.raises(ValueError, match="populate must be a byte count"):
+        native.decode_payloads([item], False, progress, -1)
     with pytest.raises(TypeError, match="a list or a tuple"):
-        native.decode_payloads(5, False, progress)
+        native.decode_payloads(5, False, progress, 0)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         cpu.decode_payloads([(bytes(8), PayloadLayout(n=4, n_esc=0), Codebook(dec_lut=lut, n_used=16, coverage=1.0),
                               torch.empty(3, dtype=torch.bfloat16))], checksums=False)

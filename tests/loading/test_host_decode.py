@@ -289,8 +289,8 @@ def test_tensors_are_decoded_into_the_outputs_given(tmp_path, two_threads, monke
 
 
 def test_small_tensors_are_batched_by_bytes():
-    """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with its own
-    output and stored-bytes flag."""
+    """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with the
+    indices it decodes, its outputs given (or None) and stored-bytes flags."""
     entry = type("Entry", (), {})
 
     def small(raw_length):
@@ -301,12 +301,14 @@ def test_small_tensors_are_batched_by_bytes():
     third = host_decode.BATCH_BYTES // 3
     entries = [small(third) for _ in range(3)] + [small(8)] + [small(third) for _ in range(3)]
     batched = [0, 1, 2, 4, 5, 6]  # index 3: decoded range by range
-    outs = {i: torch.empty(0) for i in batched}
-    units = host_decode._batches(None, entries, batched, outs, [i % 2 == 0 for i in range(7)], True)
-    assert [k for _, k in units] == [0, 0]
-    assert [u.entries for u, _ in units] == [entries[:3], entries[4:]]
-    assert [u.outs for u, _ in units] == [[outs[0], outs[1], outs[2]], [outs[4], outs[5], outs[6]]]
-    assert [u.check_stored for u, _ in units] == [[True, False, True], [True, False, True]]
+    outs = [torch.empty(0) for _ in range(7)]
+    batches = host_decode._batches(None, entries, batched, outs, [i % 2 == 0 for i in range(7)], True)
+    assert [run for run, _ in batches] == [[0, 1, 2], [4, 5, 6]]
+    assert [u.entries for _, u in batches] == [entries[:3], entries[4:]]
+    assert [u.given for _, u in batches] == [outs[:3], outs[4:]]
+    assert [u.check_stored for _, u in batches] == [[True, False, True], [True, False, True]]
+    assert [u.given for _, u in host_decode._batches(None, entries, batched, None, [True] * 7, True)] == \
+        [[None] * 3] * 2
 
 
 @pytest.mark.parametrize("verify", [True, False])

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from szformat import load_file, safe_open, save_file
+from szformat.codec.codebook import Codebook
 from szformat.loading import host_pages
 
 HUGE = host_pages.HUGE_PAGE_BYTES
@@ -224,6 +225,36 @@ def test_nothing_to_populate(populating: None) -> None:
     strided = _private_mapping(64).view(32, 2 * PAGE)[:, :PAGE]
     assert not host_pages.populate(strided)
     assert not host_pages.populate(torch.empty(1 << 20, dtype=torch.uint8, device="meta"))
+
+
+def test_the_batched_decode_populates_as_populate_does(populating: None) -> None:
+    """The C call that decodes a load's small tensors together populates each output itself, by
+    :func:`host_pages.populate`'s rule: the pages inside an output of ``populated_size()`` bytes or more, before
+    anything is written, unless the first of them is in memory. Seen on an output whose escape streams are refused:
+    populated, never written."""
+    from szformat.codec import cpu
+
+    if not cpu.native_kernels():
+        pytest.skip("the C kernels are not built here")
+    n = 20 * PAGE  # elements: 40 pages of output
+    foreign = Codebook(dec_lut=(250,) + (0,) * 15, n_used=1, coverage=0.0)  # every element escapes
+    payload, layout, codebook = cpu.encode(torch.ones(n, dtype=torch.bfloat16), foreign)
+    broken = bytearray(payload.numpy().tobytes())  # the first escape's local position past its chunk
+    broken[layout.off_cid + 4 * layout.n_esc: layout.off_cid + 4 * layout.n_esc + 2] = (1024).to_bytes(2, "little")
+    size = host_pages.populated_size()
+    assert 0 < size <= 2 * n
+    for populate, first_written, resident in [(size, False, [False] + [True] * 39 + [False]),
+                                              (0, False, [False] * 41),
+                                              (size, True, [False, True] + [False] * 39)]:
+        whole = _private_mapping(41)
+        if first_written:  # the output's first whole page
+            whole[PAGE: 2 * PAGE].fill_(0)
+        out = whole[100: 100 + 2 * n].view(torch.bfloat16)  # from inside page 0 to inside page 40
+        [(_, _, error)] = cpu.decode_payloads([(bytes(broken), layout, codebook, out)], checksums=False,
+                                              populate=populate)
+        assert error is not None
+        assert _resident(whole) == resident, (populate, first_written)
+        assert not whole.any()  # read last: reading maps the pages it reads
 
 
 def _spans_populated(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int, bool]]:
