@@ -6,7 +6,8 @@ the golden vectors in ``spec/vectors/`` and are mutated, some without fixing any
 recomputed so they reach the checks behind them:
 
 - ``header``: ``parse_header`` on mutated header objects (values replaced by hostile ones, keys dropped or added),
-  on mutated msgpack bytes and on random bytes. A header it accepts must obey the placement rule. The 1.1 vectors
+  on mutated msgpack bytes and on random bytes. A header it accepts must obey the placement rule, and the C check
+  of plain entries (``_entries``) must change nothing: the same entries, or the same error, without it. The 1.1 vectors
   (the at-rest form) are seeds too: their headers are edited as msgpack and stored through zstd again.
 - ``file``: ``load_file`` and ``safe_open`` (``get_tensor``, ``get_slice``, with and without ``verify``) on whole
   files: random byte edits with no checksum fixed (then, with ``verify``, a file that loads must give the vector's
@@ -65,6 +66,7 @@ from szformat.checksum import tensor_crc32  # noqa: E402
 from szformat.format import constants as C  # noqa: E402
 from szformat.format import at_rest as A  # noqa: E402
 from szformat.format.at_rest import compress_frame  # noqa: E402
+from szformat.format import header as header_module  # noqa: E402
 from szformat.format.header import parse_header, payload_alignment  # noqa: E402
 from szformat.format.index import checkpoint_shards, read_index  # noqa: E402
 from szformat.format.writer import tensor_bytes  # noqa: E402
@@ -275,6 +277,8 @@ def _check_header(case: tuple[Seed, bytes], tmp: Path) -> None:
     s, raw = case
     header = _expect_szformat_error(lambda: parse_header(raw, path="fuzz.szt", alignment=s.alignment,
                                                          header_offset=s.header_offset))
+    if header_module._entries is not None and _parsed(s, raw, plain=True) != _parsed(s, raw, plain=False):
+        raise Finding("the C check of plain entries changed what a header parses to")
     if header is None:
         return
     cursor = C.PREAMBLE_SIZE
@@ -287,6 +291,19 @@ def _check_header(case: tuple[Seed, bytes], tmp: Path) -> None:
         cursor = entry.offset + entry.length
     if cursor != s.header_offset:
         raise Finding("accepted a header whose payloads do not end where it starts")
+
+
+def _parsed(s: Seed, raw: bytes, *, plain: bool) -> Any:
+    """What ``parse_header`` makes of ``raw``, its entries' C check on or off: the header's fields, or the error's
+    type and message."""
+    check, header_module._entries = header_module._entries, header_module._entries if plain else None
+    try:
+        header = parse_header(raw, path="fuzz.szt", alignment=s.alignment, header_offset=s.header_offset)
+        return header.tensors, header.metadata, header.required_features, header.small_alignment
+    except SzformatError as e:
+        return type(e), str(e)
+    finally:
+        header_module._entries = check
 
 
 def _file_inputs() -> st.SearchStrategy:
