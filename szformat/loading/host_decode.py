@@ -206,11 +206,11 @@ class _WholeBatch:
     given: list[torch.Tensor | None]  # per entry, the caller's output or None for a new one
     check_stored: list[bool]
     check_decoded: bool
-    outs: list[torch.Tensor] = field(default_factory=list)  # per entry, once run (:func:`_whole_output`)
+    outs: list[torch.Tensor] = field(default_factory=list)  # per entry, once run (:func:`_whole_outputs`)
 
     def run(self, k: int) -> None:  # one unit of work: k is 0
         file, entries = self.file, self.entries
-        self.outs = [_whole_output(file, entry, out) for entry, out in zip(entries, self.given)]
+        self.outs = _whole_outputs(file, entries, self.given)
         payloads = [(stored, entry.layout, entry.codebook, out)
                     for stored, entry, out in zip(file.mapped_payloads(entries), entries, self.outs)]
         try:
@@ -467,13 +467,21 @@ def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _whole_output(file: SztFile, entry: TensorEntry, out: torch.Tensor | None) -> torch.Tensor:
-    """Where a :class:`_WholeBatch` decodes ``entry``: ``out`` (:func:`_given_output`, flat bfloat16) or a new
-    bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`)."""
-    if out is not None:
-        return _given_output(entry, out).view(torch.bfloat16)
-    with allocation_errors(file.path, entry.name):
-        return host_pages.empty(entry.shape, torch.bfloat16)
+def _whole_outputs(file: SztFile, entries: Sequence[TensorEntry], given: Sequence[torch.Tensor | None]
+                   ) -> list[torch.Tensor]:
+    """Where a :class:`_WholeBatch` decodes each of ``entries``: the output given (:func:`_given_output`, flat
+    bfloat16) or a new bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`). A failed
+    allocation names the tensor it was for; the check wraps the batch, not each tensor (a tenth of its output's
+    cost)."""
+    outs: list[torch.Tensor] = []
+    try:
+        for entry, out in zip(entries, given):
+            outs.append(host_pages.empty(entry.shape, torch.bfloat16) if out is None
+                        else _given_output(entry, out).view(torch.bfloat16))
+    except Exception:
+        with allocation_errors(file.path, entries[len(outs)].name):
+            raise
+    return outs
 
 
 def _returned(out: torch.Tensor, entry: TensorEntry, dtype: torch.dtype | None) -> torch.Tensor:

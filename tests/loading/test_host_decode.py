@@ -13,10 +13,10 @@ import torch
 
 from szformat import load_file, safe_open, save_file
 from szformat.codec import cpu
-from szformat.errors import ChecksumMismatchError, PayloadError, TruncatedFileError
+from szformat.errors import ChecksumMismatchError, PayloadError, TensorAllocationError, TruncatedFileError
 from szformat.format.constants import ENCODING_RAW
 from szformat.format.reader import SztFile
-from szformat.loading import host_decode
+from szformat.loading import host_decode, host_pages
 
 SPECIALS = [0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFC1, 0x7FFF, 0x0001, 0x8001, 0x007F, 0x807F, 0x0080, 0x7F7F]
 """+-0, +-Inf, NaNs, subnormals, the extremes of the normal range."""
@@ -309,6 +309,27 @@ def test_small_tensors_are_batched_by_bytes():
     assert [u.check_stored for _, u in batches] == [[True, False, True], [True, False, True]]
     assert [u.given for _, u in host_decode._batches(None, entries, batched, None, [True] * 7, True)] == \
         [[None] * 3] * 2
+
+
+def test_a_small_tensor_whose_output_cannot_be_made_is_named(tmp_path, monkeypatch):
+    """Memory runs out for the third of five small tensors decoded together: the package's error (a MemoryError)
+    names that tensor and the file."""
+    g = torch.Generator().manual_seed(3)
+    tensors = {f"t{i}": (torch.randn(64, 48, generator=g) * 0.02).to(torch.bfloat16) for i in range(5)}
+    path = tmp_path / "small.szt"
+    save_file(tensors, path)
+    real, made = host_pages.empty, []
+
+    def empty(size, dtype):
+        made.append(size)
+        if len(made) == 3:
+            raise RuntimeError("DefaultCPUAllocator: can't allocate memory: you tried to allocate 6144 bytes.")
+        return real(size, dtype)
+
+    monkeypatch.setattr(host_pages, "empty", empty)
+    with pytest.raises(TensorAllocationError) as info:
+        load_file(path)
+    assert isinstance(info.value, MemoryError) and info.value.tensor == "t2" and "small.szt" in str(info.value)
 
 
 @pytest.mark.parametrize("verify", [True, False])
