@@ -203,7 +203,7 @@ class _WholeBatch:
 
     file: SztFile
     entries: list[TensorEntry]
-    given: list[torch.Tensor | None]  # per entry, the caller's output or None for a new one
+    given: list[torch.Tensor | None]  # per entry, the caller's output (flat uint8, :func:`_given_output`) or None
     check_stored: list[bool]
     check_decoded: bool
     outs: list[torch.Tensor] = field(default_factory=list)  # per entry, once run (:func:`_whole_outputs`)
@@ -227,8 +227,10 @@ def _batches(file: SztFile, entries: Sequence[TensorEntry], batched: Sequence[in
              outs: Sequence[torch.Tensor | None] | None, check_stored: Sequence[bool],
              check_decoded: bool) -> list[tuple[list[int], _WholeBatch]]:
     """The small tensors ``batched`` (indices of ``entries``, :func:`_batched`), cut into :class:`_WholeBatch` es of
-    :data:`BATCH_BYTES` of output, each with the indices it decodes; into ``outs`` (by index) where given."""
-    return [(run, _WholeBatch(file, [entries[i] for i in run], [None if outs is None else outs[i] for i in run],
+    :data:`BATCH_BYTES` of output, each with the indices it decodes; into ``outs`` (by index) where given, each
+    checked to fit here (:func:`_given_output`), before any batch runs."""
+    given = {i: _given_output(entries[i], outs[i]) for i in batched if outs is not None and outs[i] is not None}
+    return [(run, _WholeBatch(file, [entries[i] for i in run], [given.get(i) for i in run],
                               [check_stored[i] for i in run], check_decoded))
             for run in runs_within(batched, lambda i: entries[i].raw_length, BATCH_BYTES)]
 
@@ -469,15 +471,14 @@ def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
 
 def _whole_outputs(file: SztFile, entries: Sequence[TensorEntry], given: Sequence[torch.Tensor | None]
                    ) -> list[torch.Tensor]:
-    """Where a :class:`_WholeBatch` decodes each of ``entries``: the output given (:func:`_given_output`, flat
-    bfloat16) or a new bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`). A failed
+    """Where a :class:`_WholeBatch` decodes each of ``entries``: the output given (checked by :func:`_given_output`),
+    as flat bfloat16, or a new bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`). A failed
     allocation names the tensor it was for; the check wraps the batch, not each tensor (a tenth of its output's
     cost)."""
     outs: list[torch.Tensor] = []
     try:
         for entry, out in zip(entries, given):
-            outs.append(host_pages.empty(entry.shape, torch.bfloat16) if out is None
-                        else _given_output(entry, out).view(torch.bfloat16))
+            outs.append(host_pages.empty(entry.shape, torch.bfloat16) if out is None else out.view(torch.bfloat16))
     except Exception:
         with allocation_errors(file.path, entries[len(outs)].name):
             raise

@@ -288,24 +288,43 @@ def test_tensors_are_decoded_into_the_outputs_given(tmp_path, two_threads, monke
         assert tensor.dtype == source[name].dtype, name
 
 
+@pytest.mark.parametrize("kernel", ["mapped", "native", "reference"])
+def test_an_output_that_does_not_fit_is_refused_before_anything_is_decoded(tmp_path, two_threads, monkeypatch,
+                                                                            kernel):
+    """One output of the wrong size among those given (a small tensor's, decoded in a batch where the C kernels
+    read through the mapping): a ValueError naming its tensor, and no output written."""
+    _small_tensor_kernel(monkeypatch, kernel)
+    source = _tensors()
+    save_file(source, tmp_path / "m.szt")
+    with SztFile(tmp_path / "m.szt") as f:
+        names = list(f.entries)
+        outs = [torch.full((source[name].numel() * source[name].element_size() + (name == "wide"),), 7,
+                           dtype=torch.uint8) for name in names]
+        with pytest.raises(ValueError, match="wide: decoding into a tensor needs a contiguous CPU tensor of 65664 bytes"):
+            host_decode.decode_entries(f, [f.entry(name) for name in names], check_stored=[True] * len(names),
+                                       check_decoded=True, outs=outs)
+    assert all(bool((out == 7).all()) for out in outs)
+
+
 def test_small_tensors_are_batched_by_bytes():
     """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with the
     indices it decodes, its outputs given (or None) and stored-bytes flags."""
     entry = type("Entry", (), {})
 
-    def small(raw_length):
+    def small(name, raw_length):
         e = entry()
-        e.raw_length = raw_length
+        e.name, e.raw_length = name, raw_length
         return e
 
     third = host_decode.BATCH_BYTES // 3
-    entries = [small(third) for _ in range(3)] + [small(8)] + [small(third) for _ in range(3)]
+    entries = [small(f"t{i}", 8 if i == 3 else third) for i in range(7)]
     batched = [0, 1, 2, 4, 5, 6]  # index 3: decoded range by range
-    outs = [torch.empty(0) for _ in range(7)]
+    outs = [torch.empty(e.raw_length, dtype=torch.uint8) for e in entries]
     batches = host_decode._batches(None, entries, batched, outs, [i % 2 == 0 for i in range(7)], True)
     assert [run for run, _ in batches] == [[0, 1, 2], [4, 5, 6]]
     assert [u.entries for _, u in batches] == [entries[:3], entries[4:]]
-    assert [u.given for _, u in batches] == [outs[:3], outs[4:]]
+    assert [[out.data_ptr() for out in u.given] for _, u in batches] == \
+        [[outs[i].data_ptr() for i in run] for run in ([0, 1, 2], [4, 5, 6])]
     assert [u.check_stored for _, u in batches] == [[True, False, True], [True, False, True]]
     assert [u.given for _, u in host_decode._batches(None, entries, batched, None, [True] * 7, True)] == \
         [[None] * 3] * 2
