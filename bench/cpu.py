@@ -49,6 +49,12 @@ opened afresh per pass (so each tensor's first read is checked) and page-cached:
 (``safe_open`` and ``get_slice``, the rows cloned) against szformat's ``get_slice`` with ``verify`` on (the blocks
 the rows lie in checked, format 1.3, or the whole payload in a file without block checksums) and off.
 
+Headers (``--sections header``), on MiniLM (104 tensors) and on an MoE-shaped checkpoint of 18,000 small tensors
+(6,000 experts x 3 matrices of 16 x 16, written to ``--work`` once): opening the file, the header checked and parsed,
+with the C check of plain entries (``szformat/format/_entries.c``, the default) and with the Python parser alone,
+against safetensors' ``safe_open`` of the same tensors (its header parsed in Rust); alternating, ``--repeats``
+rounds of the best of five opens each, 1 thread.
+
 Throughput is raw BF16 bytes per second (what the caller gets); each figure is the best and the median of
 ``--repeats`` runs, taken round-robin across the methods. Every decoder's output is compared bit for bit with the
 source before anything is timed. "1 thread" sets ``torch.set_num_threads(1)`` and ZipNN's ``threads=1``; "all
@@ -57,7 +63,8 @@ threads" uses every core for both.
 Usage::
 
     python -m bench.cpu [--model model.safetensors] [--tile-mb 512] [--repeats 5] \
-        [--sections codec,load,first,first-large,slices] [--work /tmp/szbench] [--glibc-thresholds pinned|as-is]
+        [--sections codec,load,first,first-large,slices,header] [--work /tmp/szbench]
+        [--glibc-thresholds pinned|as-is]
 """
 
 from __future__ import annotations
@@ -321,6 +328,85 @@ def synthetic_checkpoint(work: Path) -> tuple[str, Path, Path]:
     return converted("synthetic 2.2 GB", synthetic, work / "tinyllama-shapes-bf16.szt")
 
 
+def experts_checkpoint(work: Path) -> tuple[str, Path, Path]:
+    """``(label, safetensors, szt)`` of 18,000 small tensors (6,000 experts x 3 matrices of 16 x 16, BF16), as a
+    mixture-of-experts checkpoint's shard holds them: a header of many entries. Written once into ``work``."""
+    source = work / "experts-18000-bf16.safetensors"
+    if not source.exists():
+        work.mkdir(parents=True, exist_ok=True)
+        print(f"generating {source} ...", flush=True)
+        gen = torch.Generator().manual_seed(0)
+        save_file({f"model.layers.{i // 100}.mlp.experts.{i % 100}.w{j}.weight":
+                   (torch.randn(16, 16, generator=gen) * 0.02).to(torch.bfloat16)
+                   for i in range(6000) for j in (1, 2, 3)}, str(source))
+    return converted("18,000 experts' tensors", source, work / "experts-18000-bf16.szt")
+
+
+def bench_headers(checkpoints: Iterable[tuple[str, Path, Path]], repeats: int) -> list[dict]:
+    """Each checkpoint's file opened (its header checked and parsed, nothing decoded) by safetensors' ``safe_open``
+    (the anchor), by szformat's ``SztFile`` with the C check of plain entries and with the Python parser alone;
+    the two parses compared first."""
+    from szformat.format import header as header_module
+    from szformat.format.reader import SztFile
+
+    check = header_module._entries
+
+    def szformat_open(path: Path, plain: bool) -> Callable[[], Any]:
+        def run() -> None:
+            header_module._entries = check if plain else None
+            try:
+                SztFile(path).close()
+            finally:
+                header_module._entries = check
+        return run
+
+    def safetensors_open(path: Path) -> Callable[[], Any]:
+        def run() -> None:
+            with safe_open(path, framework="pt") as f:
+                f.keys()
+        return run
+
+    torch.set_num_threads(1)
+    rows = []
+    for label, st_path, szt_path in checkpoints:
+        entries = []
+        for plain in (True, False):
+            header_module._entries = check if plain else None
+            try:
+                with SztFile(szt_path) as f:
+                    entries.append(f.header.tensors)
+            finally:
+                header_module._entries = check
+        assert entries[0] == entries[1], f"{szt_path}: the two parsers disagree"
+        methods = [("safetensors safe_open (anchor)", safetensors_open(st_path))]
+        if check is not None:
+            methods.append(("szformat SztFile, plain entries checked in C", szformat_open(szt_path, True)))
+        methods.append(("szformat SztFile, Python parser alone", szformat_open(szt_path, False)))
+        seconds: dict[str, list[float]] = {name: [] for name, _ in methods}
+        for run in range(repeats):
+            for name, fn in round_order(methods, run):
+                best = float("inf")
+                for _ in range(5):
+                    start = time.perf_counter()
+                    fn()
+                    best = min(best, time.perf_counter() - start)
+                seconds[name].append(best)
+        anchor = statistics.median(seconds[methods[0][0]])
+        for name, _ in methods:
+            median = statistics.median(seconds[name])
+            rows.append({"data": label, "tensors": len(entries[0]), "method": name, "median_s": median,
+                         "best_s": min(seconds[name]), "vs_anchor": anchor / median})
+            print(f"  {label:24s} {name:46s} {median * 1e3:9.2f} ms  x{anchor / median:.2f}", flush=True)
+    torch.set_num_threads(os.cpu_count() or 1)
+    return rows
+
+
+def print_header_table(rows: list[dict]) -> None:
+    print_markdown(["data", "tensors", "method", "median ms", "best ms", "x anchor"], "lrlrrr",
+                   [[r["data"], r["tensors"], r["method"], f"{r['median_s'] * 1e3:.2f}", f"{r['best_s'] * 1e3:.2f}",
+                     f"{r['vs_anchor']:.2f}"] for r in rows])
+
+
 def read_through(*paths: Path) -> None:
     """Bring the files into the page cache the same way: dropped from it first where the system allows
     (``posix_fadvise``), then read in order. How a file came into the cache decides the size of its folios, and so
@@ -568,7 +654,7 @@ def print_loading_table(rows: list[dict]) -> None:
                      f"{r['median_gbps']:.2f}", f"{r['vs_anchor']:.2f}", f"{r['load']:.1f}"] for r in rows])
 
 
-SECTIONS = {"codec", "load", "first", "first-large", "slices"}
+SECTIONS = {"codec", "load", "first", "first-large", "slices", "header"}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -578,8 +664,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--sections", default="codec,load",
                         help="codec, load, first (first loads of MiniLM in fresh processes), first-large (of the "
-                        "synthetic checkpoint), slices (get_slice of every tensor), comma-separated (default "
-                        "codec,load)")
+                        "synthetic checkpoint), slices (get_slice of every tensor), header (opening MiniLM's and "
+                        "an 18,000-tensor file), comma-separated (default codec,load)")
     parser.add_argument("--work", type=Path, default=Path(tempfile.gettempdir()) / "szbench",
                         help="where the loading section keeps its synthetic checkpoint (default /tmp/szbench)")
     parser.add_argument("--glibc-thresholds", choices=("pinned", "as-is"), default="pinned",
@@ -618,6 +704,9 @@ def main(argv: list[str] | None = None) -> int:
     if "slices" in sections:
         _, st_path, szt_path = synthetic_checkpoint(args.work)
         print_slices_table(bench_slices(st_path, szt_path, args.repeats))
+    if "header" in sections:
+        print_header_table(bench_headers([minilm_checkpoint(model, args.work), experts_checkpoint(args.work)],
+                                         args.repeats))
     return 0
 
 

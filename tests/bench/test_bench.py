@@ -397,7 +397,38 @@ def test_glibc_thresholds_are_left_alone_where_there_is_no_mallopt(monkeypatch):
 def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
     """A misspelt section is an error naming the sections, not a run that times nothing."""
     done = _run_module("bench.cpu", "--sections", "load,frist")
-    assert done.returncode == 2 and "choose among codec, first, first-large, load, slices" in done.stderr
+    assert done.returncode == 2 and "choose among codec, first, first-large, header, load, slices" in done.stderr
+
+
+def test_the_cpu_benchmarks_header_section_times_both_parsers_against_safetensors(tmp_path, monkeypatch):
+    """The header section opens each file through safetensors, szformat with the C check of plain entries and with
+    the Python parser alone, once it has seen the two parsers agree; a parser that disagrees fails it."""
+    import dataclasses
+
+    from safetensors.torch import save_file
+
+    import szformat
+    from bench import cpu as bench_cpu
+    from szformat.format import header as header_module
+
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": (torch.randn(8, 8, generator=g) * 0.02).to(torch.bfloat16) for i in range(5)}
+    save_file(tensors, tmp_path / "a.safetensors")
+    szformat.save_file(tensors, tmp_path / "a.szt")
+    files = [("tiny", tmp_path / "a.safetensors", tmp_path / "a.szt")]
+    check = header_module._entries
+    rows = bench_cpu.bench_headers(files, repeats=2)
+    assert [r["method"] for r in rows] == ["safetensors safe_open (anchor)"] + \
+        ["szformat SztFile, plain entries checked in C"] * (check is not None) + \
+        ["szformat SztFile, Python parser alone"]
+    assert all(r["tensors"] == 5 and 0 < r["best_s"] <= r["median_s"] for r in rows)
+    assert header_module._entries is check
+    if check is None:
+        pytest.skip("the C extensions were not built here: one parser only")
+    real = header_module._plain_entry
+    monkeypatch.setattr(header_module, "_plain_entry", lambda fields: dataclasses.replace(real(fields), crc32=0))
+    with pytest.raises(AssertionError, match="the two parsers disagree"):
+        bench_cpu.bench_headers(files, repeats=1)
 
 
 def test_the_cpu_benchmarks_slices_read_the_same_rows_through_each_reader(tmp_path):
