@@ -351,13 +351,19 @@ def bench_headers(checkpoints: Iterable[tuple[str, Path, Path]], repeats: int) -
 
     check = header_module._entries
 
+    @contextlib.contextmanager
+    def parser(plain: bool) -> Iterator[None]:
+        """The C check of plain entries on (where built) or off for the ``with`` block."""
+        header_module._entries = check if plain else None
+        try:
+            yield
+        finally:
+            header_module._entries = check
+
     def szformat_open(path: Path, plain: bool) -> Callable[[], Any]:
         def run() -> None:
-            header_module._entries = check if plain else None
-            try:
+            with parser(plain):
                 SztFile(path).close()
-            finally:
-                header_module._entries = check
         return run
 
     def safetensors_open(path: Path) -> Callable[[], Any]:
@@ -371,12 +377,8 @@ def bench_headers(checkpoints: Iterable[tuple[str, Path, Path]], repeats: int) -
     for label, st_path, szt_path in checkpoints:
         entries = []
         for plain in (True, False):
-            header_module._entries = check if plain else None
-            try:
-                with SztFile(szt_path) as f:
-                    entries.append(f.header.tensors)
-            finally:
-                header_module._entries = check
+            with parser(plain), SztFile(szt_path) as f:
+                entries.append(f.header.tensors)
         assert entries[0] == entries[1], f"{szt_path}: the two parsers disagree"
         methods = [("safetensors safe_open (anchor)", safetensors_open(st_path))]
         if check is not None:

@@ -176,13 +176,12 @@ def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple
                                           check_decoded=True)
                 except SzformatError as bad:
                     reasons[e.name] = bad.reason
-        for e in entries:
-            if e.encoding == C.ENCODING_RAW:
-                try:
-                    compare_crc(kernels.crc32(szt.mapped(e.name, 0, e.length), 0), e.crc32, what="stored bytes",
-                                path=szt.path, tensor=e.name)
-                except SzformatError as bad:
-                    reasons[e.name] = bad.reason
+        raw = [e for e in entries if e.encoding == C.ENCODING_RAW]
+        for e, stored in zip(raw, szt.mapped_payloads(raw)):
+            try:
+                compare_crc(kernels.crc32(stored, 0), e.crc32, what="stored bytes", path=szt.path, tensor=e.name)
+            except SzformatError as bad:
+                reasons[e.name] = bad.reason
     except (EOFError, SzformatError):  # a page not read, a file that shrank: the loader's path names the tensor
         return None
     return [(e.name, reasons[e.name]) for e in entries if e.name in reasons]

@@ -207,6 +207,10 @@ def test_an_item_that_is_not_a_map_or_a_header_without_tensors_is_declined():
         entries_check.plain_entries((), header_module._PLAIN_RULES)
     with pytest.raises(TypeError, match="tuple of 9"):
         entries_check.plain_entries([], header_module._PLAIN_RULES[:8])
+    with pytest.raises(ValueError, match="must be positive"):
+        entries_check.plain_entries([], header_module._PLAIN_RULES[:3] + (0,) + header_module._PLAIN_RULES[4:])
+    with pytest.raises(TypeError, match="itemsize dict"):
+        entries_check.plain_entries([], (list(C.ITEMSIZE),) + header_module._PLAIN_RULES[1:])
 
 
 def test_a_header_of_plain_entries_is_parsed_without_the_python_entry_parser(tmp_path, monkeypatch):
