@@ -1,24 +1,25 @@
-/* The tensor entries of an unpacked .szt header that keep every rule, checked and taken apart in one C pass.
+/* The tensor entries of an unpacked .szt header that keep every rule, checked and made in one C pass.
  *
  * header.py checks each entry of a header (a dict per tensor, as msgpack built it) field by field in Python: about
  * 8 us a tensor, most of a small checkpoint's header parse (MiniLM's 104 tensors: 0.85 of 1.2 ms), which no
- * thread of a load can share. This pass checks the same rules on the entries that need nothing more:
+ * thread of a load can share; making the entry objects in Python from fields checked here still cost 4 us. This
+ * pass checks the same rules on the entries that need nothing more and makes their objects:
  *
- *   plain_entries(tensors, rules) -> [fields or None, ...]
- *       Per item of the list ``tensors``, a tuple of its checked fields, or None where the item is not plain: an
- *       at-rest stage, an encoding or a form these checks do not take, or any rule broken. header.py then parses
- *       that item itself and words the error where there is one; so this module never has to, a None costs only
- *       speed, and the Python parser stays the reference every accepted entry is tested against
+ *   plain_entries(tensors, rules, records) -> [entry or None, ...]
+ *       Per item of the list ``tensors``, its TensorEntry, or None where the item is not plain: an at-rest stage,
+ *       an encoding or a form these checks do not take, or any rule broken. header.py then parses that item itself
+ *       and words the error where there is one; so this module never has to, a None costs only speed, and the
+ *       Python parser stays the reference every entry made here is tested against, field for field
  *       (tests/format/test_plain_entries.py).
- *
- *   fields: (name, dtype, shape, offset, length, raw_length, crc32, raw_crc32, blocks, encoding): ``shape`` a
- *   tuple; ``blocks`` None or (size, crcs) with ``crcs`` a tuple; ``encoding`` ("raw", reason or None) or
- *   ("splitzip", n, n_esc, codebook, n_codes_used, coverage) with ``codebook`` a tuple. Strings and integers are
- *   the header's own objects.
  *
  *   rules: (itemsize, max_name_bytes, reserved_name, max_ndim, max_elements, chunk_size, max_splitzip_elements,
  *   min_block_size, max_block_size), ``itemsize`` the dict of dtype names to bytes per element: format/constants.py's
  *   values, handed over so that none is written twice.
+ *
+ *   records: (TensorEntry, its defaults, Codebook, BlockChecksums, payload_layout): the classes are made as
+ *   header._checked makes them (``object.__new__`` and the fields set in the instance's dict, the generated
+ *   ``__init__`` skipped: its checks are the ones made here), the layout by calling payload_layout(n, n_esc).
+ *   Strings and integers are the header's own objects; shape and the codebook are tuples.
  *
  * The rules, as header._parse_entry applies them: a str name of 1 to max_name_bytes UTF-8 bytes, without NUL, not
  * the reserved name; a known dtype; a list of at most max_ndim integers in [0, max_elements] whose product is at
@@ -47,11 +48,14 @@ typedef struct {
 
 enum { K_NAME, K_DTYPE, K_SHAPE, K_OFFSET, K_LENGTH, K_RAW_LENGTH, K_CRC32, K_RAW_CRC32, K_ENCODING, K_BLOCKS,
        K_AT_REST, K_CONFIGURATION, K_REASON, K_CHUNK_SIZE, K_N, K_N_ESC, K_STREAMS, K_CODEBOOK, K_N_USED,
-       K_COVERAGE, K_SIZE, K_PK, K_SM, K_CHUNK_ID, K_LOCAL_POS, K_ESC_VAL, K_RAW, K_SPLITZIP, K_BF16, N_KEYS };
+       K_COVERAGE, K_SIZE, K_PK, K_SM, K_CHUNK_ID, K_LOCAL_POS, K_ESC_VAL, K_RAW, K_SPLITZIP, K_BF16,
+       /* the records' field names */
+       F_BLOCKS, F_CRCS, F_LAYOUT, F_RAW_REASON, F_DEC_LUT, F_N_USED, N_KEYS };
 static const char *const key_text[N_KEYS] = {
     "name", "dtype", "shape", "offset", "length", "raw_length", "crc32", "raw_crc32", "encoding", "block_crc32",
     "at_rest", "configuration", "reason", "chunk_size", "n", "n_esc", "streams", "codebook", "n_codes_used",
-    "coverage", "size", "pk", "sm", "chunk_id", "local_pos", "esc_val", "raw", "splitzip", "BF16"};
+    "coverage", "size", "pk", "sm", "chunk_id", "local_pos", "esc_val", "raw", "splitzip", "BF16",
+    "blocks", "crcs", "layout", "raw_reason", "dec_lut", "n_used"};
 static PyObject *keys[N_KEYS]; /* interned at import */
 
 /* ``map[key]`` (borrowed), or NULL where it is absent; never an error set (the keys are str, the maps dicts). */
@@ -138,9 +142,47 @@ static PyObject *int_tuple(PyObject *list, Py_ssize_t count, int64_t lo, int64_t
     return PyList_AsTuple(list);
 }
 
-/* 1.3's block_crc32: Py_None where the entry has none, (size, crcs) where it keeps the rules, NULL otherwise
- * (an error set only where a tuple could not be made). */
-static PyObject *plain_blocks(PyObject *item, int64_t length, const Rules *r)
+typedef struct {
+    PyObject *entry, *entry_defaults, *codebook, *blocks, *layout;
+} Records;
+
+static PyObject *no_args; /* () */
+
+/* An instance of the class ``cls`` whose dict is ``fields`` (a new reference, taken over), made as header._checked
+ * makes one; NULL with an error set where it could not be made. */
+static PyObject *record(PyObject *cls, PyObject *fields)
+{
+    if (fields == NULL)
+        return NULL;
+    PyObject *made = PyBaseObject_Type.tp_new((PyTypeObject *)cls, no_args, NULL);
+    if (made != NULL && PyObject_GenericSetDict(made, fields, NULL) < 0)
+        Py_CLEAR(made);
+    Py_DECREF(fields);
+    return made;
+}
+
+/* Sets ``count`` items of the dict ``fields``, the names' keys to the borrowed ``values``: 0, or -1 with an error
+ * set. */
+static int set_items(PyObject *fields, int count, const int *names, PyObject *const *values)
+{
+    for (int i = 0; i < count; i++)
+        if (PyDict_SetItem(fields, keys[names[i]], values[i]) < 0)
+            return -1;
+    return 0;
+}
+
+/* An instance of ``cls`` holding ``count`` fields (set_items); NULL with an error set where it could not be made. */
+static PyObject *new_record(PyObject *cls, int count, const int *names, PyObject *const *values)
+{
+    PyObject *fields = PyDict_New();
+    if (fields != NULL && set_items(fields, count, names, values) < 0)
+        Py_CLEAR(fields);
+    return record(cls, fields);
+}
+
+/* 1.3's block_crc32: Py_None where the entry has none, its BlockChecksums where it keeps the rules, NULL otherwise
+ * (an error set only where the record could not be made). */
+static PyObject *plain_blocks(PyObject *item, int64_t length, const Rules *r, const Records *m)
 {
     PyObject *blocks = get(item, K_BLOCKS);
     if (blocks == NULL)
@@ -153,77 +195,96 @@ static PyObject *plain_blocks(PyObject *item, int64_t length, const Rules *r)
                                0xFFFFFFFFll);
     if (crcs == NULL)
         return NULL;
-    return Py_BuildValue("(ON)", get(blocks, K_SIZE), crcs);
+    const int names[2] = {K_SIZE, F_CRCS};
+    PyObject *values[2] = {get(blocks, K_SIZE), crcs};
+    PyObject *made = new_record(m->blocks, 2, names, values);
+    Py_DECREF(crcs);
+    return made;
 }
 
 static int64_t align4(int64_t x) { return (x + 3) & ~(int64_t)3; }
 
-/* The SplitZip encoding of an entry of ``numel`` BF16 elements and ``length`` stored bytes, as
- * ("splitzip", n, n_esc, codebook, n_codes_used, coverage); NULL as plain_blocks. */
-static PyObject *plain_splitzip(PyObject *config, int64_t numel, int64_t length, const Rules *r)
+/* The layout and codebook of an entry of ``numel`` BF16 elements and ``length`` stored bytes, set in ``fields``:
+ * 0; -1 where the configuration breaks a rule (no error set) or a record could not be made (an error set). */
+static int plain_splitzip(PyObject *config, int64_t numel, int64_t length, const Rules *r, const Records *m,
+                          PyObject *fields)
 {
     int64_t chunk_size, n, n_esc, n_used;
     if (config == NULL || int_in(get(config, K_CHUNK_SIZE), 1, 65536, &chunk_size) < 0 || chunk_size != r->chunk_size
         || int_in(get(config, K_N), 0, INT64_MAX, &n) < 0 || int_in(get(config, K_N_ESC), 0, INT64_MAX, &n_esc) < 0
         || n != numel || n_esc > n || n > r->max_splitzip_elements)
-        return NULL;
+        return -1;
     /* The frozen payload layout (codec/layout.py): pk, sm, chunk ids, local positions, escape values. */
     int64_t off_sm = align4((n + 1) / 2), off_cid = align4(off_sm + n), off_lpos = off_cid + 4 * n_esc;
     int64_t off_ev = align4(off_lpos + 2 * n_esc);
     if (length != off_ev + n_esc)
-        return NULL;
+        return -1;
     PyObject *streams = get(config, K_STREAMS);
     const int stream_keys[5] = {K_PK, K_SM, K_CHUNK_ID, K_LOCAL_POS, K_ESC_VAL};
     const int64_t offsets[5] = {0, off_sm, off_cid, off_lpos, off_ev};
     if (streams == NULL || !PyDict_CheckExact(streams) || PyDict_GET_SIZE(streams) != 5)
-        return NULL;
+        return -1;
     for (int i = 0; i < 5; i++) {
         int64_t offset;
         if (int_in(get(streams, stream_keys[i]), 0, INT64_MAX, &offset) < 0 || offset != offsets[i])
-            return NULL;
+            return -1;
     }
     PyObject *coverage = get(config, K_COVERAGE);
     if (int_in(get(config, K_N_USED), 0, N_CODES, &n_used) < 0 || coverage == NULL || !PyFloat_CheckExact(coverage)
         || !(PyFloat_AS_DOUBLE(coverage) >= 0.0 && PyFloat_AS_DOUBLE(coverage) <= 1.0))
-        return NULL;
-    PyObject *codebook = int_tuple(get(config, K_CODEBOOK), N_CODES, 0, 255);
-    if (codebook == NULL)
-        return NULL;
+        return -1;
+    PyObject *lut = int_tuple(get(config, K_CODEBOOK), N_CODES, 0, 255);
+    if (lut == NULL)
+        return -1;
     uint8_t seen[256] = {0};
     for (Py_ssize_t i = 0; i < N_CODES; i++) {
-        long exponent = PyLong_AsLong(PyTuple_GET_ITEM(codebook, i)); /* in [0, 255]: checked above */
+        long exponent = PyLong_AsLong(PyTuple_GET_ITEM(lut, i)); /* in [0, 255]: checked above */
         if (i < n_used ? seen[exponent]++ != 0 : exponent != 0) {
-            Py_DECREF(codebook);
-            return NULL;
+            Py_DECREF(lut);
+            return -1;
         }
     }
-    return Py_BuildValue("(OOONOO)", keys[K_SPLITZIP], get(config, K_N), get(config, K_N_ESC), codebook,
-                         get(config, K_N_USED), coverage);
+    const int book_names[3] = {F_DEC_LUT, F_N_USED, K_COVERAGE};
+    PyObject *book_values[3] = {lut, get(config, K_N_USED), coverage};
+    PyObject *codebook = new_record(m->codebook, 3, book_names, book_values);
+    Py_DECREF(lut);
+    PyObject *layout = codebook == NULL ? NULL : PyObject_CallFunctionObjArgs(m->layout, get(config, K_N),
+                                                                              get(config, K_N_ESC), NULL);
+    const int names[3] = {K_ENCODING, F_LAYOUT, K_CODEBOOK};
+    PyObject *values[3] = {keys[K_SPLITZIP], layout, codebook};
+    int failed = layout == NULL || set_items(fields, 3, names, values) < 0;
+    Py_XDECREF(codebook);
+    Py_XDECREF(layout);
+    return failed ? -1 : 0;
 }
 
-/* The encoding of an entry: ("raw", reason or None) or plain_splitzip's; NULL as plain_blocks. */
-static PyObject *plain_encoding(PyObject *item, PyObject *dtype, int64_t numel, int64_t length, int64_t raw_length,
-                                int64_t crc, int64_t raw_crc, const Rules *r)
+/* The encoding of an entry, set in ``fields`` (its name, then a raw entry's reason or plain_splitzip's): 0, or -1
+ * as plain_splitzip. */
+static int plain_encoding(PyObject *item, PyObject *dtype, int64_t numel, int64_t length, int64_t raw_length,
+                          int64_t crc, int64_t raw_crc, const Rules *r, const Records *m, PyObject *fields)
 {
     PyObject *encoding = get(item, K_ENCODING);
     if (encoding == NULL || !PyDict_CheckExact(encoding) || get(encoding, K_AT_REST) != NULL)
-        return NULL;
+        return -1;
     PyObject *name = get(encoding, K_NAME), *config = get(encoding, K_CONFIGURATION);
     if (config != NULL && !PyDict_CheckExact(config))
-        return NULL;
+        return -1;
     if (is_str(name, K_RAW)) {
         PyObject *reason = config == NULL ? NULL : get(config, K_REASON);
         if (length != raw_length || crc != raw_crc || (reason != NULL && !PyUnicode_CheckExact(reason)))
-            return NULL;
-        return Py_BuildValue("(OO)", keys[K_RAW], reason == NULL ? Py_None : reason);
+            return -1;
+        const int names[2] = {K_ENCODING, F_RAW_REASON};
+        PyObject *values[2] = {keys[K_RAW], reason == NULL ? Py_None : reason};
+        return set_items(fields, 2, names, values);
     }
     if (is_str(name, K_SPLITZIP) && is_str(dtype, K_BF16))
-        return plain_splitzip(config, numel, length, r);
-    return NULL;
+        return plain_splitzip(config, numel, length, r, m, fields);
+    return -1;
 }
 
-/* One item's fields (plain_entries), Py_None where it is not plain, NULL with an error set on a failed allocation. */
-static PyObject *plain_entry(PyObject *item, const Rules *r)
+/* One item's TensorEntry (plain_entries), Py_None where it is not plain, NULL with an error set on a failed
+ * allocation. */
+static PyObject *plain_entry(PyObject *item, const Rules *r, const Records *m)
 {
     if (!PyDict_CheckExact(item))
         return Py_NewRef(Py_None);
@@ -234,21 +295,29 @@ static PyObject *plain_entry(PyObject *item, const Rules *r)
         PyErr_Clear();
         return Py_NewRef(Py_None);
     }
-    PyObject *shape = plain_shape(get(item, K_SHAPE), r, &numel), *blocks = NULL, *encoding = NULL;
+    PyObject *shape = plain_shape(get(item, K_SHAPE), r, &numel), *blocks = NULL, *fields = NULL;
     if (shape == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
-    if (int_in(get(item, K_OFFSET), 0, INT64_MAX, &offset) < 0 || int_in(get(item, K_LENGTH), 0, INT64_MAX, &length) < 0
-        || int_in(get(item, K_RAW_LENGTH), 0, INT64_MAX, &raw_length) < 0
-        || int_in(get(item, K_CRC32), 0, 0xFFFFFFFFll, &crc) < 0
-        || int_in(get(item, K_RAW_CRC32), 0, 0xFFFFFFFFll, &raw_crc) < 0 || raw_length != numel * itemsize
-        || (blocks = plain_blocks(item, length, r)) == NULL
-        || (encoding = plain_encoding(item, dtype, numel, length, raw_length, crc, raw_crc, r)) == NULL) {
-        Py_DECREF(shape);
-        Py_XDECREF(blocks);
-        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    if (int_in(get(item, K_OFFSET), 0, INT64_MAX, &offset) == 0 && int_in(get(item, K_LENGTH), 0, INT64_MAX, &length) == 0
+        && int_in(get(item, K_RAW_LENGTH), 0, INT64_MAX, &raw_length) == 0
+        && int_in(get(item, K_CRC32), 0, 0xFFFFFFFFll, &crc) == 0
+        && int_in(get(item, K_RAW_CRC32), 0, 0xFFFFFFFFll, &raw_crc) == 0 && raw_length == numel * itemsize
+        && (blocks = plain_blocks(item, length, r, m)) != NULL) {
+        const int names[9] = {K_NAME, K_DTYPE, K_SHAPE, K_OFFSET, K_LENGTH, K_RAW_LENGTH, K_CRC32, K_RAW_CRC32,
+                               F_BLOCKS};
+        PyObject *values[9] = {name, dtype, shape, get(item, K_OFFSET), get(item, K_LENGTH),
+                               get(item, K_RAW_LENGTH), get(item, K_CRC32), get(item, K_RAW_CRC32), blocks};
+        fields = PyDict_Copy(m->entry_defaults);
+        if (fields != NULL && (set_items(fields, 9, names, values) < 0
+                               || plain_encoding(item, dtype, numel, length, raw_length, crc, raw_crc, r, m,
+                                                 fields) < 0))
+            Py_CLEAR(fields);
     }
-    return Py_BuildValue("(OONOOOOONN)", name, dtype, shape, get(item, K_OFFSET), get(item, K_LENGTH),
-                         get(item, K_RAW_LENGTH), get(item, K_CRC32), get(item, K_RAW_CRC32), blocks, encoding);
+    Py_DECREF(shape);
+    Py_XDECREF(blocks);
+    if (fields == NULL)
+        return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
+    return record(m->entry, fields);
 }
 
 static int take_rules(PyObject *rules, Rules *r)
@@ -278,43 +347,63 @@ static int take_rules(PyObject *rules, Rules *r)
     return 0;
 }
 
+static int take_records(PyObject *records, Records *m)
+{
+    if (!PyTuple_Check(records) || PyTuple_GET_SIZE(records) != 5) {
+        PyErr_SetString(PyExc_TypeError, "plain_entries(): records must be a tuple of 5");
+        return -1;
+    }
+    PyObject *const *v = &PyTuple_GET_ITEM(records, 0);
+    if (!PyType_Check(v[0]) || !PyDict_CheckExact(v[1]) || !PyType_Check(v[2]) || !PyType_Check(v[3])
+        || !PyCallable_Check(v[4])) {
+        PyErr_SetString(PyExc_TypeError, "plain_entries(): records are the entry class, its defaults (a dict), the "
+                                         "codebook and block-checksum classes and the layout maker");
+        return -1;
+    }
+    *m = (Records){v[0], v[1], v[2], v[3], v[4]};
+    return 0;
+}
+
 static PyObject *py_plain_entries(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
     Rules r;
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "plain_entries() takes 2 arguments (%zd given)", nargs);
+    Records m;
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "plain_entries() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
     if (!PyList_Check(args[0])) {
         PyErr_SetString(PyExc_TypeError, "plain_entries(): tensors must be a list");
         return NULL;
     }
-    if (take_rules(args[1], &r) < 0)
+    if (take_rules(args[1], &r) < 0 || take_records(args[2], &m) < 0)
         return NULL;
     Py_ssize_t count = PyList_GET_SIZE(args[0]);
     PyObject *result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
-        PyObject *fields = plain_entry(PyList_GET_ITEM(args[0], i), &r);
-        if (fields == NULL)
+        PyObject *entry = plain_entry(PyList_GET_ITEM(args[0], i), &r, &m);
+        if (entry == NULL)
             Py_CLEAR(result);
         else
-            PyList_SET_ITEM(result, i, fields);
+            PyList_SET_ITEM(result, i, entry);
     }
     return result;
 }
 
 static PyMethodDef methods[] = {
     {"plain_entries", (PyCFunction)(void (*)(void))py_plain_entries, METH_FASTCALL,
-     "plain_entries(tensors, rules) -> [fields or None, ...]: each header entry that keeps every rule, taken apart; "
-     "None for any other (parse it in Python)"},
+     "plain_entries(tensors, rules, records) -> [entry or None, ...]: the TensorEntry of each header item that keeps "
+     "every rule; None for any other (parse it in Python)"},
     {NULL, NULL, 0, NULL},
 };
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_entries",
-                                    "Plain tensor entries of a .szt header, checked in C.", -1, methods};
+                                    "Plain tensor entries of a .szt header, checked and made in C.", -1, methods};
 
 PyMODINIT_FUNC PyInit__entries(void)
 {
+    if ((no_args = PyTuple_New(0)) == NULL)
+        return NULL;
     for (int i = 0; i < N_KEYS; i++)
         if ((keys[i] = PyUnicode_InternFromString(key_text[i])) == NULL)
             return NULL;

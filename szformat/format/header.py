@@ -331,8 +331,9 @@ def parse_header(
     entries: list[TensorEntry] = []
     seen: set[str] = set()
     cursor = C.PREAMBLE_SIZE
-    for index, (item, fields) in enumerate(zip(tensors, _plain_entries(tensors))):
-        entry = _parse_entry(item, index=index, path=path) if fields is None else _plain_entry(fields)
+    for index, (item, entry) in enumerate(zip(tensors, _plain_entries(tensors))):
+        if entry is None:
+            entry = _parse_entry(item, index=index, path=path)
         if entry.at_rest is not None:
             feature = C.FEATURE_AT_REST_PLANES if entry.encoding == C.ENCODING_RAW else C.FEATURE_AT_REST_ZSTD
             if feature not in features:
@@ -479,24 +480,17 @@ _PLAIN_RULES = (C.ITEMSIZE, C.MAX_NAME_BYTES, C.RESERVED_NAME, C.MAX_NDIM, C.MAX
 """The constants ``_entries.plain_entries`` checks entries against."""
 
 
-def _plain_entries(tensors: list) -> list[tuple | None]:
-    """Per item of a header's ``tensors``, its fields where the C extension found it keeps every rule
-    (``_entries.plain_entries``: a fifth of :func:`_parse_entry`'s time), else None (parse it with
-    :func:`_parse_entry`, which says what is wrong, if anything)."""
-    return _entries.plain_entries(tensors, _PLAIN_RULES) if _entries is not None else [None] * len(tensors)
+_RECORDS = (TensorEntry, _ENTRY_DEFAULTS, Codebook, BlockChecksums, payload_layout)
+"""What ``_entries.plain_entries`` makes a plain entry of: :func:`_checked` records, the layout as here."""
 
 
-def _plain_entry(fields: tuple) -> TensorEntry:
-    """The entry :func:`_parse_entry` makes of an item whose ``fields`` ``_entries.plain_entries`` checked."""
-    name, dtype, shape, offset, length, raw_length, crc32, raw_crc32, blocks, encoding = fields
-    common = dict(name=name, dtype=dtype, shape=shape, offset=offset, length=length, raw_length=raw_length,
-                  crc32=crc32, raw_crc32=raw_crc32,
-                  blocks=None if blocks is None else _checked(BlockChecksums, {}, size=blocks[0], crcs=blocks[1]))
-    if encoding[0] == C.ENCODING_RAW:
-        return _entry(encoding=C.ENCODING_RAW, raw_reason=encoding[1], **common)
-    _, n, n_esc, lut, n_used, coverage = encoding
-    return _entry(encoding=C.ENCODING_SPLITZIP, layout=payload_layout(n, n_esc),
-                  codebook=_checked(Codebook, {}, dec_lut=lut, n_used=n_used, coverage=coverage), **common)
+def _plain_entries(tensors: list) -> list[TensorEntry | None]:
+    """Per item of a header's ``tensors``, the entry :func:`_parse_entry` would make of it, where the C extension
+    found it keeps every rule (``_entries.plain_entries``: a tenth of :func:`_parse_entry`'s time), else None (parse
+    it with :func:`_parse_entry`, which says what is wrong, if anything)."""
+    if _entries is None:
+        return [None] * len(tensors)
+    return _entries.plain_entries(tensors, _PLAIN_RULES, _RECORDS)
 
 
 def _parse_entry(item: Any, *, index: int, path) -> TensorEntry:

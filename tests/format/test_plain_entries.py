@@ -9,6 +9,7 @@ seeds) and at each rule's edge; the entries a writer makes are plain, or the fas
 from __future__ import annotations
 
 import copy
+import dataclasses
 import random
 from pathlib import Path
 
@@ -68,15 +69,23 @@ def header_items(tmp_path: Path) -> list[dict]:
         return [entry.to_dict() for entry in f.header.tensors]
 
 
+def same_record(made: object, expected: object) -> bool:
+    """Whether two records are of one class and hold the same attributes, their records alike in turn: equal
+    dataclasses could still differ in what their dicts hold past their fields."""
+    if not dataclasses.is_dataclass(expected):
+        return made == expected and type(made) is type(expected)
+    return type(made) is type(expected) and vars(made).keys() == vars(expected).keys() and \
+        all(same_record(value, getattr(expected, key)) for key, value in vars(made).items())
+
+
 def agree(item: object) -> bool:
     """Whether the check and the parser agree on ``item``: declined, or taken apart into exactly the entry the
     parser makes (the parser must accept it then). Returns whether it was taken."""
-    [fields] = entries_check.plain_entries([item], header_module._PLAIN_RULES)
-    if fields is None:
+    [made] = header_module._plain_entries([item])
+    if made is None:
         return False
     expected = header_module._parse_entry(copy.deepcopy(item), index=0, path="m.szt")
-    made = header_module._plain_entry(fields)
-    assert made == expected
+    assert made == expected and same_record(made, expected)
     assert type(made.shape) is tuple and type(made.offset) is int and type(made.crc32) is int
     return True
 
@@ -201,16 +210,34 @@ def test_splitzip_entries_at_each_rule_s_edge(tmp_path, edit, taken):
 
 
 def test_an_item_that_is_not_a_map_or_a_header_without_tensors_is_declined():
-    assert entries_check.plain_entries([1, "x", None, []], header_module._PLAIN_RULES) == [None] * 4
-    assert entries_check.plain_entries([], header_module._PLAIN_RULES) == []
+    rules, records = header_module._PLAIN_RULES, header_module._RECORDS
+    assert entries_check.plain_entries([1, "x", None, []], rules, records) == [None] * 4
+    assert entries_check.plain_entries([], rules, records) == []
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        entries_check.plain_entries([], rules)
     with pytest.raises(TypeError, match="must be a list"):
-        entries_check.plain_entries((), header_module._PLAIN_RULES)
+        entries_check.plain_entries((), rules, records)
     with pytest.raises(TypeError, match="tuple of 9"):
-        entries_check.plain_entries([], header_module._PLAIN_RULES[:8])
+        entries_check.plain_entries([], rules[:8], records)
     with pytest.raises(ValueError, match="must be positive"):
-        entries_check.plain_entries([], header_module._PLAIN_RULES[:3] + (0,) + header_module._PLAIN_RULES[4:])
+        entries_check.plain_entries([], rules[:3] + (0,) + rules[4:], records)
     with pytest.raises(TypeError, match="itemsize dict"):
-        entries_check.plain_entries([], (list(C.ITEMSIZE),) + header_module._PLAIN_RULES[1:])
+        entries_check.plain_entries([], (list(C.ITEMSIZE),) + rules[1:], records)
+    with pytest.raises(TypeError, match="tuple of 5"):
+        entries_check.plain_entries([], rules, records[:4])
+    with pytest.raises(TypeError, match="the layout maker"):
+        entries_check.plain_entries([], rules, records[:4] + (None,))
+    with pytest.raises(TypeError, match="the entry class"):
+        entries_check.plain_entries([], rules, (dict(),) + records[1:])
+
+
+def test_an_error_while_an_entry_is_made_is_raised_not_declined(tmp_path):
+    """A failure making an entry (here the layout maker's) propagates: it is not a rule broken, so it must not turn
+    into a decline that hands the item to the Python parser as if it were malformed."""
+    items = header_items(tmp_path)
+    records = header_module._RECORDS[:4] + (lambda n, n_esc: 1 / 0,)
+    with pytest.raises(ZeroDivisionError):
+        entries_check.plain_entries(items, header_module._PLAIN_RULES, records)
 
 
 def test_a_header_of_plain_entries_is_parsed_without_the_python_entry_parser(tmp_path, monkeypatch):
