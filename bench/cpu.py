@@ -678,10 +678,10 @@ def main(argv: list[str] | None = None) -> int:
     kernels = [k for k in args.kernels.split(",") if k]
     if not set(kernels) <= set(KERNELS):
         parser.error(f"--kernels: choose among {', '.join(KERNELS)}")
-    model = args.model or fetch(default_dest()) / "model.safetensors"
     sections = set(args.sections.split(","))
     if not sections <= SECTIONS:
         parser.error(f"--sections: choose among {', '.join(sorted(SECTIONS))}")
+    model = args.model or fetch(default_dest()) / "model.safetensors"  # after every argument check: it may download
 
     print(f"{cpu_model()}, {os.cpu_count()} cores; Python {platform.python_version()}, torch {torch.__version__}; "
           f"load average {os.getloadavg()[0]:.1f}")

@@ -257,9 +257,9 @@ BENCHMARKS = ("load", "offload", "forms", "from_pretrained", "at_rest", "dtypes"
 REPO_ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_module(*args: str, timeout: float = 300):
+def _run_module(*args: str, timeout: float = 300, env: dict[str, str] | None = None):
     return subprocess.run([sys.executable, "-m", *args], cwd=REPO_ROOT, capture_output=True, text=True,
-                          timeout=timeout)
+                          timeout=timeout, env=None if env is None else {**os.environ, **env})
 
 
 def test_every_benchmark_answers_help_without_a_gpu():
@@ -394,9 +394,11 @@ def test_glibc_thresholds_are_left_alone_where_there_is_no_mallopt(monkeypatch):
     assert cpu_bench.pin_glibc_thresholds() is False
 
 
-def test_the_cpu_benchmark_refuses_a_section_it_does_not_have():
-    """A misspelt section is an error naming the sections, not a run that times nothing."""
-    done = _run_module("bench.cpu", "--sections", "load,frist")
+def test_the_cpu_benchmark_refuses_a_section_it_does_not_have(tmp_path):
+    """A misspelt section is an error naming the sections, not a run that times nothing, and it comes before MiniLM
+    is fetched (here into a folder that cannot be made, so a fetch would fail first)."""
+    (tmp_path / "file").write_bytes(b"")
+    done = _run_module("bench.cpu", "--sections", "load,frist", env={"SZFORMAT_MINILM_DIR": str(tmp_path / "file" / "x")})
     assert done.returncode == 2 and "choose among codec, first, first-large, header, load, slices" in done.stderr
 
 
