@@ -398,7 +398,8 @@ def test_the_cpu_benchmark_refuses_a_section_it_does_not_have(tmp_path):
     """A misspelt section is an error naming the sections, not a run that times nothing, and it comes before MiniLM
     is fetched (here into a folder that cannot be made, so a fetch would fail first)."""
     (tmp_path / "file").write_bytes(b"")
-    done = _run_module("bench.cpu", "--sections", "load,frist", env={"SZFORMAT_MINILM_DIR": str(tmp_path / "file" / "x")})
+    done = _run_module("bench.cpu", "--sections", "load,frist",
+                       env={"SZFORMAT_MINILM_DIR": str(tmp_path / "file" / "x")})
     assert done.returncode == 2 and "choose among codec, first, first-large, header, load, slices" in done.stderr
 
 
