@@ -8,7 +8,7 @@ PyTorch reference (``szconvert --version`` says which one a user got) and checks
 from setuptools import Extension, setup
 
 setup(ext_modules=[Extension("szformat.codec._native", ["szformat/codec/_native.c"], optional=True,
-                             extra_compile_args=["-O3"]),
+                             depends=["szformat/codec/_neon.h"], extra_compile_args=["-O3"]),
                    Extension("szformat.format._msgpack_check", ["szformat/format/_msgpack_check.c"], optional=True,
                              extra_compile_args=["-O2"]),
                    Extension("szformat.format._entries", ["szformat/format/_entries.c"], optional=True,

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import tarfile
 import venv
 import zipfile
 from importlib import metadata
@@ -39,6 +40,20 @@ def test_the_wheel_holds_the_package_and_nothing_of_the_checkout(wheel):
     entry_points = next(n for n in names if n.endswith("entry_points.txt"))
     text = zipfile.ZipFile(wheel).read(entry_points).decode()
     assert "szconvert = szformat.cli:main" in text and "szt = szformat.integrations.vllm:register" in text
+
+
+def test_the_sdist_holds_every_c_source_of_the_extensions(tmp_path):
+    """pip builds the C extensions from the sdist where no wheel fits a machine (an AArch64 one, say): every C file
+    and header of the checkout's package, the NEON kernels' header included, must be in it."""
+    pytest.importorskip("build.__main__")
+    done = subprocess.run([sys.executable, "-m", "build", "--sdist", "--outdir", str(tmp_path), str(ROOT)],
+                          capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stdout[-2000:] + done.stderr[-2000:]
+    (sdist,) = tmp_path.glob("szformat-*.tar.gz")
+    with tarfile.open(sdist) as archive:
+        held = {name.split("/", 1)[1] for name in archive.getnames() if "/" in name}
+    sources = {p.relative_to(ROOT).as_posix() for p in (ROOT / "szformat").rglob("*") if p.suffix in (".c", ".h")}
+    assert "szformat/codec/_neon.h" in sources and sources <= held
 
 
 def test_the_wheel_installs_into_a_fresh_environment_and_runs(wheel, tmp_path):

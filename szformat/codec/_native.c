@@ -39,8 +39,9 @@
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
- * (``__builtin_cpu_supports``); elsewhere (other CPUs, compilers without the builtin) a portable loop over a
- * 256-entry pair table runs. Every path is tested bit for bit against the PyTorch reference.
+ * (``__builtin_cpu_supports``); on AArch64 the NEON kernels of _neon.h run (``tbl``, every such CPU has it);
+ * elsewhere a portable loop over a 256-entry pair table runs. Every path is tested bit for bit against the PyTorch
+ * reference (NEON's under an emulator: tests/codec/test_neon.py).
  *
  * Buffers are anything with the buffer protocol (NumPy arrays, memoryviews of tensors); lengths are checked here.
  */
@@ -69,6 +70,11 @@
 #define SZ_X86 1
 #include <cpuid.h>
 #include <immintrin.h>
+#endif
+
+#if defined(__aarch64__) && defined(__ARM_NEON)
+#define SZ_NEON 1
+#include "_neon.h"
 #endif
 
 /* ---------------------------------------------------------------------------------------------------------------
@@ -225,13 +231,35 @@ static void encode_avx2(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, u
 }
 #endif
 
-/* The kernels as the bindings call them: AVX2 where have_avx2() says so, the portable loops elsewhere. */
+/* Whether the NEON kernels run: on AArch64, unless SZFORMAT_CPU_ISA asks for the portable loops. */
+static int have_neon(void)
+{
+#ifdef SZ_NEON
+    static int cached = -1;
+    if (cached < 0) {
+        const char *isa = getenv("SZFORMAT_CPU_ISA");
+        cached = !(isa && strcmp(isa, "scalar") == 0);
+    }
+    return cached;
+#else
+    return 0;
+#endif
+}
+
+/* The kernels as the bindings call them: AVX2 or NEON where have_avx2() or have_neon() says so, the portable loops
+ * elsewhere (and for the pairs past NEON's last whole block). */
 static void decode(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n_pairs)
 {
 #ifdef SZ_X86
     if (have_avx2()) {
         decode_avx2(pk, sm, lut, out, n_pairs);
         return;
+    }
+#endif
+#ifdef SZ_NEON
+    if (have_neon()) {
+        Py_ssize_t done = sz_decode_neon(pk, sm, lut, out, n_pairs);
+        pk += done, sm += 2 * done, out += 2 * done, n_pairs -= done;
     }
 #endif
     decode_scalar(pk, sm, lut, out, n_pairs);
@@ -267,6 +295,12 @@ static void encode(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_
     if (have_avx2()) {
         encode_avx2(bits, enc, pk, sm, n_pairs);
         return;
+    }
+#endif
+#ifdef SZ_NEON
+    if (have_neon()) {
+        Py_ssize_t done = sz_encode_neon(bits, enc, pk, sm, n_pairs);
+        bits += 2 * done, pk += done, sm += 2 * done, n_pairs -= done;
     }
 #endif
     encode_scalar(bits, enc, pk, sm, n_pairs);
@@ -1687,6 +1721,8 @@ static PyObject *py_isa(PyObject *self, PyObject *noargs)
     if (have_folded_crc())
         return PyUnicode_FromString("avx2+avx512bw+vpclmulqdq");
 #endif
+    if (have_neon())
+        return PyUnicode_FromString("neon");
     return PyUnicode_FromString(have_avx512bw() ? "avx2+avx512bw" : have_avx2() ? "avx2" : "scalar");
 }
 
@@ -1719,8 +1755,8 @@ static PyMethodDef methods[] = {
      "turn a fault on a mapped page into EOFError here"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
-    {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw' (the histogram), 'avx2' "
-     "or 'scalar'"},
+    {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw+vpclmulqdq' (the folded "
+     "checksums), 'avx2+avx512bw' (the histogram), 'avx2', 'neon' or 'scalar'"},
     {NULL, NULL, 0, NULL},
 };
 
