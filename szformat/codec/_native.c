@@ -34,6 +34,10 @@
  *                                        decode and both CRC-32s, taken block by block as decode_range takes them;
  *                                        no Python between. Outputs of ``populate`` bytes and more (0: none) whose
  *                                        first page is not in memory are faulted in by one madvise each first.
+ *   check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]
+ *                                        decode_payloads' checks and checksums of payloads given their element
+ *                                        count instead of an output: each decoded a block at a time into one
+ *                                        32 KiB buffer, for a check that keeps nothing else (szconvert verify).
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
@@ -280,12 +284,13 @@ static inline uint16_t with_exponent(uint16_t element, uint8_t exponent)
     return (uint16_t)((element & 0x807F) | (uint32_t)exponent << 7);
 }
 
-/* Escapes k, k + 1, ... (ascending positions into ``out``) below ``end`` patched; the index of the first one left. */
-static inline Py_ssize_t patch_escapes(uint16_t *out, const int64_t *positions, const uint8_t *exponents,
-                                       Py_ssize_t n_esc, Py_ssize_t k, int64_t end)
+/* Escapes k, k + 1, ... (ascending positions) below ``end`` patched in ``out``, which holds the elements from
+ * ``first`` on; the index of the first one left. */
+static inline Py_ssize_t patch_escapes(uint16_t *out, int64_t first, const int64_t *positions,
+                                       const uint8_t *exponents, Py_ssize_t n_esc, Py_ssize_t k, int64_t end)
 {
     for (; k < n_esc && positions[k] < end; k++)
-        out[positions[k]] = with_exponent(out[positions[k]], exponents[k]);
+        out[positions[k] - first] = with_exponent(out[positions[k] - first], exponents[k]);
     return k;
 }
 
@@ -621,8 +626,9 @@ FOLD_TARGET static inline void decode_64(__m256i table, __m256i packed, __m512i 
  * the output's two 64-byte halves folded into accumulators of their own), escapes patched in the output before its
  * bytes are folded; the last n % 64 elements by decode and zlib-ng. */
 FOLD_TARGET
-static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
-                                const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
+static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, int scratch,
+                                Py_ssize_t n, const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc,
+                                uint32_t *crcs)
 {
     const __m256i table = _mm256_broadcastsi128_si256(_mm_loadu_si128((const __m128i *)lut));
     const __m512i by_512 = _mm512_broadcast_i32x4(multipliers_128(BY_512));
@@ -635,10 +641,10 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
     for (Py_ssize_t i = 0; i < blocks; i++) {
         __m256i packed = _mm256_loadu_si256((const __m256i *)(pk + 32 * i));
         __m512i s = _mm512_loadu_si512(sm + 64 * i), lo, hi;
-        uint16_t *block_out = out + 64 * i;
+        uint16_t *block_out = scratch ? out : out + 64 * i;
         decode_64(table, packed, s, block_out, &lo, &hi);
         Py_ssize_t patched = k;
-        k = patch_escapes(out, positions, exponents, n_esc, k, 64 * (i + 1));
+        k = patch_escapes(block_out, 64 * i, positions, exponents, n_esc, k, 64 * (i + 1));
         if (k != patched) { /* the block's output as patched, for its CRC-32 */
             lo = _mm512_loadu_si512(block_out);
             hi = _mm512_loadu_si512(block_out + 32);
@@ -656,45 +662,49 @@ static void decode_range_folded(const uint8_t *pk, const uint8_t *sm, const uint
         }
     }
     Py_ssize_t done = 64 * blocks, rest = n - done;
-    decode_elements(pk + done / 2, sm + done, lut, out + done, rest);
-    patch_escapes(out, positions, exponents, n_esc, k, n);
+    uint16_t *tail_out = scratch ? out : out + done;
+    decode_elements(pk + done / 2, sm + done, lut, tail_out, rest);
+    patch_escapes(tail_out, done, positions, exponents, n_esc, k, n);
     __m128i pk_last = fold_128(_mm256_castsi256_si128(pk_acc), multipliers_128(BY_128),
                                _mm256_extracti128_si256(pk_acc, 1));
     crcs[0] = crc_after_fold(pk_last, pk + done / 2, (n + 1) / 2 - done / 2);
     crcs[1] = crc_after_fold(folded_512(sm_acc), sm + done, rest);
-    crcs[2] = crc_after_fold(folded_512(fold_512(out_lo, by_512, out_hi)), (const uint8_t *)(out + done), 2 * rest);
+    crcs[2] = crc_after_fold(folded_512(fold_512(out_lo, by_512, out_hi)), (const uint8_t *)tail_out, 2 * rest);
 }
 #endif
 
 /* Pairs per block of decode_range: 8 KiB of pk, 16 KiB of sm and 32 KiB out, so each block's checksums
  * read it from the L1 or L2 cache right after the decode touched it. */
 #define CHECKED_BLOCK_PAIRS 8192
+#define CHECKED_BLOCK_ELEMENTS (2 * CHECKED_BLOCK_PAIRS)
 
 /* Elements [0, n) of a range that starts at an even element: pk holds (n + 1) / 2 bytes, sm n bytes; ``positions``
  * (ascending, inside [0, n), checked by the caller) and ``exponents`` are the range's escapes. Block by block: the
  * pk and sm bytes' CRC-32s taken (when ``crcs`` is not NULL), the block decoded, its escapes patched, its output's
- * CRC-32 taken. */
-static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, Py_ssize_t n,
-                         const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc, uint32_t *crcs)
+ * CRC-32 taken. With ``scratch`` every block is decoded at the start of ``out`` (CHECKED_BLOCK_ELEMENTS long), for a
+ * check that keeps only the checksums: the output never leaves the cache and takes no fresh pages. */
+static void decode_range(const uint8_t *pk, const uint8_t *sm, const uint8_t *lut, uint16_t *out, int scratch,
+                         Py_ssize_t n, const int64_t *positions, const uint8_t *exponents, Py_ssize_t n_esc,
+                         uint32_t *crcs)
 {
 #ifdef SZ_FOLDED_CRC
     if (crcs != NULL && n >= 64 && have_folded_crc()) {
-        decode_range_folded(pk, sm, lut, out, n, positions, exponents, n_esc, crcs);
+        decode_range_folded(pk, sm, lut, out, scratch, n, positions, exponents, n_esc, crcs);
         return;
     }
 #endif
     uint32_t pk_crc = 0, sm_crc = 0, out_crc = 0;
     Py_ssize_t k = 0;
-    for (Py_ssize_t first = 0; first < n; first += 2 * CHECKED_BLOCK_PAIRS) {
-        Py_ssize_t count = n - first < 2 * CHECKED_BLOCK_PAIRS ? n - first : 2 * CHECKED_BLOCK_PAIRS;
+    for (Py_ssize_t first = 0; first < n; first += CHECKED_BLOCK_ELEMENTS) {
+        Py_ssize_t count = n - first < CHECKED_BLOCK_ELEMENTS ? n - first : CHECKED_BLOCK_ELEMENTS;
         const uint8_t *block_pk = pk + first / 2, *block_sm = sm + first;
-        uint16_t *block_out = out + first;
+        uint16_t *block_out = scratch ? out : out + first;
         if (crcs != NULL) {
             pk_crc = crc32_of(pk_crc, block_pk, (uint32_t)((count + 1) / 2));
             sm_crc = crc32_of(sm_crc, block_sm, (uint32_t)count);
         }
         decode_elements(block_pk, block_sm, lut, block_out, count);
-        k = patch_escapes(out, positions, exponents, n_esc, k, first + count);
+        k = patch_escapes(block_out, first, positions, exponents, n_esc, k, first + count);
         if (crcs != NULL)
             out_crc = crc32_of(out_crc, (const uint8_t *)block_out, (uint32_t)(2 * count));
     }
@@ -1113,6 +1123,22 @@ typedef struct {
     Offsets o;
 } PayloadArgs;
 
+/* 0 where a payload of ``payload_len`` bytes and a table of ``table_len`` hold ``a->n`` elements (``element_bytes``
+ * of output, even) with ``a->n_esc`` escapes in chunks of ``a->chunk_size`` (a->o set); -1 with a ValueError else. */
+static int payload_sizes(const char *function, PayloadArgs *a, Py_ssize_t payload_len, Py_ssize_t table_len,
+                         Py_ssize_t table_bytes, Py_ssize_t element_bytes)
+{
+    a->o = offsets_of(a->n < 0 ? 0 : a->n, a->n_esc < 0 ? 0 : a->n_esc);
+    if (a->n < 0 || element_bytes % 2 || a->n_esc < 0 || a->n_esc > a->n || a->chunk_size <= 0 ||
+        a->chunk_size > 65536 || table_len != table_bytes || payload_len < a->o.end) {
+        PyErr_Format(PyExc_ValueError, "%s(): %zd elements with %zd escapes in chunks of %zd need %zd payload bytes "
+                     "and a %zd-byte table (got %zd payload bytes, a %zd-byte table, %zd element bytes)", function,
+                     a->n, a->n_esc, a->chunk_size, a->o.end, table_bytes, payload_len, table_len, element_bytes);
+        return -1;
+    }
+    return 0;
+}
+
 static int payload_args(const char *function, PyObject *const *args, Py_ssize_t nargs, const char *const *names,
                         unsigned writable, int payload, int elements, Py_ssize_t table_bytes, PayloadArgs *a)
 {
@@ -1129,15 +1155,23 @@ static int payload_args(const char *function, PyObject *const *args, Py_ssize_t 
         return -1;
     const Py_buffer *v = a->b.views;
     a->n = v[elements].len / 2;
-    a->o = offsets_of(a->n, a->n_esc < 0 ? 0 : a->n_esc);
-    if (v[elements].len % 2 || a->n_esc < 0 || a->n_esc > a->n || a->chunk_size <= 0 || a->chunk_size > 65536 ||
-        v[1].len != table_bytes || v[payload].len < a->o.end) {
-        PyErr_Format(PyExc_ValueError, "%s(): %zd elements with %zd escapes in chunks of %zd need %zd payload bytes "
-                     "and a %zd-byte table (got %zd payload bytes, a %zd-byte table, %zd element bytes)", function,
-                     a->n, a->n_esc, a->chunk_size, a->o.end, table_bytes, v[payload].len, v[1].len, v[elements].len);
+    return payload_sizes(function, a, v[payload].len, v[1].len, table_bytes, v[elements].len);
+}
+
+/* check_payloads' item ``(payload, dec_lut, n, n_esc, chunk_size)``: payload_args' checks, with the element count
+ * given where decode_payloads' items give an output of that size. */
+static int check_args(const char *function, PyObject *const *args, PayloadArgs *a)
+{
+    static const char *const names[] = {"payload", "dec_lut"};
+    a->b.count = 0;
+    a->n = PyLong_AsSsize_t(args[2]);
+    a->n_esc = PyLong_AsSsize_t(args[3]);
+    a->chunk_size = PyLong_AsSsize_t(args[4]);
+    if ((a->n == -1 || a->n_esc == -1 || a->chunk_size == -1) && PyErr_Occurred())
         return -1;
-    }
-    return 0;
+    if (take(function, args, 2, 2, names, 0, &a->b) < 0)
+        return -1;
+    return payload_sizes(function, a, a->b.views[0].len, a->b.views[1].len, 16, 2 * a->n);
 }
 
 static PyObject *py_decode_payload(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
@@ -1256,7 +1290,7 @@ typedef struct {
 static void run_decode_range(void *arg)
 {
     DecodeRangeCall *c = arg;
-    decode_range(c->pk, c->sm, c->lut, c->out, c->n, c->positions, c->exponents, c->n_esc, c->crcs);
+    decode_range(c->pk, c->sm, c->lut, c->out, 0, c->n, c->positions, c->exponents, c->n_esc, c->crcs);
 }
 
 typedef struct {
@@ -1321,12 +1355,14 @@ typedef struct {
     const char **errors;     /* per item: NULL, or its escape streams' message */
     char *messages;          /* MESSAGE_BYTES per item */
     int64_t *positions;      /* room for the most escapes of an item, for decode_checked */
+    uint16_t *scratch;       /* check_payloads: every item decoded here, block by block (CHECKED_BLOCK_ELEMENTS) */
 } PayloadsCall;
 
 /* A payload of ``length`` bytes whose escapes were checked, decoded by decode_range with its checksums: the stored
  * CRC-32 joins those of the pk stream, the bytes up to sm, and the sm stream with everything after it. */
 static void decode_checked(const uint8_t *payload, Py_ssize_t length, Offsets o, const uint8_t *lut, uint16_t *out,
-                           Py_ssize_t n, Py_ssize_t n_esc, Py_ssize_t chunk_size, int64_t *positions, uint32_t *crcs)
+                           int scratch, Py_ssize_t n, Py_ssize_t n_esc, Py_ssize_t chunk_size, int64_t *positions,
+                           uint32_t *crcs)
 {
     for (Py_ssize_t k = 0; k < n_esc; k++) {
         int64_t chunk, local;
@@ -1334,7 +1370,7 @@ static void decode_checked(const uint8_t *payload, Py_ssize_t length, Offsets o,
         positions[k] = chunk * chunk_size + local;
     }
     uint32_t streams[3];
-    decode_range(payload, payload + o.sm, lut, out, n, positions, payload + o.ev, n_esc, streams);
+    decode_range(payload, payload + o.sm, lut, out, scratch, n, positions, payload + o.ev, n_esc, streams);
     Py_ssize_t pk_end = (n + 1) / 2, sm_end = o.sm + n;
     uint32_t head = crc32_long(streams[0], payload + pk_end, o.sm - pk_end);
     uint32_t tail = crc32_long(streams[1], payload + sm_end, length - sm_end);
@@ -1348,9 +1384,9 @@ static void run_decode_payloads(void *arg)
     for (Py_ssize_t i = 0; i < c->count; i++) {
         const PayloadArgs *a = &c->items[i];
         const uint8_t *payload = a->b.views[0].buf, *lut = a->b.views[1].buf;
-        uint16_t *out = a->b.views[2].buf;
+        uint16_t *out = c->scratch != NULL ? c->scratch : a->b.views[2].buf;
         *c->progress = i;
-        if (c->populate && a->b.views[2].len >= c->populate)
+        if (c->scratch == NULL && c->populate && a->b.views[2].len >= c->populate)
             populate_pages(out, a->b.views[2].len);
         c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size, c->messages + i * MESSAGE_BYTES,
                                      MESSAGE_BYTES);
@@ -1358,8 +1394,8 @@ static void run_decode_payloads(void *arg)
             if (c->checksums)
                 c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
         } else if (c->checksums) {
-            decode_checked(payload, a->b.views[0].len, a->o, lut, out, a->n, a->n_esc, a->chunk_size, c->positions,
-                           c->crcs + 2 * i);
+            decode_checked(payload, a->b.views[0].len, a->o, lut, out, c->scratch != NULL, a->n, a->n_esc,
+                           a->chunk_size, c->positions, c->crcs + 2 * i);
         } else {
             decode_whole(payload, a->o, lut, out, a->n, a->n_esc, a->chunk_size);
         }
@@ -1417,24 +1453,14 @@ static int checksums_wanted(const char *function, PyObject *flag)
  * is false, the decoded one also where the escapes were refused) and None, or the escape streams' message (that
  * item's ``out`` left unwritten). A page that could not be read is an EOFError, the index of its item in
  * ``progress[0]`` (an int64 buffer). */
-static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+/* The call decode_payloads and check_payloads share: ``items`` parsed by decode_payloads' checks or, with
+ * ``scratch``, check_payloads' (each item decoded block by block into one scratch buffer: only its checksums are
+ * kept), one guarded call over them, and the list of results. */
+static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObject *progress_arg, int checksums,
+                              Py_ssize_t populate, int scratch)
 {
     static const char *const names[] = {"payload", "dec_lut", "out"};
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "decode_payloads() takes 4 arguments (%zd given)", nargs);
-        return NULL;
-    }
-    int checksums = checksums_wanted("decode_payloads", args[1]);
-    if (checksums < 0)
-        return NULL;
-    Py_ssize_t populate = PyLong_AsSsize_t(args[3]);
-    if (populate == -1 && PyErr_Occurred())
-        return NULL;
-    if (populate < 0) {
-        PyErr_SetString(PyExc_ValueError, "decode_payloads(): populate must be a byte count >= 0");
-        return NULL;
-    }
-    PyObject *items = PySequence_Fast(args[0], "decode_payloads(): items must be a list or a tuple");
+    PyObject *items = PySequence_Fast(items_arg, "items must be a list or a tuple");
     if (items == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0, most_escapes = 0;
@@ -1444,26 +1470,28 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
     PayloadsCall call = {PyMem_Calloc(count + 1, sizeof(PayloadArgs)), count, checksums, populate, NULL,
                          PyMem_Calloc(2 * count + 2, sizeof(uint32_t)), PyMem_Calloc(count + 1, sizeof(char *)),
                          PyMem_Calloc(count + 1, MESSAGE_BYTES)};
-    if (call.items == NULL || call.crcs == NULL || call.errors == NULL || call.messages == NULL) {
+    if (call.items == NULL || call.crcs == NULL || call.errors == NULL || call.messages == NULL
+        || (scratch && (call.scratch = PyMem_Malloc(CHECKED_BLOCK_ELEMENTS * sizeof(uint16_t))) == NULL)) {
         PyErr_NoMemory();
         goto done;
     }
-    if (PyObject_GetBuffer(args[2], &progress, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
+    if (PyObject_GetBuffer(progress_arg, &progress, PyBUF_C_CONTIGUOUS | PyBUF_WRITABLE) < 0)
         goto done;
     have_progress = 1;
     if (progress.len < (Py_ssize_t)sizeof(int64_t)) {
-        PyErr_SetString(PyExc_ValueError, "decode_payloads(): progress must hold an int64");
+        PyErr_Format(PyExc_ValueError, "%s(): progress must hold an int64", function);
         goto done;
     }
     call.progress = progress.buf;
     for (; taken < count; taken++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, taken);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
-            PyErr_Format(PyExc_TypeError, "decode_payloads(): item %zd must be a tuple of 5", taken);
+            PyErr_Format(PyExc_TypeError, "%s(): item %zd must be a tuple of 5", function, taken);
             goto done;
         }
-        if (payload_args("decode_payloads", PySequence_Fast_ITEMS(item), 5, names, 0x4, 0, 2, 16,
-                         &call.items[taken]) < 0) {
+        PyObject *const *fields = PySequence_Fast_ITEMS(item);
+        if ((scratch ? check_args(function, fields, &call.items[taken])
+                     : payload_args(function, fields, 5, names, 0x4, 0, 2, 16, &call.items[taken])) < 0) {
             taken++; /* its buffers taken so far are released below */
             goto done;
         }
@@ -1473,7 +1501,7 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
         PyErr_NoMemory();
         goto done;
     }
-    if (guarded("decode_payloads", run_decode_payloads, &call) < 0)
+    if (guarded(function, run_decode_payloads, &call) < 0)
         goto done;
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
@@ -1495,8 +1523,43 @@ done:
     PyMem_Free(call.errors);
     PyMem_Free(call.messages);
     PyMem_Free(call.positions);
+    PyMem_Free(call.scratch);
     Py_DECREF(items);
     return result;
+}
+
+static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 4) {
+        PyErr_Format(PyExc_TypeError, "decode_payloads() takes 4 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    int checksums = checksums_wanted("decode_payloads", args[1]);
+    if (checksums < 0)
+        return NULL;
+    Py_ssize_t populate = PyLong_AsSsize_t(args[3]);
+    if (populate == -1 && PyErr_Occurred())
+        return NULL;
+    if (populate < 0) {
+        PyErr_SetString(PyExc_ValueError, "decode_payloads(): populate must be a byte count >= 0");
+        return NULL;
+    }
+    return run_payloads("decode_payloads", args[0], args[2], checksums, populate, 0);
+}
+
+/* check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its checksums
+ * for a check that keeps nothing else (``szconvert verify``): ``items`` of ``(payload, dec_lut, n, n_esc,
+ * chunk_size)``, each decoded a block at a time into one buffer of this call's, 32 KiB, where decode_payloads'
+ * outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's check). */
+static PyObject *py_check_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "check_payloads() takes 2 arguments (%zd given)", nargs);
+        return NULL;
+    }
+    if (checksums_wanted("check_payloads", Py_True) < 0)
+        return NULL;
+    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1);
 }
 
 /* 0 where the ``n_esc`` escape ``positions`` ascend inside [0, n), as a decode that patches them needs; else -1 with
@@ -1749,6 +1812,9 @@ static PyMethodDef methods[] = {
      "[(stored_crc, decoded_crc, error), ...]: small payloads (decode_payload's arguments each) decoded by one call, "
      "with their checksums when asked, outputs of populate bytes or more faulted in first (0: none); a page that "
      "could not be read an EOFError, its item's index in progress[0]"},
+    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress) -> [(stored_crc, decoded_crc, "
+     "error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) items, each "
+     "decoded a block at a time into one small buffer of the call's"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "

@@ -11,7 +11,6 @@ Larger files, and files the kernels cannot take, are decoded as ``load_file`` de
 
 from __future__ import annotations
 
-import mmap
 import os
 import posixpath
 import time
@@ -20,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from .._lazy import torch
-from .._runs import runs_within
 from ..codec import cpu_kernel
 from ..errors import ShardIndexError, SzformatError
 from ..format import constants as C
@@ -28,7 +26,7 @@ from ..format.index import SEVERAL_INDEXES, index_problems, read_index
 from ..format.header import TensorEntry
 from ..format.reader import SztFile, check_decoded_payload, compare_crc
 from .checkpoint import find_files
-from .expand import GROUP_BYTES, decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
+from .expand import decode_group, decoded_together, group_buffer, raw_windows, tensor_groups
 from .progress import progress_bar
 from .report import format_bytes
 
@@ -149,33 +147,30 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
 
 def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple[str, str]] | None:
     """Every tensor of an open file checked by the C kernels straight from its mapping, with no torch: the SplitZip
-    tensors a group of :data:`GROUP_BYTES` at a time by one call that checks each one's stored bytes, escape streams
-    and decoded bytes (``decode_payloads``), each raw tensor's stored bytes by one CRC-32; ``(tensor, reason)`` for
-    each that fails, in the file's order, with the reasons ``load_file`` gives.
+    tensors by one call that checks each one's stored bytes, escape streams and decoded bytes, decoding it a block
+    at a time into a buffer of its own (``check_payloads``: the decoded bytes are only checksummed, so they take no
+    memory of the tensor's size), each raw tensor's stored bytes by one CRC-32; ``(tensor, reason)`` for each that
+    fails, in the file's order, with the reasons ``load_file`` gives. The views of the mapping live in this call
+    only, so none holds it once it returns or its error is handled.
 
     None where the kernels do not take the file: not built here (or without zlib-ng's CRC-32, or reads of a mapping
-    they cannot guard), more than :data:`KERNEL_FILE_BYTES`, a tensor stored at rest, a SplitZip tensor larger than
-    a group, or a page that could not be read (the loader's path then says which tensor's).
+    they cannot guard), more than :data:`KERNEL_FILE_BYTES`, a tensor stored at rest, or a page that could not be
+    read (the loader's path then says which tensor's).
     """
     kernels = cpu_kernel.native
     if (kernels is None or not cpu_kernel.checksums_in_kernel() or not kernels.guards_mapped_reads()
-            or sum(e.raw_length for e in entries) > KERNEL_FILE_BYTES
-            or any(e.at_rest is not None or (e.encoding != C.ENCODING_RAW and e.raw_length > GROUP_BYTES)
-                   for e in entries)):
+            or sum(e.raw_length for e in entries) > KERNEL_FILE_BYTES or any(e.at_rest is not None for e in entries)):
         return None
     reasons: dict[str, str] = {}
     splitzip = [e for e in entries if e.encoding != C.ENCODING_RAW]
-    groups = runs_within(splitzip, lambda e: e.raw_length, GROUP_BYTES)
-    out = mmap.mmap(-1, max([e.raw_length for e in splitzip] + [1]),
-                    flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # pages taken when written, and only those
     try:
-        for group in groups:
-            for e, (stored, decoded, error) in zip(group, _decoded_together(kernels, szt, group, out)):
-                try:
-                    check_decoded_payload(e, stored, decoded, error, path=szt.path, check_stored=True,
-                                          check_decoded=True)
-                except SzformatError as bad:
-                    reasons[e.name] = bad.reason
+        checked = cpu_kernel.check_payloads(kernels, [(stored, e.layout, e.codebook)
+                                                      for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)])
+        for e, (stored, decoded, error) in zip(splitzip, checked):
+            try:
+                check_decoded_payload(e, stored, decoded, error, path=szt.path, check_stored=True, check_decoded=True)
+            except SzformatError as bad:
+                reasons[e.name] = bad.reason
         raw = [e for e in entries if e.encoding == C.ENCODING_RAW]
         for e, stored in zip(raw, szt.mapped_payloads(raw)):
             try:
@@ -185,19 +180,6 @@ def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple
     except (EOFError, SzformatError):  # a page not read, a file that shrank: the loader's path names the tensor
         return None
     return [(e.name, reasons[e.name]) for e in entries if e.name in reasons]
-
-
-def _decoded_together(kernels, szt: SztFile, group: list[TensorEntry], out: mmap.mmap
-                      ) -> list[tuple[int, int, str | None]]:
-    """``decode_payloads`` of a group of SplitZip tensors, from views of the file's mapping, every one into the
-    start of ``out`` (the largest tensor's size): the call decodes and checksums each payload before it takes the
-    next, and a check keeps only the checksums, so one tensor's pages serve them all, in cache where the tensors
-    are small. A buffer of the whole group, every page of it fresh, was most of a small file's check: 48 tensors of
-    2 MiB checked in 63-70 ms, 18-26 ms so (``bench/RESULTS.md``, "Conversion"). The views live in this call's frame
-    only, so neither mapping is held once it returns or its error is handled."""
-    items = [(stored, e.layout, e.codebook, memoryview(out)[: e.raw_length])
-             for stored, e in zip(szt.mapped_payloads(group), group)]
-    return cpu_kernel.decode_payloads(kernels, items, checksums=True)
 
 
 def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:

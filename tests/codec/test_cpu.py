@@ -727,7 +727,8 @@ def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_a_page_lost_under_payloads_decoded_together_names_the_payload_it_was_on(rng, tmp_path):
     """A file that shrinks under a call of several mapped payloads: an EOFError (never SIGBUS) whose ``item`` is the
-    first payload the file no longer holds, through the tensor outputs' call and the torch-free one ``verify`` uses."""
+    first payload the file no longer holds, through the tensor outputs' call, the torch-free one and the check
+    ``verify`` uses."""
     if not cpu._native.guards_mapped_reads():
         pytest.skip("the C kernels do not guard mapped reads here")
     encoded = [cpu.encode(weight_like(rng, n)) for n in (5000, 7001, 3000)]
@@ -751,6 +752,11 @@ def test_a_page_lost_under_payloads_decoded_together_names_the_payload_it_was_on
             cpu.cpu_kernel.decode_payloads(cpu._native, [(v, layout, codebook, out) for v, (_, layout, codebook), out
                                                          in zip(views, encoded, buffers)], checksums=False)
         assert lost.value.item == 1
+        if cpu.cpu_kernel.checksums_in_kernel():
+            with pytest.raises(EOFError) as lost:
+                cpu.cpu_kernel.check_payloads(cpu._native, [(v, layout, codebook)
+                                                            for v, (_, layout, codebook) in zip(views, encoded)])
+            assert lost.value.item == 1
         del views, lost  # the error's frames hold views of the mapping too
 
 
@@ -1220,6 +1226,75 @@ def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
               "        assert crcs == (zlib.crc32(pk), zlib.crc32(sm), zlib.crc32(plain)), (n, kind)\n"
               "print('ok')\n")
     assert_runs_under_cap(isa, script)
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+@pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
+def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_every_instruction_set(isa):
+    """``check_payloads`` (``szconvert verify``'s call: each payload decoded a block at a time into one 32 KiB buffer)
+    against ``decode_payloads`` into whole outputs and zlib's CRC-32s: sizes around the folded path's 64 elements
+    and the 16,384 of a checked block, escapes at their first and last elements and everywhere, an empty payload,
+    and a payload whose escape stream is refused, with the same message."""
+    script = ("import sys, struct, zlib, numpy as np, torch\n"
+              "from szformat.codec import CHUNK_SIZE, Codebook, cpu, cpu_kernel\n"
+              "native = cpu._native\n"
+              "print(native.isa())\n"
+              "assert cpu_kernel.checksums_in_kernel()\n"
+              "g = torch.Generator().manual_seed(int(sys.argv[1]))\n"
+              "every = Codebook(dec_lut=(250,) + (0,) * 15, n_used=1, coverage=0.0)\n"
+              "cases = []\n"
+              "for n in (0, 1, 2, 63, 64, 65, 127, 128, 16383, 16384, 16385, 32769, 100_003):\n"
+              "    x = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)\n"
+              "    edges = [p for p in (0, 63, 64, 127, 16383, 16384, 16385, n - 1) if 0 <= p < n]\n"
+              "    x[edges] = float('inf')\n"
+              "    x[torch.randint(0, max(n, 1), (n // 40,), generator=g)] = float('-inf')\n"
+              "    cases.append(cpu.encode(x))\n"
+              "    if n:\n"
+              "        cases.append(cpu.encode(x, every))\n"
+              "payloads = [(p.numpy().tobytes(), layout, codebook) for p, layout, codebook in cases]\n"
+              "broken, layout, codebook = payloads[-2]\n"
+              "assert layout.n_esc > 1\n"
+              "broken = bytearray(broken)\n"
+              "broken[layout.off_lpos: layout.off_lpos + 2] = struct.pack('<H', CHUNK_SIZE)\n"
+              "payloads.append((bytes(broken), layout, codebook))\n"
+              "outs = [np.empty(layout.n, np.uint16) for _, layout, _ in payloads]\n"
+              "decoded = cpu_kernel.decode_payloads(native, [(p, layout, codebook, out) for (p, layout, codebook), out\n"
+              "                                              in zip(payloads, outs)], checksums=True)\n"
+              "checked = cpu_kernel.check_payloads(native, payloads)\n"
+              "assert checked == decoded\n"
+              "assert checked[-1][2] is not None and checked[-1][0] == zlib.crc32(payloads[-1][0])\n"
+              "for (p, _, _), out, (stored, crc, error), (x, _, _) in zip(payloads, outs, checked, cases):\n"
+              "    assert error is None and stored == zlib.crc32(p) and crc == zlib.crc32(out.tobytes())\n"
+              "print('ok')\n")
+    assert_runs_under_cap(isa, script)
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+def test_check_payloads_refuses_items_it_cannot_take():
+    """Its items' checks: five fields, a whole element count, escapes within it, a payload and a codebook of the
+    sizes they need; a list of items and an int64 progress buffer."""
+    cpu.cpu_kernel.checksums_in_kernel()
+    native, progress = cpu._native, np.zeros(1, dtype=np.int64)
+    lut = bytes(range(16))
+    payload = bytes(PayloadLayout(n=4, n_esc=0).comp_bytes)
+    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress) == [
+        (zlib.crc32(payload), zlib.crc32(cpu.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
+                                                    PayloadLayout(n=4, n_esc=0),
+                                                    Codebook(dec_lut=tuple(lut), n_used=16, coverage=1.0))
+                                         .view(torch.uint8).numpy().tobytes()), None)]
+    assert native.check_payloads([], progress) == []
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        native.check_payloads([], progress, 0)
+    with pytest.raises(TypeError, match="must be a tuple of 5"):
+        native.check_payloads([(payload, lut, 4, 0)], progress)
+    for bad in ((payload, lut, -1, 0, CHUNK_SIZE), (payload, lut, 4, 5, CHUNK_SIZE), (payload, lut, 4, 0, 0),
+                (payload[:-1], lut, 4, 0, CHUNK_SIZE), (payload, lut[:15], 4, 0, CHUNK_SIZE)):
+        with pytest.raises(ValueError, match="check_payloads"):
+            native.check_payloads([bad], progress)
+    with pytest.raises(TypeError, match="must be a list or a tuple"):
+        native.check_payloads(5, progress)
+    with pytest.raises(ValueError, match="progress must hold an int64"):
+        native.check_payloads([], np.zeros(1, dtype=np.int32))
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
