@@ -1460,7 +1460,9 @@ static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObjec
                               Py_ssize_t populate, int scratch)
 {
     static const char *const names[] = {"payload", "dec_lut", "out"};
-    PyObject *items = PySequence_Fast(items_arg, "items must be a list or a tuple");
+    char not_a_sequence[64];
+    snprintf(not_a_sequence, sizeof not_a_sequence, "%s(): items must be a list or a tuple", function);
+    PyObject *items = PySequence_Fast(items_arg, not_a_sequence);
     if (items == NULL)
         return NULL;
     Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0, most_escapes = 0;

@@ -801,7 +801,7 @@ def test_the_payloads_kernel_refuses_bad_arguments():
         native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0)
     with pytest.raises(ValueError, match="populate must be a byte count"):
         native.decode_payloads([item], False, progress, -1)
-    with pytest.raises(TypeError, match="a list or a tuple"):
+    with pytest.raises(TypeError, match=r"decode_payloads\(\): items must be a list or a tuple"):
         native.decode_payloads(5, False, progress, 0)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         cpu.decode_payloads([(bytes(8), PayloadLayout(n=4, n_esc=0), Codebook(dec_lut=lut, n_used=16, coverage=1.0),
@@ -1291,7 +1291,7 @@ def test_check_payloads_refuses_items_it_cannot_take():
                 (payload[:-1], lut, 4, 0, CHUNK_SIZE), (payload, lut[:15], 4, 0, CHUNK_SIZE)):
         with pytest.raises(ValueError, match="check_payloads"):
             native.check_payloads([bad], progress)
-    with pytest.raises(TypeError, match="must be a list or a tuple"):
+    with pytest.raises(TypeError, match=r"check_payloads\(\): items must be a list or a tuple"):
         native.check_payloads(5, progress)
     with pytest.raises(ValueError, match="progress must hold an int64"):
         native.check_payloads([], np.zeros(1, dtype=np.int32))
