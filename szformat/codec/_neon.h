@@ -47,8 +47,9 @@ static ptrdiff_t sz_decode_neon(const uint8_t *pk, const uint8_t *sm, const uint
 static ptrdiff_t sz_encode_neon(const uint16_t *bits, const uint8_t *enc, uint8_t *pk, uint8_t *sm, ptrdiff_t n_pairs)
 {
     uint8x16x4_t tables[4];
-    for (int t = 0; t < 4; t++)
-        tables[t] = vld1q_u8_x4(enc + 64 * t);
+    for (int t = 0; t < 4; t++) /* four loads, not vld1q_u8_x4, which GCC before 9 lacks */
+        for (int q = 0; q < 4; q++)
+            tables[t].val[q] = vld1q_u8(enc + 64 * t + 16 * q);
     const uint8x16_t low7 = vdupq_n_u8(0x7F), high1 = vdupq_n_u8(0x80), nibble = vdupq_n_u8(0x0F);
     const uint8x16_t step = vdupq_n_u8(64);
     ptrdiff_t i = 0;
