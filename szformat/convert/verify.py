@@ -4,9 +4,11 @@ Unlike loading, verification does not stop at the first problem: it reports ever
 every index entry that points nowhere, so one run says everything that is wrong. It holds indexes to the rules
 loading does (:func:`szformat.format.index.open_shard`): what ``load_file`` refuses, ``verify`` reports.
 
-A small file is checked by the C kernels alone, straight from its mapping, without importing torch
-(:func:`_problems_in_kernels`): for it, torch's import (about a second) was most of what ``szconvert verify`` took.
-Larger files, and files the kernels cannot take, are decoded as ``load_file`` decodes them, on its threads.
+Where the C kernels are built, a file is checked by them alone, straight from its mapping, on threads of its own,
+without importing torch (:func:`_problems_in_kernels`): torch's import (about a second) was most of what
+``szconvert verify`` took for a small file, and each tensor is decoded a block at a time into a small buffer, never
+into memory of its size. Files the kernels cannot take (a stage at rest, no kernels built here, a page that could
+not be read) are decoded as ``load_file`` decodes them, on its threads.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import os
 import posixpath
 import time
 from collections import defaultdict
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,9 +36,9 @@ from .report import format_bytes
 
 BLOCKS_APART = "its block checksums (format 1.3) do not join to its crc32: reads of part of it would be refused"
 
-KERNEL_FILE_BYTES = 256 << 20
-"""Raw bytes of a file up to which it is checked by the C kernels alone, on one thread (:func:`_problems_in_kernels`);
-a larger one is decoded on the loader's threads, where torch's import is a small part of the check."""
+THREAD_BYTES = 64 << 20
+"""Raw bytes a thread of :func:`_problems_in_kernels` is given at least: a small file is checked on one thread,
+whose start would cost more than it shares."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,9 @@ class VerifyReport:
         return [f"FAILED: {len(self.problems)} problem(s) in {checked}"] + [f"  {p}" for p in self.problems]
 
 
-def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
+def verify(path: str | os.PathLike, *, progress: bool = False, threads: int | None = None) -> VerifyReport:
     """Verify a .szt file (recognised by its magic bytes, whatever its name), a ``*.szt.index.json`` index with
-    its shards, or a converted folder.
+    its shards, or a converted folder, on ``threads`` threads (by default one per CPU this process may run on).
 
     Returns:
         `VerifyReport`: the problems found (an empty list when every check passed).
@@ -121,6 +124,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
             continue
         report.problems += [Problem(rel, tensor, problem) for tensor, problem in index_problems(index, sizes, rel)]
 
+    threads = threads or _cpus()
     readable = [rel for rel, tensors in sizes.items() if tensors is not None]
     total = sum(sum(sizes[rel].values()) for rel in readable)
     buffer = None  # made for the first file the kernels alone do not take
@@ -130,7 +134,7 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
                 entries = list(szt.entries.values())
                 report.tensors += len(entries)
                 report.raw_bytes += sum(e.raw_length for e in entries)
-                found = _problems_in_kernels(szt, entries)
+                found = _problems_in_kernels(szt, entries, threads)
                 if found is not None:
                     report.problems += [Problem(rel, name, reason) for name, reason in found]
                     bar.update(sum(e.raw_length for e in entries))
@@ -145,41 +149,74 @@ def verify(path: str | os.PathLike, *, progress: bool = False) -> VerifyReport:
     return report
 
 
-def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry]) -> list[tuple[str, str]] | None:
-    """Every tensor of an open file checked by the C kernels straight from its mapping, with no torch: the SplitZip
-    tensors by one call that checks each one's stored bytes, escape streams and decoded bytes, decoding it a block
-    at a time into a buffer of its own (``check_payloads``: the decoded bytes are only checksummed, so they take no
-    memory of the tensor's size), each raw tensor's stored bytes by one CRC-32; ``(tensor, reason)`` for each that
-    fails, in the file's order, with the reasons ``load_file`` gives. The views of the mapping live in this call
-    only, so none holds it once it returns or its error is handled.
+def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry], threads: int) -> list[tuple[str, str]] | None:
+    """Every tensor of an open file checked by the C kernels straight from its mapping, with no torch, on up to
+    ``threads`` threads (one per :data:`THREAD_BYTES`), each taking its share of the tensors (:func:`_shares`) to one
+    call that checks each SplitZip tensor's stored bytes, escape streams and decoded bytes, decoding it a block at a
+    time into a buffer of its own (``check_payloads``: the decoded bytes are only checksummed, so they take no memory
+    of the tensor's size), and one CRC-32 per raw tensor's stored bytes; ``(tensor, reason)`` for each that fails,
+    in the file's order, with the reasons ``load_file`` gives.
 
     None where the kernels do not take the file: not built here (or without zlib-ng's CRC-32, or reads of a mapping
-    they cannot guard), more than :data:`KERNEL_FILE_BYTES`, a tensor stored at rest, or a page that could not be
-    read (the loader's path then says which tensor's).
+    they cannot guard), a tensor stored at rest, or a page that could not be read (the loader's path then says which
+    tensor's).
     """
     kernels = cpu_kernel.native
     if (kernels is None or not cpu_kernel.checksums_in_kernel() or not kernels.guards_mapped_reads()
-            or sum(e.raw_length for e in entries) > KERNEL_FILE_BYTES or any(e.at_rest is not None for e in entries)):
+            or any(e.at_rest is not None for e in entries)):
         return None
-    reasons: dict[str, str] = {}
-    splitzip = [e for e in entries if e.encoding != C.ENCODING_RAW]
+    shares = _shares(entries, min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)))
     try:
-        checked = cpu_kernel.check_payloads(kernels, [(stored, e.layout, e.codebook)
-                                                      for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)])
-        for e, (stored, decoded, error) in zip(splitzip, checked):
-            try:
-                check_decoded_payload(e, stored, decoded, error, path=szt.path, check_stored=True, check_decoded=True)
-            except SzformatError as bad:
-                reasons[e.name] = bad.reason
-        raw = [e for e in entries if e.encoding == C.ENCODING_RAW]
-        for e, stored in zip(raw, szt.mapped_payloads(raw)):
-            try:
-                compare_crc(kernels.crc32(stored, 0), e.crc32, what="stored bytes", path=szt.path, tensor=e.name)
-            except SzformatError as bad:
-                reasons[e.name] = bad.reason
+        if len(shares) <= 1:
+            found = [_problems_in_share(kernels, szt, share) for share in shares]
+        else:
+            with ThreadPoolExecutor(len(shares), thread_name_prefix="szformat-verify") as pool:
+                found = list(pool.map(lambda share: _problems_in_share(kernels, szt, share), shares))
     except (EOFError, SzformatError):  # a page not read, a file that shrank: the loader's path names the tensor
         return None
+    reasons = dict(pair for share in found for pair in share)
     return [(e.name, reasons[e.name]) for e in entries if e.name in reasons]
+
+
+def _shares(entries: list[TensorEntry], count: int) -> list[list[TensorEntry]]:
+    """``entries`` dealt to at most ``count`` shares of about equal raw bytes, the largest first, each to the share
+    with the fewest bytes so far; empty shares left out."""
+    shares: list[list[TensorEntry]] = [[] for _ in range(max(1, count))]
+    loads = [0] * len(shares)
+    for entry in sorted(entries, key=lambda e: -e.raw_length):
+        lightest = loads.index(min(loads))
+        shares[lightest].append(entry)
+        loads[lightest] += entry.raw_length
+    return [share for share in shares if share]
+
+
+def _problems_in_share(kernels, szt: SztFile, entries: list[TensorEntry]) -> list[tuple[str, str]]:
+    """``(tensor, reason)`` for each of ``entries`` that fails its checks (:func:`_problems_in_kernels`). The views of
+    the mapping live in this call only, so none holds it once it returns or its error is handled."""
+    reasons = []
+    splitzip = [e for e in entries if e.encoding != C.ENCODING_RAW]
+    checked = cpu_kernel.check_payloads(kernels, [(stored, e.layout, e.codebook)
+                                                  for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)])
+    for e, (stored_crc, decoded_crc, error) in zip(splitzip, checked):
+        try:
+            check_decoded_payload(e, stored_crc, decoded_crc, error, path=szt.path, check_stored=True,
+                                  check_decoded=True)
+        except SzformatError as bad:
+            reasons.append((e.name, bad.reason))
+    raw = [e for e in entries if e.encoding == C.ENCODING_RAW]
+    for e, stored in zip(raw, szt.mapped_payloads(raw)):
+        try:
+            compare_crc(kernels.crc32(stored, 0), e.crc32, what="stored bytes", path=szt.path, tensor=e.name)
+        except SzformatError as bad:
+            reasons.append((e.name, bad.reason))
+    return reasons
+
+
+def _cpus() -> int:
+    """The CPUs this process may run on (its affinity where the OS says, else every core)."""
+    if hasattr(os, "sched_getaffinity"):
+        return len(os.sched_getaffinity(0))
+    return os.cpu_count() or 1
 
 
 def _passes_together(szt: SztFile, group: list[TensorEntry], buffer: torch.Tensor) -> bool:

@@ -693,18 +693,28 @@ def test_cuda_selects_the_gpu_codec_module_when_cuda_and_triton_are_there(monkey
 # -- verification ------------------------------------------------------------------------------------------------
 
 
+def check_through_the_loader(monkeypatch) -> None:
+    """``verify`` decodes every file as ``load_file`` does, on its threads (the C kernels check every file they can
+    otherwise)."""
+    monkeypatch.setattr(verify_module, "_problems_in_kernels", lambda szt, entries, threads: None)
+
+
 @pytest.fixture
 def through_the_loader(monkeypatch):
-    """``verify`` decodes every file as ``load_file`` does, on its threads, small files included (which the C
-    kernels check alone otherwise)."""
-    monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+    check_through_the_loader(monkeypatch)
 
 
-@pytest.fixture(params=["C kernels alone", "loader"])
+@pytest.fixture(params=["C kernels, one thread", "C kernels, four threads", "loader"])
 def verify_route(request, monkeypatch):
-    """Each test of what ``verify`` finds runs both ways a file can be checked: the same problems either way."""
+    """Each test of what ``verify`` finds runs every way a file can be checked: the same problems either way. Four
+    threads are given a tensor or more each (however few bytes), so the shares are checked side by side."""
     if request.param == "loader":
-        monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+        check_through_the_loader(monkeypatch)
+    elif request.param == "C kernels, four threads":
+        monkeypatch.setattr(verify_module, "_cpus", lambda: 4)
+        monkeypatch.setattr(verify_module, "THREAD_BYTES", 1)
+    else:
+        monkeypatch.setattr(verify_module, "_cpus", lambda: 1)
     return request.param
 
 
@@ -776,7 +786,9 @@ def test_a_small_file_is_checked_without_torch_and_every_problem_named_as_the_lo
     bad = forge.write(tmp_path / "bad.szt")
 
     by_kernels = [(p.tensor, p.message) for p in verify(bad).problems]
-    monkeypatch.setattr(verify_module, "KERNEL_FILE_BYTES", -1)
+    monkeypatch.setattr(verify_module, "THREAD_BYTES", 1)
+    assert by_kernels == [(p.tensor, p.message) for p in verify(bad, threads=3).problems]
+    check_through_the_loader(monkeypatch)
     assert by_kernels == [(p.tensor, p.message) for p in verify(bad).problems]
     assert [tensor for tensor, _ in by_kernels] == ["a", "b", "c", "raw"]
     (_, a), (_, b), (_, c), (_, raw) = by_kernels
@@ -1007,3 +1019,15 @@ def test_a_source_truncated_while_it_is_converted_is_refused_naming_the_tensor_n
         with pytest.raises(ConversionError, match=r"tensor 'b': file shrank to \d+ bytes after it was opened; "
                                                   r"bytes \[\d+, \d+\) were to be read while it was converted"):
             next(tensors)
+
+
+def test_verify_deals_tensors_to_threads_by_bytes_largest_first():
+    """The kernels' check gives each thread about the same bytes: the largest tensors first, each to the share with
+    the fewest bytes so far; never an empty share, never more shares than tensors."""
+    from types import SimpleNamespace
+
+    entries = [SimpleNamespace(name=f"t{k}", raw_length=n) for k, n in enumerate([5, 100, 60, 40, 30, 30, 1])]
+    shares = verify_module._shares(entries, 3)
+    assert [[e.raw_length for e in share] for share in shares] == [[100], [60, 30], [40, 30, 5, 1]]
+    assert sorted(e.name for share in shares for e in share) == sorted(e.name for e in entries)
+    assert len(verify_module._shares(entries[:2], 8)) == 2 and verify_module._shares([], 4) == []
