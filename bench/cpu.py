@@ -23,7 +23,7 @@ Loading rows (``--sections load``), on MiniLM and on a TinyLlama-shaped syntheti
 - ``safetensors load_file + clone`` (the anchor): ``safetensors.torch.load_file`` then ``clone()`` of every tensor,
   so every byte is read and lands in memory of its own, as ``szformat.load_file`` delivers it.
 - ``szformat load_file`` with ``verify=True`` (the default) and ``verify=False``, and ``szformat verify`` (what
-  ``szconvert verify`` runs: every checksum, every tensor decoded, in slices).
+  ``szconvert verify`` runs: every checksum, every tensor decoded), each on the condition's thread count.
 
 each with 1 thread (``torch.set_num_threads(1)``), with the default threads, and with the default threads while
 one busy process (``python -c "while True: pass"``) holds a core; methods in orders balanced over the rounds
@@ -474,7 +474,8 @@ def bench_loading(label: str, st_path: Path, szt_path: Path, repeats: int,
             (f"szformat load_file [{kernel}] (verify on)", with_kernel(kernel, lambda: szformat.load_file(szt_path))),
             (f"szformat load_file [{kernel}] (verify off)",
              with_kernel(kernel, lambda: szformat.load_file(szt_path, verify=False))),
-            (f"szformat verify [{kernel}]", with_kernel(kernel, lambda: verify(szt_path))),
+            (f"szformat verify [{kernel}]",
+             with_kernel(kernel, lambda: verify(szt_path, threads=torch.get_num_threads()))),
         ]
     all_threads = os.cpu_count() or 1
     conditions = [("1 thread", 1, False), (f"{all_threads} threads", all_threads, False),
