@@ -1031,3 +1031,27 @@ def test_verify_deals_tensors_to_threads_by_bytes_largest_first():
     assert [[e.raw_length for e in share] for share in shares] == [[100], [60, 30], [40, 30, 5, 1]]
     assert sorted(e.name for share in shares for e in share) == sorted(e.name for e in entries)
     assert len(verify_module._shares(entries[:2], 8)) == 2 and verify_module._shares([], 4) == []
+
+
+def test_a_tensor_with_more_escapes_than_the_kernels_list_goes_to_the_loader(tmp_path, monkeypatch):
+    """The kernels' check lists a tensor's escape positions whole; past :data:`KERNEL_ESCAPES` (a forged file can
+    claim as many as its bytes hold) the file goes to the loader's path, which takes them a window at a time, and is
+    checked all the same."""
+    from szformat.loading import host_decode
+
+    skip_unless_the_kernels_check_mappings()
+    weights = bf16_weights((64, 48), seed=5)
+    weights.view(-1)[::401] = 1e-30  # an exponent too rare for the codebook: escapes
+    path = tmp_path / "model.szt"
+    szformat.save_file({"w": weights}, path)
+    with SztFile(path) as f:
+        escapes = f.entry("w").layout.n_esc
+    assert escapes > 0
+    loaded = []
+    real_decode = host_decode.decode_entries
+    monkeypatch.setattr(host_decode, "decode_entries", lambda file, entries, **kw: loaded.append(
+        [e.name for e in entries]) or real_decode(file, entries, **kw))
+    monkeypatch.setattr(verify_module, "KERNEL_ESCAPES", escapes)
+    assert verify(path).ok and loaded == []  # at the bound: the kernels
+    monkeypatch.setattr(verify_module, "KERNEL_ESCAPES", escapes - 1)
+    assert verify(path).ok and loaded == [["w"]]
