@@ -87,7 +87,8 @@ class VerifyReport:
 
 def verify(path: str | os.PathLike, *, progress: bool = False, threads: int | None = None) -> VerifyReport:
     """Verify a .szt file (recognised by its magic bytes, whatever its name), a ``*.szt.index.json`` index with
-    its shards, or a converted folder, on ``threads`` threads (by default one per CPU this process may run on).
+    its shards, or a converted folder, on ``threads`` threads (by default ``OMP_NUM_THREADS``, as torch's, else one
+    per CPU this process may run on).
 
     Returns:
         `VerifyReport`: the problems found (an empty list when every check passed).
@@ -219,7 +220,12 @@ def _problems_in_share(kernels, szt: SztFile, entries: list[TensorEntry]) -> lis
 
 
 def _cpus() -> int:
-    """The CPUs this process may run on (its affinity where the OS says, else every core)."""
+    """The threads a check runs on by default, read without importing torch: ``OMP_NUM_THREADS`` where it is set to
+    a count (as torch's own default honours it, and the loader's path runs on torch's count), else the CPUs this
+    process may run on."""
+    asked = os.environ.get("OMP_NUM_THREADS", "")
+    if asked.isdigit() and int(asked) > 0:
+        return int(asked)
     if hasattr(os, "sched_getaffinity"):
         return len(os.sched_getaffinity(0))
     return os.cpu_count() or 1

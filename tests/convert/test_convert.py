@@ -1055,3 +1055,14 @@ def test_a_tensor_with_more_escapes_than_the_kernels_list_goes_to_the_loader(tmp
     assert verify(path).ok and loaded == []  # at the bound: the kernels
     monkeypatch.setattr(verify_module, "KERNEL_ESCAPES", escapes - 1)
     assert verify(path).ok and loaded == [["w"]]
+
+
+def test_verify_runs_on_omp_num_threads_where_it_is_set(monkeypatch):
+    """Without importing torch, the kernels' check takes the thread count torch would: ``OMP_NUM_THREADS`` where it
+    is a count, else the CPUs the process may run on."""
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert verify_module._cpus() == 3
+    every = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    for unusable in ("0", "four", ""):
+        monkeypatch.setenv("OMP_NUM_THREADS", unusable)
+        assert verify_module._cpus() == every
