@@ -17,7 +17,7 @@
  *   values, handed over so that none is written twice.
  *
  *   records: (TensorEntry, its defaults, Codebook, BlockChecksums, payload_layout): the classes are made as
- *   header._checked makes them (``object.__new__`` and the fields set in the instance's dict, the generated
+ *   header._entry makes a TensorEntry (``object.__new__`` and the fields set in the instance's dict, the generated
  *   ``__init__`` skipped: its checks are the ones made here), the layout by calling payload_layout(n, n_esc).
  *   Strings and integers are the header's own objects; shape and the codebook are tuples.
  *
@@ -148,8 +148,8 @@ typedef struct {
 
 static PyObject *no_args; /* () */
 
-/* An instance of the class ``cls`` whose dict is ``fields`` (a new reference, taken over), made as header._checked
- * makes one; NULL with an error set where it could not be made. */
+/* An instance of the class ``cls`` whose dict is ``fields`` (a new reference, taken over), made as header._entry
+ * makes a TensorEntry; NULL with an error set where it could not be made. */
 static PyObject *record(PyObject *cls, PyObject *fields)
 {
     if (fields == NULL)

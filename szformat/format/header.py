@@ -14,7 +14,7 @@ import itertools
 import math
 import os
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence, TypeVar
+from typing import Any, Callable, Iterable, Sequence
 
 import msgpack
 
@@ -458,21 +458,13 @@ def _int(obj: dict, key: str, *, path, tensor, lo: int = 0, hi: int = 1 << 63) -
 
 _ENTRY_DEFAULTS = {f.name: f.default for f in dataclasses.fields(TensorEntry) if f.default is not dataclasses.MISSING}
 
-_T = TypeVar("_T")
-
-
-def _checked(cls: type[_T], defaults: dict[str, Any], **fields: Any) -> _T:
-    """A frozen dataclass ``cls`` of checked ``fields`` (``defaults`` for the others), made without its generated
-    ``__init__``, which sets each field through ``object.__setattr__`` (a fifth of a small tensor's parse) and runs
-    checks the parser has made already."""
-    made = object.__new__(cls)
-    made.__dict__.update(defaults, **fields)
-    return made
-
-
 def _entry(**fields: Any) -> TensorEntry:
-    """A :class:`TensorEntry` of checked ``fields``, the others at their defaults."""
-    return _checked(TensorEntry, _ENTRY_DEFAULTS, **fields)
+    """A :class:`TensorEntry` of checked ``fields``, the others at their defaults, made without the frozen
+    dataclass's generated ``__init__``: it sets each of the 14 fields through ``object.__setattr__``, a fifth of a
+    small tensor's parse, and checks nothing the parser has not. ``_entries.plain_entries`` makes its records so."""
+    entry = object.__new__(TensorEntry)
+    entry.__dict__.update(_ENTRY_DEFAULTS, **fields)
+    return entry
 
 
 _PLAIN_RULES = (C.ITEMSIZE, C.MAX_NAME_BYTES, C.RESERVED_NAME, C.MAX_NDIM, C.MAX_ELEMENTS, CHUNK_SIZE,
@@ -481,7 +473,8 @@ _PLAIN_RULES = (C.ITEMSIZE, C.MAX_NAME_BYTES, C.RESERVED_NAME, C.MAX_NDIM, C.MAX
 
 
 _RECORDS = (TensorEntry, _ENTRY_DEFAULTS, Codebook, BlockChecksums, payload_layout)
-"""What ``_entries.plain_entries`` makes a plain entry of: :func:`_checked` records, the layout as here."""
+"""What ``_entries.plain_entries`` makes a plain entry of: records made as :func:`_entry` makes them, the layout
+as here."""
 
 
 def _plain_entries(tensors: list) -> list[TensorEntry | None]:

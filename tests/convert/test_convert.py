@@ -826,6 +826,10 @@ def test_a_page_the_kernels_cannot_read_leaves_the_file_to_the_loader(tmp_path, 
         [e.name for e in entries]) or real_decode(file, entries, **kw))
     monkeypatch.setattr(cpu_kernel, "native", LosingAPage())
     assert verify(path).ok and loaded == [["w"]]
+    szformat.save_file({f"w{k}": bf16_weights((64, 48), seed=k) for k in range(4)}, path)
+    monkeypatch.setattr(verify_module, "THREAD_BYTES", 1)  # a share per thread: the page lost on one of them
+    loaded.clear()
+    assert verify(path, threads=3).ok and loaded == [["w0", "w1", "w2", "w3"]]
 
 
 def test_verify_checks_small_tensors_together_and_each_alone_only_where_needed(tmp_path, monkeypatch,
