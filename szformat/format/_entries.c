@@ -299,7 +299,8 @@ static PyObject *plain_entry(PyObject *item, const Rules *r, const Records *m)
     if (shape == NULL)
         return PyErr_Occurred() ? NULL : Py_NewRef(Py_None);
     if (int_in(get(item, K_OFFSET), 0, INT64_MAX, &offset) == 0
-        && int_in(get(item, K_LENGTH), 0, INT64_MAX, &length) == 0 && int_in(get(item, K_RAW_LENGTH), 0, INT64_MAX, &raw_length) == 0
+        && int_in(get(item, K_LENGTH), 0, INT64_MAX, &length) == 0
+        && int_in(get(item, K_RAW_LENGTH), 0, INT64_MAX, &raw_length) == 0
         && int_in(get(item, K_CRC32), 0, 0xFFFFFFFFll, &crc) == 0
         && int_in(get(item, K_RAW_CRC32), 0, 0xFFFFFFFFll, &raw_crc) == 0 && raw_length == numel * itemsize
         && (blocks = plain_blocks(item, length, r, m)) != NULL) {
