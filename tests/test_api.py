@@ -487,6 +487,7 @@ def test_a_file_truncated_while_it_is_read_is_an_error_not_a_signal(tmp_path, ho
 TRUNCATE_UNDER_A_MAPPED_DECODE = """
 import os, sys
 import szformat
+import szformat.loading.host_decode as host_decode
 import szformat.loading.host_reader as host_reader
 from szformat.codec.cpu import PayloadDecoder
 from szformat.errors import ReadError, TruncatedFileError
@@ -499,10 +500,13 @@ def failing_first(real):
         if cut:
             os.truncate(path, 4096)
             return real(*args, **kwargs)
-        raise EOFError("a page could not be read")  # what the C calls raise where the disk fails
+        error = EOFError("a page could not be read")  # what the C calls raise where the disk fails
+        error.item = 0  # the payload it was on, where the call took several
+        raise error
     return call
 
 
+host_decode.decode_payloads = failing_first(host_decode.decode_payloads)
 PayloadDecoder.decode_range = failing_first(PayloadDecoder.decode_range)
 PayloadDecoder.decode_columns = failing_first(PayloadDecoder.decode_columns)
 host_reader.guarded_crc32 = failing_first(host_reader.guarded_crc32)
@@ -529,10 +533,10 @@ except (TruncatedFileError, ReadError) as e:
 @pytest.mark.parametrize("verify", ["verify", "no verify"])
 @pytest.mark.parametrize("cut", ["cut", "disk error"])
 def test_reads_from_the_mapping_turn_a_lost_page_into_an_error_not_a_signal(tmp_path, how, verify, cut):
-    """A tensor of several ranges (load_file), rows of a tensor (get_slice, as a column-parallel rank reads them) or
-    columns of its rows (a row-parallel rank) are decoded, and checksummed, straight from the file's mapping by C
-    calls that catch SIGBUS: a file truncated meanwhile is a TruncatedFileError, a page the disk fails to deliver a
-    ReadError (an OSError)."""
+    """A tensor of several ranges (load_file: the C call that shares its units between its threads), rows of a tensor
+    (get_slice, as a column-parallel rank reads them) or columns of its rows (a row-parallel rank) are decoded, and
+    checksummed, straight from the file's mapping by C calls that catch SIGBUS: a file truncated meanwhile is a
+    TruncatedFileError, a page the disk fails to deliver a ReadError (an OSError)."""
     if not host_decode.mapped_reads(verify == "verify"):
         pytest.skip("stored bytes are copied out with pread here")
     path = tmp_path / "model.szt"

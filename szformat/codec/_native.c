@@ -28,16 +28,18 @@
  *                                        VPCLMULQDQ folded into the decode loop itself); pk and sm
  *                                        may be views of a file's mapping: a page the file no longer holds (it
  *                                        was truncated) or cannot be read is an EOFError, not SIGBUS.
- *   decode_payloads(items, checksums, progress, populate) -> [(stored_crc, decoded_crc, error), ...]
- *                                        small payloads (decode_payload's arguments each, views of a file's
- *                                        mapping too) by one guarded call: per payload its escape checks, its
- *                                        decode and both CRC-32s, taken block by block as decode_range takes them;
- *                                        no Python between. Outputs of ``populate`` bytes and more (0: none) whose
- *                                        first page is not in memory are faulted in by one madvise each first.
- *   check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]
+ *   decode_payloads(items, checksums, progress, populate, threads) -> [(stored_crc, decoded_crc, error), ...]
+ *                                        payloads (decode_payload's arguments each, views of a file's mapping
+ *                                        too) by one call on threads of its own: per payload its escape checks,
+ *                                        its decode and both CRC-32s, taken block by block as decode_range takes
+ *                                        them, a payload of more than UNIT_ELEMENTS cut into ranges the threads
+ *                                        share; no Python between. Outputs of ``populate`` bytes and more (0: none)
+ *                                        whose first page is not in memory are faulted in by one madvise each first.
+ *   check_payloads(items, progress, threads) -> [(stored_crc, decoded_crc, error), ...]
  *                                        decode_payloads' checks and checksums of payloads given their element
  *                                        count instead of an output: each decoded a block at a time into one
- *                                        32 KiB buffer, for a check that keeps nothing else (szconvert verify).
+ *                                        32 KiB buffer of its thread's, for a check that keeps nothing else
+ *                                        (szconvert verify).
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
@@ -1251,6 +1253,13 @@ static PyObject *py_use_crc32(PyObject *self, PyObject *const *args, Py_ssize_t 
     Py_RETURN_NONE;
 }
 
+/* The EOFError of a guarded call that could not read a page of a mapping. */
+static void page_lost(const char *function)
+{
+    PyErr_Format(PyExc_EOFError, "%s(): a page could not be read (SIGBUS: a mapped file was truncated, or its disk "
+                 "failed)", function);
+}
+
 /* A call that reads views of a file's mapping: ``work(arg)`` with the GIL released and, where the platform allows,
  * SIGBUS caught (``run_guarded``). 0, or -1 with EOFError set where a page could not be read. */
 static int guarded(const char *function, void (*work)(void *), void *arg)
@@ -1270,8 +1279,7 @@ static int guarded(const char *function, void (*work)(void *), void *arg)
     Py_END_ALLOW_THREADS
 #endif
     if (faulted) {
-        PyErr_Format(PyExc_EOFError, "%s(): a page could not be read (SIGBUS: a mapped file was truncated, or its "
-                     "disk failed)", function);
+        page_lost(function);
         return -1;
     }
     return 0;
@@ -1342,35 +1350,62 @@ static void populate_pages(void *buf, Py_ssize_t len)
 #endif
 }
 
-/* Small payloads decoded one after another by one guarded call (decode_payloads): per item its stored bytes'
- * CRC-32 (when asked), its escape checks, and where they hold its decode and its output's CRC-32. ``progress``
- * holds the item under way, so a caller whose call faulted knows which tensor's page could not be read. */
+/* Payloads decoded by one call (decode_payloads, check_payloads), on threads of the call's own: per item its stored
+ * bytes' CRC-32 (when asked), its escape checks, and where they hold its decode and its output's CRC-32, with no
+ * Python between items. The work is cut into units a thread takes one at a time (the next unit counter): a whole
+ * item, or a range of UNIT_ELEMENTS of an item of more (a split item, its escapes checked before any range is
+ * taken and its ranges' CRC-32s joined after the last). So one large tensor spreads over every thread, a thread
+ * descheduled by another process holds back only its unit, and no unit holds more escapes than elements. */
+#define UNIT_ELEMENTS ((Py_ssize_t)1 << 20)
+#define MAX_THREADS 256
+
+typedef struct {
+    Py_ssize_t item, start, stop; /* elements [start, stop) of an item */
+} Unit;
+
 typedef struct {
     PayloadArgs *items;
     Py_ssize_t count;
     int checksums;
     Py_ssize_t populate;     /* outputs of this many bytes and more are populated first (0: none) */
-    int64_t *progress;
+    int scratch;             /* check_payloads: each unit decoded block by block into its thread's scratch */
     uint32_t *crcs;          /* stored and decoded, two per item */
     const char **errors;     /* per item: NULL, or its escape streams' message */
     char *messages;          /* MESSAGE_BYTES per item */
-    int64_t *positions;      /* room for the most escapes of an item, for decode_checked */
-    uint16_t *scratch;       /* check_payloads: every item decoded here, block by block (CHECKED_BLOCK_ELEMENTS) */
+    Unit *units;             /* room for every item's units */
+    uint32_t *unit_crcs;     /* per unit of a split item: its pk, sm and decoded bytes' CRC-32s */
+    Py_ssize_t n_units, next;
+    Py_ssize_t faulted;      /* the item a page of which could not be read, or -1; the units left are then skipped */
 } PayloadsCall;
+
+/* One thread of a PayloadsCall, with its own buffers: the positions of one unit's escapes (at most UNIT_ELEMENTS),
+ * and with ``scratch`` the block each unit is decoded into. */
+typedef struct {
+    PayloadsCall *call;
+    int64_t *positions;
+    uint16_t *scratch;
+    Py_ssize_t item;         /* the item under way, for a fault */
+} Worker;
+
+static int is_split(const PayloadArgs *a) { return a->n > UNIT_ELEMENTS; }
+
+static Py_ssize_t units_of(const PayloadArgs *a)
+{
+    return is_split(a) ? (a->n + UNIT_ELEMENTS - 1) / UNIT_ELEMENTS : 1;
+}
+
+static int64_t escape_position(const uint8_t *payload, const PayloadArgs *a, Py_ssize_t k)
+{
+    int64_t chunk, local;
+    escape_at(payload, a->o, k, &chunk, &local);
+    return chunk * a->chunk_size + local;
+}
 
 /* A payload of ``length`` bytes whose escapes were checked, decoded by decode_range with its checksums: the stored
  * CRC-32 joins those of the pk stream, the bytes up to sm, and the sm stream with everything after it. */
-static void decode_checked(const uint8_t *payload, Py_ssize_t length, Offsets o, const uint8_t *lut, uint16_t *out,
-                           int scratch, Py_ssize_t n, Py_ssize_t n_esc, Py_ssize_t chunk_size, int64_t *positions,
-                           uint32_t *crcs)
+static void stored_and_decoded(const uint8_t *payload, Py_ssize_t length, Offsets o, Py_ssize_t n,
+                               const uint32_t *streams, uint32_t *crcs)
 {
-    for (Py_ssize_t k = 0; k < n_esc; k++) {
-        int64_t chunk, local;
-        escape_at(payload, o, k, &chunk, &local);
-        positions[k] = chunk * chunk_size + local;
-    }
-    uint32_t streams[3];
-    decode_range(payload, payload + o.sm, lut, out, scratch, n, positions, payload + o.ev, n_esc, streams);
     Py_ssize_t pk_end = (n + 1) / 2, sm_end = o.sm + n;
     uint32_t head = crc32_long(streams[0], payload + pk_end, o.sm - pk_end);
     uint32_t tail = crc32_long(streams[1], payload + sm_end, length - sm_end);
@@ -1378,28 +1413,189 @@ static void decode_checked(const uint8_t *payload, Py_ssize_t length, Offsets o,
     crcs[1] = streams[2];
 }
 
-static void run_decode_payloads(void *arg)
+/* Elements [u->start, u->stop) of an item, its escapes there (escapes checked: ascending) found by bisection,
+ * decoded by decode_range into ``out`` (the unit's first element), the range's three CRC-32s into ``crcs`` (NULL:
+ * none). */
+static void decode_unit(Worker *w, const PayloadArgs *a, const Unit *u, uint16_t *out, uint32_t *crcs)
 {
-    PayloadsCall *c = arg;
+    const uint8_t *payload = a->b.views[0].buf, *lut = a->b.views[1].buf;
+    Py_ssize_t lo = 0, hi = a->n_esc, m = 0;
+    while (lo < hi) {
+        Py_ssize_t mid = lo + (hi - lo) / 2;
+        if (escape_position(payload, a, mid) < u->start)
+            lo = mid + 1;
+        else
+            hi = mid;
+    }
+    for (int64_t position; lo + m < a->n_esc && (position = escape_position(payload, a, lo + m)) < u->stop; m++)
+        w->positions[m] = position - u->start;
+    decode_range(payload + u->start / 2, payload + a->o.sm + u->start, lut, out, w->scratch != NULL,
+                 u->stop - u->start, w->positions, payload + a->o.ev + lo, m, crcs);
+}
+
+static void run_unit(Worker *w, Py_ssize_t index)
+{
+    PayloadsCall *c = w->call;
+    const Unit *u = &c->units[index];
+    const PayloadArgs *a = &c->items[u->item];
+    const uint8_t *payload = a->b.views[0].buf;
+    uint16_t *out = w->scratch != NULL ? w->scratch : (uint16_t *)a->b.views[2].buf + u->start;
+    w->item = u->item;
+    if (w->scratch == NULL && c->populate && a->b.views[2].len >= c->populate)
+        populate_pages(out, 2 * (u->stop - u->start));
+    if (is_split(a)) { /* its escapes were checked */
+        decode_unit(w, a, u, out, c->checksums ? c->unit_crcs + 3 * index : NULL);
+        return;
+    }
+    Py_ssize_t i = u->item;
+    c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size, c->messages + i * MESSAGE_BYTES,
+                                 MESSAGE_BYTES);
+    if (c->errors[i] != NULL) {
+        if (c->checksums)
+            c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
+    } else if (c->checksums) {
+        uint32_t streams[3];
+        decode_unit(w, a, u, out, streams);
+        stored_and_decoded(payload, a->b.views[0].len, a->o, a->n, streams, c->crcs + 2 * i);
+    } else {
+        decode_whole(payload, a->o, a->b.views[1].buf, out, a->n, a->n_esc, a->chunk_size);
+    }
+}
+
+static Py_ssize_t next_unit(PayloadsCall *c)
+{
+#ifdef SZ_GUARD
+    return __atomic_fetch_add(&c->next, 1, __ATOMIC_RELAXED);
+#else
+    return c->next++;
+#endif
+}
+
+static int has_faulted(PayloadsCall *c)
+{
+#ifdef SZ_GUARD
+    return __atomic_load_n(&c->faulted, __ATOMIC_RELAXED) >= 0;
+#else
+    return c->faulted >= 0;
+#endif
+}
+
+/* The first fault is the one reported. */
+static void set_faulted(PayloadsCall *c, Py_ssize_t item)
+{
+#ifdef SZ_GUARD
+    Py_ssize_t none = -1;
+    __atomic_compare_exchange_n(&c->faulted, &none, item, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED);
+#else
+    if (c->faulted < 0)
+        c->faulted = item;
+#endif
+}
+
+/* work(arg) with this thread's SIGBUS faults caught where the platform allows (run_guarded): 0, or -1. */
+static int guard(void (*work)(void *), void *arg)
+{
+#ifdef SZ_GUARD
+    return run_guarded(work, arg);
+#else
+    work(arg);
+    return 0;
+#endif
+}
+
+/* The split items' escapes checked (one refused gets its stored CRC-32 and no units), then every unit listed. */
+static void plan_units(void *arg)
+{
+    Worker *w = arg;
+    PayloadsCall *c = w->call;
     for (Py_ssize_t i = 0; i < c->count; i++) {
         const PayloadArgs *a = &c->items[i];
-        const uint8_t *payload = a->b.views[0].buf, *lut = a->b.views[1].buf;
-        uint16_t *out = c->scratch != NULL ? c->scratch : a->b.views[2].buf;
-        *c->progress = i;
-        if (c->scratch == NULL && c->populate && a->b.views[2].len >= c->populate)
-            populate_pages(out, a->b.views[2].len);
-        c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size, c->messages + i * MESSAGE_BYTES,
-                                     MESSAGE_BYTES);
-        if (c->errors[i] != NULL) {
-            if (c->checksums)
-                c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
-        } else if (c->checksums) {
-            decode_checked(payload, a->b.views[0].len, a->o, lut, out, c->scratch != NULL, a->n, a->n_esc,
-                           a->chunk_size, c->positions, c->crcs + 2 * i);
-        } else {
-            decode_whole(payload, a->o, lut, out, a->n, a->n_esc, a->chunk_size);
+        w->item = i;
+        if (is_split(a)) {
+            const uint8_t *payload = a->b.views[0].buf;
+            c->errors[i] = check_escapes(payload, a->o, a->n_esc, a->n, a->chunk_size,
+                                         c->messages + i * MESSAGE_BYTES, MESSAGE_BYTES);
+            if (c->errors[i] != NULL) {
+                if (c->checksums)
+                    c->crcs[2 * i] = crc32_long(0, payload, a->b.views[0].len);
+                continue;
+            }
+        }
+        for (Py_ssize_t start = 0; start < a->n || start == 0; start += UNIT_ELEMENTS) {
+            Py_ssize_t stop = is_split(a) && a->n - start > UNIT_ELEMENTS ? start + UNIT_ELEMENTS : a->n;
+            c->units[c->n_units++] = (Unit){i, start, stop};
         }
     }
+}
+
+static void work_units(void *arg)
+{
+    Worker *w = arg;
+    PayloadsCall *c = w->call;
+    for (Py_ssize_t index; !has_faulted(c) && (index = next_unit(c)) < c->n_units;)
+        run_unit(w, index);
+}
+
+/* Each split item's stored and decoded CRC-32s, from those of its units (listed in order, one item's together). */
+static void join_units(void *arg)
+{
+    Worker *w = arg;
+    PayloadsCall *c = w->call;
+    for (Py_ssize_t index = 0; index < c->n_units;) {
+        Py_ssize_t i = c->units[index].item;
+        const PayloadArgs *a = &c->items[i];
+        if (!is_split(a)) {
+            index++;
+            continue;
+        }
+        w->item = i;
+        uint32_t streams[3];
+        memcpy(streams, c->unit_crcs + 3 * index, sizeof streams);
+        for (index++; index < c->n_units && c->units[index].item == i; index++) {
+            const Unit *u = &c->units[index];
+            const uint32_t *unit = c->unit_crcs + 3 * index;
+            streams[0] = crc32_joined(streams[0], unit[0], (u->stop + 1) / 2 - u->start / 2);
+            streams[1] = crc32_joined(streams[1], unit[1], u->stop - u->start);
+            streams[2] = crc32_joined(streams[2], unit[2], 2 * (u->stop - u->start));
+        }
+        stored_and_decoded(a->b.views[0].buf, a->b.views[0].len, a->o, a->n, streams, c->crcs + 2 * i);
+    }
+}
+
+#ifdef SZ_GUARD
+static void *work_units_thread(void *arg)
+{
+    Worker *w = arg;
+    if (run_guarded(work_units, w) != 0)
+        set_faulted(w->call, w->item);
+    return NULL;
+}
+#endif
+
+/* Every unit of ``c`` on up to ``threads`` threads, the caller's included (``workers``: one per thread), the GIL
+ * released by the caller; ``c->faulted`` says which item's page could not be read, if one could not. The threads
+ * are the call's own, started and joined here: about 20 us each, against a millisecond's work per two units. */
+static void run_units(PayloadsCall *c, Worker *workers, int threads)
+{
+    if (guard(plan_units, &workers[0]) != 0) {
+        c->faulted = workers[0].item;
+        return;
+    }
+    threads = c->n_units < threads ? (int)(c->n_units > 0 ? c->n_units : 1) : threads;
+#ifdef SZ_GUARD
+    pthread_t ids[MAX_THREADS];
+    int started = 0;
+    while (started + 1 < threads && pthread_create(&ids[started], NULL, work_units_thread, &workers[started + 1]) == 0)
+        started++; /* a thread that cannot be started leaves its share to the others */
+#endif
+    if (guard(work_units, &workers[0]) != 0)
+        set_faulted(c, workers[0].item);
+#ifdef SZ_GUARD
+    for (int t = 0; t < started; t++)
+        pthread_join(ids[t], NULL);
+#endif
+    if (c->faulted < 0 && c->checksums && guard(join_units, &workers[0]) != 0)
+        c->faulted = workers[0].item;
 }
 
 /* crc32(data, crc) -> crc: zlib-ng's CRC-32 of a buffer (a view of a file's mapping, say) continuing ``crc``, with
@@ -1446,18 +1642,11 @@ static int checksums_wanted(const char *function, PyObject *flag)
     return wanted;
 }
 
-/* decode_payloads(items, checksums, progress, populate) -> [(stored_crc, decoded_crc, error), ...]: ``items`` a list
- * of decode_payload's arguments ``(payload, dec_lut, out, n_esc, chunk_size)``, each checked as decode_payload
- * checks them; one guarded call decodes them all (payloads may be views of a file's mapping), each output of at
- * least ``populate`` bytes (0: none) populated first (populate_pages). Per item: the CRC-32s (0 when ``checksums``
- * is false, the decoded one also where the escapes were refused) and None, or the escape streams' message (that
- * item's ``out`` left unwritten). A page that could not be read is an EOFError, the index of its item in
- * ``progress[0]`` (an int64 buffer). */
 /* The call decode_payloads and check_payloads share: ``items`` parsed by decode_payloads' checks or, with
- * ``scratch``, check_payloads' (each item decoded block by block into one scratch buffer: only its checksums are
- * kept), one guarded call over them, and the list of results. */
+ * ``scratch``, check_payloads' (each unit decoded block by block into its thread's scratch: only the checksums are
+ * kept), their units run on up to ``threads`` threads (run_units), and the list of results. */
 static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObject *progress_arg, int checksums,
-                              Py_ssize_t populate, int scratch)
+                              Py_ssize_t populate, int scratch, int threads)
 {
     static const char *const names[] = {"payload", "dec_lut", "out"};
     char not_a_sequence[64];
@@ -1465,15 +1654,16 @@ static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObjec
     PyObject *items = PySequence_Fast(items_arg, not_a_sequence);
     if (items == NULL)
         return NULL;
-    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0, most_escapes = 0;
+    Py_ssize_t count = PySequence_Fast_GET_SIZE(items), taken = 0, unit_escapes = 0, units = 0;
     PyObject *result = NULL;
     Py_buffer progress = {0};
-    int have_progress = 0;
-    PayloadsCall call = {PyMem_Calloc(count + 1, sizeof(PayloadArgs)), count, checksums, populate, NULL,
+    int have_progress = 0, made = 0;
+    Worker *workers = NULL;
+    PayloadsCall call = {PyMem_Calloc(count + 1, sizeof(PayloadArgs)), count, checksums, populate, scratch,
                          PyMem_Calloc(2 * count + 2, sizeof(uint32_t)), PyMem_Calloc(count + 1, sizeof(char *)),
                          PyMem_Calloc(count + 1, MESSAGE_BYTES)};
-    if (call.items == NULL || call.crcs == NULL || call.errors == NULL || call.messages == NULL
-        || (scratch && (call.scratch = PyMem_Malloc(CHECKED_BLOCK_ELEMENTS * sizeof(uint16_t))) == NULL)) {
+    call.faulted = -1;
+    if (call.items == NULL || call.crcs == NULL || call.errors == NULL || call.messages == NULL) {
         PyErr_NoMemory();
         goto done;
     }
@@ -1484,7 +1674,6 @@ static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObjec
         PyErr_Format(PyExc_ValueError, "%s(): progress must hold an int64", function);
         goto done;
     }
-    call.progress = progress.buf;
     for (; taken < count; taken++) {
         PyObject *item = PySequence_Fast_GET_ITEM(items, taken);
         if (!PyTuple_Check(item) || PyTuple_GET_SIZE(item) != 5) {
@@ -1492,19 +1681,49 @@ static PyObject *run_payloads(const char *function, PyObject *items_arg, PyObjec
             goto done;
         }
         PyObject *const *fields = PySequence_Fast_ITEMS(item);
-        if ((scratch ? check_args(function, fields, &call.items[taken])
-                     : payload_args(function, fields, 5, names, 0x4, 0, 2, 16, &call.items[taken])) < 0) {
+        PayloadArgs *a = &call.items[taken];
+        if ((scratch ? check_args(function, fields, a) : payload_args(function, fields, 5, names, 0x4, 0, 2, 16, a))
+            < 0) {
             taken++; /* its buffers taken so far are released below */
             goto done;
         }
-        most_escapes = call.items[taken].n_esc > most_escapes ? call.items[taken].n_esc : most_escapes;
+        Py_ssize_t escapes = a->n_esc < UNIT_ELEMENTS ? a->n_esc : UNIT_ELEMENTS; /* n_esc <= n: payload_sizes */
+        unit_escapes = escapes > unit_escapes ? escapes : unit_escapes;
+        units += units_of(a);
     }
-    if (checksums && (call.positions = PyMem_Malloc((most_escapes + 1) * sizeof(int64_t))) == NULL) {
+    threads = units < threads ? (int)(units > 0 ? units : 1) : threads;
+    call.units = PyMem_Malloc((units + 1) * sizeof(Unit));
+    call.unit_crcs = PyMem_Malloc((3 * units + 3) * sizeof(uint32_t));
+    workers = PyMem_Calloc(threads, sizeof(Worker));
+    if (call.units == NULL || call.unit_crcs == NULL || workers == NULL) {
         PyErr_NoMemory();
         goto done;
     }
-    if (guarded(function, run_decode_payloads, &call) < 0)
+    for (; made < threads; made++) {
+        Worker *w = &workers[made];
+        w->call = &call;
+        w->positions = PyMem_Malloc((unit_escapes + 1) * sizeof(int64_t));
+        w->scratch = scratch ? PyMem_Malloc(CHECKED_BLOCK_ELEMENTS * sizeof(uint16_t)) : NULL;
+        if (w->positions == NULL || (scratch && w->scratch == NULL)) {
+            made++; /* its buffers are freed below */
+            PyErr_NoMemory();
+            goto done;
+        }
+    }
+#ifdef SZ_GUARD
+    if (install_bus_guard() != 0) {
+        PyErr_SetFromErrno(PyExc_OSError);
         goto done;
+    }
+#endif
+    Py_BEGIN_ALLOW_THREADS
+    run_units(&call, workers, threads);
+    Py_END_ALLOW_THREADS
+    if (call.faulted >= 0) {
+        *(int64_t *)progress.buf = call.faulted;
+        page_lost(function);
+        goto done;
+    }
     result = PyList_New(count);
     for (Py_ssize_t i = 0; result != NULL && i < count; i++) {
         PyObject *entry = call.errors[i] == NULL
@@ -1520,20 +1739,47 @@ done:
         release(&call.items[i].b);
     if (have_progress)
         PyBuffer_Release(&progress);
+    for (int t = 0; t < made; t++) {
+        PyMem_Free(workers[t].positions);
+        PyMem_Free(workers[t].scratch);
+    }
+    PyMem_Free(workers);
     PyMem_Free(call.items);
     PyMem_Free(call.crcs);
     PyMem_Free(call.errors);
     PyMem_Free(call.messages);
-    PyMem_Free(call.positions);
-    PyMem_Free(call.scratch);
+    PyMem_Free(call.units);
+    PyMem_Free(call.unit_crcs);
     Py_DECREF(items);
     return result;
 }
 
+/* The ``threads`` argument of decode_payloads and check_payloads: an int >= 1 (at most MAX_THREADS are started),
+ * or -1 with an error set. */
+static int threads_wanted(const char *function, PyObject *arg)
+{
+    Py_ssize_t threads = PyLong_AsSsize_t(arg);
+    if (threads == -1 && PyErr_Occurred())
+        return -1;
+    if (threads < 1) {
+        PyErr_Format(PyExc_ValueError, "%s(): threads must be >= 1", function);
+        return -1;
+    }
+    return threads < MAX_THREADS ? (int)threads : MAX_THREADS;
+}
+
+/* decode_payloads(items, checksums, progress, populate, threads) -> [(stored_crc, decoded_crc, error), ...]:
+ * ``items`` a list of decode_payload's arguments ``(payload, dec_lut, out, n_esc, chunk_size)``, each checked as
+ * decode_payload checks them; one call decodes them all on up to ``threads`` threads (payloads may be views of a
+ * file's mapping: each thread's reads are guarded), each output of at least ``populate`` bytes (0: none) populated
+ * first (populate_pages) by the threads writing it. Per item: the CRC-32s (0 when ``checksums`` is false, the
+ * decoded one also where the escapes were refused) and None, or the escape streams' message (that item's ``out``
+ * left unwritten). A page that could not be read is an EOFError, the index of its item in ``progress[0]`` (an int64
+ * buffer); the other items' outputs are then partly written. */
 static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 4) {
-        PyErr_Format(PyExc_TypeError, "decode_payloads() takes 4 arguments (%zd given)", nargs);
+    if (nargs != 5) {
+        PyErr_Format(PyExc_TypeError, "decode_payloads() takes 5 arguments (%zd given)", nargs);
         return NULL;
     }
     int checksums = checksums_wanted("decode_payloads", args[1]);
@@ -1546,22 +1792,28 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
         PyErr_SetString(PyExc_ValueError, "decode_payloads(): populate must be a byte count >= 0");
         return NULL;
     }
-    return run_payloads("decode_payloads", args[0], args[2], checksums, populate, 0);
+    int threads = threads_wanted("decode_payloads", args[4]);
+    if (threads < 0)
+        return NULL;
+    return run_payloads("decode_payloads", args[0], args[2], checksums, populate, 0, threads);
 }
 
-/* check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its checksums
- * for a check that keeps nothing else (``szconvert verify``): ``items`` of ``(payload, dec_lut, n, n_esc,
- * chunk_size)``, each decoded a block at a time into one buffer of this call's, 32 KiB, where decode_payloads'
+/* check_payloads(items, progress, threads) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its
+ * checksums for a check that keeps nothing else (``szconvert verify``): ``items`` of ``(payload, dec_lut, n, n_esc,
+ * chunk_size)``, each unit decoded a block at a time into one buffer of its thread's, 32 KiB, where decode_payloads'
  * outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's check). */
 static PyObject *py_check_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "check_payloads() takes 2 arguments (%zd given)", nargs);
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "check_payloads() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
     if (checksums_wanted("check_payloads", Py_True) < 0)
         return NULL;
-    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1);
+    int threads = threads_wanted("check_payloads", args[2]);
+    if (threads < 0)
+        return NULL;
+    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1, threads);
 }
 
 /* 0 where the ``n_esc`` escape ``positions`` ascend inside [0, n), as a decode that patches them needs; else -1 with
@@ -1810,13 +2062,13 @@ static PyMethodDef methods[] = {
     {"decode_columns", FASTCALL(py_decode_columns), "decode_columns(pk, sm, dec_lut, out, positions, exponents, "
      "width, first, last): columns [first, last) of the rows of width elements whose streams pk and sm are, escapes "
      "patched; a page of pk or sm that cannot be read is an EOFError"},
-    {"decode_payloads", FASTCALL(py_decode_payloads), "decode_payloads(items, checksums, progress, populate) -> "
-     "[(stored_crc, decoded_crc, error), ...]: small payloads (decode_payload's arguments each) decoded by one call, "
-     "with their checksums when asked, outputs of populate bytes or more faulted in first (0: none); a page that "
-     "could not be read an EOFError, its item's index in progress[0]"},
-    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress) -> [(stored_crc, decoded_crc, "
-     "error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) items, each "
-     "decoded a block at a time into one small buffer of the call's"},
+    {"decode_payloads", FASTCALL(py_decode_payloads), "decode_payloads(items, checksums, progress, populate, "
+     "threads) -> [(stored_crc, decoded_crc, error), ...]: payloads (decode_payload's arguments each) decoded by one "
+     "call on up to threads threads, with their checksums when asked, outputs of populate bytes or more faulted in "
+     "first (0: none); a page that could not be read an EOFError, its item's index in progress[0]"},
+    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress, threads) -> [(stored_crc, "
+     "decoded_crc, error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) "
+     "items, each decoded a block at a time into one small buffer of its thread's"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "
@@ -1830,4 +2082,11 @@ static PyMethodDef methods[] = {
 
 static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_native", "SplitZip's CPU kernels in C.", -1, methods};
 
-PyMODINIT_FUNC PyInit__native(void) { return PyModule_Create(&module); }
+/* The module, with UNIT_ELEMENTS: where decode_payloads and check_payloads cut a payload into ranges. */
+PyMODINIT_FUNC PyInit__native(void)
+{
+    PyObject *m = PyModule_Create(&module);
+    if (m != NULL && PyModule_AddIntConstant(m, "UNIT_ELEMENTS", (long)UNIT_ELEMENTS) < 0)
+        Py_CLEAR(m);
+    return m;
+}

@@ -854,10 +854,10 @@ class PayloadDecoder:
 
 
 def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, torch.Tensor]], *, checksums: bool,
-                    populate: int = 0) -> list[tuple[int, int, str | None]]:
-    """Whole payloads ``(payload, layout, codebook, out)`` decoded one after another by one C call (the C kernels
-    only), with no Python between them: what a checkpoint of many small tensors otherwise spends more on than on
-    their decode. Per payload ``(stored_crc, decoded_crc, error)``: the CRC-32s of its bytes and of its output (0
+                    populate: int = 0, threads: int = 1) -> list[tuple[int, int, str | None]]:
+    """Whole payloads ``(payload, layout, codebook, out)`` decoded by one C call (the C kernels only) on up to
+    ``threads`` threads of its own, with no Python between them: what a checkpoint of many small tensors otherwise
+    spends more on than on their decode, and a large tensor's ranges shared by every thread. Per payload ``(stored_crc, decoded_crc, error)``: the CRC-32s of its bytes and of its output (0
     where ``checksums`` is false), and ``None``, or the message refusing its escape streams (its ``out`` then left
     unwritten, its decoded CRC-32 0). Outputs of at least ``populate`` bytes (0: none) whose pages are new are
     faulted in first, each by one call (``cpu_kernel.decode_payloads``).
@@ -874,7 +874,7 @@ def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, to
         _check_out(out, layout.n)
     return cpu_kernel.decode_payloads(_native, [(payload, layout, codebook, out.view(torch.int16).numpy())
                                                 for payload, layout, codebook, out in payloads],
-                                      checksums=checksums, populate=populate)
+                                      checksums=checksums, populate=populate, threads=threads)
 
 
 def guarded_crc32(data: Buffer, crc: int = 0) -> int:

@@ -56,40 +56,42 @@ def _hand_over_crc32(kernels: ModuleType | None) -> bool:
 
 
 def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook, Any]], *,
-                    checksums: bool, populate: int = 0) -> list[tuple[int, int, str | None]]:
+                    checksums: bool, populate: int = 0, threads: int = 1) -> list[tuple[int, int, str | None]]:
     """``kernels.decode_payloads`` of whole payloads ``(payload, layout, codebook, out)``, ``out`` a writable buffer
     of the layout's raw bytes: per payload ``(stored_crc, decoded_crc, error)``. Without torch; ``codec.cpu
-    .decode_payloads`` says more. The payloads are taken one after another, each decoded and checksummed before the
-    next. Each output of at least ``populate`` bytes (0: none) whose first page is not in memory is faulted in by
-    one call before it is written, as ``loading.host_pages.populate`` does.
+    .decode_payloads`` says more. The call runs on up to ``threads`` threads of its own, the GIL released, each
+    taking the next payload, or the next range of one of more than ``UNIT_ELEMENTS`` elements. Each output of at
+    least ``populate`` bytes (0: none) whose first page is not in memory is faulted in by one call before it is
+    written, as ``loading.host_pages.populate`` does.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
     """
     items = [(payload, bytes(codebook.dec_lut), out, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook, out in payloads]
-    return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate))
+    return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate, threads))
 
 
-def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]]
-                   ) -> list[tuple[int, int, str | None]]:
+def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]], *,
+                   threads: int = 1) -> list[tuple[int, int, str | None]]:
     """What :func:`decode_payloads` with checksums gives for ``(payload, layout, codebook)``, where nothing but the
     checks is wanted (``szconvert verify``, before it imports torch): ``kernels.check_payloads`` decodes each payload a
-    block at a time into one small buffer of its own, so no output takes fresh memory (a check of MiniLM's file went
-    from 20 to 9 ms on the 2-core VM so). Needs :func:`checksums_in_kernel`.
+    block at a time into one small buffer of its thread's, so no output takes fresh memory (a check of MiniLM's file
+    went from 20 to 9 ms on the 2-core VM so). On up to ``threads`` threads, as :func:`decode_payloads`. Needs
+    :func:`checksums_in_kernel`.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
     """
     items = [(payload, bytes(codebook.dec_lut), layout.n, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook in payloads]
-    return _item_by_item(lambda progress: kernels.check_payloads(items, progress))
+    return _item_by_item(lambda progress: kernels.check_payloads(items, progress, threads))
 
 
 def _item_by_item(call: Callable[[array.array], list[tuple[int, int, str | None]]]
                   ) -> list[tuple[int, int, str | None]]:
-    """``call(progress)`` of a kernel that takes items one after another, with the item under way in ``progress``: an
-    EOFError (a page that could not be read) says which in its ``item`` attribute."""
+    """``call(progress)`` of a kernel that reports in ``progress`` the item a page of which it could not read: the
+    EOFError says which in its ``item`` attribute."""
     progress = array.array("q", [0])
     try:
         return call(progress)

@@ -23,12 +23,15 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   scratch. A tensor stored raw is read straight into its output. A SplitZip payload stored at rest (format 1.1) is
   read whole and inflated first; a raw tensor stored as byte planes (1.2) is read whole and its ranges inflated by
   the threads, straight into its output.
-- **Small tensors in one call.** Where the C kernels are built, a SplitZip tensor of one range in the in-memory
-  form is decoded whole by a call that also checks and patches its escapes: per tensor, the Python around the four
-  reads, five checksums and the decoder's NumPy escape checks cost more than its decode (MiniLM's 103 tensors:
-  ``bench/RESULTS.md``, "CPU loading"). Where the kernels read through the mapping, the small tensors are taken
-  :data:`BATCH_BYTES` at a time by one guarded call that checksums, checks and decodes each in turn
-  (:class:`_WholeBatch`); elsewhere each is read whole into the thread's scratch (one ``pread``) first.
+- **The tensors of a file in one C call, on threads of its own.** Where the C kernels read through the mapping
+  (:func:`mapped_reads`), every SplitZip tensor in the in-memory form is decoded by one guarded call
+  (:class:`_Batch`, :func:`~szformat.codec.cpu.decode_payloads`) that starts its own threads, the GIL released: each
+  thread takes the next tensor, or the next range of one of more than a million elements, and per tensor the call
+  checksums its stored bytes, checks and patches its escapes, decodes it and checksums its output, with no Python
+  between. Through Python's threads each range or batch cost Python holding the GIL, which the threads waited for:
+  MiniLM stopped gaining past three threads (``bench/RESULTS.md``, "CPU loading"). Elsewhere a small SplitZip tensor
+  is read whole into the thread's scratch (one ``pread``) and decoded by one call (:class:`_WholeJob`), a large one
+  range by range.
 - **Outputs allocated up front, first written by the threads**, so their page faults are taken in parallel too,
   and faulted in as huge pages where that pays (:mod:`.host_pages`).
   Tensors are taken in groups whose jobs fill about :data:`GROUP_BYTES` besides their outputs (inflated at-rest
@@ -89,13 +92,18 @@ SCRATCH_BYTES = WHOLE_ELEMENTS * 3 // 2 + 1
 ``pread``, a range's ``pk`` and ``sm`` bytes: it grows to hold them)."""
 
 THREAD_BYTES = 16 << 20
-"""Raw bytes a decoding thread is given at least: a load of fewer bytes runs on fewer threads. Each small tensor
-costs Python holding the GIL: MiniLM (45 MB) loaded in 39 ms on one thread of a 16-core host, 28 ms on four and
-42 ms on sixteen."""
+"""Raw bytes a decoding thread of Python's is given at least: a load of fewer bytes runs its ranges on fewer threads.
+Each range costs Python holding the GIL: MiniLM (45 MB) loaded in 39 ms on one thread of a 16-core host, 28 ms on
+four and 42 ms on sixteen, when its tensors were decoded by Python's threads."""
 
-BATCH_BYTES = 4 << 20
-"""Raw bytes of the small tensors decoded by one C call (:class:`_WholeBatch`): enough to leave a few microseconds
-of Python per call, few enough that a checkpoint's small tensors still spread over the threads."""
+CALL_BYTES = 1 << 30
+"""Raw bytes of the tensors decoded by one C call on its own threads (:class:`_Batch`): the call holds the caller
+until it returns, so a load of a large checkpoint takes several, between which an interrupt (Ctrl-C) is seen; each
+costs its threads' start, tens of microseconds apiece."""
+
+CALL_THREAD_BYTES = 1 << 20
+"""Raw bytes each thread of a C call is given at least: starting a thread costs about as much as decoding a tenth of
+this, so a file of a few small tensors is not spread over threads that would find nothing left to take."""
 
 WINDOW_RANGE_ELEMENTS = 1 << 21
 """Elements per range of :func:`decode_windows` (4 MiB of BF16 out), and a window one range per thread: the window
@@ -168,7 +176,7 @@ class _Job:
 @dataclass
 class _WholeJob:
     """A small SplitZip tensor in the in-memory form, where the C kernels are built but do not read through the
-    file's mapping (:func:`mapped_reads`; else :class:`_WholeBatch` takes it): its payload read by one call into the
+    file's mapping (:func:`mapped_reads`; else :class:`_Batch` takes it): its payload read by one call into the
     thread's scratch, its stored bytes' CRC-32 compared before anything decodes them, the payload decoded
     with its escapes by one call, and the decoded bytes' CRC-32 compared while they are in cache."""
 
@@ -192,14 +200,13 @@ class _WholeJob:
 
 
 @dataclass
-class _WholeBatch:
-    """Small SplitZip tensors of the in-memory form decoded straight from the file's mapping by one guarded C call
-    (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape checks, its
-    decode and its output's CRC-32, with no read into a scratch and no Python between them. Made straight from the
-    entries, with none of a :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost
-    20 us of Python apiece, as much as their decode (``bench/RESULTS.md``, "CPU loading"). The outputs are made by
-    the thread that runs the batch, while others decode (a few microseconds each, a tenth of MiniLM's load on two
-    threads if made up front)."""
+class _Batch:
+    """SplitZip tensors of the in-memory form decoded straight from the file's mapping by one guarded C call on
+    threads of its own (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape
+    checks, its decode and its output's CRC-32, a tensor of more than a million elements in ranges the threads share,
+    with no read into a scratch and no Python between them. Made straight from the entries, with none of a
+    :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost 20 us of Python apiece, as much
+    as their decode (``bench/RESULTS.md``, "CPU loading")."""
 
     file: SztFile
     entries: list[TensorEntry]
@@ -208,14 +215,16 @@ class _WholeBatch:
     check_decoded: bool
     outs: list[torch.Tensor] = field(default_factory=list)  # per entry, once run (:func:`_whole_outputs`)
 
-    def run(self, k: int) -> None:  # one unit of work: k is 0
+    def run(self, threads: int) -> None:
+        """Decode on up to ``threads`` threads, at most one per :data:`CALL_THREAD_BYTES` of output."""
         file, entries = self.file, self.entries
         self.outs = _whole_outputs(file, entries, self.given)
         payloads = [(stored, entry.layout, entry.codebook, out)
                     for stored, entry, out in zip(file.mapped_payloads(entries), entries, self.outs)]
+        threads = min(threads, -(-sum(entry.raw_length for entry in entries) // CALL_THREAD_BYTES)) or 1
         try:
             results = decode_payloads(payloads, checksums=self.check_decoded or any(self.check_stored),
-                                      populate=host_pages.populated_size())
+                                      populate=host_pages.populated_size(), threads=threads)
         except EOFError as e:
             raise file.mapped_read_error(entries[e.item].name) from None
         for entry, check_stored, (stored, decoded, error) in zip(entries, self.check_stored, results):
@@ -225,14 +234,14 @@ class _WholeBatch:
 
 def _batches(file: SztFile, entries: Sequence[TensorEntry], batched: Sequence[int],
              outs: Sequence[torch.Tensor | None] | None, check_stored: Sequence[bool],
-             check_decoded: bool) -> list[tuple[list[int], _WholeBatch]]:
-    """The small tensors ``batched`` (indices of ``entries``, :func:`_batched`), cut into :class:`_WholeBatch` es of
-    :data:`BATCH_BYTES` of output, each with the indices it decodes; into ``outs`` (by index) where given, each
+             check_decoded: bool) -> list[tuple[list[int], _Batch]]:
+    """The tensors ``batched`` (indices of ``entries``, :func:`_batched`), cut into :class:`_Batch` es of
+    :data:`CALL_BYTES` of output, each with the indices it decodes; into ``outs`` (by index) where given, each
     checked to fit here (:func:`_given_output`), before any batch runs."""
     given = {i: _given_output(entries[i], outs[i]) for i in batched if outs is not None and outs[i] is not None}
-    return [(run, _WholeBatch(file, [entries[i] for i in run], [given.get(i) for i in run],
-                              [check_stored[i] for i in run], check_decoded))
-            for run in runs_within(batched, lambda i: entries[i].raw_length, BATCH_BYTES)]
+    return [(run, _Batch(file, [entries[i] for i in run], [given.get(i) for i in run],
+                         [check_stored[i] for i in run], check_decoded))
+            for run in runs_within(batched, lambda i: entries[i].raw_length, CALL_BYTES)]
 
 
 _thread_scratch = threading.local()
@@ -327,6 +336,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     dtypes = None if as_bytes else [entry.torch_dtype(file.path) for entry in entries]
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
+    call_threads = _thread_count(threads)
     threads, step = _plan(entries, threads)
     for group in _groups(entries):
         batched = [i for i in group if _batched(entries[i], check_stored[i] or check_decoded)]
@@ -343,8 +353,10 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
                             None if outs is None else outs[i], step) for i in ranged}
         batches = _batches(file, entries, batched, outs, check_stored, check_decoded)
         units = [(job, k) for job in jobs.values() for k in range(len(job.ranges))]
-        units += [(batch, 0) for _, batch in batches]
-        _run(units, max(1, min(threads, len(units))))
+        if units:
+            _run(units, max(1, min(threads, len(units))))
+        for _, batch in batches:
+            batch.run(call_threads)
         decoded = {i: out for run, batch in batches for i, out in zip(run, batch.outs)}
         for i, job in jobs.items():
             if isinstance(job, _Job):  # a whole job compared its checksums as it ran
@@ -454,9 +466,9 @@ def _whole(entry: TensorEntry) -> bool:
 
 
 def _batched(entry: TensorEntry, checked: bool) -> bool:
-    """Whether a tensor is decoded in a :class:`_WholeBatch`: one :func:`_whole` takes, where the C kernels read
-    through the mapping (:func:`mapped_reads`)."""
-    return _whole(entry) and mapped_reads(checked)
+    """Whether a tensor is decoded in a :class:`_Batch`: a SplitZip payload in the in-memory form, where the C kernels
+    read through the mapping (:func:`mapped_reads`)."""
+    return native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None and mapped_reads(checked)
 
 
 def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
@@ -471,7 +483,7 @@ def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
 
 def _whole_outputs(file: SztFile, entries: Sequence[TensorEntry], given: Sequence[torch.Tensor | None]
                    ) -> list[torch.Tensor]:
-    """Where a :class:`_WholeBatch` decodes each of ``entries``: the output given (checked by :func:`_given_output`),
+    """Where a :class:`_Batch` decodes each of ``entries``: the output given (checked by :func:`_given_output`),
     as flat bfloat16, or a new bfloat16 tensor of the entry's shape, returned as it is (:func:`_returned`). A failed
     allocation names the tensor it was for; the check wraps the batch, not each tensor (a tenth of its output's
     cost)."""

@@ -677,14 +677,17 @@ def test_ranges_decoded_by_one_call_from_a_mapping_give_the_reference_bits(n, rn
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
-def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and_errors(rng, tmp_path):
-    """What a load runs on small tensors: whole payloads, views of a file's mapping, decoded one after another by one
-    call with and without checksums; a payload whose escape streams break a rule gets the reference's message and
-    leaves the others decoded."""
+@pytest.mark.parametrize("threads", [1, 3])
+def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and_errors(rng, tmp_path, threads):
+    """What a load runs: whole payloads, views of a file's mapping, decoded by one call with and without checksums,
+    on one thread and on three (one payload larger than a unit, so its ranges are shared); a payload whose escape
+    streams break a rule gets the reference's message and leaves the others decoded, a large one too."""
     import mmap
 
     specials = from_bits(special_values())
-    tensors = [weight_like(rng, n, scale=0.5) for n in (0, 1, 7, 2 * CHUNK_SIZE + 1, 9001, 4 * 8192 + 3)]
+    unit = cpu._native.UNIT_ELEMENTS
+    tensors = [weight_like(rng, n, scale=0.5)
+               for n in (0, 1, 7, 2 * CHUNK_SIZE + 1, 9001, 4 * 8192 + 3, unit + 3, 2 * unit + 1)]
     for x in tensors[2:]:
         for _ in range(x.numel() // 300 + 1):
             x[rng.randrange(x.numel())] = specials[rng.randrange(specials.numel())]
@@ -697,25 +700,33 @@ def test_payloads_decoded_by_one_call_from_a_mapping_give_the_reference_bits_and
         struct.pack("<H", CHUNK_SIZE)
     with pytest.raises(ValueError) as refused:
         cpu.decode(torch.frombuffer(bytearray(broken), dtype=torch.uint8), *encoded[4][1:])
-    blobs = [payload.numpy().tobytes() for payload, _, _ in encoded] + [bytes(broken)]
+    large, large_layout, _ = encoded[-2]  # escapes out of order in a payload cut into ranges
+    broken_large = bytearray(large.numpy().tobytes())
+    assert large_layout.n_esc > 1
+    cid, lpos = large_layout.off_cid, large_layout.off_lpos  # its second escape where its first is
+    broken_large[cid + 4: cid + 8], broken_large[lpos + 2: lpos + 4] = broken_large[cid: cid + 4], \
+        broken_large[lpos: lpos + 2]
+    with pytest.raises(ValueError) as refused_large:
+        cpu.decode(torch.frombuffer(bytearray(broken_large), dtype=torch.uint8), *encoded[-2][1:])
+    blobs = [payload.numpy().tobytes() for payload, _, _ in encoded] + [bytes(broken), bytes(broken_large)]
     offsets = [4096 * (1 + sum(-(-len(b) // 4096) for b in blobs[:k])) for k in range(len(blobs))]
     path = tmp_path / "payloads.bin"
     with open(path, "wb") as f:
         for offset, blob in zip(offsets, blobs):
             f.seek(offset)
             f.write(blob)
-    layouts = [(layout, codebook) for _, layout, codebook in encoded] + [encoded[4][1:]]
-    expected = tensors + [None]
+    layouts = [(layout, codebook) for _, layout, codebook in encoded] + [encoded[4][1:], encoded[-2][1:]]
+    expected = tensors + [refused, refused_large]
     with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
         views = [memoryview(mapping)[o: o + len(b)] for o, b in zip(offsets, blobs)]
         for checksums in [False] + [True] * cpu.cpu_kernel.checksums_in_kernel():
             outs = [torch.full((layout.n,), 7.0, dtype=torch.bfloat16) for layout, _ in layouts]
             results = cpu.decode_payloads([(v, layout, codebook, out) for v, (layout, codebook), out
-                                           in zip(views, layouts, outs)], checksums=checksums)
+                                           in zip(views, layouts, outs)], checksums=checksums, threads=threads)
             for x, out, blob, (stored, decoded, error) in zip(expected, outs, blobs, results):
                 assert stored == (zlib.crc32(blob) if checksums else 0)
-                if x is None:
-                    assert (decoded, error) == (0, str(refused.value))
+                if not isinstance(x, torch.Tensor):
+                    assert (decoded, error) == (0, str(x.value))
                     assert torch.equal(out, torch.full_like(out, 7.0))  # left unwritten
                     continue
                 assert error is None
@@ -747,6 +758,10 @@ def test_a_page_lost_under_payloads_decoded_together_names_the_payload_it_was_on
                                  in zip(views, encoded, outs)], checksums=False)
         assert lost.value.item == 1
         assert torch.equal(outs[0].view(torch.int16), cpu.decode(*encoded[0]).view(torch.int16))
+        with pytest.raises(EOFError) as lost:  # on threads: whichever of the lost payloads a thread met first
+            cpu.decode_payloads([(v, layout, codebook, out) for v, (_, layout, codebook), out
+                                 in zip(views, encoded, outs)], checksums=False, threads=3)
+        assert lost.value.item in (1, 2)
         buffers = [bytearray(2 * layout.n) for _, layout, _ in encoded]
         with pytest.raises(EOFError) as lost:
             cpu.cpu_kernel.decode_payloads(cpu._native, [(v, layout, codebook, out) for v, (_, layout, codebook), out
@@ -761,6 +776,40 @@ def test_a_page_lost_under_payloads_decoded_together_names_the_payload_it_was_on
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
+@pytest.mark.parametrize("lost_from", ["escape streams", "a middle range"])
+def test_a_page_lost_under_a_payload_cut_into_ranges_names_it_on_every_thread(rng, tmp_path, lost_from):
+    """A payload of more than a unit shrinks under the call: its escape streams (read before any range is taken) or
+    the pages of one of its later ranges are gone; on one thread or four, an EOFError naming it, never SIGBUS."""
+    if not cpu._native.guards_mapped_reads():
+        pytest.skip("the C kernels do not guard mapped reads here")
+    unit = cpu._native.UNIT_ELEMENTS
+    escapes = lost_from == "escape streams"  # read before any range: without them, the ranges' pages are the first
+    x = weight_like(rng, 3 * unit + 7) if escapes else (torch.rand(3 * unit + 7) + 1).to(torch.bfloat16)
+    small, large = cpu.encode(weight_like(rng, 5000)), cpu.encode(x)
+    assert (large[1].n_esc > 0) == escapes
+    blobs = [small[0].numpy().tobytes(), large[0].numpy().tobytes()]
+    path = tmp_path / "payloads.bin"
+    path.write_bytes(blobs[0].ljust(4096 * 4, b"\0") + blobs[1])
+    kept = large[1].off_cid if escapes else large[1].off_sm + 2 * unit
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        views = [memoryview(mapping)[: len(blobs[0])], memoryview(mapping)[4096 * 4:]]
+        os.truncate(path, (4096 * 4 + kept) // 4096 * 4096)
+        for threads in (1, 4):
+            for checksums in [False] + [True] * cpu.cpu_kernel.checksums_in_kernel():
+                outs = [torch.empty(layout.n, dtype=torch.bfloat16) for layout in (small[1], large[1])]
+                with pytest.raises(EOFError) as lost:
+                    cpu.decode_payloads([(v, layout, codebook, out) for v, (_, layout, codebook), out
+                                         in zip(views, (small, large), outs)], checksums=checksums, threads=threads)
+                assert lost.value.item == 1
+                if checksums:
+                    with pytest.raises(EOFError) as lost:
+                        cpu.cpu_kernel.check_payloads(cpu._native, [(v, layout, codebook) for v, (_, layout, codebook)
+                                                                    in zip(views, (small, large))], threads=threads)
+                    assert lost.value.item == 1
+        del views, lost
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
 def test_checked_decodes_refuse_to_run_before_the_crc32_functions_are_handed_over():
     """In a fresh process nothing has handed zlib-ng's functions to the kernels yet: a checked call says so instead of
     calling a null pointer; an unchecked one runs."""
@@ -768,8 +817,8 @@ def test_checked_decodes_refuse_to_run_before_the_crc32_functions_are_handed_ove
               "from szformat.codec import _native\n"
               "lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)\n"
               "item = (bytes(8), lut, bytearray(8), 0, 1024)\n"
-              "print(_native.decode_payloads([item], False, progress, 0))\n"
-              "for call in (lambda: _native.decode_payloads([item], True, progress, 0),\n"
+              "print(_native.decode_payloads([item], False, progress, 0, 1))\n"
+              "for call in (lambda: _native.decode_payloads([item], True, progress, 0, 1),\n"
               "             lambda: _native.decode_range(bytes(2), bytes(4), lut, bytearray(8),\n"
               "                                          np.zeros(0, dtype=np.int64), b'', True)):\n"
               "    try:\n"
@@ -787,22 +836,25 @@ def test_the_payloads_kernel_refuses_bad_arguments():
     native = cpu._native
     lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)
     item = (bytes(8), lut, bytearray(8), 0, 1024)  # 4 elements: 2 pk bytes, padded to 4, then 4 sm bytes
-    assert native.decode_payloads([item, item], False, progress, 0) == [(0, 0, None), (0, 0, None)]
-    assert native.decode_payloads([], False, progress, 0) == []
-    with pytest.raises(TypeError, match="takes 4 arguments"):
-        native.decode_payloads([item], False, progress)
+    assert native.decode_payloads([item, item], False, progress, 0, 2) == [(0, 0, None), (0, 0, None)]
+    assert native.decode_payloads([], False, progress, 0, 1) == []
+    assert native.decode_payloads([item], False, progress, 0, 1 << 40) == [(0, 0, None)]  # as many as it may start
+    with pytest.raises(TypeError, match="takes 5 arguments"):
+        native.decode_payloads([item], False, progress, 0)
     with pytest.raises(TypeError, match="item 1 must be a tuple of 5"):
-        native.decode_payloads([item, item[:4]], False, progress, 0)
+        native.decode_payloads([item, item[:4]], False, progress, 0, 1)
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress, 0)  # a payload too short
+        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress, 0, 1)  # a payload too short
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress, 0)  # a codebook of 15
+        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress, 0, 1)  # a codebook of 15
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0)
+        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0, 1)
     with pytest.raises(ValueError, match="populate must be a byte count"):
-        native.decode_payloads([item], False, progress, -1)
+        native.decode_payloads([item], False, progress, -1, 1)
+    with pytest.raises(ValueError, match=r"decode_payloads\(\): threads must be >= 1"):
+        native.decode_payloads([item], False, progress, 0, 0)
     with pytest.raises(TypeError, match=r"decode_payloads\(\): items must be a list or a tuple"):
-        native.decode_payloads(5, False, progress, 0)
+        native.decode_payloads(5, False, progress, 0, 1)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         cpu.decode_payloads([(bytes(8), PayloadLayout(n=4, n_esc=0), Codebook(dec_lut=lut, n_used=16, coverage=1.0),
                               torch.empty(3, dtype=torch.bfloat16))], checksums=False)
@@ -1232,9 +1284,10 @@ def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
 @pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
 def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_every_instruction_set(isa):
     """``check_payloads`` (``szconvert verify``'s call: each payload decoded a block at a time into one 32 KiB buffer)
-    against ``decode_payloads`` into whole outputs and zlib's CRC-32s: sizes around the folded path's 64 elements
-    and the 16,384 of a checked block, escapes at their first and last elements and everywhere, an empty payload,
-    and a payload whose escape stream is refused, with the same message."""
+    against ``decode_payloads`` into whole outputs, the tensors encoded and zlib's CRC-32s, on one thread and on
+    three: sizes around the folded path's 64 elements, the 16,384 of a checked block and a unit of the threads' work
+    (a payload of more is cut into ranges), escapes at their first and last elements and everywhere, an empty
+    payload, and a payload whose escape stream is refused, with the same message."""
     script = ("import sys, struct, zlib, numpy as np, torch\n"
               "from szformat.codec import CHUNK_SIZE, Codebook, cpu, cpu_kernel\n"
               "native = cpu._native\n"
@@ -1242,29 +1295,36 @@ def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_e
               "assert cpu_kernel.checksums_in_kernel()\n"
               "g = torch.Generator().manual_seed(int(sys.argv[1]))\n"
               "every = Codebook(dec_lut=(250,) + (0,) * 15, n_used=1, coverage=0.0)\n"
-              "cases = []\n"
-              "for n in (0, 1, 2, 63, 64, 65, 127, 128, 16383, 16384, 16385, 32769, 100_003):\n"
+              "cases, tensors = [], []\n"
+              "u = native.UNIT_ELEMENTS\n"
+              "for n in (0, 1, 2, 63, 64, 65, 127, 128, 16383, 16384, 16385, 32769, 100_003,\n"
+              "          u - 1, u + 1, 2 * u + 3):\n"
               "    x = (torch.randn(n, generator=g) * 0.02).to(torch.bfloat16)\n"
-              "    edges = [p for p in (0, 63, 64, 127, 16383, 16384, 16385, n - 1) if 0 <= p < n]\n"
+              "    edges = [p for p in (0, 63, 64, 127, 16383, 16384, 16385, u - 1, u, u + 1, 2 * u, n - 1)\n"
+              "             if 0 <= p < n]\n"
               "    x[edges] = float('inf')\n"
               "    x[torch.randint(0, max(n, 1), (n // 40,), generator=g)] = float('-inf')\n"
               "    cases.append(cpu.encode(x))\n"
+              "    tensors.append(x)\n"
               "    if n:\n"
               "        cases.append(cpu.encode(x, every))\n"
+              "        tensors.append(x)\n"
               "payloads = [(p.numpy().tobytes(), layout, codebook) for p, layout, codebook in cases]\n"
               "broken, layout, codebook = payloads[-2]\n"
               "assert layout.n_esc > 1\n"
               "broken = bytearray(broken)\n"
               "broken[layout.off_lpos: layout.off_lpos + 2] = struct.pack('<H', CHUNK_SIZE)\n"
               "payloads.append((bytes(broken), layout, codebook))\n"
-              "outs = [np.empty(layout.n, np.uint16) for _, layout, _ in payloads]\n"
-              "decoded = cpu_kernel.decode_payloads(native, [(p, layout, codebook, out) for (p, layout, codebook), out\n"
-              "                                              in zip(payloads, outs)], checksums=True)\n"
-              "checked = cpu_kernel.check_payloads(native, payloads)\n"
-              "assert checked == decoded\n"
-              "assert checked[-1][2] is not None and checked[-1][0] == zlib.crc32(payloads[-1][0])\n"
-              "for (p, _, _), out, (stored, crc, error), (x, _, _) in zip(payloads, outs, checked, cases):\n"
-              "    assert error is None and stored == zlib.crc32(p) and crc == zlib.crc32(out.tobytes())\n"
+              "for threads in (1, 3):\n"
+              "    outs = [np.empty(layout.n, np.uint16) for _, layout, _ in payloads]\n"
+              "    items = [(p, layout, codebook, out) for (p, layout, codebook), out in zip(payloads, outs)]\n"
+              "    decoded = cpu_kernel.decode_payloads(native, items, checksums=True, threads=threads)\n"
+              "    checked = cpu_kernel.check_payloads(native, payloads, threads=threads)\n"
+              "    assert checked == decoded\n"
+              "    assert checked[-1][2] is not None and checked[-1][0] == zlib.crc32(payloads[-1][0])\n"
+              "    for (p, _, _), out, (stored, crc, error), x in zip(payloads, outs, checked, tensors):\n"
+              "        assert error is None and stored == zlib.crc32(p) and crc == zlib.crc32(out.tobytes())\n"
+              "        assert np.array_equal(out, x.view(torch.int16).numpy().view(np.uint16))\n"
               "print('ok')\n")
     assert_runs_under_cap(isa, script)
 
@@ -1277,24 +1337,26 @@ def test_check_payloads_refuses_items_it_cannot_take():
     native, progress = cpu._native, np.zeros(1, dtype=np.int64)
     lut = bytes(range(16))
     payload = bytes(PayloadLayout(n=4, n_esc=0).comp_bytes)
-    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress) == [
+    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress, 1) == [
         (zlib.crc32(payload), zlib.crc32(cpu.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
                                                     PayloadLayout(n=4, n_esc=0),
                                                     Codebook(dec_lut=tuple(lut), n_used=16, coverage=1.0))
                                          .view(torch.uint8).numpy().tobytes()), None)]
-    assert native.check_payloads([], progress) == []
-    with pytest.raises(TypeError, match="takes 2 arguments"):
-        native.check_payloads([], progress, 0)
+    assert native.check_payloads([], progress, 3) == []
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        native.check_payloads([], progress)
+    with pytest.raises(ValueError, match=r"check_payloads\(\): threads must be >= 1"):
+        native.check_payloads([], progress, -2)
     with pytest.raises(TypeError, match="must be a tuple of 5"):
-        native.check_payloads([(payload, lut, 4, 0)], progress)
+        native.check_payloads([(payload, lut, 4, 0)], progress, 1)
     for bad in ((payload, lut, -1, 0, CHUNK_SIZE), (payload, lut, 4, 5, CHUNK_SIZE), (payload, lut, 4, 0, 0),
                 (payload[:-1], lut, 4, 0, CHUNK_SIZE), (payload, lut[:15], 4, 0, CHUNK_SIZE)):
         with pytest.raises(ValueError, match="check_payloads"):
-            native.check_payloads([bad], progress)
+            native.check_payloads([bad], progress, 1)
     with pytest.raises(TypeError, match=r"check_payloads\(\): items must be a list or a tuple"):
-        native.check_payloads(5, progress)
+        native.check_payloads(5, progress, 1)
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.check_payloads([], np.zeros(1, dtype=np.int32))
+        native.check_payloads([], np.zeros(1, dtype=np.int32), 1)
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)

@@ -45,7 +45,10 @@ def _tensors() -> dict[str, torch.Tensor]:
 @pytest.fixture
 def small_ranges(monkeypatch):
     """Ranges of 1,024 elements (and 1,000 raw bytes), so a small file has dozens of them, and as many threads as
-    asked for, however few bytes they decode."""
+    asked for, however few bytes they decode; no tensor decoded by the C call of a batch (:class:`_Batch`, tested
+    on its own below), so the ranges are Python's, as where that call cannot read through the mapping, and as
+    ``verify`` and ``decompress`` take a large tensor a window at a time."""
+    monkeypatch.setattr(host_decode, "_batched", lambda entry, checked: False)
     monkeypatch.setattr(host_decode, "RANGE_ELEMENTS", 1024)
     monkeypatch.setattr(host_decode, "RAW_RANGE_BYTES", 1000)
     monkeypatch.setattr(host_decode, "THREAD_BYTES", 1)
@@ -133,7 +136,9 @@ def test_get_tensor_decodes_a_large_tensor_in_ranges(tmp_path, small_ranges, two
 def test_a_tensor_decoded_alone_is_shared_between_the_threads(tmp_path, two_threads, monkeypatch, verify):
     """A tensor asked for alone (``get_tensor``, vLLM's loader) that would be one range is cut into one range per
     thread (here 20,001 elements, ranges of at least 1,000 and at most the default 8 Mi), each decoded on its own
-    thread, bit for bit; a load of several tensors keeps whole ranges."""
+    thread, bit for bit; a load of several tensors keeps whole ranges. Python's ranges: the C call of a batch cuts
+    a large tensor into ranges its threads share itself (``tests/codec/test_cpu.py``)."""
+    monkeypatch.setattr(host_decode, "_batched", lambda entry, checked: False)
     monkeypatch.setattr(host_decode, "MIN_RANGE_ELEMENTS", 1000)
     monkeypatch.setattr(host_decode, "WHOLE_ELEMENTS", 1024)  # "big" is decoded range by range
     source = _tensors()
@@ -306,9 +311,9 @@ def test_an_output_that_does_not_fit_is_refused_before_anything_is_decoded(tmp_p
     assert all(bool((out == 7).all()) for out in outs)
 
 
-def test_small_tensors_are_batched_by_bytes():
-    """Small tensors are cut into batches of at most BATCH_BYTES of output, in the order given, each with the
-    indices it decodes, its outputs given (or None) and stored-bytes flags."""
+def test_tensors_are_batched_by_bytes():
+    """The tensors of a load's C calls are cut into batches of at most CALL_BYTES of output, in the order given,
+    each with the indices it decodes, its outputs given (or None) and stored-bytes flags."""
     entry = type("Entry", (), {})
 
     def small(name, raw_length):
@@ -316,7 +321,7 @@ def test_small_tensors_are_batched_by_bytes():
         e.name, e.raw_length = name, raw_length
         return e
 
-    third = host_decode.BATCH_BYTES // 3
+    third = host_decode.CALL_BYTES // 3
     entries = [small(f"t{i}", 8 if i == 3 else third) for i in range(7)]
     batched = [0, 1, 2, 4, 5, 6]  # index 3: decoded range by range
     outs = [torch.empty(e.raw_length, dtype=torch.uint8) for e in entries]
@@ -368,6 +373,89 @@ def test_a_small_tensor_with_corrupt_bytes_is_refused_by_name(tmp_path, verify):
     with pytest.raises(error, match="stored bytes" if verify else "outside its chunk") as info:
         load_file(path, verify=verify)
     assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
+
+
+def _with_a_large_tensor() -> dict[str, torch.Tensor]:
+    """:func:`_tensors` and a tensor of more than two of the C call's units, with escapes in each."""
+    gen = torch.Generator().manual_seed(5)
+    unit = cpu._native.UNIT_ELEMENTS if cpu._native is not None else 1 << 20
+    large = (torch.randn(2 * unit + 5, generator=gen) * 0.02).to(torch.bfloat16)
+    large[torch.randint(0, large.numel(), (300,), generator=gen)] = float("inf")
+    large[[0, unit - 1, unit, 2 * unit, 2 * unit + 4]] = float("nan")
+    return {**_tensors(), "large": large}
+
+
+@pytest.mark.parametrize("threads", [1, 4])
+@pytest.mark.parametrize("verify", [True, False])
+def test_a_load_decodes_the_in_memory_form_by_one_call_on_threads_of_its_own(tmp_path, monkeypatch, threads, verify):
+    """Where the C kernels read through the mapping, every SplitZip tensor of a load in the in-memory form goes to
+    one C call (the raw one to Python's threads), on the caller's thread count (at most the host's cores), at most one
+    per CALL_THREAD_BYTES of output: bit for bit, a tensor of several units included."""
+    if not host_decode.mapped_reads(verify):
+        pytest.skip("the C kernels do not read through the mapping here")
+    source = _with_a_large_tensor()
+    path = tmp_path / "m.szt"
+    save_file(source, path)
+    calls: list[tuple[list[int], int]] = []
+    real = host_decode.decode_payloads
+
+    def spy(payloads, **kwargs):
+        calls.append(([layout.n for _, layout, _, _ in payloads], kwargs["threads"]))
+        return real(payloads, **kwargs)
+
+    monkeypatch.setattr(host_decode, "decode_payloads", spy)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        loaded = load_file(path, verify=verify)
+    finally:
+        torch.set_num_threads(before)
+    for name, tensor in source.items():
+        assert torch.equal(_bits(loaded[name]), _bits(tensor)), name
+    with SztFile(path) as f:
+        splitzip = [name for name in source if f.entry(name).encoding != ENCODING_RAW]
+    assert "large" in splitzip and "raw_f32" not in splitzip
+    raw = sum(source[name].numel() * 2 for name in splitzip)
+    assert calls == [([source[name].numel() for name in splitzip],
+                      min(threads, host_decode._CORES, -(-raw // host_decode.CALL_THREAD_BYTES)))]
+
+
+@pytest.mark.parametrize("where, error, reason", [
+    ("sm", ChecksumMismatchError, "stored bytes"),  # a byte of its second unit's stored bytes
+    ("escape", ChecksumMismatchError, "stored bytes"),  # an escape stream broken, and so its checksum
+    ("codebook", ChecksumMismatchError, "decoded bytes"),  # the header's codebook edited, its checksum recomputed
+])
+@pytest.mark.parametrize("threads", [1, 3])
+def test_a_bad_tensor_of_several_units_is_refused_by_name(tmp_path, where, error, reason, threads):
+    """The C call joins a large tensor's checksums from its units': any byte wrong in any of them is the package's
+    error naming the file and the tensor, on one thread or three."""
+    from support import Forge
+
+    if not host_decode.mapped_reads(True):
+        pytest.skip("the C kernels do not read through the mapping here")
+    path = tmp_path / "m.szt"
+    save_file(_with_a_large_tensor(), path)
+    if where == "codebook":
+        forge = Forge.load(path)
+        lut = forge.entry("large")["encoding"]["configuration"]["codebook"]
+        lut[0], lut[1] = lut[1], lut[0]
+        forge.write(path)
+    else:
+        with SztFile(path) as f:
+            e = f.entry("large")
+            at = e.offset + (e.layout.off_sm + cpu._native.UNIT_ELEMENTS + 12_345 if where == "sm"
+                             else e.layout.off_lpos + 1)
+        data = bytearray(path.read_bytes())
+        data[at] ^= 0xF0
+        path.write_bytes(bytes(data))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        with pytest.raises(error, match=reason) as info:
+            load_file(path)
+    finally:
+        torch.set_num_threads(before)
+    assert (info.value.tensor, str(info.value.path)) == ("large", str(path))
 
 
 @pytest.mark.parametrize("verify", [True, False])
