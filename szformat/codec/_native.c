@@ -35,10 +35,10 @@
  *                                        them, a payload of more than UNIT_ELEMENTS cut into ranges the threads
  *                                        share; no Python between. Outputs of ``populate`` bytes and more (0: none)
  *                                        whose first page is not in memory are faulted in by one madvise each first.
- *   check_payloads(items, progress, threads) -> [(stored_crc, decoded_crc, error), ...]
+ *   check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]
  *                                        decode_payloads' checks and checksums of payloads given their element
- *                                        count instead of an output: each decoded a block at a time into one
- *                                        32 KiB buffer of its thread's, for a check that keeps nothing else
+ *                                        count instead of an output, on the caller's thread: each decoded a block
+ *                                        at a time into one 32 KiB buffer, for a check that keeps nothing else
  *                                        (szconvert verify).
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
@@ -1754,7 +1754,7 @@ done:
     return result;
 }
 
-/* The ``threads`` argument of decode_payloads and check_payloads: an int >= 1 (at most MAX_THREADS are started),
+/* The ``threads`` argument of decode_payloads: an int >= 1 (at most MAX_THREADS are started),
  * or -1 with an error set. */
 static int threads_wanted(const char *function, PyObject *arg)
 {
@@ -1798,22 +1798,19 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
     return run_payloads("decode_payloads", args[0], args[2], checksums, populate, 0, threads);
 }
 
-/* check_payloads(items, progress, threads) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its
- * checksums for a check that keeps nothing else (``szconvert verify``): ``items`` of ``(payload, dec_lut, n, n_esc,
- * chunk_size)``, each unit decoded a block at a time into one buffer of its thread's, 32 KiB, where decode_payloads'
- * outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's check). */
+/* check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its checksums
+ * for a check that keeps nothing else (``szconvert verify``, which runs a call per thread of its own): ``items`` of
+ * ``(payload, dec_lut, n, n_esc, chunk_size)``, each unit decoded a block at a time into one buffer of 32 KiB, where
+ * decode_payloads' outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's check). */
 static PyObject *py_check_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 3) {
-        PyErr_Format(PyExc_TypeError, "check_payloads() takes 3 arguments (%zd given)", nargs);
+    if (nargs != 2) {
+        PyErr_Format(PyExc_TypeError, "check_payloads() takes 2 arguments (%zd given)", nargs);
         return NULL;
     }
     if (checksums_wanted("check_payloads", Py_True) < 0)
         return NULL;
-    int threads = threads_wanted("check_payloads", args[2]);
-    if (threads < 0)
-        return NULL;
-    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1, threads);
+    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1, 1);
 }
 
 /* 0 where the ``n_esc`` escape ``positions`` ascend inside [0, n), as a decode that patches them needs; else -1 with
@@ -2066,9 +2063,9 @@ static PyMethodDef methods[] = {
      "threads) -> [(stored_crc, decoded_crc, error), ...]: payloads (decode_payload's arguments each) decoded by one "
      "call on up to threads threads, with their checksums when asked, outputs of populate bytes or more faulted in "
      "first (0: none); a page that could not be read an EOFError, its item's index in progress[0]"},
-    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress, threads) -> [(stored_crc, "
-     "decoded_crc, error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) "
-     "items, each decoded a block at a time into one small buffer of its thread's"},
+    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress) -> [(stored_crc, decoded_crc, "
+     "error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) items, each "
+     "decoded a block at a time into one small buffer of the call's"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "

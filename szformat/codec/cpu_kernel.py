@@ -72,20 +72,19 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
     return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate, threads))
 
 
-def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]], *,
-                   threads: int = 1) -> list[tuple[int, int, str | None]]:
+def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]]
+                   ) -> list[tuple[int, int, str | None]]:
     """What :func:`decode_payloads` with checksums gives for ``(payload, layout, codebook)``, where nothing but the
-    checks is wanted (``szconvert verify``, before it imports torch): ``kernels.check_payloads`` decodes each payload a
-    block at a time into one small buffer of its thread's, so no output takes fresh memory (a check of MiniLM's file
-    went from 20 to 9 ms on the 2-core VM so). On up to ``threads`` threads, as :func:`decode_payloads`. Needs
-    :func:`checksums_in_kernel`.
+    checks is wanted (``szconvert verify``, before it imports torch, on threads of its own): ``kernels.check_payloads``
+    decodes each payload a block at a time into one small buffer, on the caller's thread, so no output takes fresh
+    memory (a check of MiniLM's file went from 20 to 9 ms on the 2-core VM so). Needs :func:`checksums_in_kernel`.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
     """
     items = [(payload, bytes(codebook.dec_lut), layout.n, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook in payloads]
-    return _item_by_item(lambda progress: kernels.check_payloads(items, progress, threads))
+    return _item_by_item(lambda progress: kernels.check_payloads(items, progress))
 
 
 def _item_by_item(call: Callable[[array.array], list[tuple[int, int, str | None]]]

@@ -36,11 +36,6 @@ from .report import format_bytes
 
 BLOCKS_APART = "its block checksums (format 1.3) do not join to its crc32: reads of part of it would be refused"
 
-KERNEL_ESCAPES = 1 << 22
-"""The most escapes of a tensor the kernels' check takes: it lists a tensor's escape positions whole first (8 bytes
-each, per thread), so a file with more (a writer keeps them under 1 % of a tensor's elements; a forged file need
-not) goes to the loader's path, which takes them a window at a time."""
-
 THREAD_BYTES = 64 << 20
 """Raw bytes a thread of :func:`_problems_in_kernels` is given at least: a small file is checked on one thread,
 whose start would cost more than it shares."""
@@ -164,13 +159,13 @@ def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry], threads: int)
     in the file's order, with the reasons ``load_file`` gives.
 
     None where the kernels do not take the file: not built here (or without zlib-ng's CRC-32, or reads of a mapping
-    they cannot guard), a tensor stored at rest or with more than :data:`KERNEL_ESCAPES` escapes, or a page that
-    could not be read (the loader's path then says which tensor's).
+    they cannot guard), a tensor stored at rest, or a page that could not be read (the loader's path then says which
+    tensor's). Escapes cost the check no memory of a tensor's size: it lists them a unit of a million elements at a
+    time (``decode_payloads``' units), however many a forged file claims.
     """
     kernels = cpu_kernel.native
     if (kernels is None or not cpu_kernel.checksums_in_kernel() or not kernels.guards_mapped_reads()
-            or any(e.at_rest is not None or (e.layout is not None and e.layout.n_esc > KERNEL_ESCAPES)
-                   for e in entries)):
+            or any(e.at_rest is not None for e in entries)):
         return None
     shares = _shares(entries, min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)))
     try:

@@ -804,7 +804,7 @@ def test_a_page_lost_under_a_payload_cut_into_ranges_names_it_on_every_thread(rn
                 if checksums:
                     with pytest.raises(EOFError) as lost:
                         cpu.cpu_kernel.check_payloads(cpu._native, [(v, layout, codebook) for v, (_, layout, codebook)
-                                                                    in zip(views, (small, large))], threads=threads)
+                                                                    in zip(views, (small, large))])
                     assert lost.value.item == 1
         del views, lost
 
@@ -1284,9 +1284,9 @@ def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
 @pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
 def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_every_instruction_set(isa):
     """``check_payloads`` (``szconvert verify``'s call: each payload decoded a block at a time into one 32 KiB buffer)
-    against ``decode_payloads`` into whole outputs, the tensors encoded and zlib's CRC-32s, on one thread and on
-    three: sizes around the folded path's 64 elements, the 16,384 of a checked block and a unit of the threads' work
-    (a payload of more is cut into ranges), escapes at their first and last elements and everywhere, an empty
+    against ``decode_payloads`` into whole outputs (on one thread and on three), the tensors encoded and zlib's
+    CRC-32s: sizes around the folded path's 64 elements, the 16,384 of a checked block and a unit of the threads'
+    work (a payload of more is cut into ranges, in both calls), escapes at their first and last elements and everywhere, an empty
     payload, and a payload whose escape stream is refused, with the same message."""
     script = ("import sys, struct, zlib, numpy as np, torch\n"
               "from szformat.codec import CHUNK_SIZE, Codebook, cpu, cpu_kernel\n"
@@ -1319,7 +1319,7 @@ def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_e
               "    outs = [np.empty(layout.n, np.uint16) for _, layout, _ in payloads]\n"
               "    items = [(p, layout, codebook, out) for (p, layout, codebook), out in zip(payloads, outs)]\n"
               "    decoded = cpu_kernel.decode_payloads(native, items, checksums=True, threads=threads)\n"
-              "    checked = cpu_kernel.check_payloads(native, payloads, threads=threads)\n"
+              "    checked = cpu_kernel.check_payloads(native, payloads)\n"
               "    assert checked == decoded\n"
               "    assert checked[-1][2] is not None and checked[-1][0] == zlib.crc32(payloads[-1][0])\n"
               "    for (p, _, _), out, (stored, crc, error), x in zip(payloads, outs, checked, tensors):\n"
@@ -1337,26 +1337,24 @@ def test_check_payloads_refuses_items_it_cannot_take():
     native, progress = cpu._native, np.zeros(1, dtype=np.int64)
     lut = bytes(range(16))
     payload = bytes(PayloadLayout(n=4, n_esc=0).comp_bytes)
-    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress, 1) == [
+    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress) == [
         (zlib.crc32(payload), zlib.crc32(cpu.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
                                                     PayloadLayout(n=4, n_esc=0),
                                                     Codebook(dec_lut=tuple(lut), n_used=16, coverage=1.0))
                                          .view(torch.uint8).numpy().tobytes()), None)]
-    assert native.check_payloads([], progress, 3) == []
-    with pytest.raises(TypeError, match="takes 3 arguments"):
-        native.check_payloads([], progress)
-    with pytest.raises(ValueError, match=r"check_payloads\(\): threads must be >= 1"):
-        native.check_payloads([], progress, -2)
+    assert native.check_payloads([], progress) == []
+    with pytest.raises(TypeError, match="takes 2 arguments"):
+        native.check_payloads([], progress, 0)
     with pytest.raises(TypeError, match="must be a tuple of 5"):
-        native.check_payloads([(payload, lut, 4, 0)], progress, 1)
+        native.check_payloads([(payload, lut, 4, 0)], progress)
     for bad in ((payload, lut, -1, 0, CHUNK_SIZE), (payload, lut, 4, 5, CHUNK_SIZE), (payload, lut, 4, 0, 0),
                 (payload[:-1], lut, 4, 0, CHUNK_SIZE), (payload, lut[:15], 4, 0, CHUNK_SIZE)):
         with pytest.raises(ValueError, match="check_payloads"):
-            native.check_payloads([bad], progress, 1)
+            native.check_payloads([bad], progress)
     with pytest.raises(TypeError, match=r"check_payloads\(\): items must be a list or a tuple"):
-        native.check_payloads(5, progress, 1)
+        native.check_payloads(5, progress)
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.check_payloads([], np.zeros(1, dtype=np.int32), 1)
+        native.check_payloads([], np.zeros(1, dtype=np.int32))
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)

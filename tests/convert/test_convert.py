@@ -1037,28 +1037,32 @@ def test_verify_deals_tensors_to_threads_by_bytes_largest_first():
     assert len(verify_module._shares(entries[:2], 8)) == 2 and verify_module._shares([], 4) == []
 
 
-def test_a_tensor_with_more_escapes_than_the_kernels_list_goes_to_the_loader(tmp_path, monkeypatch):
-    """The kernels' check lists a tensor's escape positions whole; past :data:`KERNEL_ESCAPES` (a forged file can
-    claim as many as its bytes hold) the file goes to the loader's path, which takes them a window at a time, and is
-    checked all the same."""
+def test_a_tensor_of_several_units_with_escapes_is_checked_by_the_kernels(tmp_path, monkeypatch):
+    """A tensor of more than one unit of the kernels' work, escapes in each (they are listed a unit at a time, so no
+    count of them sends a file elsewhere): checked by the kernels, and a broken escape value of its second unit is
+    found there, with the reason the loader gives."""
     from szformat.loading import host_decode
 
     skip_unless_the_kernels_check_mappings()
-    weights = bf16_weights((64, 48), seed=5)
-    weights.view(-1)[::401] = 1e-30  # an exponent too rare for the codebook: escapes
+    unit = cpu._native.UNIT_ELEMENTS
+    weights = bf16_weights((unit + 3,), seed=5)
+    weights[::150] = 2.0 ** (-100 + torch.arange(0, weights[::150].numel()) % 20).float()  # rare exponents: escapes
     path = tmp_path / "model.szt"
     szformat.save_file({"w": weights}, path)
     with SztFile(path) as f:
-        escapes = f.entry("w").layout.n_esc
-    assert escapes > 0
+        entry = f.entry("w")
+    layout = entry.layout
+    assert entry.encoding != C.ENCODING_RAW and layout.n_esc > 2 * (unit // 150) // 3
     loaded = []
     real_decode = host_decode.decode_entries
     monkeypatch.setattr(host_decode, "decode_entries", lambda file, entries, **kw: loaded.append(
         [e.name for e in entries]) or real_decode(file, entries, **kw))
-    monkeypatch.setattr(verify_module, "KERNEL_ESCAPES", escapes)
-    assert verify(path).ok and loaded == []  # at the bound: the kernels
-    monkeypatch.setattr(verify_module, "KERNEL_ESCAPES", escapes - 1)
-    assert verify(path).ok and loaded == [["w"]]
+    assert verify(path).ok and loaded == []
+    data = bytearray(path.read_bytes())
+    data[entry.offset + layout.off_ev + layout.n_esc - 2] ^= 0x01  # an escape of the second unit
+    path.write_bytes(bytes(data))
+    report = verify(path)
+    assert loaded == [] and [(p.tensor, "stored bytes" in p.message) for p in report.problems] == [("w", True)]
 
 
 def test_verify_runs_on_omp_num_threads_where_it_is_set(monkeypatch):

@@ -375,6 +375,34 @@ def test_a_small_tensor_with_corrupt_bytes_is_refused_by_name(tmp_path, verify):
     assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
 
 
+BREAKS = [
+    ("sm", ChecksumMismatchError, "stored bytes"),  # a byte of its stored bytes, far into the tensor
+    ("escape", ChecksumMismatchError, "stored bytes"),  # an escape stream broken, and so its checksum
+    ("codebook", ChecksumMismatchError, "decoded bytes"),  # the header's codebook edited, its checksum recomputed
+]
+"""Where :func:`_break` breaks a tensor, and the error and reason a decode of it gives."""
+
+
+def _break(path, name: str, where: str, *, sm_element: int) -> None:
+    """Break tensor ``name`` of the file at ``path`` as :data:`BREAKS` says: the ``sm`` byte of element
+    ``sm_element``, its first escape's local position, or its codebook's first two exponents swapped in the header
+    (which is written again with checksums that hold)."""
+    from support import Forge
+
+    if where == "codebook":
+        forge = Forge.load(path)
+        lut = forge.entry(name)["encoding"]["configuration"]["codebook"]
+        lut[0], lut[1] = lut[1], lut[0]
+        forge.write(path)
+        return
+    with SztFile(path) as f:
+        e = f.entry(name)
+        at = e.offset + (e.layout.off_sm + sm_element if where == "sm" else e.layout.off_lpos + 1)
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0xF0
+    path.write_bytes(bytes(data))
+
+
 def _with_a_large_tensor() -> dict[str, torch.Tensor]:
     """:func:`_tensors` and a tensor of more than two of the C call's units, with escapes in each."""
     gen = torch.Generator().manual_seed(5)
@@ -420,34 +448,16 @@ def test_a_load_decodes_the_in_memory_form_by_one_call_on_threads_of_its_own(tmp
                       min(threads, host_decode._CORES, -(-raw // host_decode.CALL_THREAD_BYTES)))]
 
 
-@pytest.mark.parametrize("where, error, reason", [
-    ("sm", ChecksumMismatchError, "stored bytes"),  # a byte of its second unit's stored bytes
-    ("escape", ChecksumMismatchError, "stored bytes"),  # an escape stream broken, and so its checksum
-    ("codebook", ChecksumMismatchError, "decoded bytes"),  # the header's codebook edited, its checksum recomputed
-])
+@pytest.mark.parametrize("where, error, reason", BREAKS)
 @pytest.mark.parametrize("threads", [1, 3])
 def test_a_bad_tensor_of_several_units_is_refused_by_name(tmp_path, where, error, reason, threads):
     """The C call joins a large tensor's checksums from its units': any byte wrong in any of them is the package's
     error naming the file and the tensor, on one thread or three."""
-    from support import Forge
-
     if not host_decode.mapped_reads(True):
         pytest.skip("the C kernels do not read through the mapping here")
     path = tmp_path / "m.szt"
     save_file(_with_a_large_tensor(), path)
-    if where == "codebook":
-        forge = Forge.load(path)
-        lut = forge.entry("large")["encoding"]["configuration"]["codebook"]
-        lut[0], lut[1] = lut[1], lut[0]
-        forge.write(path)
-    else:
-        with SztFile(path) as f:
-            e = f.entry("large")
-            at = e.offset + (e.layout.off_sm + cpu._native.UNIT_ELEMENTS + 12_345 if where == "sm"
-                             else e.layout.off_lpos + 1)
-        data = bytearray(path.read_bytes())
-        data[at] ^= 0xF0
-        path.write_bytes(bytes(data))
+    _break(path, "large", where, sm_element=cpu._native.UNIT_ELEMENTS + 12_345)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -645,28 +655,11 @@ def test_windows_refuse_what_they_do_not_decode(tmp_path):
             next(host_decode.decode_windows(f, f.entry("big"), torch.empty(3, dtype=torch.uint8)))
 
 
-@pytest.mark.parametrize("where, error, reason", [
-    ("sm", ChecksumMismatchError, "stored bytes"),  # a byte of a window's stored bytes
-    ("escape", ChecksumMismatchError, "stored bytes"),  # an escape stream broken, and so its checksum
-    ("codebook", ChecksumMismatchError, "decoded bytes"),  # the header's codebook edited, its checksum recomputed
-])
+@pytest.mark.parametrize("where, error, reason", BREAKS)
 def test_a_bad_window_is_refused_by_name_after_the_last(tmp_path, two_threads, where, error, reason):
-    from support import Forge
-
     path = tmp_path / "m.szt"
     save_file(_tensors(), path)
-    if where == "codebook":
-        forge = Forge.load(path)
-        lut = forge.entry("big")["encoding"]["configuration"]["codebook"]
-        lut[0], lut[1] = lut[1], lut[0]
-        forge.write(path)
-    else:
-        with SztFile(path) as f:
-            e = f.entry("big")
-            at = e.offset + (e.layout.off_sm + 15_001 if where == "sm" else e.layout.off_lpos + 1)
-        data = bytearray(path.read_bytes())
-        data[at] ^= 0xF0
-        path.write_bytes(bytes(data))
+    _break(path, "big", where, sm_element=15_001)
     with pytest.raises(error, match=reason) as info:
         _windows(path, "big", 8192)
     assert (info.value.tensor, str(info.value.path)) == ("big", str(path))
