@@ -854,13 +854,14 @@ class PayloadDecoder:
 
 
 def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, torch.Tensor]], *, checksums: bool,
-                    populate: int = 0, threads: int = 1) -> list[tuple[int, int, str | None]]:
+                    populate: int = 0, threads: int = 1, release: bool = False) -> list[tuple[int, int, str | None]]:
     """Whole payloads ``(payload, layout, codebook, out)`` decoded by one C call (the C kernels only) on up to
     ``threads`` threads of its own, with no Python between them: what a checkpoint of many small tensors otherwise
     spends more on than on their decode, and a large tensor's ranges shared by every thread. Per payload ``(stored_crc, decoded_crc, error)``: the CRC-32s of its bytes and of its output (0
     where ``checksums`` is false), and ``None``, or the message refusing its escape streams (its ``out`` then left
     unwritten, its decoded CRC-32 0). Outputs of at least ``populate`` bytes (0: none) whose pages are new are
-    faulted in first, each by one call (``cpu_kernel.decode_payloads``).
+    faulted in first, each by one call; with ``release``, payloads that are views of a file's read-only mapping
+    only, the pages read are dropped from the page tables as they are decoded (``cpu_kernel.decode_payloads``).
 
     The payloads may be views of a file's mapping (:meth:`SztFile.mapped`): the call catches the fault of a page
     the file no longer holds.
@@ -874,7 +875,7 @@ def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, to
         _check_out(out, layout.n)
     return cpu_kernel.decode_payloads(_native, [(payload, layout, codebook, out.view(torch.int16).numpy())
                                                 for payload, layout, codebook, out in payloads],
-                                      checksums=checksums, populate=populate, threads=threads)
+                                      checksums=checksums, populate=populate, threads=threads, release=release)
 
 
 def guarded_crc32(data: Buffer, crc: int = 0) -> int:

@@ -4,6 +4,7 @@ hand) or the PyTorch reference. Imports neither torch nor NumPy, so ``szconvert 
 from __future__ import annotations
 
 import array
+import mmap
 import os
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, Callable, Sequence
@@ -56,20 +57,38 @@ def _hand_over_crc32(kernels: ModuleType | None) -> bool:
 
 
 def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook, Any]], *,
-                    checksums: bool, populate: int = 0, threads: int = 1) -> list[tuple[int, int, str | None]]:
+                    checksums: bool, populate: int = 0, threads: int = 1, release: bool = False
+                    ) -> list[tuple[int, int, str | None]]:
     """``kernels.decode_payloads`` of whole payloads ``(payload, layout, codebook, out)``, ``out`` a writable buffer
     of the layout's raw bytes: per payload ``(stored_crc, decoded_crc, error)``. Without torch; ``codec.cpu
     .decode_payloads`` says more. The call runs on up to ``threads`` threads of its own, the GIL released, each
     taking the next payload, or the next range of one of more than ``UNIT_ELEMENTS`` elements. Each output of at
     least ``populate`` bytes (0: none) whose first page is not in memory is faulted in by one call before it is
-    written, as ``loading.host_pages.populate`` does.
+    written, as ``loading.host_pages.populate`` does. With ``release``, every payload a view of a read-only
+    ``mmap`` (a file's mapping: :func:`released_mapping` checks), the pages each thread read are dropped from the
+    process's page tables once decoded, so the mapping's close has next to nothing left to unmap.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
+        ValueError: ``release`` with a payload that is not a view of a read-only mapping.
     """
+    if release and not all(released_mapping(payload) for payload, _, _, _ in payloads):
+        raise ValueError("release drops the pages of read-only file mappings only: a payload is not a view of one")
     items = [(payload, bytes(codebook.dec_lut), out, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook, out in payloads]
-    return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate, threads))
+    return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate, threads,
+                                                                  release))
+
+
+def released_mapping(payload: Any) -> bool:
+    """Whether ``decode_payloads(..., release=True)`` may drop the pages of ``payload``: a read-only view of an
+    ``mmap`` opened read-only (shared, so the dropped pages come back from the file unchanged); dropping the pages
+    of anonymous or writable private memory would lose its bytes."""
+    if not (isinstance(payload, memoryview) and isinstance(payload.obj, mmap.mmap)):
+        return False
+    with memoryview(payload.obj) as whole:  # ACCESS_READ exports read-only buffers; ACCESS_WRITE and _COPY do not
+        return whole.readonly
+
 
 
 def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]]

@@ -817,8 +817,8 @@ def test_checked_decodes_refuse_to_run_before_the_crc32_functions_are_handed_ove
               "from szformat.codec import _native\n"
               "lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)\n"
               "item = (bytes(8), lut, bytearray(8), 0, 1024)\n"
-              "print(_native.decode_payloads([item], False, progress, 0, 1))\n"
-              "for call in (lambda: _native.decode_payloads([item], True, progress, 0, 1),\n"
+              "print(_native.decode_payloads([item], False, progress, 0, 1, False))\n"
+              "for call in (lambda: _native.decode_payloads([item], True, progress, 0, 1, False),\n"
               "             lambda: _native.decode_range(bytes(2), bytes(4), lut, bytearray(8),\n"
               "                                          np.zeros(0, dtype=np.int64), b'', True)):\n"
               "    try:\n"
@@ -836,28 +836,95 @@ def test_the_payloads_kernel_refuses_bad_arguments():
     native = cpu._native
     lut, progress = bytes(range(16)), np.zeros(1, dtype=np.int64)
     item = (bytes(8), lut, bytearray(8), 0, 1024)  # 4 elements: 2 pk bytes, padded to 4, then 4 sm bytes
-    assert native.decode_payloads([item, item], False, progress, 0, 2) == [(0, 0, None), (0, 0, None)]
-    assert native.decode_payloads([], False, progress, 0, 1) == []
-    assert native.decode_payloads([item], False, progress, 0, 1 << 40) == [(0, 0, None)]  # as many as it may start
-    with pytest.raises(TypeError, match="takes 5 arguments"):
-        native.decode_payloads([item], False, progress, 0)
+    assert native.decode_payloads([item, item], False, progress, 0, 2, False) == [(0, 0, None), (0, 0, None)]
+    assert native.decode_payloads([], False, progress, 0, 1, False) == []
+    assert native.decode_payloads([item], False, progress, 0, 1 << 40, False) == [(0, 0, None)]  # as many as it may
+    with pytest.raises(TypeError, match="takes 6 arguments"):
+        native.decode_payloads([item], False, progress, 0, 1)
     with pytest.raises(TypeError, match="item 1 must be a tuple of 5"):
-        native.decode_payloads([item, item[:4]], False, progress, 0, 1)
+        native.decode_payloads([item, item[:4]], False, progress, 0, 1, False)
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress, 0, 1)  # a payload too short
+        native.decode_payloads([item, (bytes(7),) + item[1:]], False, progress, 0, 1, False)  # a payload too short
     with pytest.raises(ValueError, match="decode_payloads"):
-        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress, 0, 1)  # a codebook of 15
+        native.decode_payloads([(bytes(8), bytes(15)) + item[2:]], False, progress, 0, 1, False)  # a codebook of 15
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0, 1)
+        native.decode_payloads([item], False, np.zeros(1, dtype=np.int32), 0, 1, False)
     with pytest.raises(ValueError, match="populate must be a byte count"):
-        native.decode_payloads([item], False, progress, -1, 1)
+        native.decode_payloads([item], False, progress, -1, 1, False)
     with pytest.raises(ValueError, match=r"decode_payloads\(\): threads must be >= 1"):
-        native.decode_payloads([item], False, progress, 0, 0)
+        native.decode_payloads([item], False, progress, 0, 0, False)
     with pytest.raises(TypeError, match=r"decode_payloads\(\): items must be a list or a tuple"):
-        native.decode_payloads(5, False, progress, 0, 1)
+        native.decode_payloads(5, False, progress, 0, 1, False)
     with pytest.raises(ValueError, match="contiguous bfloat16"):
         cpu.decode_payloads([(bytes(8), PayloadLayout(n=4, n_esc=0), Codebook(dec_lut=lut, n_used=16, coverage=1.0),
                               torch.empty(3, dtype=torch.bfloat16))], checksums=False)
+
+
+def _resident_kb(address: int) -> int:
+    """The kilobytes of the mapping that starts at ``address`` this process has in its page tables (``Rss`` in
+    ``/proc/self/smaps``)."""
+    lines = Path("/proc/self/smaps").read_text().splitlines()
+    start = next(k for k, line in enumerate(lines) if line.startswith(f"{address:x}-"))
+    return next(int(line.split()[1]) for line in lines[start + 1:] if line.startswith("Rss:"))
+
+
+def _address(mapping: mmap.mmap) -> int:
+    view = np.frombuffer(mapping, dtype=np.uint8)
+    try:
+        return view.ctypes.data
+    finally:
+        del view  # the mapping cannot close while a view exports it
+
+
+@pytest.mark.parametrize("kernel", ["native"], indirect=True)
+@pytest.mark.parametrize("threads", [1, 2])
+def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped(rng, threads):
+    """``release``: each unit's stored pages of a read-only file mapping are dropped from the process's page tables
+    once decoded, so the close has next to nothing to unmap; the bytes stay the file's (read again, they are), the
+    outputs the reference's. Anything but a view of a read-only mapping is refused before anything is written. The
+    file is a memfd's, whose pages are 4 KiB (a file system's large folios, mapped 2 MiB at a time, come back whole
+    when the next unit reads next to a dropped range)."""
+    if sys.platform != "linux" or not hasattr(os, "memfd_create"):
+        pytest.skip("page tables read through /proc/self/smaps, a memfd (Linux)")
+    unit = cpu._native.UNIT_ELEMENTS
+    encoded = [cpu.encode(weight_like(rng, n)) for n in (150_000, 2 * unit + 7)]
+    blobs = [payload.numpy().tobytes() for payload, _, _ in encoded]
+    starts = [0, -(-len(blobs[0]) // 4096) * 4096]
+    fd = os.memfd_create("payloads")
+    try:
+        os.write(fd, blobs[0].ljust(starts[1], b"\0") + blobs[1])
+        for release in (False, True):
+            with mmap.mmap(fd, 0, access=mmap.ACCESS_READ) as mapping:
+                address = _address(mapping)
+                assert bytes(mapping) == blobs[0].ljust(starts[1], b"\0") + blobs[1]  # every page mapped
+                before = _resident_kb(address)
+                assert before >= len(mapping) // 1024 - 4
+                views = [memoryview(mapping)[a: a + len(b)] for a, b in zip(starts, blobs)]
+                outs = [torch.empty(layout.n, dtype=torch.bfloat16) for _, layout, _ in encoded]
+                results = cpu.decode_payloads([(v, layout, codebook, out) for v, (_, layout, codebook), out
+                                               in zip(views, encoded, outs)], checksums=False, threads=threads,
+                                              release=release)
+                assert [error for _, _, error in results] == [None, None]
+                for (payload, layout, codebook), out in zip(encoded, outs):
+                    assert torch.equal(out.view(torch.int16), cpu.decode(payload, layout, codebook).view(torch.int16))
+                after = _resident_kb(address)
+                if release:  # the pages at the units' edges and the escape streams' are left
+                    assert after < before // 20, (before, after)
+                else:
+                    assert after == before
+                assert bytes(views[1]) == blobs[1]  # mapped again, the file's bytes
+                del views
+        payload, layout, codebook = encoded[0]
+        out = torch.full((layout.n,), 7.0, dtype=torch.bfloat16)
+        with mmap.mmap(fd, 0, access=mmap.ACCESS_COPY) as private:
+            for refused in (blobs[0], memoryview(bytearray(blobs[0])), memoryview(private)[: len(blobs[0])],
+                            memoryview(private)[: len(blobs[0])].toreadonly()):
+                with pytest.raises(ValueError, match="read-only file mappings only"):
+                    cpu.decode_payloads([(refused, layout, codebook, out)], checksums=False, release=True)
+            del refused
+        assert torch.equal(out, torch.full_like(out, 7.0))
+    finally:
+        os.close(fd)
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
