@@ -37,11 +37,11 @@
  *                                        whose first page is not in memory are faulted in by one madvise each first;
  *                                        with ``release`` each unit's pages of a read-only file mapping are
  *                                        dropped from the page tables once decoded (the close's munmap otherwise).
- *   check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]
+ *   check_payloads(items, progress, release) -> [(stored_crc, decoded_crc, error), ...]
  *                                        decode_payloads' checks and checksums of payloads given their element
  *                                        count instead of an output, on the caller's thread: each decoded a block
  *                                        at a time into one 32 KiB buffer, for a check that keeps nothing else
- *                                        (szconvert verify).
+ *                                        (szconvert verify); ``release`` as decode_payloads'.
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
  *
@@ -1839,19 +1839,23 @@ static PyObject *py_decode_payloads(PyObject *self, PyObject *const *args, Py_ss
     return run_payloads("decode_payloads", args[0], args[2], checksums, populate, 0, release_read, threads);
 }
 
-/* check_payloads(items, progress) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its checksums
- * for a check that keeps nothing else (``szconvert verify``, which runs a call per thread of its own): ``items`` of
- * ``(payload, dec_lut, n, n_esc, chunk_size)``, each unit decoded a block at a time into one buffer of 32 KiB, where
- * decode_payloads' outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's check). */
+/* check_payloads(items, progress, release) -> [(stored_crc, decoded_crc, error), ...]: decode_payloads with its
+ * checksums for a check that keeps nothing else (``szconvert verify``, which runs a call per thread of its own):
+ * ``items`` of ``(payload, dec_lut, n, n_esc, chunk_size)``, each unit decoded a block at a time into one buffer of
+ * 32 KiB, where decode_payloads' outputs take fresh pages for every byte (a 23 MB tensor: most of a small file's
+ * check); ``release`` as decode_payloads'. */
 static PyObject *py_check_payloads(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
 {
-    if (nargs != 2) {
-        PyErr_Format(PyExc_TypeError, "check_payloads() takes 2 arguments (%zd given)", nargs);
+    if (nargs != 3) {
+        PyErr_Format(PyExc_TypeError, "check_payloads() takes 3 arguments (%zd given)", nargs);
         return NULL;
     }
     if (checksums_wanted("check_payloads", Py_True) < 0)
         return NULL;
-    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1, 0, 1);
+    int release_read = PyObject_IsTrue(args[2]);
+    if (release_read < 0)
+        return NULL;
+    return run_payloads("check_payloads", args[0], args[1], 1, 0, 1, release_read, 1);
 }
 
 /* 0 where the ``n_esc`` escape ``positions`` ascend inside [0, n), as a decode that patches them needs; else -1 with
@@ -2106,9 +2110,9 @@ static PyMethodDef methods[] = {
      "more faulted in first (0: none), with release the pages of payloads that are views of a read-only file mapping "
      "dropped from the page tables once decoded; a page that could not be read an EOFError, its item's index in "
      "progress[0]"},
-    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress) -> [(stored_crc, decoded_crc, "
-     "error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) items, each "
-     "decoded a block at a time into one small buffer of the call's"},
+    {"check_payloads", FASTCALL(py_check_payloads), "check_payloads(items, progress, release) -> [(stored_crc, "
+     "decoded_crc, error), ...]: decode_payloads' checks and checksums of (payload, dec_lut, n, n_esc, chunk_size) "
+     "items, each decoded a block at a time into one small buffer of the call's; release as decode_payloads'"},
     {"crc32", FASTCALL(py_crc32), "crc32(data, crc) -> crc: zlib-ng's CRC-32 continuing crc; a page of data that "
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "

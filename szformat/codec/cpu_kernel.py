@@ -65,25 +65,29 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
     taking the next payload, or the next range of one of more than ``UNIT_ELEMENTS`` elements. Each output of at
     least ``populate`` bytes (0: none) whose first page is not in memory is faulted in by one call before it is
     written, as ``loading.host_pages.populate`` does. With ``release``, every payload a view of a read-only
-    ``mmap`` (a file's mapping: :func:`released_mapping` checks), the pages each thread read are dropped from the
+    ``mmap`` (a file's mapping: checked), the pages each thread read are dropped from the
     process's page tables once decoded, so the mapping's close has next to nothing left to unmap.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
         ValueError: ``release`` with a payload that is not a view of a read-only mapping.
     """
-    if release and not all(released_mapping(payload) for payload, _, _, _ in payloads):
-        raise ValueError("release drops the pages of read-only file mappings only: a payload is not a view of one")
+    _check_released(payloads, release)
     items = [(payload, bytes(codebook.dec_lut), out, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook, out in payloads]
     return _item_by_item(lambda progress: kernels.decode_payloads(items, checksums, progress, populate, threads,
                                                                   release))
 
 
-def released_mapping(payload: Any) -> bool:
-    """Whether ``decode_payloads(..., release=True)`` may drop the pages of ``payload``: a read-only view of an
-    ``mmap`` opened read-only (shared, so the dropped pages come back from the file unchanged); dropping the pages
-    of anonymous or writable private memory would lose its bytes."""
+def _check_released(payloads: Sequence[tuple[Any, ...]], release: bool) -> None:
+    """Refuse ``release`` unless every payload (the first of each tuple) is a view of an ``mmap`` opened read-only
+    (shared, so the pages dropped come back from the file unchanged): dropping the pages of anonymous or writable
+    private memory would lose its bytes."""
+    if release and not all(_read_only_mapping(payload) for payload, *_ in payloads):
+        raise ValueError("release drops the pages of read-only file mappings only: a payload is not a view of one")
+
+
+def _read_only_mapping(payload: Any) -> bool:
     if not (isinstance(payload, memoryview) and isinstance(payload.obj, mmap.mmap)):
         return False
     with memoryview(payload.obj) as whole:  # ACCESS_READ exports read-only buffers; ACCESS_WRITE and _COPY do not
@@ -91,19 +95,22 @@ def released_mapping(payload: Any) -> bool:
 
 
 
-def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]]
-                   ) -> list[tuple[int, int, str | None]]:
+def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]], *,
+                   release: bool = False) -> list[tuple[int, int, str | None]]:
     """What :func:`decode_payloads` with checksums gives for ``(payload, layout, codebook)``, where nothing but the
     checks is wanted (``szconvert verify``, before it imports torch, on threads of its own): ``kernels.check_payloads``
     decodes each payload a block at a time into one small buffer, on the caller's thread, so no output takes fresh
-    memory (a check of MiniLM's file went from 20 to 9 ms on the 2-core VM so). Needs :func:`checksums_in_kernel`.
+    memory (a check of MiniLM's file went from 20 to 9 ms on the 2-core VM so). ``release`` as :func:`decode_payloads`'.
+    Needs :func:`checksums_in_kernel`.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
+        ValueError: ``release`` with a payload that is not a view of a read-only mapping.
     """
+    _check_released(payloads, release)
     items = [(payload, bytes(codebook.dec_lut), layout.n, layout.n_esc, layout.chunk_size)
              for payload, layout, codebook in payloads]
-    return _item_by_item(lambda progress: kernels.check_payloads(items, progress))
+    return _item_by_item(lambda progress: kernels.check_payloads(items, progress, release))
 
 
 def _item_by_item(call: Callable[[array.array], list[tuple[int, int, str | None]]]

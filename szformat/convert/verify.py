@@ -198,7 +198,8 @@ def _problems_in_share(kernels, szt: SztFile, entries: list[TensorEntry]) -> lis
     reasons = []
     splitzip = [e for e in entries if e.encoding != C.ENCODING_RAW]
     checked = cpu_kernel.check_payloads(kernels, [(stored, e.layout, e.codebook)
-                                                  for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)])
+                                                  for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)],
+                                        release=True)  # the close leaves next to nothing to unmap
     for e, (stored_crc, decoded_crc, error) in zip(splitzip, checked):
         try:
             check_decoded_payload(e, stored_crc, decoded_crc, error, path=szt.path, check_stored=True,

@@ -877,12 +877,12 @@ def _address(mapping: mmap.mmap) -> int:
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
-@pytest.mark.parametrize("threads", [1, 2])
-def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped(rng, threads):
+@pytest.mark.parametrize("threads, checking", [(1, False), (2, False), (1, True)])
+def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped(rng, threads, checking):
     """``release``: each unit's stored pages of a read-only file mapping are dropped from the process's page tables
     once decoded, so the close has next to nothing to unmap; the bytes stay the file's (read again, they are), the
-    outputs the reference's. Anything but a view of a read-only mapping is refused before anything is written. The
-    file is a memfd's, whose pages are 4 KiB (a file system's large folios, mapped 2 MiB at a time, come back whole
+    outputs the reference's; the same for ``verify``'s check. Anything but a view of a read-only mapping is refused
+    before anything is written. The file is a memfd's, whose pages are 4 KiB (a file system's large folios, mapped 2 MiB at a time, come back whole
     when the next unit reads next to a dropped range)."""
     if sys.platform != "linux" or not hasattr(os, "memfd_create"):
         pytest.skip("page tables read through /proc/self/smaps, a memfd (Linux)")
@@ -905,6 +905,11 @@ def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped
                                                in zip(views, encoded, outs)], checksums=False, threads=threads,
                                               release=release)
                 assert [error for _, _, error in results] == [None, None]
+                if checking:  # verify's call, on the views already released or not
+                    assert bytes(mapping) and _resident_kb(address) == before
+                    checked = cpu.cpu_kernel.check_payloads(cpu._native, [(v, layout, codebook) for v, (_, layout,
+                                                            codebook) in zip(views, encoded)], release=release)
+                    assert [stored for stored, _, _ in checked] == [zlib.crc32(b) for b in blobs]
                 for (payload, layout, codebook), out in zip(encoded, outs):
                     assert torch.equal(out.view(torch.int16), cpu.decode(payload, layout, codebook).view(torch.int16))
                 after = _resident_kb(address)
@@ -921,6 +926,8 @@ def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped
                             memoryview(private)[: len(blobs[0])].toreadonly()):
                 with pytest.raises(ValueError, match="read-only file mappings only"):
                     cpu.decode_payloads([(refused, layout, codebook, out)], checksums=False, release=True)
+                with pytest.raises(ValueError, match="read-only file mappings only"):
+                    cpu.cpu_kernel.check_payloads(cpu._native, [(refused, layout, codebook)], release=True)
             del refused
         assert torch.equal(out, torch.full_like(out, 7.0))
     finally:
@@ -1404,24 +1411,24 @@ def test_check_payloads_refuses_items_it_cannot_take():
     native, progress = cpu._native, np.zeros(1, dtype=np.int64)
     lut = bytes(range(16))
     payload = bytes(PayloadLayout(n=4, n_esc=0).comp_bytes)
-    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress) == [
+    assert native.check_payloads([(payload, lut, 4, 0, CHUNK_SIZE)], progress, False) == [
         (zlib.crc32(payload), zlib.crc32(cpu.decode(torch.frombuffer(bytearray(payload), dtype=torch.uint8),
                                                     PayloadLayout(n=4, n_esc=0),
                                                     Codebook(dec_lut=tuple(lut), n_used=16, coverage=1.0))
                                          .view(torch.uint8).numpy().tobytes()), None)]
-    assert native.check_payloads([], progress) == []
-    with pytest.raises(TypeError, match="takes 2 arguments"):
-        native.check_payloads([], progress, 0)
+    assert native.check_payloads([], progress, False) == []
+    with pytest.raises(TypeError, match="takes 3 arguments"):
+        native.check_payloads([], progress)
     with pytest.raises(TypeError, match="must be a tuple of 5"):
-        native.check_payloads([(payload, lut, 4, 0)], progress)
+        native.check_payloads([(payload, lut, 4, 0)], progress, False)
     for bad in ((payload, lut, -1, 0, CHUNK_SIZE), (payload, lut, 4, 5, CHUNK_SIZE), (payload, lut, 4, 0, 0),
                 (payload[:-1], lut, 4, 0, CHUNK_SIZE), (payload, lut[:15], 4, 0, CHUNK_SIZE)):
         with pytest.raises(ValueError, match="check_payloads"):
-            native.check_payloads([bad], progress)
+            native.check_payloads([bad], progress, False)
     with pytest.raises(TypeError, match=r"check_payloads\(\): items must be a list or a tuple"):
-        native.check_payloads(5, progress)
+        native.check_payloads(5, progress, False)
     with pytest.raises(ValueError, match="progress must hold an int64"):
-        native.check_payloads([], np.zeros(1, dtype=np.int32))
+        native.check_payloads([], np.zeros(1, dtype=np.int32), False)
 
 
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
