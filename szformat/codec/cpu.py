@@ -857,11 +857,12 @@ def decode_payloads(payloads: Sequence[tuple[Buffer, PayloadLayout, Codebook, to
                     populate: int = 0, threads: int = 1, release: bool = False) -> list[tuple[int, int, str | None]]:
     """Whole payloads ``(payload, layout, codebook, out)`` decoded by one C call (the C kernels only) on up to
     ``threads`` threads of its own, with no Python between them: what a checkpoint of many small tensors otherwise
-    spends more on than on their decode, and a large tensor's ranges shared by every thread. Per payload ``(stored_crc, decoded_crc, error)``: the CRC-32s of its bytes and of its output (0
-    where ``checksums`` is false), and ``None``, or the message refusing its escape streams (its ``out`` then left
-    unwritten, its decoded CRC-32 0). Outputs of at least ``populate`` bytes (0: none) whose pages are new are
-    faulted in first, each by one call; with ``release``, payloads that are views of a file's read-only mapping
-    only, the pages read are dropped from the page tables as they are decoded (``cpu_kernel.decode_payloads``).
+    spends more on than on their decode, and a large tensor's ranges shared by every thread. Per payload ``(stored_crc,
+    decoded_crc, error)``: the CRC-32s of its bytes and of its output (0 where ``checksums`` is false), and ``None``, or
+    the message refusing its escape streams (its ``out`` then left unwritten, its decoded CRC-32 0). Outputs of at least
+    ``populate`` bytes (0: none) whose pages are new are faulted in first, each by one call; with ``release``, payloads
+    that are views of a file's read-only mapping only, the pages read are dropped from the page tables as they are
+    decoded (``cpu_kernel.decode_payloads``).
 
     The payloads may be views of a file's mapping (:meth:`SztFile.mapped`): the call catches the fault of a page
     the file no longer holds.

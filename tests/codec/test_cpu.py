@@ -879,11 +879,11 @@ def _address(mapping: mmap.mmap) -> int:
 @pytest.mark.parametrize("kernel", ["native"], indirect=True)
 @pytest.mark.parametrize("threads, checking", [(1, False), (2, False), (1, True)])
 def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped(rng, threads, checking):
-    """``release``: each unit's stored pages of a read-only file mapping are dropped from the process's page tables
-    once decoded, so the close has next to nothing to unmap; the bytes stay the file's (read again, they are), the
-    outputs the reference's; the same for ``verify``'s check. Anything but a view of a read-only mapping is refused
-    before anything is written. The file is a memfd's, whose pages are 4 KiB (a file system's large folios, mapped 2 MiB at a time, come back whole
-    when the next unit reads next to a dropped range)."""
+    """``release``: each unit's stored pages of a read-only file mapping are dropped from the process's page tables once
+    decoded, so the close has next to nothing to unmap; the bytes stay the file's (read again, they are), the outputs
+    the reference's; the same for ``verify``'s check. Anything but a view of a read-only mapping is refused before
+    anything is written. The file is a memfd's, whose pages are 4 KiB (a file system's large folios, mapped 2 MiB at a
+    time, come back whole when the next unit reads next to a dropped range)."""
     if sys.platform != "linux" or not hasattr(os, "memfd_create"):
         pytest.skip("page tables read through /proc/self/smaps, a memfd (Linux)")
     unit = cpu._native.UNIT_ELEMENTS
@@ -1358,9 +1358,9 @@ def test_checked_ranges_give_zlibs_crc32s_with_every_instruction_set(isa):
 @pytest.mark.parametrize("isa", ["", "avx512bw", "avx2", "scalar"])
 def test_payloads_checked_through_a_scratch_give_what_decoding_them_gives_with_every_instruction_set(isa):
     """``check_payloads`` (``szconvert verify``'s call: each payload decoded a block at a time into one 32 KiB buffer)
-    against ``decode_payloads`` into whole outputs (on one thread and on three), the tensors encoded and zlib's
-    CRC-32s: sizes around the folded path's 64 elements, the 16,384 of a checked block and a unit of the threads'
-    work (a payload of more is cut into ranges, in both calls), escapes at their first and last elements and everywhere, an empty
+    against ``decode_payloads`` into whole outputs (on one thread and on three), the tensors encoded and zlib's CRC-32s:
+    sizes around the folded path's 64 elements, the 16,384 of a checked block and a unit of the threads' work (a payload
+    of more is cut into ranges, in both calls), escapes at their first and last elements and everywhere, an empty
     payload, and a payload whose escape stream is refused, with the same message."""
     script = ("import sys, struct, zlib, numpy as np, torch\n"
               "from szformat.codec import CHUNK_SIZE, Codebook, cpu, cpu_kernel\n"
