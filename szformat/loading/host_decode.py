@@ -10,7 +10,8 @@ What ``load_file(...)`` and ``safe_open(...).get_tensor`` run on the CPU. Five c
   left, and each runs its PyTorch ops on one intra-op thread. PyTorch's own intra-op threads fork and join around
   every op, and when another process holds a core every join waits for a descheduled thread: a 2 GB decode went
   from 2.1 s to 11.7 s with two busy processes on 2 cores. Here a descheduled thread only holds back the range it
-  is on, so a load never runs slower than on one thread, whatever else runs.
+  is on, so a load never runs slower than on one thread, whatever else runs. (The C call of the fourth choice deals
+  its units to threads of its own the same way.)
 - **Checksums in cache.** Each range's stored bytes are checksummed just before they are decoded, its decoded bytes
   just after (:meth:`PayloadDecoder.decode_checked`; with the C kernels block by block inside the decode call, while
   in the L1 cache), and the pieces' CRC-32s are joined at the end: separate passes over the stored and the decoded
@@ -323,8 +324,8 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
         check_stored (sequence of `bool`): per entry, whether to check the CRC-32 of its stored bytes.
         check_decoded (`bool`): whether to check the CRC-32 of every SplitZip tensor's decoded bytes.
         threads (`int`, *optional*): threads to decode on, the caller's included; by default PyTorch's intra-op
-            thread count (``torch.get_num_threads()``), at most the host's cores and one per :data:`THREAD_BYTES`
-            of raw bytes.
+            thread count (``torch.get_num_threads()``), at most the host's cores, and at most one per
+            :data:`CALL_THREAD_BYTES` of raw bytes in the C call, one per :data:`THREAD_BYTES` on Python's ranges.
         outs (sequence of `torch.Tensor` or `None`, *optional*): per entry, a contiguous CPU tensor of its raw
             size to decode into (the parameter it is loaded into), or ``None`` for a new one.
         as_bytes (`bool`): return each tensor's raw bytes (flat uint8) instead, for a caller that writes or checks
