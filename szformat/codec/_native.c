@@ -1360,17 +1360,23 @@ static void populate_pages(void *buf, Py_ssize_t len)
 #endif
 }
 
+/* The fewest bytes release_pages drops in one call: each call costs a few microseconds (more where other threads of
+ * the process must flush their TLBs), what the close's munmap spends on about a hundred pages. MiniLM's load on two
+ * threads of the 2-core VM took 0.45 ms longer with a call for each of its 104 tensors. */
+#define RELEASE_MIN_BYTES (256 << 10)
+
 /* Drop this process's page table entries for the whole pages inside [buf, buf + len), a view of a read-only file
  * mapping whose bytes were decoded (MADV_DONTNEED: the file's pages stay in the page cache and a later read maps
- * them again, so nothing read changes). Unmapping a file's pages is otherwise the close's: munmap tore down the
- * entries of a 2.2 GB load's 1.65 GB of stored bytes in 19 ms on one thread, a quarter of the load on 16 threads;
- * here each thread drops those of the units it decoded. Elsewhere nothing. */
+ * them again, so nothing read changes), unless they are fewer than RELEASE_MIN_BYTES. Unmapping a file's pages is
+ * otherwise the close's: munmap tore down the entries of a 2.2 GB load's 1.65 GB of stored bytes in 19 ms on one
+ * thread, a quarter of the load on 16 threads; here each thread drops those of the units it decoded. Elsewhere
+ * nothing. */
 static void release_pages(const void *buf, Py_ssize_t len)
 {
 #ifdef SZ_POPULATE
     uintptr_t page = page_size();
     uintptr_t first = ((uintptr_t)buf + page - 1) / page * page, last = ((uintptr_t)buf + len) / page * page;
-    if (last > first)
+    if (last > first && last - first >= RELEASE_MIN_BYTES)
         (void)madvise((void *)first, last - first, MADV_DONTNEED);
 #else
     (void)buf;

@@ -79,6 +79,24 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
                                                                   release))
 
 
+RELEASE_THREADS = 4
+"""The fewest threads a decode from a file's mapping runs on for it to drop the pages it read as it goes
+(``release``). Dropping them costs what the close's ``munmap`` would, plus a few microseconds a call for the other
+threads' TLBs: on one or two threads a loss (an H100 host: the 2.2 GB load 10 ms slower on one thread, MiniLM's
+0.3-0.4 ms on one or two), on 16 threads of it a fifth of the load saved (98 -> 79 ms; ``bench/RESULTS.md``, "CPU
+loading")."""
+
+RELEASE_BYTES = 64 << 20
+"""The fewest stored bytes a decode from a file's mapping reads for it to drop them as it goes: the close unmaps
+fewer in well under a millisecond (MiniLM's 34 MB: 0.25 ms)."""
+
+
+def worth_releasing(threads: int, stored_bytes: int) -> bool:
+    """Whether a decode of ``stored_bytes`` from a file's mapping on ``threads`` threads gains by dropping the pages
+    it read as it goes (``release``), rather than leaving them to the close."""
+    return threads >= RELEASE_THREADS and stored_bytes >= RELEASE_BYTES
+
+
 def _check_released(payloads: Sequence[tuple[Any, ...]], release: bool) -> None:
     """Refuse ``release`` unless every payload (the first of each tuple) is a view of an ``mmap`` opened read-only
     (shared, so the pages dropped come back from the file unchanged): dropping the pages of anonymous or writable

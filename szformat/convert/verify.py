@@ -168,12 +168,13 @@ def _problems_in_kernels(szt: SztFile, entries: list[TensorEntry], threads: int)
             or any(e.at_rest is not None for e in entries)):
         return None
     shares = _shares(entries, min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)))
+    release = cpu_kernel.worth_releasing(len(shares), sum(e.length for e in entries))
     try:
         if len(shares) <= 1:
-            found = [_problems_in_share(kernels, szt, share) for share in shares]
+            found = [_problems_in_share(kernels, szt, share, release) for share in shares]
         else:
             with ThreadPoolExecutor(len(shares), thread_name_prefix="szformat-verify") as pool:
-                found = list(pool.map(lambda share: _problems_in_share(kernels, szt, share), shares))
+                found = list(pool.map(lambda share: _problems_in_share(kernels, szt, share, release), shares))
     except (EOFError, SzformatError):  # a page not read, a file that shrank: the loader's path names the tensor
         return None
     reasons = dict(pair for share in found for pair in share)
@@ -192,14 +193,15 @@ def _shares(entries: list[TensorEntry], count: int) -> list[list[TensorEntry]]:
     return [share for share in shares if share]
 
 
-def _problems_in_share(kernels, szt: SztFile, entries: list[TensorEntry]) -> list[tuple[str, str]]:
-    """``(tensor, reason)`` for each of ``entries`` that fails its checks (:func:`_problems_in_kernels`). The views of
-    the mapping live in this call only, so none holds it once it returns or its error is handled."""
+def _problems_in_share(kernels, szt: SztFile, entries: list[TensorEntry], release: bool) -> list[tuple[str, str]]:
+    """``(tensor, reason)`` for each of ``entries`` that fails its checks (:func:`_problems_in_kernels`), the pages of
+    the mapping read dropped as they are checked with ``release`` (``cpu_kernel.worth_releasing``). The views of the
+    mapping live in this call only, so none holds it once it returns or its error is handled."""
     reasons = []
     splitzip = [e for e in entries if e.encoding != C.ENCODING_RAW]
     checked = cpu_kernel.check_payloads(kernels, [(stored, e.layout, e.codebook)
                                                   for stored, e in zip(szt.mapped_payloads(splitzip), splitzip)],
-                                        release=True)  # the close leaves next to nothing to unmap
+                                        release=release)
     for e, (stored_crc, decoded_crc, error) in zip(splitzip, checked):
         try:
             check_decoded_payload(e, stored_crc, decoded_crc, error, path=szt.path, check_stored=True,

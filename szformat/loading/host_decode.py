@@ -58,7 +58,7 @@ from .._lazy import at_rest
 from .._runs import runs_within
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
-from ..codec.cpu_kernel import checksums_in_kernel, native
+from ..codec.cpu_kernel import checksums_in_kernel, native, worth_releasing
 from ..errors import PayloadError
 from ..format.constants import ENCODING_RAW
 from ..format.header import TensorEntry
@@ -202,14 +202,14 @@ class _WholeJob:
 
 @dataclass
 class _Batch:
-    """SplitZip tensors of the in-memory form decoded straight from the file's mapping by one guarded C call on
-    threads of its own (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape
-    checks, its decode and its output's CRC-32, a tensor of more than a million elements in ranges the threads share,
-    with no read into a scratch and no Python between them; each thread drops the pages of the mapping it read from
-    the page tables as it goes, where the close would unmap them all on one thread (19 ms of a 2.2 GB load that took
-    77-87 ms on 16 threads: ``bench/RESULTS.md``, "CPU loading"). Made straight from the entries, with none of a
-    :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors cost 20 us of Python apiece, as much
-    as their decode (``bench/RESULTS.md``, "CPU loading")."""
+    """SplitZip tensors of the in-memory form decoded straight from the file's mapping by one guarded C call on threads
+    of its own (:func:`~szformat.codec.cpu.decode_payloads`): per tensor its stored bytes' CRC-32, its escape checks,
+    its decode and its output's CRC-32, a tensor of more than a million elements in ranges the threads share, with no
+    read into a scratch and no Python between them; on enough threads each drops the pages of the mapping it read
+    from the page tables as it goes, where the close would unmap them all on one thread (19 ms of a 2.2 GB load that
+    took 77-87 ms on 16 threads: ``bench/RESULTS.md``, "CPU loading"; ``cpu_kernel.worth_releasing``). Made straight
+    from the entries, with none of a :class:`_Job`'s bookkeeping: through one job each, MiniLM's 102 small tensors
+    cost 20 us of Python apiece, as much as their decode (``bench/RESULTS.md``, "CPU loading")."""
 
     file: SztFile
     entries: list[TensorEntry]
@@ -225,9 +225,10 @@ class _Batch:
         payloads = [(stored, entry.layout, entry.codebook, out)
                     for stored, entry, out in zip(file.mapped_payloads(entries), entries, self.outs)]
         threads = min(threads, -(-sum(entry.raw_length for entry in entries) // CALL_THREAD_BYTES)) or 1
+        release = worth_releasing(threads, sum(entry.length for entry in entries))
         try:
             results = decode_payloads(payloads, checksums=self.check_decoded or any(self.check_stored),
-                                      populate=host_pages.populated_size(), threads=threads, release=True)
+                                      populate=host_pages.populated_size(), threads=threads, release=release)
         except EOFError as e:
             raise file.mapped_read_error(entries[e.item].name) from None
         for entry, check_stored, (stored, decoded, error) in zip(entries, self.check_stored, results):

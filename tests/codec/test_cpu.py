@@ -889,7 +889,7 @@ def test_payloads_decoded_with_release_leave_their_pages_of_the_mapping_unmapped
     if checking and not cpu.cpu_kernel.checksums_in_kernel():  # also hands zlib-ng's CRC-32 over to the kernels
         pytest.skip("the kernels take no checksums here")
     unit = cpu._native.UNIT_ELEMENTS
-    encoded = [cpu.encode(weight_like(rng, n)) for n in (150_000, 2 * unit + 7)]
+    encoded = [cpu.encode(weight_like(rng, n)) for n in (300_000, 2 * unit + 7)]  # pages dropped 256 KiB or more
     blobs = [payload.numpy().tobytes() for payload, _, _ in encoded]
     starts = [0, -(-len(blobs[0]) // 4096) * 4096]
     fd = os.memfd_create("payloads")

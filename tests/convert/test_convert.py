@@ -707,12 +707,14 @@ def through_the_loader(monkeypatch):
 @pytest.fixture(params=["C kernels, one thread", "C kernels, four threads", "loader"])
 def verify_route(request, monkeypatch):
     """Each test of what ``verify`` finds runs every way a file can be checked: the same problems either way. Four
-    threads are given a tensor or more each (however few bytes), so the shares are checked side by side."""
+    threads are given a tensor or more each (however few bytes), so the shares are checked side by side, each
+    dropping the pages it read as it goes, as a large file's are (``cpu_kernel.worth_releasing``)."""
     if request.param == "loader":
         check_through_the_loader(monkeypatch)
     elif request.param == "C kernels, four threads":
         monkeypatch.setattr(verify_module, "_cpus", lambda: 4)
         monkeypatch.setattr(verify_module, "THREAD_BYTES", 1)
+        monkeypatch.setattr(cpu.cpu_kernel, "RELEASE_BYTES", 0)
     else:
         monkeypatch.setattr(verify_module, "_cpus", lambda: 1)
     return request.param

@@ -418,20 +418,23 @@ def _with_a_large_tensor() -> dict[str, torch.Tensor]:
 def test_a_load_decodes_the_in_memory_form_by_one_call_on_threads_of_its_own(tmp_path, monkeypatch, threads, verify):
     """Where the C kernels read through the mapping, every SplitZip tensor of a load in the in-memory form goes to
     one C call (the raw one to Python's threads), on the caller's thread count (at most the host's cores), at most one
-    per CALL_THREAD_BYTES of output: bit for bit, a tensor of several units included."""
+    per CALL_THREAD_BYTES of output, the mapping's pages dropped as they are read where that pays (here from two
+    threads and 1 MiB on): bit for bit, a tensor of several units included."""
     if not host_decode.mapped_reads(verify):
         pytest.skip("the C kernels do not read through the mapping here")
     source = _with_a_large_tensor()
     path = tmp_path / "m.szt"
     save_file(source, path)
-    calls: list[tuple[list[int], int]] = []
+    calls: list[tuple[list[int], int, bool]] = []
     real = host_decode.decode_payloads
 
     def spy(payloads, **kwargs):
-        calls.append(([layout.n for _, layout, _, _ in payloads], kwargs["threads"]))
+        calls.append(([layout.n for _, layout, _, _ in payloads], kwargs["threads"], kwargs["release"]))
         return real(payloads, **kwargs)
 
     monkeypatch.setattr(host_decode, "decode_payloads", spy)
+    monkeypatch.setattr(cpu.cpu_kernel, "RELEASE_THREADS", 2)  # this file's pages dropped as read on two threads
+    monkeypatch.setattr(cpu.cpu_kernel, "RELEASE_BYTES", 1 << 20)
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -444,8 +447,8 @@ def test_a_load_decodes_the_in_memory_form_by_one_call_on_threads_of_its_own(tmp
         splitzip = [name for name in source if f.entry(name).encoding != ENCODING_RAW]
     assert "large" in splitzip and "raw_f32" not in splitzip
     raw = sum(source[name].numel() * 2 for name in splitzip)
-    assert calls == [([source[name].numel() for name in splitzip],
-                      min(threads, host_decode._CORES, -(-raw // host_decode.CALL_THREAD_BYTES)))]
+    call_threads = min(threads, host_decode._CORES, -(-raw // host_decode.CALL_THREAD_BYTES))
+    assert calls == [([source[name].numel() for name in splitzip], call_threads, call_threads >= 2)]
 
 
 @pytest.mark.parametrize("where, error, reason", BREAKS)
