@@ -1328,12 +1328,8 @@ static void run_crc32(void *arg)
 
 #define MESSAGE_BYTES 160
 
-/* Fault in the whole pages of an output about to be written whole, in one call rather than a fault per page, unless
- * its first page is in memory already (memory the process wrote before, which walking would only cost): what
- * loading/host_pages.populate does for one tensor from Python, here without the GIL and the Python per tensor
- * (6 us each, a tenth of a small tensor's load). Linux 5.14's MADV_POPULATE_WRITE; a kernel that refuses it (older,
- * out of memory) leaves the pages to fault in as they are written. Elsewhere nothing. */
 #ifdef SZ_POPULATE
+/* The page size, read once. */
 static uintptr_t page_size(void)
 {
     static uintptr_t page = 0;
@@ -1343,6 +1339,11 @@ static uintptr_t page_size(void)
 }
 #endif
 
+/* Fault in the whole pages of an output about to be written whole, in one call rather than a fault per page, unless
+ * its first page is in memory already (memory the process wrote before, which walking would only cost): what
+ * loading/host_pages.populate does for one tensor from Python, here without the GIL and the Python per tensor
+ * (6 us each, a tenth of a small tensor's load). Linux 5.14's MADV_POPULATE_WRITE; a kernel that refuses it (older,
+ * out of memory) leaves the pages to fault in as they are written. Elsewhere nothing. */
 static void populate_pages(void *buf, Py_ssize_t len)
 {
 #ifdef SZ_POPULATE
