@@ -65,8 +65,8 @@ def decode_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLa
     taking the next payload, or the next range of one of more than ``UNIT_ELEMENTS`` elements. Each output of at
     least ``populate`` bytes (0: none) whose first page is not in memory is faulted in by one call before it is
     written, as ``loading.host_pages.populate`` does. With ``release``, every payload a view of a read-only
-    ``mmap`` (a file's mapping: checked), the pages each thread read are dropped from the
-    process's page tables once decoded, so the mapping's close has next to nothing left to unmap.
+    ``mmap`` (a file's mapping: checked), the pages each thread read are dropped from the process's page tables once
+    decoded, so the mapping's close has next to nothing left to unmap.
 
     Raises:
         EOFError: a page of a payload could not be read; its ``item`` attribute says which payload.
@@ -110,7 +110,6 @@ def _read_only_mapping(payload: Any) -> bool:
         return False
     with memoryview(payload.obj) as whole:  # ACCESS_READ exports read-only buffers; ACCESS_WRITE and _COPY do not
         return whole.readonly
-
 
 
 def check_payloads(kernels: ModuleType, payloads: Sequence[tuple[Any, PayloadLayout, Codebook]], *,

@@ -341,7 +341,7 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     tensors: list[torch.Tensor] = []
     buffer: torch.Tensor | None = None
     call_threads = _thread_count(threads)
-    threads, step = _plan(entries, threads)
+    threads, step = _plan(entries, call_threads)
     for group in _groups(entries):
         batched = [i for i in group if _batched(entries[i], check_stored[i] or check_decoded)]
         ranged = sorted(set(group) - set(batched))
@@ -370,17 +370,16 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     return tensors
 
 
-def _plan(entries: Sequence[TensorEntry], asked: int | None) -> tuple[int, int | None]:
-    """The threads a call decodes on, and the elements per range of its SplitZip tensors decoded range by range
-    (``None``: :data:`RANGE_ELEMENTS`).
+def _plan(entries: Sequence[TensorEntry], threads: int) -> tuple[int, int | None]:
+    """The threads Python's ranges decode on, and the elements per range of the SplitZip tensors decoded range by
+    range (``None``: :data:`RANGE_ELEMENTS`).
 
-    Threads: the caller's (:func:`_thread_count`), at most one per :data:`THREAD_BYTES` of output, since each small
-    tensor costs Python holding the GIL. Ranges: :data:`RANGE_ELEMENTS`. Except for a tensor decoded alone
+    Threads: ``threads`` (the caller's, :func:`_thread_count`), at most one per :data:`THREAD_BYTES` of output, since
+    each range costs Python holding the GIL. Ranges: :data:`RANGE_ELEMENTS`. Except for a tensor decoded alone
     (``safe_open``'s ``get_tensor``, vLLM's loader, one tensor at a time), which takes every thread, a range each,
     ranges no shorter than :data:`MIN_RANGE_ELEMENTS` (a call of several tensors spreads its ranges over the
     threads already: halving them for MiniLM, whose embedding is half its elements, changed nothing measurable).
     """
-    threads = _thread_count(asked)
     if len(entries) != 1 or not _ranged(entries[0]):
         return min(threads, -(-sum(e.raw_length for e in entries) // THREAD_BYTES)), None
     n = entries[0].layout.n
