@@ -37,6 +37,19 @@ def collector_on():
     (gc.enable if was_enabled else gc.disable)()
 
 
+@pytest.fixture(params=["mapped", "pread"])
+def source_reads(request, monkeypatch) -> str:
+    """The converter reading its source through a covered mapping (where mappings are covered here) and through
+    ``pread`` copies (elsewhere): a test of what a source that changes or shrinks meanwhile gives runs with both."""
+    from support import covers_mappings
+
+    if request.param == "mapped" and not covers_mappings():
+        pytest.skip("mappings are not covered here (Linux, C kernels)")
+    if request.param == "pread":
+        monkeypatch.setattr("szformat.convert.sources.CoveredMapping.of", classmethod(lambda cls, mapping: None))
+    return request.param
+
+
 @pytest.fixture
 def no_decoding(monkeypatch):
     """Any decode fails the test: a refused folder must be refused from headers alone."""

@@ -4,6 +4,7 @@ tensors and checks, the one-line-loading models and their comparison, the loopba
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 import tracemalloc
@@ -22,6 +23,7 @@ from safetensors.torch import save_file as save_safetensors
 from szformat import SzformatError, load_file
 from szformat.cli.main import main as szconvert
 from szformat.codec import cpu
+from szformat.convert.pages import CoveredMapping
 from szformat.format import at_rest
 from szformat.format import constants as C
 from szformat.format.reader import SztFile
@@ -111,6 +113,16 @@ def peak_memory(run: Callable[[], object]) -> int:
         return tracemalloc.get_traced_memory()[1]
     finally:
         tracemalloc.stop()
+
+
+def covers_mappings() -> bool:
+    """Whether mappings are covered here (``convert.pages.CoveredMapping``): the converter then reads its source
+    through a mapping of it, else through ``pread`` copies."""
+    with open(__file__, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as mapping:
+        cover = CoveredMapping.of(mapping)
+        if cover is not None:
+            cover.close()
+    return cover is not None
 
 
 def model_tensors(seed: int = 0) -> dict[str, torch.Tensor]:

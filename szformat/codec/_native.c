@@ -44,6 +44,11 @@
  *                                        (szconvert verify); ``release`` as decode_payloads'.
  *   crc32(data, crc) -> crc              zlib-ng's CRC-32 of a buffer, a page that cannot be read an EOFError too.
  *   guards_mapped_reads() -> bool        whether those two calls catch such faults on this platform.
+ *   cover_mapping(view) -> slot or None  a read-only view of a file's mapping that reads as zeros from a page the
+ *                                        file lost on, on any thread and in any code, instead of raising SIGBUS
+ *                                        (Linux; None elsewhere or with every slot taken); covered_faults(slot) ->
+ *                                        how many faults were covered, uncover_mapping(slot) before the mapping
+ *                                        is closed.
  *
  * A Top-16 codebook is exactly one byte-shuffle table, so with AVX2 one ``vpshufb`` maps 32 codes to exponents;
  * the rest is shifts, masks and an interleave with the sm bytes. The AVX2 path is chosen at run time
@@ -72,6 +77,10 @@
 #define SZ_POPULATE 1
 #include <sys/mman.h>
 #include <unistd.h>
+#endif
+
+#if defined(SZ_GUARD) && defined(__linux__)
+#define SZ_COVER 1
 #endif
 
 #if defined(__GNUC__) && (defined(__x86_64__) || defined(__i386__))
@@ -755,6 +764,9 @@ static __thread sigjmp_buf *guard_target; /* set while this thread is inside a g
 static struct sigaction previous_bus_action;
 static volatile sig_atomic_t passed_on;
 static pthread_mutex_t guard_lock = PTHREAD_MUTEX_INITIALIZER;
+#ifdef SZ_COVER
+static int cover_fault(uintptr_t address);
+#endif
 
 static void on_bus_fault(int signum, siginfo_t *info, void *context)
 {
@@ -764,6 +776,10 @@ static void on_bus_fault(int signum, siginfo_t *info, void *context)
         guard_target = NULL;
         siglongjmp(*target, 1);
     }
+#ifdef SZ_COVER
+    if (info->si_code > 0 && cover_fault((uintptr_t)info->si_addr))
+        return; /* the faulting instruction runs again and reads zeros */
+#endif
     /* Not a guarded read: give the signal back and return, so the faulting instruction runs again and meets the
      * previous handler (a signal sent by a process is sent again, to be delivered once this handler returns); a
      * second one outside a guarded call gets the default action (the process ends). */
@@ -1383,6 +1399,131 @@ static void release_pages(const void *buf, Py_ssize_t len)
     (void)buf;
     (void)len;
 #endif
+}
+
+/* ---------------------------------------------------------------------------------------------------------------
+ * Covered mappings: pages a file loses read as zeros (Linux)
+ *
+ * The converter reads its source through a mapping of the file: copying each tensor out with pread first cost a
+ * 2.2 GB conversion a quarter of its CPU time. But every code that reads those bytes (these kernels, NumPy, the
+ * CRC-32 thread, a direct write's copy) would end the process with SIGBUS should another process truncate the file
+ * meanwhile, and NumPy's reads cannot be guarded as decode_range's are. So the mapping is covered: a fault inside
+ * it, on any thread, outside a guarded call, gets anonymous zeros mapped over the rest of the mapping from the page
+ * that faulted on (MAP_FIXED, read-only as the mapping is: a truncated file has lost all of it, and one signal
+ * does where a signal per page took seconds), counted, and the faulting instruction runs again and reads zeros.
+ * The converter then refuses the tensor it was reading (the file's size and time changed, and the count), so
+ * nothing made from those zeros is kept. A slot is taken while start < end; the handler reads it without a lock,
+ * so end is published last and cleared first, and a slot is given back only once nothing reads its mapping.
+ * ------------------------------------------------------------------------------------------------------------- */
+
+#ifdef SZ_COVER
+#define COVERS 64
+
+static struct {
+    uintptr_t start, end;
+    long faults;
+} covers[COVERS];
+
+static int cover_fault(uintptr_t address)
+{
+    for (int i = 0; i < COVERS; i++) {
+        uintptr_t end = __atomic_load_n(&covers[i].end, __ATOMIC_ACQUIRE);
+        if (address >= __atomic_load_n(&covers[i].start, __ATOMIC_RELAXED) && address < end) {
+            uintptr_t page = page_size(); /* read once when the slot was taken: no sysconf in a handler */
+            uintptr_t first = address / page * page, last = (end + page - 1) / page * page;
+            void *zeros = mmap((void *)first, last - first, PROT_READ, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0);
+            if (zeros == MAP_FAILED)
+                return 0;
+            __atomic_add_fetch(&covers[i].faults, 1, __ATOMIC_RELAXED);
+            return 1;
+        }
+    }
+    return 0;
+}
+#endif
+
+static PyObject *py_cover_mapping(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "cover_mapping() takes 1 argument (%zd given)", nargs);
+        return NULL;
+    }
+    Py_buffer view;
+    if (PyObject_GetBuffer(args[0], &view, PyBUF_SIMPLE) != 0)
+        return NULL;
+    PyObject *result = NULL;
+    if (!view.readonly) {
+        PyErr_SetString(PyExc_ValueError, "cover_mapping(): a read-only view of a file's mapping only (a page of "
+                        "zeros over writable memory would lose what was written)");
+    } else {
+#ifdef SZ_COVER
+        long slot = -1;
+        page_size();
+        if (install_bus_guard() != 0) {
+            PyErr_SetFromErrno(PyExc_OSError);
+        } else {
+            pthread_mutex_lock(&guard_lock);
+            for (int i = 0; i < COVERS && slot < 0; i++)
+                if (__atomic_load_n(&covers[i].end, __ATOMIC_RELAXED) == 0)
+                    slot = i;
+            if (slot >= 0) {
+                covers[slot].faults = 0;
+                __atomic_store_n(&covers[slot].start, (uintptr_t)view.buf, __ATOMIC_RELAXED);
+                __atomic_store_n(&covers[slot].end, (uintptr_t)view.buf + (uintptr_t)view.len, __ATOMIC_RELEASE);
+            }
+            pthread_mutex_unlock(&guard_lock);
+            result = slot >= 0 ? PyLong_FromLong(slot) : Py_NewRef(Py_None);
+        }
+#else
+        result = Py_NewRef(Py_None);
+#endif
+    }
+    PyBuffer_Release(&view);
+    return result;
+}
+
+/* The slot argument of covered_faults and uncover_mapping: a slot cover_mapping gave, or -1 with ValueError set. */
+static long cover_slot(const char *function, PyObject *const *args, Py_ssize_t nargs)
+{
+    if (nargs != 1) {
+        PyErr_Format(PyExc_TypeError, "%s() takes 1 argument (%zd given)", function, nargs);
+        return -1;
+    }
+    long slot = PyLong_AsLong(args[0]);
+    if (slot == -1 && PyErr_Occurred())
+        return -1;
+#ifdef SZ_COVER
+    if (slot >= 0 && slot < COVERS && __atomic_load_n(&covers[slot].end, __ATOMIC_ACQUIRE) != 0)
+        return slot;
+#endif
+    PyErr_Format(PyExc_ValueError, "%s(): %ld is not a slot cover_mapping gave", function, slot);
+    return -1;
+}
+
+static PyObject *py_covered_faults(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long slot = cover_slot("covered_faults", args, nargs);
+    if (slot < 0)
+        return NULL;
+#ifdef SZ_COVER
+    return PyLong_FromLong(__atomic_load_n(&covers[slot].faults, __ATOMIC_RELAXED));
+#else
+    Py_RETURN_NONE; /* unreachable: no slot is ever given here */
+#endif
+}
+
+static PyObject *py_uncover_mapping(PyObject *self, PyObject *const *args, Py_ssize_t nargs)
+{
+    long slot = cover_slot("uncover_mapping", args, nargs);
+    if (slot < 0)
+        return NULL;
+#ifdef SZ_COVER
+    pthread_mutex_lock(&guard_lock);
+    __atomic_store_n(&covers[slot].end, 0, __ATOMIC_RELEASE);
+    __atomic_store_n(&covers[slot].start, 0, __ATOMIC_RELAXED);
+    pthread_mutex_unlock(&guard_lock);
+#endif
+    Py_RETURN_NONE;
 }
 
 /* Payloads decoded by one call (decode_payloads, check_payloads), on threads of the call's own: per item its stored
@@ -2124,6 +2265,13 @@ static PyMethodDef methods[] = {
      "cannot be read is an EOFError"},
     {"guards_mapped_reads", py_guards_mapped_reads, METH_NOARGS, "whether decode_range, decode_columns and crc32 "
      "turn a fault on a mapped page into EOFError here"},
+    {"cover_mapping", FASTCALL(py_cover_mapping), "cover_mapping(view) -> slot or None: this read-only view of a "
+     "file's mapping reads as zeros from a page the file lost on, instead of raising SIGBUS (Linux; None elsewhere or "
+     "with every slot taken)"},
+    {"covered_faults", FASTCALL(py_covered_faults), "covered_faults(slot) -> count: faults of a covered mapping "
+     "answered with zeros so far"},
+    {"uncover_mapping", FASTCALL(py_uncover_mapping), "uncover_mapping(slot): give the slot back (before the mapping "
+     "is closed)"},
     {"join_planes", FASTCALL(py_join_planes), "join_planes(planes, out, itemsize, sign_last): a sequence of planes to elements"},
     {"split_planes", FASTCALL(py_split_planes), "split_planes(data, out, itemsize, sign_last): elements to plane-major bytes"},
     {"isa", py_isa, METH_NOARGS, "the instructions the kernels use here: 'avx2+avx512bw+vpclmulqdq' (the folded "

@@ -53,6 +53,7 @@ from typing import Iterator, NamedTuple, Sequence, Tuple, Union
 import numpy as np
 import torch
 
+from .._reused import ReusedBuffer
 from ..checksum import crc32, crc32_combine, crc32_join
 from ..errors import RoundTripMismatch
 from . import cpu_kernel
@@ -452,16 +453,18 @@ def _check_stored(payload: torch.Tensor, layout: PayloadLayout, codebook: Codebo
             raise _round_trip_mismatch(f"elements {start} to {stop - 1}")
 
 
-def encode(x: torch.Tensor, codebook: Codebook | None = None) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
+def encode(x: torch.Tensor, codebook: Codebook | None = None, *, buffer: ReusedBuffer | None = None
+           ) -> tuple[torch.Tensor, PayloadLayout, Codebook]:
     """Encode a BF16 tensor to its SplitZip payload (uint8 tensor of ``layout.comp_bytes``).
 
-    ``codebook`` defaults to ``calibrate(x)``; a given one may leave any number of escapes.
+    ``codebook`` defaults to ``calibrate(x)``; a given one may leave any number of escapes. With ``buffer`` the
+    payload is written into it (valid until its next use) instead of new memory.
     """
     histogram = exponent_counts(x)
     if codebook is None:
         codebook = codebook_from_histogram(histogram)
     layout = payload_layout(histogram, codebook)
-    payload = torch.empty(layout.comp_bytes, dtype=torch.uint8)
+    payload = torch.empty(layout.comp_bytes, dtype=torch.uint8) if buffer is None else buffer.take(layout.comp_bytes)
     encode_into(x, codebook, layout, payload)
     return payload, layout, codebook
 

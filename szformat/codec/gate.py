@@ -14,6 +14,7 @@ from typing import Protocol
 
 from .._lazy import cpu_codec as cpu
 from .._lazy import torch
+from .._reused import ReusedBuffer
 from ..checksum import tensor_crc32
 from ..errors import RoundTripMismatch
 from .codebook import COVERAGE_GATE, Codebook
@@ -46,13 +47,15 @@ class EncodedTensor:
 
 
 def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | ModuleType = cpu,
-                  device: str | torch.device = "cpu", gate: float = COVERAGE_GATE) -> EncodedTensor:
+                  device: str | torch.device = "cpu", gate: float = COVERAGE_GATE,
+                  buffer: ReusedBuffer | None = None) -> EncodedTensor:
     """Choose the encoding of one tensor given its raw bytes (flat uint8, CPU) and safetensors dtype name.
 
     ``backend`` encodes and decodes on ``device`` (the CPU module, or the Triton module with a CUDA device); the
     stored bytes are the same either way. SplitZip payloads are decoded again and compared with the source bit for
     bit before they are returned: by the CPU codec as it writes them (``cpu.encode_into``), or on the device, from
-    the host copy that will be stored.
+    the host copy that will be stored. With ``buffer``, the CPU codec writes the payload into it: the payload
+    returned is then valid until the buffer's next use.
 
     Raises:
         RoundTripMismatch: the payload does not decode to the source (a codec bug; nothing must be written).
@@ -67,14 +70,14 @@ def encode_tensor(raw: torch.Tensor, dtype: str, *, backend: CodecBackend | Modu
 
     with _BesideTheCodec(raw) as raw_crc:
         x = raw.view(torch.bfloat16).to(device)
-        payload, layout, codebook = backend.encode(x)
+        checked = getattr(backend, "__name__", None) == cpu.__name__  # the CPU codec checks as it encodes
+        payload, layout, codebook = backend.encode(x, buffer=buffer) if checked else backend.encode(x)
         if codebook.coverage < gate:
             return _stored_raw(raw, raw_crc.result(), f"coverage {codebook.coverage:.4f} < {gate}")
         if layout.comp_bytes >= layout.raw_bytes:
             return _stored_raw(raw, raw_crc.result(), "payload not smaller")
         payload = payload.cpu()
         with _BesideTheCodec(payload) as payload_crc:
-            checked = getattr(backend, "__name__", None) == cpu.__name__  # the CPU codec checks as it encodes
             if not checked and not _decodes_to(backend, payload, layout, codebook, x):
                 raise RoundTripMismatch("SplitZip payload does not decode bit for bit to the source tensor")
             return EncodedTensor(ENCODING_SPLITZIP, payload, raw.numel(), raw_crc.result(), payload_crc.result(),

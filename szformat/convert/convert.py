@@ -14,6 +14,7 @@ from collections import Counter
 from pathlib import Path
 
 from .._lazy import cpu_codec, torch
+from .._reused import ReusedBuffer
 from ..codec.gate import CodecBackend
 from ..errors import ConversionError
 from ..format import constants as C
@@ -83,6 +84,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
     def read_sizes(path: Path) -> dict[str, int]:
         return stored_sizes(read_safetensors_header(path))
 
+    payloads = ReusedBuffer()  # one for every file: its pages faulted in once, by the largest payload
+
     def write_file(src: Path, dst: Path, tensor_done: TensorDone) -> None:
         with SafetensorsSource(src) as reader:
             cast_from = cast_dtypes(reader.header.tensors) if cast else set()
@@ -96,7 +99,7 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
                             raw, dtype = cast_to_bf16(raw, dtype), "BF16"
                             cast_counts[tensor.dtype] += 1
                         entry = write_tensor(writer, tensor.name, dtype, tensor.shape, raw, backend=codec,
-                                             device=device)
+                                             device=device, buffer=payloads)
                     tensor_done(entry)
 
     # The codec's ops on one intra-op thread, and the CRC-32s on a thread of their own beside it (codec/gate.py):

@@ -22,11 +22,12 @@ from typing import Any, Iterator
 
 
 from .._lazy import torch
+from .._reused import ReusedBuffer
 from ..errors import ConversionError, SzformatError, TruncatedFileError
 from ..format import constants as C
 from ..format.header import validate_metadata, validate_name, validate_shape
 from ..format.reader import pread_exactly
-from .pages import drop_pages
+from .pages import CoveredMapping, drop_pages
 
 SUFFIX = ".safetensors"
 HEADER_LENGTH = struct.Struct("<Q")
@@ -165,10 +166,13 @@ def _parse_tensor(name: str, info: Any, *, path) -> SourceTensor:
 class SafetensorsSource:
     """An open .safetensors file whose tensors are read one at a time, in data order.
 
-    Each tensor's bytes are copied out with ``pread`` into one buffer reused from tensor to tensor (as the .szt
-    readers read): a file another process truncates meanwhile gives a short read, reported as ConversionError,
-    where touching a mapping past the file's new end would kill the process with SIGBUS. Only where ``preadv`` is
-    missing (Windows, which cannot truncate a mapped file) are the bytes read through a mapping.
+    Each tensor's bytes are views of a mapping of the file, covered (:class:`~.pages.CoveredMapping`): should another
+    process truncate the file meanwhile, what it lost reads as zeros, where it would kill the process with SIGBUS,
+    and the tensor is refused (:meth:`reading`). Where mappings cannot be covered (another OS than Linux, no C
+    kernels), the bytes are copied out with ``pread`` into one buffer reused from tensor to tensor, and a file that
+    shrank gives a short read: copying a 2.2 GB checkpoint so cost a conversion a quarter of its CPU time
+    (``bench/RESULTS.md``, "Conversion"). Where ``preadv`` is missing (Windows, which cannot truncate a mapped file)
+    the mapping is read uncovered.
 
     Example:
         >>> with SafetensorsSource("model.safetensors") as src:  # doctest: +SKIP
@@ -180,17 +184,28 @@ class SafetensorsSource:
         self.path = Path(path)
         self.header = read_safetensors_header(self.path)
         self._mmap: mmap.mmap | None = None
+        self._cover: CoveredMapping | None = None
         self._file = open(self.path, "rb")
         try:
-            if self.header.tensors and self.header.tensors[-1].end and not hasattr(os, "preadv"):
-                try:
-                    self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-                except ValueError:  # the file is empty now
-                    raise ConversionError("file shrank while it was opened", path=self.path) from None
+            if self.header.tensors and self.header.tensors[-1].end:
+                self._map()
             self._version = self._stat()
         except BaseException:
-            self._file.close()
+            self.close()
             raise
+
+    def _map(self) -> None:
+        """Map the file where the mapping is covered here, or where there is no ``preadv`` to read it with."""
+        try:
+            self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
+        except ValueError:  # the file is empty now: pread's short read names the first tensor
+            if hasattr(os, "preadv"):
+                return
+            raise ConversionError("file shrank while it was opened", path=self.path) from None
+        self._cover = CoveredMapping.of(self._mmap)
+        if self._cover is None and hasattr(os, "preadv"):
+            self._mmap.close()
+            self._mmap = None
 
     @property
     def metadata(self) -> dict[str, str] | None:
@@ -205,6 +220,9 @@ class SafetensorsSource:
     def close(self) -> None:
         """Let go of the mapping. It is unmapped when the last yielded view is freed, not before: torch views hold a
         reference to the mapping but no buffer export, so ``mmap.close()`` would unmap memory they still point to."""
+        if self._cover is not None:
+            self._cover.close()
+            self._cover = None
         self._mmap = None
         self._file.close()
 
@@ -215,42 +233,43 @@ class SafetensorsSource:
     @contextmanager
     def reading(self, tensor: SourceTensor) -> Iterator[None]:
         """Wrap the use of one tensor's bytes, and raise ConversionError naming the file and the tensor if they may
-        have changed meanwhile: the file's size or modification time moved, or the codec failed as only bytes
-        changing under it make it fail (a plain ``ValueError``: the layout counted in one pass no longer fits the
-        next). Another process writing the file is the usual cause; what was read may mix old and new bytes, so
-        none of it may be kept.
+        have changed meanwhile: the file's size or modification time moved, a page of the mapping was lost (and
+        read as zeros), or the codec failed as only bytes changing under it make it fail (a plain ``ValueError``:
+        the layout counted in one pass no longer fits the next). Another process writing the file is the usual
+        cause; what was read may mix old and new bytes, so none of it may be kept.
         """
         try:
             yield
         except ValueError as e:
-            if isinstance(e, SzformatError) and self._stat() == self._version:
+            if isinstance(e, SzformatError) and not self._changed_since_opened():
                 raise  # the tensor breaks a rule of the output, or the codec a promise: the source is not to blame
             raise self._changed(tensor, f" ({e})" if not isinstance(e, SzformatError) else "") from e
-        if self._stat() != self._version:
+        if self._changed_since_opened():
             raise self._changed(tensor, "")
+
+    def _changed_since_opened(self) -> bool:
+        return self._stat() != self._version or (self._cover is not None and self._cover.lost)
 
     def _changed(self, tensor: SourceTensor, detail: str) -> ConversionError:
         return ConversionError(f"the file changed while it was converted{detail}; convert it again once nothing "
                                "writes to it", path=self.path, tensor=tensor.name)
 
     def tensors(self) -> Iterator[tuple[SourceTensor, torch.Tensor]]:
-        """Yield each tensor with its raw bytes as a flat uint8 tensor, valid until the next step (the buffer is
-        reused), so memory stays bounded by the largest tensor however large the file is.
+        """Yield each tensor with its raw bytes as a flat uint8 tensor (a view of the mapping, whose pages are
+        dropped after the step, or of a buffer reused from tensor to tensor), valid until the next step, so memory
+        stays bounded by the largest tensor however large the file is.
 
         Raises:
             ConversionError: the file shrank since its header was read.
         """
-        buffer = torch.empty(0, dtype=torch.uint8)
+        buffer = ReusedBuffer()
         for tensor in self.header.tensors:
             offset = self.header.data_start + tensor.begin
             if tensor.nbytes == 0:
                 yield tensor, torch.empty(0, dtype=torch.uint8)
                 continue
             if self._mmap is None:
-                if buffer.numel() < tensor.nbytes:
-                    buffer = torch.empty(0, dtype=torch.uint8)  # the old one goes before the new one is made
-                    buffer = torch.empty(tensor.nbytes, dtype=torch.uint8)
-                raw = buffer[: tensor.nbytes]
+                raw = buffer.take(tensor.nbytes)
                 try:
                     pread_exactly(self._file.fileno(), raw, offset, path=self.path, tensor=tensor.name)
                 except TruncatedFileError as e:
@@ -258,8 +277,10 @@ class SafetensorsSource:
                                           tensor=tensor.name) from None
                 yield tensor, raw
                 continue
-            if self._mmap.size() < offset + tensor.nbytes:  # reading a page past the new end would raise SIGBUS
-                raise ConversionError(f"file shrank to {self._mmap.size()} bytes while it was converted",
+            size = self._mmap.size()
+            if size < offset + tensor.nbytes:  # past the new end: zeros (covered) or SIGBUS, never the bytes
+                raise ConversionError(f"file shrank to {size} bytes after it was opened; bytes [{offset}, "
+                                      f"{offset + tensor.nbytes}) were to be read while it was converted",
                                       path=self.path, tensor=tensor.name)
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore")  # read-only mapping: torch warns that the tensor is not writable

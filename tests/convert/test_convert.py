@@ -125,7 +125,8 @@ def test_source_streams_raw_bytes_in_data_order_and_keeps_metadata(model_file):
 
 
 @pytest.mark.parametrize("when", ["emptied before mapping", "before mapping", "while streaming"])
-def test_a_source_that_shrinks_is_a_conversion_error_not_a_crash(model_file, tmp_path, monkeypatch, when):
+def test_a_source_that_shrinks_is_a_conversion_error_not_a_crash(model_file, tmp_path, monkeypatch, when,
+                                                                  source_reads):
     path = tmp_path / "shrinks.safetensors"
     path.write_bytes(model_file.read_bytes())
     header = read_safetensors_header(path)
@@ -145,7 +146,7 @@ def test_a_source_that_shrinks_is_a_conversion_error_not_a_crash(model_file, tmp
             for _ in source.tensors():
                 if when == "while streaming":
                     os.truncate(path, cut)
-    # read with pread, the first tensor whose bytes are gone is named (the first of all when the file was emptied)
+    # the first tensor whose bytes are gone is named (the first of all when the file was emptied)
     assert info.value.tensor == (header.tensors[0].name if cut == 0 else second.name)
     assert "shrinks.safetensors" in str(info.value)
 
@@ -1013,8 +1014,9 @@ def test_the_report_says_what_the_at_rest_form_gives_when_page_padding_costs(tmp
     assert not [line for line in at_rest if line.startswith("  hint ")]
 
 
-def test_a_source_truncated_while_it_is_converted_is_refused_naming_the_tensor_not_sigbus(tmp_path):
-    """The bytes are read with pread: a file that shrank gives a short read, never a touch past the mapping."""
+def test_a_source_truncated_while_it_is_converted_is_refused_naming_the_tensor_not_sigbus(tmp_path, source_reads):
+    """A file that shrank gives pread a short read, and the mapping's reader a size it checks before each tensor:
+    the same error either way, never a touch past the file's end."""
     path = tmp_path / "m.safetensors"
     save_safetensors({"a": torch.ones(4096, dtype=torch.bfloat16), "b": torch.ones(4096, dtype=torch.bfloat16)},
                      path)

@@ -292,12 +292,16 @@ HUGE = torch.full((4,), 2.0 ** 100, dtype=torch.bfloat16).view(torch.uint8).nump
 """Values with an exponent no tensor of the model has: escapes where the layout counted none."""
 
 
-@pytest.mark.parametrize("written, detail", [
-    ("layers.0.attn.q.weight", ""),  # under the codec: it works on its own copy, the file's new time gives it away
-    ("layers.0.norm.bias", ""),  # another tensor: the bytes converted may mix old and new
+@pytest.mark.parametrize("written", [
+    "layers.0.attn.q.weight",  # under the codec
+    "layers.0.norm.bias",  # another tensor: the bytes converted may mix old and new
 ])
 def test_a_source_changed_during_conversion_is_one_error_naming_file_and_tensor(tmp_path, monkeypatch, capsys,
-                                                                                 written, detail):
+                                                                                 written, source_reads):
+    # Under the codec, read through the mapping, the new bytes break the layout counted before them; read as a copy
+    # (pread), the codec works on what it read and the file's new time gives the change away.
+    under_the_codec = written == "layers.0.attn.q.weight" and source_reads == "mapped"
+    detail = " (the codebook leaves 4 escapes, the layout expects 0)" if under_the_codec else ""
     source, target = tmp_path / "model.safetensors", tmp_path / "model.szt"
     save_safetensors(model_tensors(), source, metadata=METADATA)
     before = listing(tmp_path)
