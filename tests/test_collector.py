@@ -1,5 +1,5 @@
-"""The cyclic garbage collector paused while a checkpoint is read (``szformat._collector``); a header's parse alone:
-``tests/format/test_container.py``."""
+"""The cyclic garbage collector paused while a checkpoint is read or converted (``szformat._collector``); a header's
+parse alone: ``tests/format/test_container.py``."""
 
 from __future__ import annotations
 
@@ -23,6 +23,26 @@ def test_a_load_pauses_the_collector_and_resumes_it(tmp_path, monkeypatch, colle
     loaded = szformat.load_file(path)
     assert seen == [False] and gc.isenabled()
     assert torch.equal(loaded["b"], torch.arange(5))
+
+
+def test_a_conversion_pauses_the_collector_and_resumes_it_even_when_it_fails(tmp_path, monkeypatch, collector_on):
+    from safetensors.torch import save_file as save_safetensors
+
+    import szformat.format.writer as writer_module
+    from szformat.convert import convert
+    from szformat.errors import ConversionError
+
+    source = tmp_path / "m.safetensors"
+    save_safetensors({"a": torch.randn(300, 7).bfloat16(), "b": torch.randn(30).bfloat16()}, source)
+    seen = []
+    encode = writer_module.encode_tensor
+    monkeypatch.setattr(writer_module, "encode_tensor", lambda *a, **k: seen.append(gc.isenabled()) or encode(*a, **k))
+    convert(source, tmp_path / "m.szt")
+    assert seen == [False, False] and gc.isenabled()
+    source.write_bytes(b"not a checkpoint at all")
+    with pytest.raises(ConversionError):
+        convert(source, tmp_path / "again.szt")
+    assert gc.isenabled()
 
 
 def test_a_collector_the_caller_disabled_stays_disabled(tmp_path, collector_on):

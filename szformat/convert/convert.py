@@ -13,6 +13,7 @@ import os
 from collections import Counter
 from pathlib import Path
 
+from .._collector import collector_paused
 from .._lazy import cpu_codec, torch
 from .._reused import ReusedBuffer
 from ..codec.gate import CodecBackend
@@ -104,8 +105,8 @@ def convert(source: str | os.PathLike, target: str | os.PathLike | None = None, 
 
     # The codec's ops on one intra-op thread, and the CRC-32s on a thread of their own beside it (codec/gate.py):
     # sharing the cores with PyTorch's intra-op threads too made every elementwise op wait for a descheduled thread
-    # (bench/convert.py: 2 cores, 11-13 s against 9 s).
-    with cpu_codec.one_intra_op_thread():
+    # (bench/convert.py: 2 cores, 11-13 s against 9 s). The collector paused throughout (_collector.py).
+    with cpu_codec.one_intra_op_thread(), collector_paused():
         report = run_pass(source, target, old_suffix=SUFFIX, new_suffix=C.FILE_SUFFIX, read_sizes=read_sizes,
                           write_file=write_file, overwrite=overwrite, progress=progress, description="converting")
     report.cast_from = dict(sorted(cast_counts.items()))
