@@ -170,9 +170,10 @@ class SafetensorsSource:
     process truncate the file meanwhile, what it lost reads as zeros, where it would kill the process with SIGBUS,
     and the tensor is refused (:meth:`reading`). Where mappings cannot be covered (another OS than Linux, no C
     kernels), the bytes are copied out with ``pread`` into one buffer reused from tensor to tensor, and a file that
-    shrank gives a short read: copying a 2.2 GB checkpoint so cost a conversion a quarter of its CPU time
-    (``bench/RESULTS.md``, "Conversion"). Where ``preadv`` is missing (Windows, which cannot truncate a mapped file)
-    the mapping is read uncovered.
+    shrank gives a short read: that copy took 0.8 of the 2.3-2.9 CPU-seconds a 2.2 GB conversion spent; read
+    through the mapping, its payloads encoded into one reused buffer, the conversion takes x 0.86-0.88 the CPU
+    (``bench/RESULTS.md``, "Conversion"). Where ``preadv`` is missing (Windows, which cannot truncate a mapped
+    file) the mapping is read uncovered.
 
     Example:
         >>> with SafetensorsSource("model.safetensors") as src:  # doctest: +SKIP
