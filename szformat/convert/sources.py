@@ -196,13 +196,17 @@ class SafetensorsSource:
             raise
 
     def _map(self) -> None:
-        """Map the file where the mapping is covered here, or where there is no ``preadv`` to read it with."""
+        """Map the file where the mapping is covered here, or where there is no ``preadv`` to read it with; where
+        it cannot be mapped (a file system without mappings, a file emptied meanwhile: pread's short read then
+        names the first tensor), read it with ``preadv``."""
         try:
             self._mmap = mmap.mmap(self._file.fileno(), 0, access=mmap.ACCESS_READ)
-        except ValueError:  # the file is empty now: pread's short read names the first tensor
+        except (OSError, ValueError) as e:
             if hasattr(os, "preadv"):
                 return
-            raise ConversionError("file shrank while it was opened", path=self.path) from None
+            if isinstance(e, ValueError):
+                raise ConversionError("file shrank while it was opened", path=self.path) from None
+            raise
         self._cover = CoveredMapping.of(self._mmap)
         if self._cover is None and hasattr(os, "preadv"):
             self._mmap.close()

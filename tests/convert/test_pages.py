@@ -12,6 +12,7 @@ import subprocess
 import sys
 import textwrap
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -181,3 +182,18 @@ def test_a_page_lost_without_the_file_changing_is_refused_too(tmp_path, monkeypa
     with pytest.raises(ConversionError, match="the file changed while it was converted") as caught:
         convert(source, target)
     assert caught.value.tensor == read_safetensors_header(source).tensors[0].name and not target.exists()
+
+
+def test_a_source_on_a_file_system_without_mappings_is_read_with_pread(tmp_path, monkeypatch):
+    """Some file systems (FUSE mounts without mmap) refuse a mapping: the converter reads the file with pread
+    instead, and the output is the same file."""
+    source = tmp_path / "model.safetensors"
+    save_safetensors({"a": bf16_weights((64, 64), seed=1), "f": torch.randn(100, 3)}, source)
+    convert(source, tmp_path / "mapped.szt")
+
+    def refuse(*args, **kwargs):
+        raise OSError(19, "No such device")  # ENODEV: what mmap gives on a file system that cannot map
+
+    monkeypatch.setattr(sources_module, "mmap", SimpleNamespace(mmap=refuse, ACCESS_READ=mmap.ACCESS_READ))
+    convert(source, tmp_path / "read.szt")
+    assert (tmp_path / "read.szt").read_bytes() == (tmp_path / "mapped.szt").read_bytes()
