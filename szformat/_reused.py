@@ -1,4 +1,5 @@
-"""One block of memory handed out again from tensor to tensor: what a conversion encodes each tensor into."""
+"""One block of memory handed out again from step to step: what a conversion encodes each tensor into, what a
+CPU load reads the bytes around each group's streams into."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ __all__ = ["ReusedBuffer"]
 
 
 class ReusedBuffer:
-    """Flat uint8 CPU memory that each :meth:`take` hands out again, grown when a tensor needs more.
+    """Flat uint8 CPU memory that each :meth:`take` hands out again, grown when a step needs more.
 
     A conversion handles one tensor at a time. A new tensor per step makes the kernel hand out pages nobody wrote
     before, faulted in and zeroed one by one on first write: a 2.2 GB conversion faulted in 380 MB of new pages for

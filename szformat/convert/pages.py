@@ -37,7 +37,7 @@ class CoveredMapping:
     @classmethod
     def of(cls, mapping: mmap.mmap) -> CoveredMapping | None:
         """Cover ``mapping`` (until :meth:`close`), or ``None`` where that cannot be done here."""
-        if native is None or not hasattr(native, "cover_mapping"):
+        if native is None:
             return None
         with memoryview(mapping) as view:  # released at once: a view kept would stop the mapping from closing
             slot = native.cover_mapping(view)

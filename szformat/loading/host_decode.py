@@ -55,6 +55,7 @@ from typing import Iterator, Sequence
 import torch
 
 from .._lazy import at_rest
+from .._reused import ReusedBuffer
 from .._runs import runs_within
 from ..checksum import crc32, crc32_join
 from ..codec.cpu import PayloadDecoder, RangeChecksums, decode_payloads, native_kernels, one_intra_op_thread
@@ -339,19 +340,15 @@ def decode_entries(file: SztFile, entries: Sequence[TensorEntry], *, check_store
     """
     dtypes = None if as_bytes else [entry.torch_dtype(file.path) for entry in entries]
     tensors: list[torch.Tensor] = []
-    buffer: torch.Tensor | None = None
+    buffer = ReusedBuffer()
     call_threads = _thread_count(threads)
     threads, step = _plan(entries, call_threads)
     for group in _groups(entries):
         batched = [i for i in group if _batched(entries[i], check_stored[i] or check_decoded)]
         ranged = sorted(set(group) - set(batched))
         sizes = [_read_length(entries[i]) for i in ranged]
-        needed = sum(sizes)
-        if buffer is None or buffer.numel() < needed:
-            with allocation_errors(file.path, entries[group[0]].name):
-                buffer = None  # the old one goes before the new one is made
-                buffer = torch.empty(needed, dtype=torch.uint8)
-        payloads = iter(buffer[:needed].split(sizes))
+        with allocation_errors(file.path, entries[group[0]].name):
+            payloads = iter(buffer.take(sum(sizes)).split(sizes))
         with one_intra_op_thread():  # a job's own copies (a payload at rest inflated, its verbatim streams) are many
             jobs = {i: _job(file, entries[i], check_stored[i], check_decoded, next(payloads),
                             None if outs is None else outs[i], step) for i in ranged}
@@ -471,7 +468,7 @@ def _whole(entry: TensorEntry) -> bool:
 def _batched(entry: TensorEntry, checked: bool) -> bool:
     """Whether a tensor is decoded in a :class:`_Batch`: a SplitZip payload in the in-memory form, where the C kernels
     read through the mapping (:func:`mapped_reads`)."""
-    return native_kernels() and entry.encoding != ENCODING_RAW and entry.at_rest is None and mapped_reads(checked)
+    return windowed(entry) and mapped_reads(checked)
 
 
 def _given_output(entry: TensorEntry, out: torch.Tensor) -> torch.Tensor:
