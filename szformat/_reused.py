@@ -18,12 +18,12 @@ class ReusedBuffer:
     """
 
     def __init__(self) -> None:
-        self._memory = torch.empty(0, dtype=torch.uint8)
+        self._memory: torch.Tensor | None = None  # nothing allocated until a step asks: a failure names that step
 
     def take(self, nbytes: int) -> torch.Tensor:
         """The first ``nbytes`` of the buffer as a flat uint8 tensor, valid until the next call (which may write
         over it)."""
-        if self._memory.numel() < nbytes:
-            self._memory = torch.empty(0, dtype=torch.uint8)  # the old memory goes before the new is made
+        if self._memory is None or self._memory.numel() < nbytes:
+            self._memory = None  # the old memory goes before the new is made
             self._memory = torch.empty(nbytes, dtype=torch.uint8)
         return self._memory[:nbytes]
