@@ -476,11 +476,12 @@ def test_console_entry_point_in_a_subprocess(model_file, tmp_path):
 
 
 @pytest.mark.parametrize("args, status", [(["info", "{szt}"], 141), (["info", "{szt}", "--json"], 141),
-                                          (["--help"], 0)])  # argparse drops a help text it cannot write
+                                          (["--help"], 0 if sys.version_info >= (3, 11) else 141)])
 def test_a_closed_pipe_ends_the_command_quietly(tmp_path, args, status):
     """``szconvert info m.szt | head``, the reader gone early: no error, no traceback, and the status a shell
     reports for a command stopped by a closed pipe. The 1000 tensors make ``info`` print more than a pipe holds
-    (64 KiB), so its writes fail however late the reading end closes."""
+    (64 KiB), so its writes fail however late the reading end closes. From Python 3.11 on, argparse drops a help
+    text it cannot write and exits 0; before, the write fails as ``info``'s do."""
     save_safetensors({f"layers.{i}.weight": torch.ones(4, dtype=torch.bfloat16) for i in range(1000)},
                      tmp_path / "m.safetensors")
     main([str(tmp_path / "m.safetensors"), str(tmp_path / "m.szt"), "-q"])
