@@ -148,15 +148,19 @@ typedef struct {
 
 static PyObject *no_args; /* () */
 
-/* An instance of the class ``cls`` whose dict is ``fields`` (a new reference, taken over), made as header._entry
- * makes a TensorEntry; NULL with an error set where it could not be made. */
+/* An instance of the class ``cls`` holding ``fields`` (a dict, a new reference, taken over), made as header._entry
+ * makes a TensorEntry: its instance dict updated with them. (Replacing the dict with PyObject_GenericSetDict instead
+ * leaves an instance without its fields on Python 3.13, whose instances keep their attributes inline until their
+ * dict is asked for.) NULL with an error set where it could not be made. */
 static PyObject *record(PyObject *cls, PyObject *fields)
 {
     if (fields == NULL)
         return NULL;
     PyObject *made = PyBaseObject_Type.tp_new((PyTypeObject *)cls, no_args, NULL);
-    if (made != NULL && PyObject_GenericSetDict(made, fields, NULL) < 0)
+    PyObject *dict = made == NULL ? NULL : PyObject_GenericGetDict(made, NULL);
+    if (dict == NULL || PyDict_Update(dict, fields) < 0)
         Py_CLEAR(made);
+    Py_XDECREF(dict);
     Py_DECREF(fields);
     return made;
 }
