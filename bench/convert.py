@@ -122,12 +122,12 @@ profile on the 2-core VM)."""
 
 
 DONE_WITH = {
-    "safetensors load+save": ("copy.safetensors",),
-    "file copy": ("copy.bin",),
-    "decompress": ("back.safetensors", "model.szt"),
-    "decompress (at rest)": ("back-rest.safetensors", "rest.szt"),
+    "safetensors load+save": WRITES["safetensors load+save"],
+    "file copy": WRITES["file copy"],
+    "decompress": WRITES["decompress"] + WRITES["convert"],
+    "decompress (at rest)": WRITES["decompress (at rest)"] + WRITES["convert --at-rest zstd"],
 }
-"""Outputs no later step reads: checked (a decompressed file against the source, a .szt file's size) and removed
+"""Outputs no later step reads (a step's own, and the .szt file the last step reading it read): checked (a decompressed file against the source, a .szt file's size) and removed
 once their step is done, unless ``--keep``, so every step runs with the same files in the page cache: the source
 and its own outputs. (Left in place, 10 GB of earlier outputs filled the 24 GB build VM's memory, and the later
 steps' writes went to pages the kernel had to reclaim first: the at-rest conversion, sixth, took 3-4 s of system
